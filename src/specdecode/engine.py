@@ -1,0 +1,251 @@
+"""The speculative-decoding loop: propose -> verify in one target pass -> accept / reject -> commit -> adapt.
+
+Token ids in, token ids out; the engine never sees text. With no proposer
+(or a draft length of 0) a step is one plain decoding step through the same
+model, cache and sampling code, so the baseline compares like with like.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from specdecode.cache import CachedModel
+from specdecode.metrics import RunMetrics
+from specdecode.policy import FixedPolicy
+from specdecode.proposers.base import ProposeContext, Proposer
+from specdecode.sampling import logits_to_probs, next_token
+from specdecode.types import (
+    Draft,
+    EmptyPromptError,
+    GenerationOutput,
+    PromptTooLongError,
+    SamplingParams,
+    SpecDecodeError,
+    StepOutput,
+    VerifyResult,
+)
+from specdecode.verify import verify_greedy, verify_sampling
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Engine settings.
+
+    Attributes:
+        num_speculative_tokens: gamma, draft tokens per step (>= 1) for the fixed policy.
+        max_context: context length in tokens; None reads the target's config.
+    """
+
+    num_speculative_tokens: int = 5
+    max_context: int | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.num_speculative_tokens, int) or not 1 <= self.num_speculative_tokens <= 64:
+            raise SpecDecodeError(
+                f"num_speculative_tokens must be an integer in [1, 64], got {self.num_speculative_tokens!r}"
+            )
+
+
+@dataclass
+class RequestState:
+    """One request in flight: its context, randomness, counters and progress."""
+
+    ctx: ProposeContext
+    metrics: RunMetrics
+    started_at: float
+    finish_reason: str | None = None
+    generated: list[int] = field(default_factory=list)
+
+    @property
+    def remaining(self) -> int:
+        return self.ctx.params.max_new_tokens - len(self.generated)
+
+
+class SpeculativeEngine:
+    """Lossless speculative decoding of one target with one proposer (batch size 1).
+
+    Args:
+        target: Hugging Face causal LM (eval mode) whose distribution is preserved.
+        proposer: a :class:`~specdecode.proposers.base.Proposer`, or None for plain decoding.
+        config: EngineConfig.
+        policy: draft-length policy (``next_length()``, ``update(drafted, accepted)``);
+            default fixed gamma = ``config.num_speculative_tokens``.
+    """
+
+    def __init__(
+        self,
+        target: torch.nn.Module,
+        proposer: Proposer | None = None,
+        config: EngineConfig | None = None,
+        policy=None,
+    ) -> None:
+        self.config = config or EngineConfig()
+        self.target = CachedModel(target)
+        self.proposer = proposer
+        self.policy = policy or FixedPolicy(self.config.num_speculative_tokens)
+        self.max_context = self.config.max_context or _model_context(target)
+
+    # Public API ------------------------------------------------------------------
+
+    def generate(self, prompt_ids: Sequence[int], params: SamplingParams) -> GenerationOutput:
+        """Generate for one prompt.
+
+        Args:
+            prompt_ids: [L] int64 token ids, L >= 1.
+            params: SamplingParams (greedy when temperature is 0).
+
+        Returns:
+            GenerationOutput with the generated ids, finish reason and RunMetrics.
+
+        Raises:
+            EmptyPromptError, PromptTooLongError.
+        """
+        state = self.start(prompt_ids, params)
+        while state.finish_reason is None:
+            self.step(state)
+        return self.output(state)
+
+    def stream(self, prompt_ids: Sequence[int], params: SamplingParams) -> Iterator[StepOutput]:
+        """Like :meth:`generate`, yielding each step's committed tokens as they come.
+
+        The first item carries the token sampled from the prefill. The final
+        GenerationOutput is available as ``engine.last_output`` afterwards.
+        """
+        state = self.start(prompt_ids, params)
+        yield StepOutput(list(state.generated), 0, 0, state.finish_reason is not None, state.finish_reason)
+        while state.finish_reason is None:
+            yield self.step(state)
+        self.last_output = self.output(state)
+
+    # The loop --------------------------------------------------------------------
+
+    def start(self, prompt_ids: Sequence[int], params: SamplingParams) -> RequestState:
+        """Validate, prefill the target, sample the first token, start the proposer."""
+        prompt = self._check_prompt(prompt_ids, params)
+        seed = params.seed if params.seed is not None else random.randrange(2**63)
+        ctx = ProposeContext(
+            list(prompt), len(prompt), params, torch.Generator().manual_seed(seed), self.target.vocab_size
+        )
+        state = RequestState(ctx=ctx, metrics=RunMetrics(num_prompt_tokens=len(prompt)), started_at=time.perf_counter())
+        self.target.reset()
+        logits = self.target.forward(prompt, last_only=True)[-1]
+        first = int(next_token(logits, params, ctx.generator))
+        state.metrics.num_target_forwards += 1
+        state.metrics.prefill_time_s = time.perf_counter() - state.started_at
+        state.metrics.time_to_first_token_s = state.metrics.prefill_time_s
+        self._commit(state, [first])
+        if self.proposer is not None:
+            self.proposer.start(ctx)
+        self._finish_timing(state)
+        return state
+
+    def step(self, state: RequestState) -> StepOutput:
+        """One iteration: propose, verify in one target pass, commit, adapt."""
+        t0 = time.perf_counter()
+        draft = self._propose(state)
+        t1 = time.perf_counter()
+        result = self._verify(state, draft)
+        t2 = time.perf_counter()
+        committed = self._commit(state, result.new_token_ids[0, : int(result.num_accepted[0]) + 1].tolist())
+        self._observe(state, draft, result, committed)
+        m = state.metrics
+        m.draft_time_s += t1 - t0
+        m.verify_time_s += t2 - t1
+        self._finish_timing(state)
+        return StepOutput(committed, draft.num_tokens, int(result.num_accepted[0]),
+                          state.finish_reason is not None, state.finish_reason)
+
+    def output(self, state: RequestState) -> GenerationOutput:
+        return GenerationOutput(
+            token_ids=list(state.generated),
+            finish_reason=state.finish_reason or "length",
+            metrics=state.metrics,
+            prompt_token_ids=state.ctx.token_ids[: state.ctx.num_prompt_tokens],
+        )
+
+    # Parts -----------------------------------------------------------------------
+
+    def _propose(self, state: RequestState) -> Draft:
+        k = min(self.policy.next_length(), state.remaining - 1) if self.proposer is not None else 0
+        if k <= 0:
+            return Draft.empty()
+        return self.proposer.propose(state.ctx, k)
+
+    def _verify(self, state: RequestState, draft: Draft) -> VerifyResult:
+        """Score the last committed token plus every draft token in one target forward."""
+        ctx = state.ctx
+        draft_ids = draft.token_ids  # [1, K]
+        logits = self.target.forward([ctx.token_ids[-1], *draft_ids[0].tolist()])  # [K+1, V]
+        if ctx.params.greedy:
+            return verify_greedy(draft_ids, logits.unsqueeze(0))
+        target_probs = logits_to_probs(logits, ctx.params).unsqueeze(0)  # [1, K+1, V]
+        draft_probs = draft.draft_probs
+        if draft_probs is not None:
+            draft_probs = _match_vocab(draft_probs, target_probs.shape[-1])
+        return verify_sampling(draft_ids, draft_probs, target_probs, [ctx.generator])
+
+    def _commit(self, state: RequestState, tokens: list[int]) -> list[int]:
+        """Append ``tokens`` after the stopping rules; cut the target cache back to them.
+
+        Returns the tokens actually committed (cut at max_new_tokens and at EOS).
+        """
+        params = state.ctx.params
+        tokens = tokens[: state.remaining]
+        if not params.ignore_eos and params.eos_token_ids:
+            for i, tok in enumerate(tokens):
+                if tok in params.eos_token_ids:
+                    tokens = tokens[: i + 1]
+                    state.finish_reason = "stop"
+                    break
+        state.generated.extend(tokens)
+        state.ctx.token_ids.extend(tokens)
+        if state.finish_reason is None and state.remaining <= 0:
+            state.finish_reason = "length"
+        # The target cache holds every committed token but the last (the next step feeds it).
+        self.target.rollback(min(self.target.num_cached, len(state.ctx.token_ids) - 1))
+        return tokens
+
+    def _observe(self, state: RequestState, draft: Draft, result: VerifyResult, committed: list[int]) -> None:
+        n_acc = int(result.num_accepted[0])
+        state.metrics.record_step(draft.num_tokens, n_acc, len(committed))
+        if self.proposer is not None and draft.num_tokens:
+            self.proposer.observe(state.ctx, result)
+        self.policy.update(draft.num_tokens, n_acc)
+
+    def _finish_timing(self, state: RequestState) -> None:
+        state.metrics.num_generated_tokens = len(state.generated)
+        state.metrics.wall_time_s = time.perf_counter() - state.started_at
+
+    def _check_prompt(self, prompt_ids: Sequence[int], params: SamplingParams) -> list[int]:
+        prompt = [int(t) for t in prompt_ids]
+        if not prompt:
+            raise EmptyPromptError(
+                "the prompt is empty: give at least one token (text callers: the tokenizer's BOS token is used "
+                "when it has one)"
+            )
+        vocab = self.target.vocab_size
+        bad = [t for t in prompt if not 0 <= t < vocab]
+        if bad:
+            raise SpecDecodeError(f"prompt token ids must be in [0, {vocab}); got {bad[:5]}")
+        if len(prompt) + params.max_new_tokens > self.max_context:
+            raise PromptTooLongError(
+                f"prompt of {len(prompt)} tokens + max_new_tokens {params.max_new_tokens} exceeds the model's "
+                f"context of {self.max_context} tokens: shorten the prompt or lower max_new_tokens"
+            )
+        return prompt
+
+
+def _model_context(model: torch.nn.Module) -> int:
+    cfg = getattr(model, "config", None)
+    return int(getattr(cfg, "max_position_embeddings", None) or 2048)
+
+
+def _match_vocab(probs: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Zero-pad [..., V_draft] q up to the target's V (drafters never exceed V: see ProposeContext)."""
+    v = probs.shape[-1]
+    return probs if v == vocab else torch.nn.functional.pad(probs, (0, vocab - v))

@@ -1,0 +1,30 @@
+"""Proposers (drafters), one file each, built by name through a registry."""
+
+from specdecode.proposers import draft_model, ngram  # noqa: F401 - registers them
+from specdecode.proposers.base import PROPOSERS, Proposer, ProposeContext, register
+from specdecode.proposers.draft_model import DraftModelConfig, DraftModelProposer
+from specdecode.proposers.ngram import NgramConfig, NgramProposer
+
+
+def build_proposer(name: str, **kwargs) -> Proposer:
+    """Build a registered proposer: ``build_proposer("ngram")``, ``build_proposer("draft-model", model=m)``.
+
+    Raises:
+        KeyError: unknown name (the message lists the registered ones).
+    """
+    if name not in PROPOSERS:
+        raise KeyError(f"unknown proposer {name!r}; choose one of {sorted(PROPOSERS)}")
+    return PROPOSERS[name](**kwargs)
+
+
+__all__ = [
+    "PROPOSERS",
+    "DraftModelConfig",
+    "DraftModelProposer",
+    "NgramConfig",
+    "NgramProposer",
+    "ProposeContext",
+    "Proposer",
+    "build_proposer",
+    "register",
+]

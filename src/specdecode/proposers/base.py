@@ -1,0 +1,58 @@
+"""The proposer protocol and the registry that builds proposers by name."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from specdecode.types import Draft, SamplingParams, VerifyResult
+
+
+@dataclass
+class ProposeContext:
+    """What a proposer may look at for one request (batch size 1).
+
+    Attributes:
+        token_ids: every committed token, prompt first (a list the engine appends to).
+        num_prompt_tokens: how many of ``token_ids`` are the prompt.
+        params: the request's sampling parameters (drafts use the same processing).
+        generator: the request's random generator (sampling drafters draw from it).
+        vocab_size: the target's output vocabulary V; drafts must stay below it.
+    """
+
+    token_ids: list[int]
+    num_prompt_tokens: int
+    params: SamplingParams
+    generator: torch.Generator
+    vocab_size: int
+
+
+class Proposer(Protocol):
+    """Guesses the next tokens; the engine verifies them against the target.
+
+    ``start`` is called once per request before the first ``propose``;
+    ``observe`` after every verification (learn, or roll back own state).
+    """
+
+    def start(self, ctx: ProposeContext) -> None: ...
+
+    def propose(self, ctx: ProposeContext, max_tokens: int) -> Draft: ...
+
+    def observe(self, ctx: ProposeContext, result: VerifyResult) -> None: ...
+
+
+ProposerFactory = Callable[..., Proposer]
+PROPOSERS: dict[str, ProposerFactory] = {}
+
+
+def register(name: str) -> Callable[[ProposerFactory], ProposerFactory]:
+    """Class decorator: make a proposer buildable by ``build_proposer(name, ...)``."""
+
+    def deco(factory: ProposerFactory) -> ProposerFactory:
+        PROPOSERS[name] = factory
+        return factory
+
+    return deco

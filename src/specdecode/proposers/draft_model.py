@@ -1,0 +1,67 @@
+"""Draft-model proposer: a smaller causal LM with its own KV cache (Leviathan et al. 2023).
+
+The draft cache holds a prefix of the committed tokens; each ``propose`` first
+feeds whatever committed tokens the cache lacks (one, or two after a fully
+accepted step), then drafts autoregressively. ``observe`` rolls the cache back
+to the longest prefix that verification kept.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from specdecode.cache import CachedModel
+from specdecode.proposers.base import ProposeContext, register
+from specdecode.sampling import logits_to_probs, sample
+from specdecode.types import Draft, VerifyResult
+
+
+@dataclass(frozen=True)
+class DraftModelConfig:
+    """Config of the draft-model proposer: nothing beyond the model itself yet."""
+
+
+@register("draft-model")
+class DraftModelProposer:
+    """Drafts with a small LM sharing the target's tokenizer.
+
+    Args:
+        model: a Hugging Face causal LM (eval mode) whose vocabulary ids match the target's.
+        config: DraftModelConfig.
+    """
+
+    def __init__(self, model: torch.nn.Module, config: DraftModelConfig | None = None) -> None:
+        self.runner = CachedModel(model)
+        self.config = config or DraftModelConfig()
+
+    def start(self, ctx: ProposeContext) -> None:
+        self.runner.reset()
+
+    @torch.inference_mode()
+    def propose(self, ctx: ProposeContext, max_tokens: int) -> Draft:
+        """Draft ``max_tokens`` tokens: [1, K] int64 ids and, when sampling, [1, K, V_draft] float32 q."""
+        self.runner.sync(ctx.token_ids)
+        if self.runner.num_cached == len(ctx.token_ids):  # never feed nothing: recompute the last token
+            self.runner.rollback(len(ctx.token_ids) - 1)
+        vocab = ctx.vocab_size  # a draft with extra embedding rows never proposes past the target's
+        logits = self.runner.forward(ctx.token_ids[self.runner.num_cached :], last_only=True)[-1, :vocab]
+        tokens, probs = [], []
+        for i in range(max_tokens):
+            if ctx.params.greedy:
+                tok = logits.argmax(-1)
+            else:
+                q = logits_to_probs(logits, ctx.params)
+                tok = sample(q, ctx.generator)
+                probs.append(q)
+            tokens.append(tok)
+            if i + 1 < max_tokens:
+                logits = self.runner.forward(tok.reshape(1))[-1, :vocab]
+        token_ids = torch.stack(tokens).reshape(1, -1)
+        draft_probs = torch.stack(probs).unsqueeze(0) if probs else None
+        return Draft.chain(token_ids, draft_probs)
+
+    def observe(self, ctx: ProposeContext, result: VerifyResult) -> None:
+        """Roll the draft cache back to what was committed."""
+        self.runner.sync(ctx.token_ids)

@@ -1,0 +1,165 @@
+"""Plain data passed around the speculative-decoding loop.
+
+Shapes use B = batch, N = draft nodes, K = max draft length, V = vocabulary.
+The engine works on token ids only; text lives at the edges (CLI, server).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+
+class SpecDecodeError(ValueError):
+    """Base class for user-facing errors: the message says what is wrong and what to do."""
+
+
+class InvalidSamplingParams(SpecDecodeError):
+    """A sampling value is out of range (negative temperature, top_p outside (0, 1], ...)."""
+
+
+class PromptTooLongError(SpecDecodeError):
+    """The prompt plus the requested new tokens does not fit the model's context."""
+
+
+class EmptyPromptError(SpecDecodeError):
+    """The prompt has no tokens and the tokenizer has no BOS token to start from."""
+
+
+#: Upper bound on ``max_new_tokens`` accepted anywhere; anything larger is a typo.
+MAX_NEW_TOKENS_LIMIT = 1_000_000
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one request samples.
+
+    Attributes:
+        temperature: 0 means greedy (argmax); > 0 divides the logits. Range [0, 100].
+        top_k: keep the k most likely tokens; 0 disables.
+        top_p: nucleus sampling mass in (0, 1]; 1 disables.
+        max_new_tokens: hard cap on generated tokens (never exceeded), >= 1.
+        seed: seeds the request's own ``torch.Generator``; None draws a random seed.
+        eos_token_ids: generation ends at (and includes) the first of these tokens.
+        ignore_eos: keep generating past EOS (benchmarks with a fixed length).
+
+    Raises:
+        InvalidSamplingParams: on construction, for any value out of range.
+    """
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    max_new_tokens: int = 128
+    seed: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        t = self.temperature
+        if not isinstance(t, (int, float)) or math.isnan(t) or t < 0 or t > 100:
+            raise InvalidSamplingParams(
+                f"temperature must be a number in [0, 100] (0 = greedy), got {t!r}"
+            )
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise InvalidSamplingParams(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
+        p = self.top_p
+        if not isinstance(p, (int, float)) or math.isnan(p) or not (0.0 < p <= 1.0):
+            raise InvalidSamplingParams(f"top_p must be in (0, 1] (1 disables it), got {p!r}")
+        n = self.max_new_tokens
+        if not isinstance(n, int) or n < 1 or n > MAX_NEW_TOKENS_LIMIT:
+            raise InvalidSamplingParams(
+                f"max_new_tokens must be an integer in [1, {MAX_NEW_TOKENS_LIMIT}], got {n!r}"
+            )
+        if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
+            raise InvalidSamplingParams(f"seed must be a non-negative integer or None, got {self.seed!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass
+class Draft:
+    """A proposer's guess.
+
+    Attributes:
+        token_ids: [B, N] int64 draft tokens.
+        parents: [B, N] int64 parent node index, -1 = child of the last committed
+            token. A chain has parents -1, 0, 1, ...
+        draft_probs: [B, N, V] float32 distribution q each token was drawn from,
+            after the request's temperature / top-k / top-p; None for a
+            deterministic drafter (q is then one-hot on the token).
+    """
+
+    token_ids: torch.Tensor
+    parents: torch.Tensor
+    draft_probs: torch.Tensor | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.token_ids.shape[1])
+
+    @staticmethod
+    def chain(token_ids: torch.Tensor, draft_probs: torch.Tensor | None = None) -> "Draft":
+        """Build a chain draft from [B, K] int64 tokens (and optional [B, K, V] float32 q)."""
+        b, k = token_ids.shape
+        parents = torch.arange(-1, k - 1, dtype=torch.int64).expand(b, k)
+        return Draft(token_ids=token_ids, parents=parents, draft_probs=draft_probs)
+
+    @staticmethod
+    def empty(batch_size: int = 1) -> "Draft":
+        """A draft with no tokens: the step becomes one plain decoding step."""
+        z = torch.zeros(batch_size, 0, dtype=torch.int64)
+        return Draft(token_ids=z, parents=z.clone(), draft_probs=None)
+
+
+@dataclass
+class VerifyResult:
+    """What verification kept.
+
+    Attributes:
+        num_accepted: [B] int64 draft tokens kept (0..K).
+        new_token_ids: [B, K+1] int64 tokens to commit: the accepted draft tokens,
+            then one recovered (after a rejection) or bonus (all kept) token; PAD
+            (-1) after ``num_accepted + 1``.
+        kept_nodes: [B, K+1] int64 draft node indices of the accepted tokens (-1 after);
+            for a chain, 0..num_accepted-1.
+    """
+
+    num_accepted: torch.Tensor
+    new_token_ids: torch.Tensor
+    kept_nodes: torch.Tensor
+
+
+PAD_TOKEN_ID = -1
+
+
+@dataclass
+class StepOutput:
+    """One engine step, as streamed: the tokens it committed (after stopping rules)."""
+
+    token_ids: list[int]
+    num_drafted: int
+    num_accepted: int
+    finished: bool
+    finish_reason: str | None = None  # "length" | "stop" (EOS) | None
+
+
+@dataclass
+class GenerationOutput:
+    """The result of one request (batch size 1).
+
+    Attributes:
+        token_ids: generated token ids (prompt excluded).
+        finish_reason: "length" (max_new_tokens), "stop" (EOS or stop string).
+        metrics: counters and times of this run (see ``specdecode.metrics``).
+    """
+
+    token_ids: list[int]
+    finish_reason: str
+    metrics: "object"
+    text: str | None = None
+    prompt_token_ids: list[int] = field(default_factory=list)

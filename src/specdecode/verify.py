@@ -1,0 +1,122 @@
+"""Chain verification: which draft tokens to keep, and the token that follows.
+
+Pure functions over tensors. Shapes: B batch, K draft length, V vocabulary.
+
+- Greedy: keep draft tokens while each equals the target's argmax; then append
+  the target's argmax at the first mismatch (or after the last draft token).
+- Sampling (Leviathan et al. 2023, Algorithm 1; Chen et al. 2023, Algorithm 2):
+  keep draft token x_i with probability min(1, p_i(x_i) / q_i(x_i)); at the first
+  rejection sample the *recovered* token from norm(max(0, p_i - q_i)); if every
+  token is kept sample a *bonus* token from p_K. A deterministic drafter has q
+  one-hot on its token, so acceptance is p(x) and the residual is p without x.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from specdecode.types import PAD_TOKEN_ID, VerifyResult
+
+
+def _result(num_accepted: torch.Tensor, draft_ids: torch.Tensor, next_ids: torch.Tensor) -> VerifyResult:
+    """Assemble a VerifyResult from [B] accepted counts, [B, K] drafts, [B] next tokens."""
+    b, k = draft_ids.shape
+    pos = torch.arange(k + 1).expand(b, k + 1)
+    n = num_accepted.unsqueeze(1)
+    padded = torch.cat([draft_ids, torch.full((b, 1), PAD_TOKEN_ID, dtype=torch.int64)], dim=1)
+    new_ids = torch.where(pos < n, padded, torch.full_like(padded, PAD_TOKEN_ID))
+    new_ids = new_ids.scatter(1, n, next_ids.unsqueeze(1))
+    kept = torch.where(pos < n, pos, torch.full_like(pos, -1))
+    return VerifyResult(num_accepted=num_accepted, new_token_ids=new_ids, kept_nodes=kept)
+
+
+def verify_greedy(draft_ids: torch.Tensor, target_logits: torch.Tensor) -> VerifyResult:
+    """Greedy chain verification.
+
+    Args:
+        draft_ids: [B, K] int64 draft tokens (K may be 0).
+        target_logits: [B, K+1, V] target logits; row i scores the token after
+            draft position i-1 (row 0 follows the last committed token).
+
+    Returns:
+        VerifyResult with num_accepted [B] and new_token_ids [B, K+1].
+    """
+    target_ids = target_logits.argmax(-1)  # [B, K+1]
+    match = (draft_ids == target_ids[:, :-1]).to(torch.int64)
+    num_accepted = match.cumprod(dim=1).sum(dim=1)  # [B]
+    next_ids = target_ids.gather(1, num_accepted.unsqueeze(1)).squeeze(1)
+    return _result(num_accepted, draft_ids, next_ids)
+
+
+def verify_sampling(
+    draft_ids: torch.Tensor,
+    draft_probs: torch.Tensor | None,
+    target_probs: torch.Tensor,
+    generators: Sequence[torch.Generator],
+) -> VerifyResult:
+    """Lossless speculative sampling over a chain.
+
+    Args:
+        draft_ids: [B, K] int64 draft tokens.
+        draft_probs: [B, K, V] float32 q each draft token was drawn from, or None
+            for a deterministic drafter (q one-hot).
+        target_probs: [B, K+1, V] float32 p after the same temperature / top-k / top-p.
+        generators: one ``torch.Generator`` per row (a request's own randomness).
+
+    Returns:
+        VerifyResult; the committed tokens are distributed exactly as the target's
+        own sampling (Leviathan et al. 2023, Theorem 3.5).
+    """
+    b, k = draft_ids.shape
+    num_accepted = torch.empty(b, dtype=torch.int64)
+    next_ids = torch.empty(b, dtype=torch.int64)
+    for row in range(b):
+        n, tok = _verify_row(
+            draft_ids[row],
+            None if draft_probs is None else draft_probs[row],
+            target_probs[row],
+            generators[row],
+        )
+        num_accepted[row] = n
+        next_ids[row] = tok
+    return _result(num_accepted, draft_ids, next_ids)
+
+
+def _verify_row(
+    draft_ids: torch.Tensor,  # [K] int64
+    draft_probs: torch.Tensor | None,  # [K, V] float32 or None
+    target_probs: torch.Tensor,  # [K+1, V] float32
+    generator: torch.Generator,
+) -> tuple[int, int]:
+    k = draft_ids.shape[0]
+    idx = torch.arange(k)
+    p_tok = target_probs[idx, draft_ids]  # [K]
+    q_tok = torch.ones(k) if draft_probs is None else draft_probs[idx, draft_ids]
+    u = torch.rand(k, generator=generator)
+    accepted = (u * q_tok < p_tok).to(torch.int64)
+    n = int(accepted.cumprod(0).sum())  # the step's one host synchronisation
+    if n == k:
+        return n, int(torch.multinomial(target_probs[k], 1, generator=generator))
+    residual = residual_distribution(
+        target_probs[n], None if draft_probs is None else draft_probs[n], int(draft_ids[n])
+    )
+    return n, int(torch.multinomial(residual, 1, generator=generator))
+
+
+def residual_distribution(p: torch.Tensor, q: torch.Tensor | None, draft_token: int) -> torch.Tensor:
+    """norm(max(0, p - q)) for [V] float32 p and q (q None = one-hot on ``draft_token``).
+
+    If the residual has no mass (p == q up to rounding, so a rejection had
+    probability ~0) falls back to p, which is then the exact conditional.
+    """
+    if q is None:
+        residual = p.clone()
+        residual[draft_token] = 0.0
+    else:
+        residual = (p - q).clamp_min(0.0)
+    total = residual.sum()
+    if not bool(total > 1e-12):
+        return p
+    return residual / total
