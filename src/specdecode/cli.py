@@ -1,0 +1,448 @@
+"""The ``specdecode`` command line.
+
+Subcommands (one function each, so more can join: ``bench``, ``serve``):
+
+- ``specdecode generate``: generate text for a prompt, a prompt file or a prompt set,
+  streaming the text, then the speculative-decoding metrics; ``--compare-baseline``
+  also runs plain decoding of the same target through the same engine.
+
+Status and progress go to stderr, results to stdout (``--json``: one object per
+prompt per line). User errors print one ``error: ...`` line and exit with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from specdecode import __version__
+from specdecode.types import SpecDecodeError
+
+EXIT_USAGE = 2
+
+#: The embedded default prompt: a long news article to summarize, where prompt lookup pays off.
+DEFAULT_TARGET = "smollm2-135m"
+DEFAULT_DATASET = "spec-bench:summarization:1"
+DRAFT_CHOICES_HELP = "'ngram' (prompt lookup, no model), 'none' (plain decoding), or a draft model spec"
+
+
+class UsageError(SpecDecodeError):
+    """A command-line mistake found by argparse (unknown flag, bad number, ...)."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that raises instead of printing usage and exiting, so ``main`` prints one line."""
+
+    def error(self, message: str):  # noqa: D401 - argparse API
+        raise UsageError(f"{message} (see '{self.prog} --help')")
+
+
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    def __init__(self, prog: str) -> None:
+        super().__init__(prog, max_help_position=32)
+
+
+# --------------------------------------------------------------------------- parser
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The full ``specdecode`` parser (subcommands set ``func``)."""
+    parser = _Parser(
+        prog="specdecode",
+        formatter_class=_HelpFormatter,
+        description=(
+            "Lossless speculative decoding: a cheap proposer drafts tokens, the target model verifies\n"
+            "them in one forward pass, and the output follows the target's own distribution exactly\n"
+            "(greedy: the same tokens as plain decoding)."
+        ),
+        epilog=(
+            "commands:\n"
+            "  generate   generate text for a prompt or a prompt set and report the metrics\n\n"
+            "Run 'specdecode generate' with no flags for a demo on SmolLM2-135M-Instruct with the\n"
+            "n-gram (prompt lookup) drafter. 'specdecode COMMAND --help' explains each command."
+        ),
+    )
+    parser.add_argument("--version", action="version", version=f"specdecode {__version__}")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    _add_generate(commands)
+    return parser
+
+
+def _add_generate(commands) -> None:
+    p = commands.add_parser(
+        "generate",
+        help="generate text and report speculative-decoding metrics",
+        formatter_class=_HelpFormatter,
+        description=(
+            "Generate text with speculative decoding, streaming it as tokens are committed, then print\n"
+            "the metrics: tokens, drafted, accepted, acceptance rate, tau (tokens per target forward),\n"
+            "acceptance by draft position, target forwards, time split and tokens/s.\n\n"
+            f"With no prompt flag it uses the first Spec-Bench summarization question with the chat\n"
+            f"template (a news article to summarize: prompt lookup finds text to copy), on --target\n"
+            f"(default {DEFAULT_TARGET}, SmolLM2-135M-Instruct, converted from GGUF on first use, ~1 min)."
+        ),
+        epilog=(
+            "examples:\n"
+            "  specdecode generate\n"
+            "  specdecode generate --prompt 'def fib(n):' --max-new-tokens 64\n"
+            "  specdecode generate --dataset humaneval:5 --compare-baseline --json\n"
+            "  specdecode generate --target qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b -k 4 \\\n"
+            "      --dataset mt-bench:coding:2\n\n"
+            "models (--target, --draft): offline names smollm2-135m, qwen2.5-coder-0.5b,\n"
+            "qwen2.5-coder-1.5b; a local Hugging Face model directory; a .gguf file; or a hub id.\n"
+            "exit status: 0 on success, 2 on a usage or input error (one 'error: ...' line on stderr)."
+        ),
+    )
+    p.set_defaults(func=cmd_generate)
+
+    models = p.add_argument_group("models")
+    models.add_argument("--target", default=DEFAULT_TARGET, metavar="SPEC",
+                        help="the model whose output distribution is preserved (default: %(default)s)")
+    models.add_argument("--draft", default="ngram", metavar="SPEC",
+                        help=f"the proposer: {DRAFT_CHOICES_HELP}; a draft model must share the target's "
+                             "tokenizer (default: %(default)s)")
+    models.add_argument("-k", "--num-speculative-tokens", type=int, default=5, metavar="N",
+                        help="gamma: tokens drafted per step, 1..64 (default: %(default)s)")
+    models.add_argument("--ngram-min", type=int, default=1, metavar="N",
+                        help="shortest n-gram the ngram drafter matches (default: %(default)s)")
+    models.add_argument("--ngram-max", type=int, default=3, metavar="N",
+                        help="longest n-gram the ngram drafter matches, tried first (default: %(default)s)")
+    models.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
+                        help="weight dtype; float32 is fastest on most CPUs (default: %(default)s)")
+    models.add_argument("--cache-dir", metavar="DIR",
+                        help="where converted GGUF models are cached (default: $SPECDECODE_CACHE or "
+                             "~/.cache/specdecode)")
+
+    prompts = p.add_argument_group("prompts (at most one of --prompt, --prompt-file, --dataset)")
+    source = prompts.add_mutually_exclusive_group()
+    source.add_argument("--prompt", metavar="TEXT", help="the prompt text")
+    source.add_argument("--prompt-file", metavar="PATH",
+                        help="read the prompt text from a file ('-' reads standard input)")
+    source.add_argument("--dataset", metavar="SPEC",
+                        help="a prompt set: humaneval[:N], mt-bench[:CATEGORY][:N], spec-bench[:CATEGORY][:N] "
+                             "or gsm8k[:N] (N = first N prompts); multi-turn prompts use their first turn. "
+                             f"Default when no prompt flag is given: {DEFAULT_DATASET}")
+    prompts.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
+                         help="apply the target tokenizer's chat template to each prompt (one user message). "
+                              "Default: on for chat prompt sets (and the default prompt) when the tokenizer has a "
+                              "template; off for HumanEval completion prompts and for --prompt / --prompt-file")
+
+    sampling = p.add_argument_group("sampling")
+    sampling.add_argument("--max-new-tokens", type=int, default=128, metavar="N",
+                          help="most tokens to generate per prompt (default: %(default)s)")
+    sampling.add_argument("--temperature", type=float, default=0.0, metavar="T",
+                          help="0 = greedy (the same tokens as plain decoding); > 0 samples, and speculative "
+                               "sampling keeps the target's distribution exactly (default: %(default)s)")
+    sampling.add_argument("--top-k", type=int, default=0, metavar="K",
+                          help="sample among the K most likely tokens; 0 disables (default: %(default)s)")
+    sampling.add_argument("--top-p", type=float, default=1.0, metavar="P",
+                          help="nucleus sampling mass in (0, 1]; 1 disables (default: %(default)s)")
+    sampling.add_argument("--seed", type=int, default=None, metavar="N",
+                          help="seed of the request's random generator (default: random)")
+    sampling.add_argument("--stop", action="append", default=None, metavar="TEXT",
+                          help="stop when this text appears; the output ends before it. Repeatable")
+    sampling.add_argument("--ignore-eos", action="store_true",
+                          help="keep generating past the end-of-sequence token (fixed-length runs)")
+
+    output = p.add_argument_group("output and measurement")
+    output.add_argument("--compare-baseline", action="store_true",
+                        help="also run plain decoding of the same target (same engine, same process, before the "
+                             "speculative run of each prompt) and report its tokens/s, the speedup, and whether "
+                             "the outputs match (they must, greedily)")
+    output.add_argument("--json", action="store_true",
+                        help="print one JSON object per prompt on stdout (text, token_ids, counts, rates, times, "
+                             "finish_reason, prompt_id; with --compare-baseline also baseline, speedup, "
+                             "matches_baseline) instead of streaming text and tables")
+    output.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
+                        help="first run a 2-token generation (not reported) so one-time start-up costs do not land "
+                             "in the first prompt's timings (default: on)")
+
+
+# --------------------------------------------------------------------------- entry point
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; returns the exit status (0 ok, 2 usage / input error, 130 interrupted)."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+        if getattr(args, "func", None) is None:
+            parser.print_help(sys.stderr)
+            raise UsageError("choose a command, e.g. 'specdecode generate'")
+        return args.func(args)
+    except SystemExit as exc:  # --help / --version
+        return exc.code if isinstance(exc.code, int) else 0
+    except SpecDecodeError as exc:
+        print(f"error: {_one_line(str(exc))}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print("\nerror: interrupted", file=sys.stderr)
+        return 130
+
+
+def _one_line(message: str) -> str:
+    return " ".join(message.split())
+
+
+def _status(message: str) -> None:
+    print(f"specdecode: {message}", file=sys.stderr, flush=True)
+
+
+# --------------------------------------------------------------------------- generate
+
+
+@dataclass(frozen=True)
+class _Job:
+    """One prompt to run: its text, where it came from, and whether to use the chat template."""
+
+    id: str
+    text: str
+    chat_default: bool  # before --chat / --no-chat and the tokenizer's template are considered
+    dataset: str | None = None
+    category: str | None = None
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    """``specdecode generate``: validate, read prompts, load models, run each prompt, report."""
+    from specdecode.generator import SpecDecoder
+
+    _check_generate_args(args)
+    jobs = _read_jobs(args)
+    _status(f"loading target {args.target!r}" + ("" if args.draft.lower() in ("none", "ngram") else
+                                                  f" and draft {args.draft!r}"))
+    t0 = time.perf_counter()
+    decoder = SpecDecoder.from_pretrained(
+        args.target, args.draft, num_speculative_tokens=args.num_speculative_tokens,
+        ngram_min=args.ngram_min, ngram_max=args.ngram_max, dtype=args.dtype, cache_dir=args.cache_dir,
+    )
+    _status(f"loaded in {time.perf_counter() - t0:.1f} s: target {decoder.target.source}, {_draft_label(args)}, "
+            f"gamma {args.num_speculative_tokens}, context {decoder.target.max_context} tokens")
+    baseline = decoder.plain() if args.compare_baseline else None
+    if args.warmup:
+        _warm_up(decoder, baseline)
+    records = []
+    for i, job in enumerate(jobs):
+        records.append(_run_job(args, decoder, baseline, job, i, len(jobs)))
+    if not args.json and len(records) > 1:
+        _print_aggregate(records, baseline is not None)
+    return 0
+
+
+def _check_generate_args(args: argparse.Namespace) -> None:
+    """Range-check every number before any slow model load (SpecDecodeError on the first bad one)."""
+    from specdecode.engine import EngineConfig
+    from specdecode.generator import _check_stops
+    from specdecode.proposers import NgramConfig
+    from specdecode.types import SamplingParams
+
+    SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                   max_new_tokens=args.max_new_tokens, seed=args.seed)
+    EngineConfig(num_speculative_tokens=args.num_speculative_tokens)
+    if args.draft.strip().lower() == "ngram":
+        NgramConfig(min_ngram=args.ngram_min, max_ngram=args.ngram_max)
+    _check_stops(args.stop)
+
+
+def _read_jobs(args: argparse.Namespace) -> list[_Job]:
+    from specdecode.data import load_prompts
+
+    if args.prompt is not None:
+        return [_Job("prompt", args.prompt, chat_default=False)]
+    if args.prompt_file is not None:
+        return [_Job(args.prompt_file, _read_prompt_file(args.prompt_file), chat_default=False)]
+    spec = args.dataset or DEFAULT_DATASET
+    prompts = load_prompts(spec)
+    if not prompts:
+        raise SpecDecodeError(f"the prompt set {spec!r} is empty")
+    if args.dataset is None:
+        p = prompts[0]
+        _status(f"no prompt given: using the default prompt, {p.dataset} question {p.id} ({p.category}), "
+                f"{len(p.turns[0])} characters: {_preview(p.turns[0])}")
+    return [
+        _Job(f"{p.dataset}/{p.id}" if "/" not in p.id else p.id, p.turns[0], chat_default=not p.is_completion,
+             dataset=p.dataset, category=p.category)
+        for p in prompts
+    ]
+
+
+def _read_prompt_file(path: str) -> str:
+    if path == "-":
+        return sys.stdin.read()
+    file = Path(path).expanduser()
+    if not file.is_file():
+        raise SpecDecodeError(f"prompt file not found: {path!r}")
+    try:
+        return file.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise SpecDecodeError(f"cannot read prompt file {path!r}: {exc}") from exc
+
+
+def _preview(text: str, width: int = 90) -> str:
+    flat = " ".join(text.split())
+    return repr(flat if len(flat) <= width else flat[: width - 3] + "...")
+
+
+def _draft_label(args: argparse.Namespace) -> str:
+    kind = args.draft.strip().lower()
+    if kind == "none":
+        return "no draft (plain decoding)"
+    if kind == "ngram":
+        return f"ngram drafter (n = {args.ngram_max}..{args.ngram_min})"
+    return f"draft model {args.draft}"
+
+
+def _warm_up(decoder, baseline) -> None:
+    """A 2-token generation per decoder on a short prompt, so start-up costs leave the timings."""
+    ids = decoder.encode("Hello, world. Hello, world.")[:16]
+    for d in (baseline, decoder):
+        if d is not None:
+            d.generate(ids, max_new_tokens=2, seed=0, ignore_eos=True)
+
+
+def _run_job(args, decoder, baseline, job: _Job, index: int, total: int) -> dict:
+    """Baseline first (when asked), then the speculative run (streamed unless --json); print; return the record."""
+    chat = args.chat if args.chat is not None else (job.chat_default and decoder.has_chat_template)
+    prompt_ids = decoder.encode(job.text, chat=chat)
+    kwargs = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                  top_p=args.top_p, seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos)
+    if not args.json:
+        where = f" ({job.dataset}, {job.category})" if job.dataset else ""
+        _rule(f"prompt {index + 1}/{total}: {job.id}{where}, {len(prompt_ids)} tokens, "
+              f"chat template: {'yes' if chat else 'no'}")
+    base_out = baseline.generate(prompt_ids, **kwargs) if baseline is not None else None
+    on_text = None if args.json else _write_stdout
+    out = decoder.generate(prompt_ids, on_text=on_text, **kwargs)
+    record = _record(job, chat, out, base_out)
+    if args.json:
+        print(json.dumps(record, ensure_ascii=False), flush=True)
+    else:
+        _write_stdout("\n")
+        _print_summary(record)
+    return record
+
+
+def _write_stdout(piece: str) -> None:
+    sys.stdout.write(piece)
+    sys.stdout.flush()
+
+
+def _record(job: _Job, chat: bool, out, base_out) -> dict:
+    """The JSON record of one prompt (also what the tables read)."""
+    m = out.metrics
+    rec = {
+        "prompt_id": job.id,
+        "dataset": job.dataset,
+        "category": job.category,
+        "chat": chat,
+        "num_prompt_tokens": len(out.prompt_token_ids),
+        "text": out.text,
+        "token_ids": out.token_ids,
+        "finish_reason": out.finish_reason,
+        "num_generated_tokens": m.num_generated_tokens,
+        "num_drafted_tokens": m.num_drafted_tokens,
+        "num_accepted_tokens": m.num_accepted_tokens,
+        "acceptance_rate": m.acceptance_rate,
+        "mean_accepted_length": m.mean_accepted_length,
+        "acceptance_by_position": m.acceptance_by_position,
+        "num_target_forwards": m.num_target_forwards,
+        "prefill_time_s": m.prefill_time_s,
+        "draft_time_s": m.draft_time_s,
+        "verify_time_s": m.verify_time_s,
+        "other_time_s": m.other_time_s,
+        "wall_time_s": m.wall_time_s,
+        "tokens_per_s": m.tokens_per_s,
+    }
+    if base_out is not None:
+        b = base_out.metrics
+        rec["baseline"] = {
+            "token_ids": base_out.token_ids,
+            "text": base_out.text,
+            "num_generated_tokens": b.num_generated_tokens,
+            "tokens_per_s": b.tokens_per_s,
+            "wall_time_s": b.wall_time_s,
+        }
+        rec["speedup"] = m.tokens_per_s / b.tokens_per_s if b.tokens_per_s > 0 else None
+        rec["matches_baseline"] = out.token_ids == base_out.token_ids
+    return rec
+
+
+# --------------------------------------------------------------------------- terminal reports
+
+
+def _console():
+    from rich.console import Console
+
+    return Console(file=sys.stdout, highlight=False, soft_wrap=True)
+
+
+def _rule(title: str) -> None:
+    _console().rule(title, style="dim")
+
+
+def _print_summary(r: dict) -> None:
+    """A few plain lines of one prompt's metrics."""
+    positions = " ".join(f"{a:.2f}" for a in r["acceptance_by_position"]) or "-"
+    lines = [
+        f"tokens {r['num_generated_tokens']} (finish: {r['finish_reason']}) | drafted {r['num_drafted_tokens']} | "
+        f"accepted {r['num_accepted_tokens']} | acceptance rate {r['acceptance_rate']:.1%} | "
+        f"tau {r['mean_accepted_length']:.2f} tokens/forward",
+        f"acceptance by position: {positions}",
+        f"target forwards {r['num_target_forwards']} | time: prefill {r['prefill_time_s']:.2f} s, "
+        f"draft {r['draft_time_s']:.2f} s, verify {r['verify_time_s']:.2f} s, other {r['other_time_s']:.2f} s, "
+        f"wall {r['wall_time_s']:.2f} s | {r['tokens_per_s']:.1f} tokens/s",
+    ]
+    if "baseline" in r:
+        speedup = f"{r['speedup']:.2f}x" if r["speedup"] is not None else "-"
+        lines.append(
+            f"baseline (plain decoding, same engine): {r['baseline']['tokens_per_s']:.1f} tokens/s | "
+            f"speedup {speedup} | output matches baseline: {'yes' if r['matches_baseline'] else 'NO'}"
+        )
+    console = _console()
+    for line in lines:
+        console.print(line, markup=False)
+
+
+def _print_aggregate(records: list[dict], with_baseline: bool) -> None:
+    """One table row per prompt and a median row."""
+    from rich.table import Table
+
+    table = Table(title=f"{len(records)} prompts", title_justify="left")
+    columns = ["prompt", "tokens", "drafted", "accepted", "accept", "tau", "fwd", "tok/s"]
+    if with_baseline:
+        columns += ["base tok/s", "speedup", "match"]
+    for c in columns:
+        table.add_column(c, justify="left" if c == "prompt" else "right")
+
+    def row(name, tokens, drafted, accepted, rate, tau, fwd, tps, base=None, speedup=None, match=None):
+        cells = [name, str(tokens), str(drafted), str(accepted), f"{rate:.1%}", f"{tau:.2f}", str(fwd), f"{tps:.1f}"]
+        if with_baseline:
+            cells += [f"{base:.1f}", "-" if speedup is None else f"{speedup:.2f}x", match]
+        table.add_row(*cells)
+
+    for r in records:
+        row(r["prompt_id"], r["num_generated_tokens"], r["num_drafted_tokens"], r["num_accepted_tokens"],
+            r["acceptance_rate"], r["mean_accepted_length"], r["num_target_forwards"], r["tokens_per_s"],
+            *((r["baseline"]["tokens_per_s"], r["speedup"], "yes" if r["matches_baseline"] else "NO")
+              if with_baseline else ()))
+
+    def med(key, sub=None):
+        vals = [(r[sub][key] if sub else r[key]) for r in records]
+        vals = [v for v in vals if v is not None]
+        return statistics.median(vals) if vals else None
+
+    table.add_section()
+    row("median", med("num_generated_tokens"), med("num_drafted_tokens"), med("num_accepted_tokens"),
+        med("acceptance_rate"), med("mean_accepted_length"), med("num_target_forwards"), med("tokens_per_s"),
+        *((med("tokens_per_s", "baseline"), med("speedup"),
+           f"{sum(r['matches_baseline'] for r in records)}/{len(records)}") if with_baseline else ()))
+    _console().print(table)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,373 @@
+"""Text in, text out: the library's front door (tokenize, generate, detokenize, stop strings).
+
+The engine works on token ids only (DESIGN.md: text lives at the edges). This
+module wraps it for callers that have text:
+
+- :meth:`SpecDecoder.encode` turns a prompt into ids (optionally through the
+  tokenizer's chat template);
+- :meth:`SpecDecoder.generate` runs the engine, decodes as tokens are
+  committed, streams the new text, and stops at stop strings;
+- :meth:`SpecDecoder.plain` is the baseline: the same target, cache and sampling
+  code with no proposer, so speed comparisons compare like with like.
+
+Quick start::
+
+    from specdecode.generator import SpecDecoder
+
+    dec = SpecDecoder.from_pretrained("smollm2-135m", draft="ngram")
+    out = dec.generate("Summarize: ...", chat=True, max_new_tokens=64)
+    print(out.text, out.metrics.acceptance_rate)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from specdecode.engine import EngineConfig, SpeculativeEngine
+from specdecode.metrics import RunMetrics
+from specdecode.models import LoadedModel, check_compatible, load_model
+from specdecode.proposers import NgramConfig, build_proposer
+from specdecode.types import EmptyPromptError, InvalidSamplingParams, SamplingParams, SpecDecodeError
+
+#: ``draft`` values that mean "no proposer": plain decoding.
+NO_DRAFT = ("none", "")
+#: ``draft`` value for prompt-lookup (n-gram) drafting.
+NGRAM_DRAFT = "ngram"
+
+
+@dataclass
+class TextOutput:
+    """The result of one text generation (batch size 1).
+
+    Attributes:
+        text: the generated text, cut before the first stop string;
+            ``decoder.decode(token_ids) == text`` always.
+        token_ids: generated token ids (prompt excluded); after a stop string, the
+            longest prefix of the generated ids whose text is a prefix of the text
+            before the stop string.
+        finish_reason: "length" (max_new_tokens), "stop" (EOS or a stop string).
+        metrics: RunMetrics of the run; ``num_generated_tokens == len(token_ids)``,
+            while drafted / accepted / forwards count the work actually done.
+        prompt_token_ids: the prompt as the engine saw it.
+        stop_string: the stop string that ended generation, None otherwise.
+    """
+
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    metrics: RunMetrics
+    prompt_token_ids: list[int] = field(default_factory=list)
+    stop_string: str | None = None
+
+
+class SpecDecoder:
+    """A target model, an optional proposer, and the text plumbing around the engine.
+
+    Args:
+        target: the LoadedModel whose output distribution is preserved.
+        proposer: a :class:`~specdecode.proposers.base.Proposer`, or None for plain decoding.
+        num_speculative_tokens: gamma, draft tokens per step (1..64).
+        draft: the draft LoadedModel behind ``proposer`` when it is a draft model (kept for
+            reference and reuse; the proposer holds its own cache).
+
+    Raises:
+        SpecDecodeError: gamma out of range.
+    """
+
+    def __init__(
+        self,
+        target: LoadedModel,
+        proposer=None,
+        *,
+        num_speculative_tokens: int = 5,
+        draft: LoadedModel | None = None,
+    ) -> None:
+        self.target = target
+        self.proposer = proposer
+        self.draft = draft
+        self.num_speculative_tokens = num_speculative_tokens
+        config = EngineConfig(num_speculative_tokens=num_speculative_tokens, max_context=target.max_context)
+        self.engine = SpeculativeEngine(target.model, proposer, config)
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        target: str,
+        draft: str | None = NGRAM_DRAFT,
+        *,
+        num_speculative_tokens: int = 5,
+        ngram_min: int = 1,
+        ngram_max: int = 3,
+        dtype: torch.dtype | str = torch.float32,
+        cache_dir=None,
+        progress: bool = True,
+    ) -> "SpecDecoder":
+        """Load a target (and a draft model) by spec and build the decoder.
+
+        Args:
+            target: a model spec for :func:`specdecode.models.load_model` (offline name,
+                local directory, GGUF file, hub id).
+            draft: None or "none" = plain decoding; "ngram" = prompt lookup
+                (``ngram_min``..``ngram_max`` token matches); anything else = a draft
+                model spec, loaded like the target and checked for a shared tokenizer.
+            num_speculative_tokens: gamma (1..64).
+            dtype, cache_dir, progress: passed to ``load_model``.
+
+        Raises:
+            ModelLoadError, IncompatibleTokenizerError, SpecDecodeError (bad gamma or
+            n-gram sizes; checked before any model is loaded).
+        """
+        EngineConfig(num_speculative_tokens=num_speculative_tokens)  # fail fast, before slow loads
+        kind = (draft or "").strip()
+        ngram = None
+        if kind.lower() == NGRAM_DRAFT:
+            ngram = NgramConfig(min_ngram=ngram_min, max_ngram=ngram_max)
+        loaded = load_model(target, dtype=dtype, cache_dir=cache_dir, progress=progress)
+        if kind.lower() in NO_DRAFT:
+            return cls(loaded, None, num_speculative_tokens=num_speculative_tokens)
+        if ngram is not None:
+            return cls(loaded, build_proposer("ngram", config=ngram), num_speculative_tokens=num_speculative_tokens)
+        if kind == target:
+            draft_model = loaded  # same weights; the proposer keeps its own cache
+        else:
+            draft_model = load_model(kind, dtype=dtype, cache_dir=cache_dir, progress=progress)
+            check_compatible(loaded, draft_model)
+        proposer = build_proposer("draft-model", model=draft_model.model)
+        return cls(loaded, proposer, num_speculative_tokens=num_speculative_tokens, draft=draft_model)
+
+    def plain(self) -> "SpecDecoder":
+        """The baseline: same target and engine code, no proposer (one token per target forward)."""
+        return SpecDecoder(self.target, None, num_speculative_tokens=self.num_speculative_tokens)
+
+    # Text <-> ids ----------------------------------------------------------------
+
+    @property
+    def tokenizer(self):
+        return self.target.tokenizer
+
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(getattr(self.tokenizer, "chat_template", None))
+
+    def encode(self, prompt: str, *, chat: bool = False) -> list[int]:
+        """Prompt text -> token ids.
+
+        Args:
+            prompt: the text (with ``chat``, one user message).
+            chat: apply the tokenizer's chat template with a generation prompt.
+                Otherwise the tokenizer adds special tokens (e.g. BOS) as it is configured to.
+
+        Returns:
+            [L] token ids, L >= 1 (an empty text becomes [BOS]).
+
+        Raises:
+            EmptyPromptError: the text encodes to nothing and the tokenizer has no BOS.
+            SpecDecodeError: ``chat`` with a tokenizer that has no chat template.
+        """
+        if chat:
+            return self.encode_chat([{"role": "user", "content": prompt}])
+        ids = list(self.tokenizer(prompt)["input_ids"])
+        return ids or self._bos_only()
+
+    def encode_chat(self, messages: Sequence[dict]) -> list[int]:
+        """Chat messages (``[{"role": ..., "content": ...}, ...]``) -> ids, with a generation prompt.
+
+        Raises:
+            SpecDecodeError: the tokenizer has no chat template.
+        """
+        if not self.has_chat_template:
+            raise SpecDecodeError(
+                f"the tokenizer of {self.target.name!r} has no chat template; send plain text (no --chat)"
+            )
+        text = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False)
+        ids = list(self.tokenizer(text, add_special_tokens=False)["input_ids"])  # the template places BOS
+        return ids or self._bos_only()
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        """Ids -> text, special tokens (EOS, chat markers) left out. ``generate`` uses exactly this."""
+        return self.tokenizer.decode(list(token_ids), skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+    def _bos_only(self) -> list[int]:
+        bos = getattr(self.tokenizer, "bos_token_id", None)
+        if bos is None:
+            raise EmptyPromptError(
+                f"the prompt is empty and the tokenizer of {self.target.name!r} has no BOS token to start from; "
+                "give a non-empty prompt"
+            )
+        return [int(bos)]
+
+    # Generation ------------------------------------------------------------------
+
+    def generate(
+        self,
+        prompt: str | Sequence[int],
+        *,
+        chat: bool = False,
+        max_new_tokens: int = 128,
+        temperature: float = 0.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        seed: int | None = None,
+        stop: Sequence[str] | None = None,
+        ignore_eos: bool = False,
+        on_text: Callable[[str], None] | None = None,
+    ) -> TextOutput:
+        """Generate text for one prompt with lossless speculative decoding.
+
+        Args:
+            prompt: text (encoded with :meth:`encode`) or token ids (used as they are; ``chat`` ignored).
+            chat: apply the chat template to a text prompt.
+            max_new_tokens, temperature, top_k, top_p, seed, ignore_eos: see SamplingParams.
+            stop: strings that end generation; the returned text stops before the first one found.
+            on_text: called with each new piece of text as tokens are committed. Text is held back
+                while it could be the start of a stop string or ends in an incomplete UTF-8
+                character; the pieces concatenate to ``TextOutput.text``.
+
+        Returns:
+            TextOutput.
+
+        Raises:
+            InvalidSamplingParams, EmptyPromptError, PromptTooLongError, SpecDecodeError.
+        """
+        stops = _check_stops(stop)
+        params = SamplingParams(
+            temperature=temperature, top_k=top_k, top_p=top_p, max_new_tokens=max_new_tokens, seed=seed,
+            eos_token_ids=self.target.eos_token_ids, ignore_eos=ignore_eos,
+        )
+        prompt_ids = self.encode(prompt, chat=chat) if isinstance(prompt, str) else [int(t) for t in prompt]
+        tracker = TextTracker(self.decode, stops)
+        # engine.stream() cannot be abandoned mid-way and still report metrics, so drive
+        # its public start / step / output directly: the same loop, stoppable at a stop string.
+        state = self.engine.start(prompt_ids, params)
+        committed = list(state.generated)
+        while True:
+            piece = tracker.add(committed)
+            if piece and on_text is not None:
+                on_text(piece)
+            if tracker.stop_string is not None or state.finish_reason is not None:
+                break
+            committed = self.engine.step(state).token_ids
+        result = self.engine.output(state)
+        piece = tracker.finish()
+        if piece and on_text is not None:
+            on_text(piece)
+        metrics = result.metrics
+        metrics.num_generated_tokens = len(tracker.ids)
+        return TextOutput(
+            text=tracker.text,
+            token_ids=list(tracker.ids),
+            finish_reason="stop" if tracker.stop_string is not None else result.finish_reason,
+            metrics=metrics,
+            prompt_token_ids=list(result.prompt_token_ids),
+            stop_string=tracker.stop_string,
+        )
+
+
+def _check_stops(stop: Sequence[str] | None) -> list[str]:
+    if stop is None:
+        return []
+    if isinstance(stop, str):
+        stop = [stop]
+    stops = list(stop)
+    for s in stops:
+        if not isinstance(s, str) or not s:
+            raise InvalidSamplingParams(f"stop strings must be non-empty strings, got {s!r}")
+    return stops
+
+
+class TextTracker:
+    """Incremental detokenization with stop strings, for one generation.
+
+    Feed each step's committed ids to :meth:`add`; it returns the text that is safe to show
+    now. Shown text is always ``decode(ids[:j])`` for some token boundary j, and never
+    includes a trailing U+FFFD (an incomplete UTF-8 character) or a tail that could be the
+    start of a stop string; so a stop string found later (also one spanning two steps)
+    never cuts into text already shown. After a stop string, ``ids`` is the longest prefix
+    of the generated ids whose text is a prefix of the text before the stop string, and
+    ``text == decode(ids)``.
+
+    Args:
+        decode: ids -> text (the decoder's own ``decode``).
+        stops: non-empty stop strings.
+    """
+
+    def __init__(self, decode: Callable[[Sequence[int]], str], stops: Sequence[str] = ()) -> None:
+        self._decode = decode
+        self.stops = list(stops)
+        self.ids: list[int] = []
+        self.shown = ""  # text handed out so far
+        self._shown_ids = 0  # token boundary the shown text ends at
+        self.stop_string: str | None = None
+        self._final: str | None = None
+
+    @property
+    def text(self) -> str:
+        """The full text of ``ids`` (after :meth:`finish`, the final text)."""
+        return self._final if self._final is not None else self._decode(self.ids)
+
+    def add(self, new_ids: Sequence[int]) -> str:
+        """Append committed ids; return the new text to show ('' if none). Stops at a stop string."""
+        if self.stop_string is not None:
+            raise RuntimeError("generation already stopped at a stop string")
+        self.ids.extend(int(t) for t in new_ids)
+        text = self._decode(self.ids)
+        hit = self._find_stop(text)
+        if hit is not None:
+            pos, self.stop_string = hit
+            self._cut(text[:pos])
+            return self._show(self._final, len(self.ids))
+        end = len(text) - self._held_back(text)
+        if end == len(text):
+            return self._show(text, len(self.ids))
+        for j in range(len(self.ids) - 1, self._shown_ids, -1):  # a token boundary at or before `end`
+            prefix = self._decode(self.ids[:j])
+            if len(prefix) <= end and text.startswith(prefix):
+                return self._show(prefix, j)
+        return ""
+
+    def finish(self) -> str:
+        """End of generation: fix the final text; return whatever was still held back."""
+        if self._final is None:
+            self._final = self._decode(self.ids)
+        return self._show(self._final, len(self.ids))
+
+    def _show(self, text: str, boundary: int) -> str:
+        if len(text) <= len(self.shown) or not text.startswith(self.shown):
+            return ""
+        piece = text[len(self.shown) :]
+        self.shown, self._shown_ids = text, boundary
+        return piece
+
+    def _find_stop(self, text: str) -> tuple[int, str] | None:
+        """Earliest (position, stop string) in ``text``; shown text cannot contain one, so search after it."""
+        best = None
+        for s in self.stops:
+            pos = text.find(s, len(self.shown))
+            if pos >= 0 and (best is None or pos < best[0]):
+                best = (pos, s)
+        return best
+
+    def _held_back(self, text: str) -> int:
+        """Characters at the end of ``text`` not to show yet: trailing U+FFFD (an incomplete
+        UTF-8 character), and before them the longest tail that is a proper prefix of a stop string."""
+        bad = len(text) - len(text.rstrip("\ufffd"))
+        base = text[: len(text) - bad]
+        partial = 0
+        for s in self.stops:
+            for k in range(min(len(s) - 1, len(base)), partial, -1):
+                if base.endswith(s[:k]):
+                    partial = k
+                    break
+        return bad + partial
+
+    def _cut(self, before: str) -> None:
+        """Keep the longest id prefix whose text is a prefix of ``before``; fix the final text."""
+        for j in range(len(self.ids), -1, -1):
+            prefix = self._decode(self.ids[:j])
+            if before.startswith(prefix):
+                del self.ids[j:]
+                self._final = prefix
+                return

