@@ -1,0 +1,44 @@
+"""CPU execution choices for the few-row matrix products of decoding and verification.
+
+On this class of CPU torch's ``F.linear`` with 2..16 rows runs 2-4x slower than
+with one row (a different GEMM path), while ``W @ x.T`` keeps near the one-row
+cost (../shared/MODELS.md). Verification feeds gamma + 1 rows, so this choice
+decides whether verifying costs about one decoding step or several.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+#: Inputs with at most this many rows use the transposed product.
+SMALL_ROWS = 16
+
+
+def _small_row_linear(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    rows = x.numel() // x.shape[-1]
+    if rows > SMALL_ROWS:
+        return F.linear(x, self.weight, self.bias)
+    out = (self.weight @ x.reshape(rows, -1).T).T  # [rows, out_features]
+    if self.bias is not None:
+        out = out + self.bias
+    return out.reshape(*x.shape[:-1], self.weight.shape[0])
+
+
+def use_small_row_matmul(model: torch.nn.Module) -> int:
+    """Route every ``nn.Linear`` of ``model`` through ``W @ x.T`` for <= SMALL_ROWS rows.
+
+    Applies to the model in place (weights are shared, nothing is copied) and
+    is idempotent. Greedy outputs may differ from the unpatched model only at
+    near-ties (a different summation order); speculative and plain decoding
+    run the same patched model, so comparisons stay like for like.
+
+    Returns:
+        The number of linear layers patched.
+    """
+    count = 0
+    for module in model.modules():
+        if type(module) is torch.nn.Linear and "forward" not in module.__dict__:
+            module.forward = _small_row_linear.__get__(module)
+            count += 1
+    return count
