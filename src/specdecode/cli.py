@@ -226,9 +226,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
     baseline = decoder.plain() if args.compare_baseline else None
     if args.warmup:
         _warm_up(decoder, baseline)
+    encoded = [_encode_job(args, decoder, job) for job in jobs]  # every input error before any output
     records = []
-    for i, job in enumerate(jobs):
-        records.append(_run_job(args, decoder, baseline, job, i, len(jobs)))
+    for i, (job, chat, prompt_ids) in enumerate(encoded):
+        records.append(_run_job(args, decoder, baseline, job, chat, prompt_ids, i, len(jobs)))
     if not args.json and len(records) > 1:
         _print_aggregate(records, baseline is not None)
     return 0
@@ -305,10 +306,23 @@ def _warm_up(decoder, baseline) -> None:
             d.generate(ids, max_new_tokens=2, seed=0, ignore_eos=True)
 
 
-def _run_job(args, decoder, baseline, job: _Job, index: int, total: int) -> dict:
-    """Baseline first (when asked), then the speculative run (streamed unless --json); print; return the record."""
+def _encode_job(args, decoder, job: _Job) -> tuple[_Job, bool, list[int]]:
+    """(job, chat template used, prompt ids); PromptTooLongError when it cannot fit the context."""
+    from specdecode.types import PromptTooLongError
+
     chat = args.chat if args.chat is not None else (job.chat_default and decoder.has_chat_template)
     prompt_ids = decoder.encode(job.text, chat=chat)
+    context = decoder.target.max_context
+    if len(prompt_ids) + args.max_new_tokens > context:
+        raise PromptTooLongError(
+            f"prompt {job.id!r} has {len(prompt_ids)} tokens; with --max-new-tokens {args.max_new_tokens} it "
+            f"exceeds the model's context of {context} tokens: shorten the prompt or lower --max-new-tokens"
+        )
+    return job, chat, prompt_ids
+
+
+def _run_job(args, decoder, baseline, job: _Job, chat: bool, prompt_ids: list[int], index: int, total: int) -> dict:
+    """Baseline first (when asked), then the speculative run (streamed unless --json); print; return the record."""
     kwargs = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                   top_p=args.top_p, seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos)
     if not args.json:
@@ -378,11 +392,13 @@ def _record(job: _Job, chat: bool, out, base_out) -> dict:
 def _console():
     from rich.console import Console
 
-    return Console(file=sys.stdout, highlight=False, soft_wrap=True)
+    out = sys.stdout
+    width = None if out.isatty() else 160  # files and pipes: wide enough for the tables
+    return Console(file=out, highlight=False, soft_wrap=True, width=width)
 
 
 def _rule(title: str) -> None:
-    _console().rule(title, style="dim")
+    _console().print(f"── {title} ──", style="bold", markup=False)
 
 
 def _print_summary(r: dict) -> None:
@@ -417,7 +433,8 @@ def _print_aggregate(records: list[dict], with_baseline: bool) -> None:
     if with_baseline:
         columns += ["base tok/s", "speedup", "match"]
     for c in columns:
-        table.add_column(c, justify="left" if c == "prompt" else "right")
+        table.add_column(c, justify="left" if c == "prompt" else "right", no_wrap=c != "prompt",
+                         overflow="fold")
 
     def row(name, tokens, drafted, accepted, rate, tau, fwd, tps, base=None, speedup=None, match=None):
         cells = [name, str(tokens), str(drafted), str(accepted), f"{rate:.1%}", f"{tau:.2f}", str(fwd), f"{tps:.1f}"]

@@ -1,0 +1,85 @@
+"""Shared fixtures: a tiny random-weight Llama with a tiny character-level tokenizer, on disk.
+
+The model directory loads through ``specdecode.models.load_model`` like any local
+Hugging Face directory, so the generator and the CLI are tested end to end in
+seconds without pretrained weights.
+"""
+
+from __future__ import annotations
+
+import string
+from pathlib import Path
+
+import pytest
+import torch
+
+#: Chat template of the tiny tokenizer: "<bos>user: ...\nassistant: ".
+TINY_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant: {% endif %}"
+)
+TINY_SPECIALS = ("<pad>", "<bos>", "<eos>", "<unk>")
+TINY_MERGES = (("t", "h"), ("th", "e"), ("e", " "), ("i", "n"), ("a", "n"), ("an", "d"), ("e", "r"), ("o", "n"))
+TINY_MAX_CONTEXT = 256
+
+
+def make_tiny_tokenizer(*, with_bos: bool = True, chat_template: str | None = TINY_CHAT_TEMPLATE):
+    """A character-level BPE tokenizer (lowercase letters, digits, punctuation, a few merges).
+
+    Ids 0..3 are <pad>, <bos>, <eos>, <unk>; text is lowercased; decoding concatenates tokens.
+    """
+    from tokenizers import Tokenizer, decoders, models, normalizers
+    from transformers import PreTrainedTokenizerFast
+
+    chars = string.ascii_lowercase + string.digits + " .,!?:;'\n-()"
+    tokens = [*TINY_SPECIALS, *chars, *("".join(m) for m in TINY_MERGES)]
+    vocab = {tok: i for i, tok in enumerate(tokens)}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=list(TINY_MERGES), unk_token="<unk>"))
+    tok.normalizer = normalizers.Lowercase()
+    tok.decoder = decoders.Fuse()
+    specials = dict(eos_token="<eos>", pad_token="<pad>", unk_token="<unk>")
+    if with_bos:
+        specials["bos_token"] = "<bos>"
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, **specials)
+    if chat_template is not None:
+        fast.chat_template = chat_template if with_bos else chat_template.replace("{{ bos_token }}", "")
+    return fast
+
+
+def make_tiny_model(vocab_size: int, *, seed: int = 0, max_positions: int = TINY_MAX_CONTEXT):
+    """A seeded random 2-layer Llama (float32) with <bos>=1, <eos>=2, <pad>=0."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(
+        num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=vocab_size, max_position_embeddings=max_positions,
+        tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+    )
+    return LlamaForCausalLM(cfg).eval()
+
+
+def save_tiny_model_dir(path: Path, *, seed: int = 0) -> Path:
+    """Write a loadable model directory (weights, config, generation config, tokenizer) to ``path``."""
+    tokenizer = make_tiny_tokenizer()
+    model = make_tiny_model(len(tokenizer), seed=seed)
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    """A tiny random Llama + character tokenizer with a chat template, as a local model directory."""
+    return save_tiny_model_dir(tmp_path_factory.mktemp("tiny") / "tiny-llama", seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_loaded(tiny_model_dir):
+    """The tiny model directory loaded with ``load_model`` and cast to float64 (no greedy near-ties)."""
+    from specdecode.models import load_model
+
+    loaded = load_model(str(tiny_model_dir), progress=False)
+    loaded.model.to(torch.float64)
+    return loaded

@@ -1,0 +1,157 @@
+"""The ``specdecode`` command line, run in-process through ``main(argv)`` on the tiny model directory."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from specdecode import cli
+
+JSON_FIELDS = {
+    "text", "token_ids", "num_generated_tokens", "num_drafted_tokens", "num_accepted_tokens", "acceptance_rate",
+    "mean_accepted_length", "acceptance_by_position", "num_target_forwards", "draft_time_s", "verify_time_s",
+    "other_time_s", "wall_time_s", "tokens_per_s", "finish_reason", "prompt_id",
+}
+
+
+def _run(capsys, *argv: str) -> tuple[int, str, str]:
+    code = cli.main(list(argv))
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def _json_lines(out: str) -> list[dict]:
+    return [json.loads(line) for line in out.splitlines() if line.strip()]
+
+
+def test_generate_json_has_every_field(capsys, tiny_model_dir, tiny_loaded):
+    code, out, err = _run(capsys, "generate", "--target", str(tiny_model_dir), "--prompt", "the cat and the dog",
+                          "--max-new-tokens", "30", "--ignore-eos", "--json")
+    assert code == 0, err
+    (rec,) = _json_lines(out)
+    assert JSON_FIELDS <= rec.keys()
+    assert rec["prompt_id"] == "prompt" and rec["finish_reason"] == "length"
+    assert rec["num_generated_tokens"] == len(rec["token_ids"]) == 30
+    assert tiny_loaded.tokenizer.decode(rec["token_ids"], skip_special_tokens=True) == rec["text"]
+    assert rec["num_target_forwards"] <= 30 and 0.0 <= rec["acceptance_rate"] <= 1.0
+    assert "loading target" in err  # status goes to stderr, not into the JSON stream
+
+
+def test_compare_baseline_matches_greedily(capsys, tiny_model_dir):
+    code, out, err = _run(capsys, "generate", "--target", str(tiny_model_dir), "--prompt", "once upon a time",
+                          "--max-new-tokens", "40", "--ignore-eos", "-k", "3", "--compare-baseline", "--json")
+    assert code == 0, err
+    (rec,) = _json_lines(out)
+    assert rec["matches_baseline"] is True
+    assert rec["baseline"]["token_ids"] == rec["token_ids"] and rec["baseline"]["text"] == rec["text"]
+    assert rec["baseline"]["tokens_per_s"] > 0 and rec["speedup"] > 0
+
+
+def test_generate_streams_text_then_metrics(capsys, tiny_model_dir):
+    code, out, err = _run(capsys, "generate", "--target", str(tiny_model_dir), "--prompt", "the cat and the dog",
+                          "--max-new-tokens", "25", "--ignore-eos", "--compare-baseline")
+    assert code == 0, err
+    code2, out2, _ = _run(capsys, "generate", "--target", str(tiny_model_dir), "--prompt", "the cat and the dog",
+                          "--max-new-tokens", "25", "--ignore-eos", "--json")
+    text = _json_lines(out2)[0]["text"]
+    assert text in out
+    for word in ("acceptance rate", "tau", "acceptance by position", "target forwards", "tokens/s", "speedup",
+                 "matches baseline: yes"):
+        assert word in out
+
+
+def test_stop_flag_cuts_the_output(capsys, tiny_model_dir):
+    argv = ["generate", "--target", str(tiny_model_dir), "--prompt", "the cat and the dog", "--max-new-tokens", "40",
+            "--ignore-eos", "--json"]
+    _, out, _ = _run(capsys, *argv)
+    full = _json_lines(out)[0]["text"]
+    stop = full[10:13]
+    code, out, err = _run(capsys, *argv, "--stop", stop, "--stop", "never-there")
+    assert code == 0, err
+    rec = _json_lines(out)[0]
+    assert rec["finish_reason"] == "stop" and full[: full.find(stop)].startswith(rec["text"])
+    assert rec["num_generated_tokens"] == len(rec["token_ids"]) < 40
+
+
+def test_dataset_prompts_use_the_chat_template_by_default(capsys, tiny_model_dir):
+    base = ["generate", "--target", str(tiny_model_dir), "--dataset", "spec-bench:writing:2", "--max-new-tokens", "8",
+            "--json"]
+    code, out, err = _run(capsys, *base)
+    assert code == 0, err
+    recs = _json_lines(out)
+    assert [r["prompt_id"] for r in recs] == ["spec-bench/81", "spec-bench/82"]
+    assert all(r["chat"] and r["category"] == "writing" for r in recs)
+    code, out, err = _run(capsys, *base[:-3], "--dataset", "spec-bench:writing:1", "--max-new-tokens", "8", "--json",
+                          "--no-chat")
+    assert code == 0, err
+    assert _json_lines(out)[0]["chat"] is False
+
+
+def test_several_prompts_print_an_aggregate(capsys, tiny_model_dir):
+    code, out, err = _run(capsys, "generate", "--target", str(tiny_model_dir), "--dataset", "spec-bench:writing:2",
+                          "--max-new-tokens", "8", "--ignore-eos", "--compare-baseline")
+    assert code == 0, err
+    assert "median" in out and "2 prompts" in out and "2/2" in out
+
+
+def test_default_prompt_is_the_first_spec_bench_summarization_question():
+    args = cli.build_parser().parse_args(["generate"])
+    (job,) = cli._read_jobs(args)
+    assert args.target == "smollm2-135m" and args.draft == "ngram"
+    assert job.id == "spec-bench/241" and job.category == "summarization" and job.chat_default
+    assert job.text.startswith("Summarize:")
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["--target", "/nonexistent/model/dir"], "no such file or directory"),
+        (["--temperature", "-1"], "temperature"),
+        (["--top-p", "1.5"], "top_p"),
+        (["--temperature", "hot"], "invalid float value"),
+        (["-k", "-1"], "num_speculative_tokens"),
+        (["--prompt-file", "/nonexistent/prompt.txt"], "prompt file not found"),
+        (["--prompt", "a" * 300], "exceeds the model's context"),
+        (["--prompt", "x", "--dataset", "gsm8k:1"], "not allowed with"),
+        (["--dataset", "nope:3"], "unknown dataset"),
+        (["--dataset", "gsm8k:0"], "positive integer"),
+        (["--ngram-min", "4", "--ngram-max", "2"], "min_ngram"),
+        (["--stop", ""], "stop strings"),
+        (["--dtype", "int3"], "invalid choice"),
+    ],
+)
+def test_bad_inputs_exit_2_with_one_error_line(capsys, tiny_model_dir, argv, needle):
+    full = ["generate", "--max-new-tokens", "4", *argv]
+    if "--target" not in argv:
+        full += ["--target", str(tiny_model_dir)]
+    if not {"--prompt", "--prompt-file", "--dataset"} & set(argv):
+        full += ["--prompt", "hello"]
+    code, out, err = _run(capsys, *full)
+    assert code == 2
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and needle in errors[0], err
+    assert "Traceback" not in err and out == ""
+
+
+def test_help_in_process(capsys):
+    code, out, _ = _run(capsys, "generate", "--help")
+    assert code == 0
+    for flag in ("--target", "--draft", "--prompt", "--prompt-file", "--dataset", "--chat", "--max-new-tokens",
+                 "--temperature", "--top-k", "--top-p", "--seed", "--num-speculative-tokens", "--ngram-min",
+                 "--ngram-max", "--stop", "--ignore-eos", "--compare-baseline", "--json", "--cache-dir", "--dtype"):
+        assert flag in out
+    assert cli.main([]) == 2
+    assert "choose a command" in capsys.readouterr().err
+
+
+def test_help_as_a_subprocess():
+    exe = shutil.which("specdecode") or str(Path(sys.executable).parent / "specdecode")
+    cmd = [exe, "--help"] if Path(exe).exists() else [sys.executable, "-m", "specdecode.cli", "--help"]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "generate" in result.stdout and "speculative" in result.stdout

@@ -1,0 +1,242 @@
+"""The text-level API: encoding, greedy equality with plain decoding, stop strings, streaming.
+
+Runs on the tiny random Llama of ``conftest.py`` (float64, so greedy ties cannot flip
+between a batched verification pass and one-token decoding).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import make_tiny_tokenizer, save_tiny_model_dir
+from specdecode.generator import SpecDecoder, TextTracker
+from specdecode.models import IncompatibleTokenizerError, LoadedModel, load_model
+from specdecode.proposers import DraftModelProposer, NgramConfig, NgramProposer
+from specdecode.types import EmptyPromptError, InvalidSamplingParams, PromptTooLongError, SpecDecodeError
+
+PROMPTS = ["the cat and the dog", "once upon a time, in a land far away", "def f(x): return x"]
+
+
+@pytest.fixture
+def ngram(tiny_loaded) -> SpecDecoder:
+    return SpecDecoder(tiny_loaded, NgramProposer(NgramConfig(1, 3)), num_speculative_tokens=4)
+
+
+def _reference(decoder: SpecDecoder, prompt: str, n: int = 60):
+    """Greedy plain-decoding output with EOS ignored: the text every other run is checked against."""
+    return decoder.plain().generate(prompt, max_new_tokens=n, ignore_eos=True)
+
+
+# Encoding -------------------------------------------------------------------------
+
+
+def test_encode_plain_chat_and_empty(ngram):
+    assert ngram.decode(ngram.encode("the cat")) == "the cat"
+    chat = ngram.encode("hi", chat=True)
+    assert chat[0] == ngram.tokenizer.bos_token_id
+    assert ngram.decode(chat) == "user: hi\nassistant: "  # BOS is special: not in the text
+    assert ngram.encode("") == [ngram.tokenizer.bos_token_id]
+    out = ngram.generate("", max_new_tokens=5, ignore_eos=True)
+    assert out.prompt_token_ids == [ngram.tokenizer.bos_token_id] and len(out.token_ids) == 5
+
+
+def test_empty_prompt_without_bos_is_a_clear_error(tiny_loaded):
+    no_bos = LoadedModel(tiny_loaded.model, make_tiny_tokenizer(with_bos=False, chat_template=None), "no-bos", "mem")
+    dec = SpecDecoder(no_bos)
+    with pytest.raises(EmptyPromptError, match="empty"):
+        dec.generate("")
+    with pytest.raises(SpecDecodeError, match="no chat template"):
+        dec.encode("hi", chat=True)
+
+
+def test_bad_inputs_raise_specdecode_errors(ngram):
+    with pytest.raises(InvalidSamplingParams):
+        ngram.generate("a", temperature=-1)
+    with pytest.raises(InvalidSamplingParams):
+        ngram.generate("a", top_p=1.5)
+    with pytest.raises(InvalidSamplingParams):
+        ngram.generate("a", stop=[""])
+    with pytest.raises(PromptTooLongError):
+        ngram.generate("a" * 300)
+    with pytest.raises(SpecDecodeError):
+        SpecDecoder(ngram.target, None, num_speculative_tokens=-1)
+
+
+# Losslessness through the text API -------------------------------------------------
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_plain_equals_speculative_greedily(tiny_loaded, prompt):
+    ref = _reference(SpecDecoder(tiny_loaded), prompt)
+    for proposer in (NgramProposer(NgramConfig(1, 3)), DraftModelProposer(tiny_loaded.model)):
+        dec = SpecDecoder(tiny_loaded, proposer, num_speculative_tokens=3)
+        out = dec.generate(prompt, max_new_tokens=60, ignore_eos=True)
+        assert out.token_ids == ref.token_ids
+        assert out.text == ref.text == dec.decode(out.token_ids)
+        assert out.finish_reason == "length" and out.metrics.num_generated_tokens == 60
+
+
+def test_draft_equal_to_target_accepts_everything(tiny_loaded):
+    dec = SpecDecoder(tiny_loaded, DraftModelProposer(tiny_loaded.model), num_speculative_tokens=4)
+    m = dec.generate(PROMPTS[0], max_new_tokens=41, ignore_eos=True).metrics
+    assert m.acceptance_rate == 1.0 and m.mean_accepted_length == 5.0
+
+
+def test_sampling_is_reproducible_with_a_seed(ngram):
+    a = ngram.generate(PROMPTS[1], max_new_tokens=30, temperature=0.8, top_p=0.9, seed=7)
+    b = ngram.generate(PROMPTS[1], max_new_tokens=30, temperature=0.8, top_p=0.9, seed=7)
+    assert a.token_ids == b.token_ids and a.text == b.text
+
+
+def test_eos_ends_generation_with_finish_reason_stop(tiny_model_dir):
+    loaded = load_model(str(tiny_model_dir), progress=False)
+    loaded.model.to(torch.float64)
+    ref = _reference(SpecDecoder(loaded), PROMPTS[0], 30)
+    eos = ref.token_ids[7]
+    loaded.model.generation_config.eos_token_id = eos
+    out = SpecDecoder(loaded, NgramProposer()).generate(PROMPTS[0], max_new_tokens=30)
+    first = ref.token_ids.index(eos)
+    assert out.finish_reason == "stop" and out.token_ids == ref.token_ids[: first + 1]
+
+
+# Stop strings ----------------------------------------------------------------------
+
+
+def _check_stopped(dec: SpecDecoder, ref, stop: str, pieces: list[str], out) -> None:
+    """The contract of a stop: cut before it, ids consistent with the text, stream == text."""
+    cut = ref.text.find(stop)
+    assert cut >= 0
+    assert out.finish_reason == "stop" and out.stop_string == stop
+    assert dec.decode(out.token_ids) == out.text
+    assert ref.text[:cut].startswith(out.text)
+    assert out.token_ids == ref.token_ids[: len(out.token_ids)]
+    # the longest such prefix: one more token's text would no longer be a prefix of the text before the stop
+    longer = dec.decode(ref.token_ids[: len(out.token_ids) + 1])
+    assert len(out.token_ids) == len(ref.token_ids) or not ref.text[:cut].startswith(longer)
+    assert stop not in out.text
+    assert "".join(pieces) == out.text
+    assert out.metrics.num_generated_tokens == len(out.token_ids)
+
+
+def test_stop_string_cuts_text_and_tokens(ngram):
+    ref = _reference(ngram, PROMPTS[1])
+    for start, length in ((12, 3), (25, 1), (3, 5)):
+        stop = ref.text[start : start + length]
+        pieces: list[str] = []
+        out = ngram.generate(PROMPTS[1], max_new_tokens=60, ignore_eos=True, stop=[stop], on_text=pieces.append)
+        _check_stopped(ngram, ref, stop, pieces, out)
+
+
+def test_earliest_of_several_stop_strings_wins(ngram):
+    ref = _reference(ngram, PROMPTS[0])
+    late, early = ref.text[30:33], ref.text[10:12]
+    out = ngram.generate(PROMPTS[0], max_new_tokens=60, ignore_eos=True, stop=[late, early])
+    assert out.stop_string == min((late, early), key=ref.text.find)
+
+
+def test_stop_string_spanning_two_engine_steps(ngram):
+    prompt = PROMPTS[0]
+    ids = ngram.encode(prompt)
+    from specdecode.types import SamplingParams
+
+    params = SamplingParams(max_new_tokens=60, ignore_eos=True, eos_token_ids=ngram.target.eos_token_ids)
+    steps = [s.token_ids for s in ngram.engine.stream(ids, params)]
+    generated = [t for s in steps for t in s]
+    text = ngram.decode(generated)
+    boundaries, n = [], 0  # character offsets where a step that committed several tokens begins
+    for prev, nxt in zip(steps, steps[1:]):
+        n += len(prev)
+        if len(nxt) > 1:
+            boundaries.append(len(ngram.decode(generated[:n])))
+    assert len(boundaries) >= 3, "the n-gram drafter should commit several tokens per step"
+    stop = next(  # 2 characters before such a boundary, 2..4 after; its first occurrence in the text
+        text[c - 2 : c + w]
+        for c in boundaries for w in (2, 3, 4)
+        if c >= 2 and c + w <= len(text) and text.find(text[c - 2 : c + w]) == c - 2
+    )
+    ref = _reference(ngram, prompt)
+    assert ref.token_ids == generated
+    pieces: list[str] = []
+    out = ngram.generate(prompt, max_new_tokens=60, ignore_eos=True, stop=[stop], on_text=pieces.append)
+    _check_stopped(ngram, ref, stop, pieces, out)
+    assert out.metrics.num_drafted_tokens > 0
+
+
+def test_streaming_pieces_concatenate_to_the_text(ngram):
+    for stop in (None, ["\n"], ["and", "x"]):
+        pieces: list[str] = []
+        out = ngram.generate(PROMPTS[2], max_new_tokens=50, ignore_eos=True, stop=stop, on_text=pieces.append)
+        assert "".join(pieces) == out.text
+        assert all(pieces)
+
+
+# The tracker on its own (fake decoders) ---------------------------------------------
+
+
+def _bytes_decode(ids) -> str:
+    return bytes(ids).decode("utf-8", errors="replace")
+
+
+def test_tracker_holds_back_incomplete_utf8():
+    tracker = TextTracker(_bytes_decode)
+    e_acute = list("é".encode())
+    assert tracker.add(list(b"caf")) == "caf"
+    assert tracker.add(e_acute[:1]) == ""  # half a character: "\ufffd" is not shown
+    assert tracker.add(e_acute[1:]) == "é"
+    assert tracker.finish() == ""
+    assert tracker.text == "café"
+
+
+def test_tracker_holds_back_a_partial_stop_string_then_releases_it():
+    tracker = TextTracker(_bytes_decode, ["END"])
+    assert tracker.add(list(b"abcE")) == "abc"
+    assert tracker.add(list(b"N")) == ""
+    assert tracker.add(list(b"o")) == "ENo"
+    assert tracker.stop_string is None
+
+
+def test_tracker_stop_spanning_adds_cuts_ids():
+    tracker = TextTracker(_bytes_decode, ["END"])
+    shown = tracker.add(list(b"abcEN")) + tracker.add(list(b"Dxyz"))
+    assert tracker.stop_string == "END"
+    assert tracker.ids == list(b"abc") and tracker.text == "abc" == shown
+
+
+def test_tracker_stop_inside_a_token_drops_the_whole_token():
+    vocab = ["ab", "cd", "ef"]
+
+    def decode(ids):
+        return "".join(vocab[i] for i in ids)
+
+    tracker = TextTracker(decode, ["bc"])
+    shown = tracker.add([0])  # "ab": "b" could start the stop string; "a" is mid-token, so nothing shows
+    shown += tracker.add([1, 2])
+    assert tracker.stop_string == "bc"
+    assert tracker.ids == [] and tracker.text == "" == shown
+
+
+# from_pretrained ---------------------------------------------------------------------
+
+
+def test_from_pretrained_draft_kinds(tiny_model_dir):
+    spec = str(tiny_model_dir)
+    plain = SpecDecoder.from_pretrained(spec, None, progress=False)
+    assert plain.proposer is None
+    assert SpecDecoder.from_pretrained(spec, "none", progress=False).proposer is None
+    ngram = SpecDecoder.from_pretrained(spec, "ngram", ngram_min=2, ngram_max=4, progress=False)
+    assert isinstance(ngram.proposer, NgramProposer) and ngram.proposer.config == NgramConfig(2, 4)
+    self_draft = SpecDecoder.from_pretrained(spec, spec, num_speculative_tokens=3, progress=False)
+    assert isinstance(self_draft.proposer, DraftModelProposer) and self_draft.draft is not None
+    assert self_draft.plain().proposer is None
+    with pytest.raises(SpecDecodeError):
+        SpecDecoder.from_pretrained(spec, "ngram", ngram_min=3, ngram_max=1, progress=False)
+
+
+def test_from_pretrained_refuses_a_draft_with_another_tokenizer(tiny_model_dir, tmp_path):
+    other = save_tiny_model_dir(tmp_path / "other", seed=1)
+    tok = make_tiny_tokenizer()
+    tok.add_tokens(["zzz"])
+    tok.save_pretrained(other)
+    with pytest.raises(IncompatibleTokenizerError):
+        SpecDecoder.from_pretrained(str(tiny_model_dir), str(other), progress=False)
