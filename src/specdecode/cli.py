@@ -63,7 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
         ),
         epilog=(
             "commands:\n"
-            "  generate   generate text for a prompt or a prompt set and report the metrics\n\n"
+            "  generate   generate text for a prompt or a prompt set and report the metrics\n"
+            "  bench      benchmark every method against plain decoding and Hugging Face (Spec-Bench style)\n\n"
             "Run 'specdecode generate' with no flags for a demo on SmolLM2-135M-Instruct with the\n"
             "n-gram (prompt lookup) drafter. 'specdecode COMMAND --help' explains each command."
         ),
@@ -71,6 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"specdecode {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     _add_generate(commands)
+    _add_bench(commands)
     return parser
 
 
@@ -162,6 +164,30 @@ def _add_generate(commands) -> None:
     output.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
                         help="first run a 2-token generation (not reported) so one-time start-up costs do not land "
                              "in the first prompt's timings (default: on)")
+
+
+def _add_bench(commands) -> None:
+    from specdecode.bench import add_arguments
+
+    p = commands.add_parser(
+        "bench",
+        help="benchmark methods x prompt sets against plain decoding and Hugging Face generate",
+        formatter_class=_HelpFormatter,
+        description=(
+            "Spec-Bench-style benchmark: every method (each proposer at its gamma) on every prompt, interleaved\n"
+            "with plain decoding and Hugging Face's assisted / prompt-lookup generate, with the cost model's\n"
+            "predictions. Writes report.md, report.json and plots under --output; a rerun resumes."
+        ),
+    )
+    add_arguments(p)
+    p.set_defaults(func=cmd_bench)
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    """``specdecode bench``: run (or resume) the benchmark and print the Markdown report (specdecode.bench)."""
+    from specdecode.bench import run_command
+
+    return run_command(args)
 
 
 # --------------------------------------------------------------------------- entry point

@@ -1,0 +1,121 @@
+"""``specdecode bench``: a Spec-Bench-style benchmark of every method against plain decoding and the HF peer.
+
+Modules: ``runner`` (the matrix, resume), ``peer`` (transformers' generate), ``theory``
+(Leviathan et al. 2023 cost model), ``summary`` (figures from records), ``report``
+(Markdown / JSON / PNG), ``env`` (machine facts), ``smoke`` (tiny models for CI).
+
+This module stays light (argparse only): the CLI builds its parser without importing torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+PRESETS = ("full", "quick", "smoke")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The ``specdecode bench`` flags. Unset flags (None) take the preset's value."""
+    p.add_argument("--quick", action="store_const", dest="preset", const="quick",
+                   help="preset: a few minutes on SmolLM2-135M (n-gram, gamma 2 and 4, 2 prompts of 3 Spec-Bench "
+                        "categories, 48 new tokens)")
+    p.add_argument("--smoke", action="store_const", dest="preset", const="smoke",
+                   help="preset: seconds on tiny random models built in code (what CI runs)")
+    p.add_argument("--target", metavar="SPEC", help="target model spec (default: smollm2-135m)")
+    p.add_argument("--draft", metavar="SPEC",
+                   help="draft model for methods that take one (draft-model); without it they are skipped "
+                        "unless named with model=SPEC")
+    p.add_argument("--methods", metavar="LIST",
+                   help="method specs separated by ';' (options use commas), e.g. "
+                        "'ngram:k=5,max_ngram=4;draft-model:k=4'; default: every registered proposer. A method is "
+                        "NAME[:k=GAMMA,OPTION=VALUE,...]: NAME from the proposer registry, OPTION a field of its config")
+    p.add_argument("--method", action="append", metavar="SPEC", dest="method_list",
+                   help="one method spec (repeatable), e.g. --method ngram:k=5 --method draft-model:k=4")
+    p.add_argument("--dataset", action="append", metavar="SET", dest="datasets",
+                   help="prompt set (repeatable or comma-separated): spec-bench, spec-bench:CATEGORY, humaneval, "
+                        "mt-bench, gsm8k (default: all four)")
+    p.add_argument("--limit", type=int, metavar="N", help="prompts per category (default: 5)")
+    p.add_argument("--max-new-tokens", type=int, metavar="N", help="new tokens per prompt (default: 128)")
+    p.add_argument("--temperature", type=float, metavar="T",
+                   help="0 = greedy (default; outputs are checked against plain decoding and HF); > 0 samples")
+    p.add_argument("--seed", type=int, metavar="N", help="base seed; prompt i uses seed + i (default: 0)")
+    p.add_argument("--gamma", type=int, metavar="G", help="draft length of methods without k= (default: 4)")
+    p.add_argument("--gammas", metavar="LIST",
+                   help="gamma sweep, e.g. 1,2,4,8: every method also runs at each (tau / speedup against gamma, "
+                        "best gamma measured and predicted)")
+    p.add_argument("--peer", action=argparse.BooleanOptionalAction, default=None,
+                   help="also run Hugging Face generate: plain, assisted (draft-model), prompt lookup (ngram) "
+                        "(default: on)")
+    p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
+                   help="chat template on chat prompts when the model has one (default: on; HumanEval never)")
+    p.add_argument("--probe", action=argparse.BooleanOptionalAction, default=None,
+                   help="time target forwards of k+1 tokens, T_verify(k), for the cost model (default: on)")
+    p.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=None,
+                   help="one unrecorded short run per variant first (default: on)")
+    p.add_argument("--dtype", metavar="DTYPE", help="float32 (default), bfloat16, float16")
+    p.add_argument("--kernel", choices=("default", "small-row"),
+                   help="linear-layer execution: default (HF as shipped) or small-row (W @ x.T for few rows, "
+                        "specdecode.kernels; applied to target and drafts, so the HF peer gets it too)")
+    p.add_argument("--threads", type=int, metavar="N", help="torch threads (default: torch's)")
+    p.add_argument("--output", metavar="DIR",
+                   help="report directory; rerunning with the same directory resumes (default: bench-out/PRESET)")
+    p.add_argument("--report-only", action="store_true",
+                   help="rebuild report.md / report.json / plots from DIR's records without running anything")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def config_from_args(args: argparse.Namespace):
+    """A BenchConfig: the preset's values, overridden by every flag the user gave.
+
+    Raises:
+        SpecDecodeError: malformed lists, out-of-range numbers.
+    """
+    from specdecode.bench.runner import BenchConfig, quick_config, smoke_config
+    from specdecode.types import SpecDecodeError
+
+    preset = args.preset or "full"
+    over: dict = {}
+    for name in ("target", "draft", "limit", "max_new_tokens", "temperature", "seed", "gamma", "peer", "chat",
+                 "probe", "warmup", "dtype", "kernel", "threads", "output"):
+        value = getattr(args, name, None)
+        if value is not None:
+            over[name] = value
+    methods = [m for m in (args.methods or "").split(";") if m.strip()] + list(args.method_list or [])
+    if methods:
+        over["methods"] = tuple(m.strip() for m in methods)
+    if args.datasets:
+        over["datasets"] = tuple(d.strip() for item in args.datasets for d in item.split(",") if d.strip())
+    if args.gammas:
+        try:
+            over["gammas"] = tuple(int(g) for g in args.gammas.split(",") if g.strip())
+        except ValueError:
+            raise SpecDecodeError(f"--gammas must be integers separated by commas, got {args.gammas!r}") from None
+    factory = {"quick": quick_config, "smoke": smoke_config}.get(preset)
+    if factory is not None:
+        return factory(**over)
+    return BenchConfig(**{"output": "bench-out/full", **over})
+
+
+def run_command(args: argparse.Namespace) -> int:
+    """Entry point of ``specdecode bench`` (called by ``specdecode.cli``); returns the exit status."""
+    from pathlib import Path
+
+    from specdecode.bench import report
+    from specdecode.bench.runner import run_bench
+    from specdecode.types import SpecDecodeError
+
+    if args.report_only:
+        out = Path(args.output or f"bench-out/{args.preset or 'full'}")
+        try:
+            report.rebuild(out)
+        except FileNotFoundError:
+            raise SpecDecodeError(f"{out} holds no benchmark run (no run.json); run the benchmark first") from None
+        print((out / report.REPORT_MD).read_text(encoding="utf-8"))
+        return 0
+    config = config_from_args(args)
+    run_bench(config, progress=not args.no_progress)
+    print((Path(config.output) / report.REPORT_MD).read_text(encoding="utf-8"))
+    return 0
+
+
+__all__ = ["PRESETS", "add_arguments", "config_from_args", "run_command"]

@@ -1,0 +1,398 @@
+"""Reports of a benchmark run: Markdown (Spec-Bench leaderboard layout), JSON (every raw figure), PNG plots.
+
+``write_reports`` is called by the runner after (and during an interrupted) run; it can
+also rebuild the reports of an output directory from its ``records.jsonl`` alone
+(``specdecode bench --report-only``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from pathlib import Path
+
+from specdecode.bench import summary as S
+
+REPORT_MD = "report.md"
+REPORT_JSON = "report.json"
+META_JSON = "run.json"
+PLOTS = ("speedup_by_category.png", "acceptance_by_position.png", "gamma_sweep.png")
+
+
+# --------------------------------------------------------------------------- labels and numbers
+
+
+def label(variant: dict) -> str:
+    """A row label: 'ngram γ=4', 'draft-model γ=4 (qwen2.5-coder-0.5b)', 'HF assisted γ=4 (...)', 'plain'."""
+    engine, method, gamma = variant["engine"], variant["method"], variant["gamma"]
+    if method == "plain":
+        return "HF plain generate" if engine == "hf" else "plain (specdecode)"
+    extra = variant["family"].split(":", 1)[1] if ":" in variant["family"] and engine == "specdecode" else ""
+    extra = ",".join(p for p in extra.split(",") if p and not p.startswith("model="))
+    name = f"HF {method}" if engine == "hf" else method
+    text = f"{name} γ={gamma}" + (f" [{extra}]" if extra else "")
+    return text + (f" ({variant['draft']})" if variant.get("draft") else "")
+
+
+def fx(x: float | None, digits: int = 2) -> str:
+    """'1.23×' or '–'."""
+    return "–" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{digits}f}×"
+
+
+def fn(x: float | None, digits: int = 2) -> str:
+    return "–" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{digits}f}"
+
+
+def fp(x: float | None) -> str:
+    return "–" if x is None else f"{100 * x:.0f}%"
+
+
+def _table(header: Sequence[str], rows: Sequence[Sequence[str]], align: str | None = None) -> str:
+    align = align or "l" + "r" * (len(header) - 1)
+    sep = ["---:" if a == "r" else "---" for a in align]
+    lines = ["| " + " | ".join(header) + " |", "| " + " | ".join(sep) + " |"]
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- markdown
+
+
+def leaderboard_table(summary: dict, variants: dict[str, dict]) -> str:
+    """Methods as rows; categories, tau and overall speedup as columns (Spec-Bench's leaderboard layout)."""
+    cats = summary["categories"]
+    header = ["Method", *cats, "τ", "Overall"]
+    rows = []
+    for key in summary["leaderboard"]:
+        cells = summary["cells"][key]
+        tau = (cells[S.OVERALL].get("metrics") or {}).get("tau")
+        rows.append([label(variants[key]), *[fx((cells[c]["speedup"] or {}).get("median")) for c in cats],
+                     fn(tau), fx((cells[S.OVERALL]["speedup"] or {}).get("median"))])
+    return _table(header, rows)
+
+
+def details_table(summary: dict, variants: dict[str, dict]) -> str:
+    header = ["Method", "speedup median [q1, q3]", "throughput ratio", "decode speedup", "tok/s", "τ",
+              "acceptance", "mean γ", "prefill / draft / verify / other", "outputs = plain"]
+    checked = (summary.get("agreement") or {}).get("checked", {})
+    bad: dict[str, int] = {}
+    for m in (summary.get("agreement") or {}).get("mismatches", []):
+        if m["reference"] == S.OURS_PLAIN:
+            bad[m["variant"]] = bad.get(m["variant"], 0) + 1
+    rows = []
+    for key, v in variants.items():
+        c = summary["cells"][key][S.OVERALL]
+        sp = c["speedup"] or {}
+        m = c.get("metrics") or {}
+        split = m.get("time_split")
+        split_s = " / ".join(fp(split[k]) for k in ("prefill", "draft", "verify", "other")) if split else "–"
+        agree = (f"{checked[key] - bad.get(key, 0)}/{checked[key]}" if key in checked else "–")
+        rows.append([label(v), f"{fx(sp.get('median'))} [{fn(sp.get('q1'))}, {fn(sp.get('q3'))}]",
+                     fx(c["throughput_ratio"]), fx(c["decode_speedup"]), fn(c["tokens_per_s"], 1),
+                     fn(m.get("tau")) if m and v["gamma"] else "–",
+                     fp(m.get("acceptance_rate")) if m and v["gamma"] else "–",
+                     fn(m.get("mean_draft_length"), 1) if m and v["gamma"] else "–", split_s, agree])
+    return _table(header, rows)
+
+
+def acceptance_table(summary: dict, variants: dict[str, dict]) -> str:
+    rows, width = [], 0
+    for key, v in variants.items():
+        m = summary["cells"][key][S.OVERALL].get("metrics") or {}
+        if v["engine"] == "specdecode" and v["gamma"] and m.get("survival"):
+            rows.append((label(v), m["survival"], m["conditional_acceptance"]))
+            width = max(width, len(m["survival"]))
+    if not rows:
+        return "_No speculative runs yet._"
+    header = ["Method", *[str(i + 1) for i in range(width)]]
+    body = [[name, *[f"{fp(s[i])} ({fp(r[i])})" if i < len(s) else "" for i in range(width)]]
+            for name, s, r in rows]
+    return _table(header, body)
+
+
+def theory_table(summary: dict, variants: dict[str, dict]) -> str:
+    header = ["Method", "α (i.i.d. eq.)", "E[tokens] pred.", "τ meas.", "c = T_draft/T_decode",
+              "T_verify(γ)/T_decode probe / run", "ideal", "Leviathan", "overhead-aware", "measured (decode)",
+              "efficiency", "best γ (i.i.d.)"]
+    rows = []
+    for key, p in summary["predictions"].items():
+        rows.append([label(variants[key]), fn(p["alpha_iid"]), fn(p["expected_tokens"]), fn(p["measured_tau"]),
+                     fn(p["c"], 3), f"{fn(p['verify_ratio_probe'])} / {fn(p['verify_ratio_run'])}",
+                     fx(p["ideal_speedup"]), fx(p["leviathan_speedup"]), fx(p["overhead_aware_speedup"]),
+                     fx(p["measured_decode_speedup"]), fp(p["efficiency"]), str(p["best_gamma_iid"])])
+    return _table(header, rows) if rows else "_No speculative runs yet._"
+
+
+def sweep_section(summary: dict) -> str:
+    parts = []
+    for fam, sw in summary["sweeps"].items():
+        pred_tau = dict(zip(sw["curve_gammas"], sw.get("predicted_tau", [])))
+        pred_sp = dict(zip(sw["curve_gammas"], sw.get("predicted_speedup", [])))
+        rows = [[str(g), fn(t), fn(pred_tau.get(g)), fx(ds), fx(pred_sp.get(g)), fx(ms)]
+                for g, t, ds, ms in zip(sw["gammas"], sw["measured_tau"], sw["measured_decode_speedup"],
+                                        sw["measured_median_speedup"])]
+        parts.append(f"**{fam}**\n\n" + _table(["γ", "τ measured", "τ predicted", "decode speedup measured",
+                                                "predicted", "median wall speedup"], rows))
+        best_p, best_s = sw.get("best_gamma_predicted"), sw.get("best_gamma_predicted_speedup")
+        if best_p is None:
+            pred = "–"
+        elif best_p == 0:
+            pred = f"**0**, i.e. do not speculate (no γ in 1..{sw['curve_gammas'][-1]} beats plain; best {fx(best_s)})"
+        else:
+            pred = f"**{best_p}** ({fx(best_s)}, over γ = 1..{sw['curve_gammas'][-1]})"
+        parts.append(f"Best γ predicted by the cost model: {pred}; best γ of the sweep {sw['gammas']} "
+                     f"(measured decode speedup): **{sw.get('best_gamma_measured', '–')}**.")
+    return "\n\n".join(parts) if parts else "_No sweep._"
+
+
+def peer_section(summary: dict, variants: dict[str, dict]) -> str:
+    parts = []
+    pv = summary.get("plain_vs_hf")
+    if pv:
+        parts.append(f"Plain decoding: ours {fn(pv['ours_tokens_per_s'], 2)} tok/s, HF `generate` "
+                     f"{fn(pv['hf_tokens_per_s'], 2)} tok/s (ours / HF = {fx(pv['ratio'])}).")
+    if summary["peers"]:
+        cats = [*summary["categories"], S.OVERALL]
+        rows = []
+        for row in summary["peers"]:
+            rc = row["categories"]
+            rows.append([label(variants[row["ours"]]), label(variants[row["hf"]]),
+                         *[f"{fx(rc[c]['ours_speedup'])} / {fx(rc[c]['hf_speedup'])} = {fn(rc[c]['ratio'])}"
+                           for c in cats],
+                         f"{fn(rc[S.OVERALL]['ours_tokens_per_s'], 2)} / {fn(rc[S.OVERALL]['hf_tokens_per_s'], 2)}"])
+        parts.append("Cells: our speedup over our plain / HF's speedup over HF plain = ratio (> 1: ours gains more).")
+        parts.append(_table(["Ours", "HF peer", *cats, "tok/s ours / HF"], rows))
+    return "\n\n".join(parts) if parts else "_No peer runs._"
+
+
+def agreement_section(summary: dict) -> str:
+    ag = summary.get("agreement")
+    if ag is None:
+        return "_Sampling run (temperature > 0): outputs are not expected to be equal; not checked._"
+    n = sum(ag["checked"].values())
+    mm = ag["mismatches"]
+    if not mm:
+        return f"All {n} greedy outputs equal our plain decoding's (and HF peers' equal HF plain's)."
+    rows = [[m["variant"], m["prompt"], m["reference"], str(m["first_diff"]), f"{m['tokens']} / {m['reference_tokens']}"]
+            for m in mm]
+    return (f"{len(mm)} mismatch(es) among {n} checked outputs (first differing token position; real models "
+            f"can flip near-ties between batched verification and one-token decoding):\n\n"
+            + _table(["variant", "prompt", "reference", "first diff", "tokens / reference"], rows))
+
+
+def probe_section(summary: dict) -> str:
+    pr = summary["probe"]
+    if not pr.get("target_forward_s"):
+        return "_Not measured (--no-probe)._"
+    ks = sorted(pr["target_forward_s"], key=int)
+    rows = [[str(k), f"{1000 * pr['target_forward_s'][k]:.1f}", fn(pr["verify_ratio"][str(k)])] for k in ks]
+    text = _table(["k (draft tokens)", "T_verify(k) ms (k+1 tokens)", "T_verify(k) / T_decode(1)"], rows)
+    drafts = pr.get("draft_forward_s") or {}
+    if drafts:
+        text += "\n\n" + "; ".join(f"draft `{m}`: one step {1000 * t:.1f} ms" for m, t in drafts.items() if t)
+    return text
+
+
+def env_section(meta: dict) -> str:
+    env, cfg, models = meta["environment"], meta["config"], meta["models"]
+    rows = [["date (UTC)", env["date"]], ["CPU", f"{env['cpu_model']} ({', '.join(env['cpu_flags'])})"],
+            ["cores / torch threads", f"{env['usable_cores']} / {env['torch_threads']}"],
+            ["memory", f"{env['memory_gib']} GiB"],
+            ["software", f"torch {env['torch']}, transformers {env['transformers']}, Python {env['python']}, "
+                         f"specdecode {env['specdecode']} ({env['git_commit']})"]]
+    t = models["target"]
+    rows.append(["target", f"`{t['name']}` {t['architecture']}, {t['parameters'] / 1e6:.1f}M params, {t['dtype']}, "
+                           f"sha256 `{t['sha256']}`"])
+    for name, d in models["drafts"].items():
+        rows.append(["draft", f"`{name}` {d['architecture']}, {d['parameters'] / 1e6:.1f}M params, {d['dtype']}, "
+                              f"sha256 `{d['sha256']}`"])
+    rows += [["decoding", f"{'greedy' if cfg['temperature'] == 0 else 'temperature ' + str(cfg['temperature'])}, "
+                          f"batch size 1, max {cfg['max_new_tokens']} new tokens, seed {cfg['seed']}"],
+             ["γ", f"{cfg['gamma']} (sweep: {cfg['gammas'] or 'none'})"],
+             ["linear kernels", cfg.get("kernel", "default")],
+             ["prompts", f"{', '.join(cfg['datasets'])}; limit {cfg['limit']} per category; chat template: "
+                         f"{'yes where the model has one' if cfg['chat'] else 'no'}"],
+             ["preset", cfg["preset"]]]
+    return _table(["", ""], rows, align="ll")
+
+
+def markdown(summary: dict, meta: dict) -> str:
+    """The whole Markdown report."""
+    variants = {v["key"]: v for v in meta["variants"]}
+    cfg, env = meta["config"], meta["environment"]
+    n_prompts = sum(summary["prompts_per_category"].values())
+    decoding = "greedy" if cfg["temperature"] == 0 else f"temperature {cfg['temperature']}"
+    head = (f"# specdecode bench: `{cfg['target']}`\n\n"
+            f"{n_prompts} prompts ({', '.join(f'{c} {n}' for c, n in summary['prompts_per_category'].items())}), "
+            f"{decoding}, batch size 1, max {cfg['max_new_tokens']} new tokens; {env['cpu_model']}, "
+            f"{env['usable_cores']} cores, {env['torch_threads']} torch threads; {env['date']}.")
+    sections = [
+        head,
+        "## Speedup over plain decoding\n\nMedian over prompts of the wall-clock speedup (tokens/s over plain "
+        "decoding of the same target, same prompt, same process, runs interleaved prompt by prompt; prefill "
+        "included). Our rows are over our plain decoding, HF rows over HF plain `generate`. τ = tokens per "
+        "target forward pass.\n\n" + leaderboard_table(summary, {**variants}),
+        "## Details (all prompts)\n\nThroughput ratio: pooled tokens/s over the baseline's; decode speedup: the "
+        "same after the first token (prefill taken out); time split of wall time.\n\n"
+        + details_table(summary, variants),
+        "## Acceptance by draft position\n\nP(draft tokens 1..i all kept | the draft reached position i), and in "
+        "brackets the conditional rate P(token i kept | tokens before it kept).\n\n"
+        + acceptance_table(summary, variants),
+        "## Theory vs measurement (Leviathan et al. 2023)\n\nFrom the measured per-position acceptance and "
+        "measured costs. Ideal = E[tokens per step] (free drafting, verification as cheap as one decoding step); "
+        "Leviathan = E[tokens] / (γc + 1), c = T_draft / T_decode(1) (verification assumed to cost one step); "
+        "overhead-aware = E[tokens] · T_plain / (γ·T_draft + T_verify(γ) + T_overhead), with T_verify(γ) from "
+        "the probe below and per-step overhead from the run. Efficiency = measured decode speedup / "
+        "overhead-aware prediction.\n\n" + theory_table(summary, variants),
+        "## τ and speedup against γ\n\n" + sweep_section(summary),
+        "## Against Hugging Face transformers\n\n" + peer_section(summary, variants),
+        "## Output agreement\n\n" + agreement_section(summary),
+        "## Cost of verification\n\nOne cached target forward over k + 1 new tokens at a typical context "
+        "(least of 3 timings), relative to one decoding step.\n\n" + probe_section(summary),
+        "## Environment\n\n" + env_section(meta),
+    ]
+    return "\n\n".join(sections) + "\n"
+
+
+# --------------------------------------------------------------------------- plots
+
+
+def plot_all(summary: dict, meta: dict, out: Path) -> list[Path]:
+    """Write the three PNG plots; returns their paths."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    variants = {v["key"]: v for v in meta["variants"]}
+    paths = [out / name for name in PLOTS]
+    _plot_speedups(plt, summary, variants, paths[0], meta["config"]["target"])
+    _plot_acceptance(plt, summary, variants, paths[1])
+    _plot_sweep(plt, summary, paths[2])
+    return paths
+
+
+def _plot_speedups(plt, summary, variants, path: Path, target: str) -> None:
+    cats = [*summary["categories"], S.OVERALL]
+    keys = summary["leaderboard"]
+    fig, ax = plt.subplots(figsize=(max(6, 1.1 * len(cats) * max(1, len(keys)) ** 0.5 + 3), 4.2))
+    width = 0.8 / max(1, len(keys))
+    for i, key in enumerate(keys):
+        meds, lo, hi = [], [], []
+        for c in cats:
+            sp = summary["cells"][key][c]["speedup"] or {}
+            m = sp.get("median", float("nan"))
+            meds.append(m)
+            lo.append(max(0.0, m - sp.get("q1", m)) if sp else 0.0)
+            hi.append(max(0.0, sp.get("q3", m) - m) if sp else 0.0)
+        xs = [j + (i - (len(keys) - 1) / 2) * width for j in range(len(cats))]
+        ax.bar(xs, meds, width, yerr=[lo, hi], capsize=2, label=label(variants[key]))
+    ax.axhline(1.0, color="black", lw=0.8, ls="--")
+    ax.set_xticks(range(len(cats)), cats, rotation=30, ha="right")
+    ax.set_ylabel("speedup over plain (median, IQR)")
+    ax.set_title(f"Speedup by category: {target}")
+    if keys:
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _plot_acceptance(plt, summary, variants, path: Path) -> None:
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for key, v in variants.items():
+        m = summary["cells"][key][S.OVERALL].get("metrics") or {}
+        if v["engine"] == "specdecode" and v["gamma"] and m.get("survival"):
+            ax.plot(range(1, len(m["survival"]) + 1), m["survival"], marker="o", label=label(v))
+    ax.xaxis.get_major_locator().set_params(integer=True)
+    ax.set_xlabel("draft position i")
+    ax.set_ylabel("P(tokens 1..i kept)")
+    ax.set_ylim(0, 1.02)
+    ax.set_title("Acceptance by draft position")
+    if ax.lines:
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _plot_sweep(plt, summary, path: Path) -> None:
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+    for i, (fam, sw) in enumerate(summary["sweeps"].items()):
+        color = f"C{i}"
+        ax1.plot(sw["gammas"], sw["measured_tau"], "o", color=color, label=f"{fam} measured")
+        ax2.plot(sw["gammas"], [x if x is not None else float("nan") for x in sw["measured_decode_speedup"]], "o",
+                 color=color, label=f"{fam} measured")
+        if sw.get("predicted_tau"):
+            ax1.plot(sw["curve_gammas"], sw["predicted_tau"], "-", color=color, alpha=0.7, label=f"{fam} predicted")
+            ax2.plot(sw["curve_gammas"], sw["predicted_speedup"], "-", color=color, alpha=0.7,
+                     label=f"{fam} predicted")
+    for ax in (ax1, ax2):
+        ax.xaxis.get_major_locator().set_params(integer=True)
+    ax1.set_xlabel("γ")
+    ax1.set_ylabel("τ (tokens per target forward)")
+    ax1.set_title("τ against γ")
+    ax2.axhline(1.0, color="black", lw=0.8, ls="--")
+    ax2.set_xlabel("γ")
+    ax2.set_ylabel("decode speedup over plain")
+    ax2.set_title("Speedup against γ (points: measured, lines: cost model)")
+    for ax in (ax1, ax2):
+        if ax.lines:
+            ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# --------------------------------------------------------------------------- files
+
+
+def build_meta(*, config, env: dict, models: dict, variants: list[dict], prompts: list[dict]) -> dict:
+    """Everything about the run but its records: config, environment, models, variants, prompts."""
+    import dataclasses
+
+    from specdecode.bench.runner import expand_methods, main_gamma_of
+
+    cfg = dataclasses.asdict(config) if dataclasses.is_dataclass(config) else dict(config)
+    main = main_gamma_of(expand_methods(config)) if dataclasses.is_dataclass(config) else {}
+    return {"config": {**cfg, "batch_size": 1, "settings_id": config.settings_id()}, "environment": env,
+            "models": models, "variants": variants, "prompts": prompts, "main_gammas": main}
+
+
+def write_reports(out: Path, *, config, env: dict, models: dict, variants: list[dict], prompts: list[dict],
+                  records: list[dict], probes: list[dict]) -> dict:
+    """Summarize and write report.md, report.json, run.json and the PNG plots into ``out``.
+
+    Returns:
+        The report.json content: {"environment", "config", "models", "variants", "prompts", "summary",
+        "probes", "records"}.
+    """
+    meta = build_meta(config=config, env=env, models=models, variants=variants, prompts=prompts)
+    return write_from_meta(Path(out), meta, records, probes)
+
+
+def write_from_meta(out: Path, meta: dict, records: list[dict], probes: list[dict]) -> dict:
+    """The reports from a run's metadata and records (also used by ``--report-only``)."""
+    summ = S.summarize(records, meta["variants"], meta["prompts"], probes, meta["config"]["target"],
+                       main_gammas=meta.get("main_gammas"), greedy=meta["config"]["temperature"] == 0)
+    (out / META_JSON).write_text(json.dumps(meta, indent=1), encoding="utf-8")
+    (out / REPORT_MD).write_text(markdown(summ, meta), encoding="utf-8")
+    plot_all(summ, meta, out)
+    result = {**meta, "summary": summ, "probes": probes, "records": records}
+    (out / REPORT_JSON).write_text(json.dumps(result, indent=1), encoding="utf-8")
+    return result
+
+
+def rebuild(out: Path) -> dict:
+    """Rewrite the reports of an output directory from run.json and records.jsonl (no model is loaded).
+
+    Raises:
+        FileNotFoundError: the directory has no run.json (no run was ever reported there).
+    """
+    from specdecode.bench.runner import RecordStore
+
+    out = Path(out)
+    meta = json.loads((out / META_JSON).read_text(encoding="utf-8"))
+    store = RecordStore(out, meta["config"]["settings_id"])
+    return write_from_meta(out, meta, store.of_kind("run"), store.of_kind("probe"))

@@ -1,0 +1,837 @@
+"""The benchmark matrix: methods x prompts on one target, with plain decoding and the HF peer interleaved.
+
+For every prompt, every variant runs back to back in the same process (the order
+rotates from prompt to prompt), so the machine's drift hits all of them alike:
+
+- ``specdecode/plain``: our engine with no proposer (the baseline of our speedups);
+- ``specdecode/<method>``: our engine with a proposer, one per method spec and gamma;
+- ``hf/plain``, ``hf/assisted``, ``hf/prompt-lookup``: transformers' ``generate`` (peer.py).
+
+Each finished (prompt, variant) run is appended to ``records.jsonl`` at once; a rerun with
+the same output directory and settings skips what is there (resume).
+
+Method specs are one line: ``NAME[:OPTION=VALUE,...]`` where NAME is a key of
+``specdecode.proposers.PROPOSERS``, ``k`` is gamma (``num_speculative_tokens``), ``model``
+names a draft model (for proposers that take one) and any other option is a field of the
+proposer's config dataclass (``ngram:k=5,max_ngram=4``). A new proposer registered with
+``@register("name")`` whose factory takes ``config=`` (a dataclass) and/or ``model=`` needs
+no change here; one that needs more registers a builder with :func:`method_builder`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import hashlib
+import inspect
+import json
+import logging
+import sys
+import time
+import typing
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from specdecode.types import SpecDecodeError
+
+logger = logging.getLogger(__name__)
+
+RECORDS_FILE = "records.jsonl"
+KERNELS = ("default", "small-row")
+#: Spec-Bench's 13 categories come from ``spec-bench``; the issue's four prompt sources.
+DEFAULT_DATASETS = ("spec-bench", "humaneval", "mt-bench", "gsm8k")
+
+
+# --------------------------------------------------------------------------- method specs
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    """A proposer by registry name, its gamma, and its options (``ngram:k=5,max_ngram=4``).
+
+    Attributes:
+        name: a key of ``specdecode.proposers.PROPOSERS``.
+        gamma: draft tokens per step (``k``); None until defaulted.
+        options: (key, value-string) pairs other than ``k``, sorted by key.
+    """
+
+    name: str
+    gamma: int | None = None
+    options: tuple[tuple[str, str], ...] = ()
+
+    @classmethod
+    def parse(cls, text: str) -> "MethodSpec":
+        """Parse ``NAME[:KEY=VALUE,...]``.
+
+        Raises:
+            SpecDecodeError: empty name, an option without '=', or k not an integer in [1, 64].
+        """
+        name, _, rest = text.strip().partition(":")
+        name = name.strip()
+        if not name:
+            raise SpecDecodeError(f"empty method name in {text!r}; write e.g. 'ngram:k=5' or 'draft-model:k=4'")
+        gamma, options = None, {}
+        for item in filter(None, (p.strip() for p in rest.split(","))):
+            key, eq, value = item.partition("=")
+            if not eq or not key.strip():
+                raise SpecDecodeError(f"method option {item!r} in {text!r} is not KEY=VALUE")
+            key, value = key.strip().replace("-", "_"), value.strip()
+            if key in ("k", "gamma", "num_speculative_tokens"):
+                if not value.isdigit() or not 1 <= int(value) <= 64:
+                    raise SpecDecodeError(f"k (gamma) must be an integer in [1, 64], got {value!r} in {text!r}")
+                gamma = int(value)
+            else:
+                options[key] = value
+        return cls(name, gamma, tuple(sorted(options.items())))
+
+    def with_gamma(self, gamma: int) -> "MethodSpec":
+        return dataclasses.replace(self, gamma=gamma)
+
+    def option(self, key: str, default: str | None = None) -> str | None:
+        return dict(self.options).get(key, default)
+
+    @property
+    def canonical(self) -> str:
+        """``name:k=G,opt=v,...`` (options sorted): the method's identity in records and tables."""
+        parts = ([f"k={self.gamma}"] if self.gamma is not None else []) + [f"{k}={v}" for k, v in self.options]
+        return self.name + (":" + ",".join(parts) if parts else "")
+
+    @property
+    def family(self) -> str:
+        """The spec without gamma: variants of one family differ only in gamma (a sweep)."""
+        return dataclasses.replace(self, gamma=None).canonical
+
+
+@dataclass
+class BuildContext:
+    """What a method builder may use: the target, and a loader of draft models by spec."""
+
+    target: object  # LoadedModel
+    load_draft: Callable[[str], object]  # spec -> LoadedModel (cached, tokenizer-checked)
+    default_draft: str | None
+
+
+Builder = Callable[[MethodSpec, BuildContext], object]
+BUILDERS: dict[str, Builder] = {}
+#: Self-speculative proposers whose factory's ``model`` argument is the target itself, not a draft.
+MODEL_IS_TARGET: set[str] = {"layer-skip"}
+
+
+def method_builder(name: str) -> Callable[[Builder], Builder]:
+    """Decorator: a custom way to build the proposer registered as ``name`` from a MethodSpec."""
+
+    def deco(fn: Builder) -> Builder:
+        BUILDERS[name] = fn
+        return fn
+
+    return deco
+
+
+def registered_methods() -> list[str]:
+    """Every proposer the project registers (``specdecode.proposers.PROPOSERS``), in registration order."""
+    from specdecode.proposers import PROPOSERS
+
+    return list(PROPOSERS)
+
+
+def needs_draft_model(name: str) -> bool:
+    """True when the registered factory takes a ``model`` argument (a draft model)."""
+    from specdecode.proposers import PROPOSERS
+
+    factory = PROPOSERS[name]
+    return "model" in inspect.signature(factory).parameters and name not in MODEL_IS_TARGET
+
+
+def draft_model_of(spec: MethodSpec, default: str | None) -> str | None:
+    """The draft-model spec a method uses (its ``model`` option, else the default), None for model-free ones."""
+    if not needs_draft_model(spec.name):
+        return None
+    return spec.option("model", default)
+
+
+def build_proposer_for(spec: MethodSpec, ctx: BuildContext):
+    """Build the proposer a MethodSpec names: a custom builder, else by introspecting the factory.
+
+    The generic path passes ``config=`` (the factory's config dataclass, built from the
+    options with each field's type), ``model=`` (the draft model: option ``model`` or the
+    default draft; the target for names in MODEL_IS_TARGET) and ``target=`` (the target
+    model) where the factory takes them.
+
+    Raises:
+        SpecDecodeError: unknown method (lists the registered ones), an option that is no
+            config field, a value of the wrong type, or a draft model needed but not given.
+    """
+    from specdecode.proposers import PROPOSERS
+
+    if spec.name not in PROPOSERS:
+        raise SpecDecodeError(f"unknown method {spec.name!r}; registered proposers: {', '.join(PROPOSERS)}")
+    if spec.name in BUILDERS:
+        return BUILDERS[spec.name](spec, ctx)
+    factory = PROPOSERS[spec.name]
+    params = inspect.signature(factory).parameters
+    kwargs: dict = {}
+    options = dict(spec.options)
+    if "model" in params and spec.name in MODEL_IS_TARGET:
+        kwargs["model"] = ctx.target.model
+    elif "model" in params:
+        draft_spec = options.pop("model", None) or ctx.default_draft
+        if not draft_spec:
+            raise SpecDecodeError(f"method {spec.name!r} needs a draft model: pass --draft SPEC or "
+                                  f"'{spec.name}:model=SPEC'")
+        kwargs["model"] = ctx.load_draft(draft_spec).model
+    if "target" in params:
+        kwargs["target"] = ctx.target.model
+    config_type = _config_type(factory)
+    if config_type is not None:
+        kwargs["config"] = _build_config(config_type, options, spec)
+    elif options:
+        raise SpecDecodeError(f"method {spec.name!r} takes no options, got {sorted(options)}")
+    return factory(**kwargs)
+
+
+def _config_type(factory) -> type | None:
+    """The dataclass type of the factory's ``config`` parameter, if it has one."""
+    if "config" not in inspect.signature(factory).parameters:
+        return None
+    hints = typing.get_type_hints(factory.__init__ if inspect.isclass(factory) else factory)
+    hint = hints.get("config")
+    for candidate in (hint, *typing.get_args(hint)):
+        if dataclasses.is_dataclass(candidate):
+            return candidate
+    return None
+
+
+def _build_config(config_type: type, options: dict[str, str], spec: MethodSpec):
+    fields = {f.name: f for f in dataclasses.fields(config_type)}
+    hints = typing.get_type_hints(config_type)
+    values = {}
+    for key, raw in options.items():
+        if key not in fields:
+            raise SpecDecodeError(f"method {spec.name!r} has no option {key!r}; its options: "
+                                  f"k, {', '.join(fields) or '(none)'}")
+        values[key] = _convert(raw, hints.get(key, str), key, spec)
+    return config_type(**values)
+
+
+def _convert(raw: str, hint, key: str, spec: MethodSpec):
+    kinds = [t for t in (hint, *typing.get_args(hint)) if t in (bool, int, float, str)]
+    kind = kinds[0] if kinds else str
+    try:
+        if kind is bool:
+            if raw.lower() not in ("1", "0", "true", "false", "yes", "no"):
+                raise ValueError(raw)
+            return raw.lower() in ("1", "true", "yes")
+        return kind(raw)
+    except ValueError:
+        raise SpecDecodeError(f"option {key}={raw!r} of method {spec.name!r} must be {kind.__name__}") from None
+
+
+# --------------------------------------------------------------------------- configuration
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """One benchmark run. Defaults are the full matrix; see :func:`quick_config` and :func:`smoke_config`.
+
+    Attributes:
+        target: model spec of the target (``load_model``; ``smoke:target`` for the built-in tiny one).
+        methods: method specs (``ngram:k=5``); empty = every registered proposer (those that need a
+            draft model only when ``draft`` is set).
+        draft: default draft-model spec for methods that take one.
+        datasets: prompt sets (``spec-bench``, ``spec-bench:coding``, ``humaneval``, ``mt-bench``, ``gsm8k``).
+        limit: prompts per category (None = all).
+        max_new_tokens: per prompt.
+        temperature: 0 = greedy (outputs compared across methods and with HF); > 0 samples.
+        seed: base seed; prompt i uses seed + i in every variant.
+        gamma: draft length of methods whose spec has no ``k``.
+        gammas: extra sweep: every method family also runs at each of these gammas.
+        peer: also run transformers' plain / assisted / prompt-lookup generate.
+        chat: apply the chat template to chat prompts (HumanEval is completion text, never templated).
+        probe: time target forwards of k + 1 tokens (T_verify(k)) and draft forwards for the theory.
+        warmup: one short unrecorded generation per variant before measuring.
+        dtype: model dtype name.
+        kernel: "default" (the Hugging Face forward as shipped) or "small-row" (every linear layer of
+            target and drafts computed as ``W @ x.T`` for few rows: ``specdecode.kernels``); the HF
+            peer runs the same model objects, so both sides get the same kernels.
+        threads: torch intra-op threads (None = torch's default).
+        output: report directory (records.jsonl, report.md, report.json, PNGs).
+        preset: name of the preset the config came from ("full", "quick", "smoke").
+    """
+
+    target: str = "smollm2-135m"
+    methods: tuple[str, ...] = ()
+    draft: str | None = None
+    datasets: tuple[str, ...] = DEFAULT_DATASETS
+    limit: int | None = 5
+    max_new_tokens: int = 128
+    temperature: float = 0.0
+    seed: int = 0
+    gamma: int = 4
+    gammas: tuple[int, ...] = ()
+    peer: bool = True
+    chat: bool = True
+    probe: bool = True
+    warmup: bool = True
+    dtype: str = "float32"
+    kernel: str = "default"
+    threads: int | None = None
+    output: str = "bench-out/full"
+    preset: str = "full"
+
+    def __post_init__(self) -> None:
+        from specdecode.types import SamplingParams
+
+        SamplingParams(temperature=self.temperature, max_new_tokens=self.max_new_tokens)  # range checks
+        for g in (self.gamma, *self.gammas):
+            if not isinstance(g, int) or not 1 <= g <= 64:
+                raise SpecDecodeError(f"gamma values must be integers in [1, 64], got {g!r}")
+        if self.limit is not None and self.limit < 1:
+            raise SpecDecodeError(f"--limit must be >= 1, got {self.limit}")
+        if self.threads is not None and self.threads < 1:
+            raise SpecDecodeError(f"--threads must be >= 1, got {self.threads}")
+        if not self.datasets:
+            raise SpecDecodeError("no dataset selected")
+        if self.kernel not in KERNELS:
+            raise SpecDecodeError(f"unknown kernel {self.kernel!r}; choose one of {', '.join(KERNELS)}")
+
+    def settings(self) -> dict:
+        """What makes records comparable: a rerun resumes only records with equal settings."""
+        return {"target": self.target, "max_new_tokens": self.max_new_tokens, "temperature": self.temperature,
+                "seed": self.seed, "dtype": self.dtype, "chat": self.chat, "batch_size": 1, "kernel": self.kernel}
+
+    def settings_id(self) -> str:
+        blob = json.dumps(self.settings(), sort_keys=True).encode()
+        return hashlib.sha256(blob).hexdigest()[:12]
+
+
+def quick_config(**overrides) -> BenchConfig:
+    """A few minutes on SmolLM2-135M: n-gram at gamma 2 / 4, 2 prompts of 3 Spec-Bench categories, 48 tokens."""
+    base = dict(target="smollm2-135m", methods=("ngram",), datasets=("spec-bench:summarization",
+                "spec-bench:coding", "spec-bench:math_reasoning"), limit=2, max_new_tokens=48, gamma=4,
+                gammas=(2, 4), output="bench-out/quick", preset="quick")
+    return BenchConfig(**{**base, **overrides})
+
+
+def smoke_config(**overrides) -> BenchConfig:
+    """Seconds on tiny random models built in code (CI): draft-model and n-gram, gamma 2 and 4, HF peer.
+
+    One torch thread: tiny matrices gain nothing from two, and a loaded CI machine makes
+    multi-threaded tiny ops wait on each other.
+    """
+    from specdecode.bench.smoke import SMOKE_DATASET, SMOKE_DRAFT, SMOKE_TARGET
+
+    base = dict(target=SMOKE_TARGET, draft=SMOKE_DRAFT, methods=("ngram", "draft-model"), datasets=(SMOKE_DATASET,), limit=2,
+                max_new_tokens=24, gamma=4, gammas=(2, 4), dtype="float64", probe=True, threads=1,
+                output="bench-out/smoke", preset="smoke")
+    return BenchConfig(**{**base, **overrides})
+
+
+# --------------------------------------------------------------------------- prompts
+
+
+@dataclass(frozen=True)
+class BenchPrompt:
+    """One prompt of the matrix: identity, category label for tables, text, and whether it is chat."""
+
+    key: str  # unique: "spec-bench/81", "humaneval/HumanEval/0"
+    dataset: str
+    category: str  # the table column: Spec-Bench category, or the dataset name for HumanEval / GSM8K
+    text: str
+    is_completion: bool
+
+
+def select_prompts(datasets: Sequence[str], limit: int | None) -> list[BenchPrompt]:
+    """Prompts of the named sets, at most ``limit`` per category, ordered round-robin over categories.
+
+    Round-robin order makes a partial (interrupted) run cover every category early.
+
+    Raises:
+        SpecDecodeError: unknown dataset or category (from ``load_prompts``), or nothing selected.
+    """
+    from specdecode.bench.smoke import SMOKE_DATASET, SMOKE_PROMPTS
+    from specdecode.data import load_prompts
+
+    by_category: dict[str, list[BenchPrompt]] = {}
+    seen: set[str] = set()
+    for spec in datasets:
+        if spec.strip().lower() == SMOKE_DATASET:
+            items = [BenchPrompt(f"smoke/{i}", "smoke", cat, text, comp)
+                     for i, (cat, text, comp) in enumerate(SMOKE_PROMPTS)]
+        else:
+            items = [_bench_prompt(p) for p in load_prompts(spec)]
+        for item in items:
+            if item.key in seen:
+                continue
+            bucket = by_category.setdefault(item.category, [])
+            if limit is None or len(bucket) < limit:
+                bucket.append(item)
+                seen.add(item.key)
+    prompts = [p for i in range(max(map(len, by_category.values()), default=0))
+               for bucket in by_category.values() if i < len(bucket) for p in [bucket[i]]]
+    if not prompts:
+        raise SpecDecodeError(f"no prompts selected from {list(datasets)}")
+    return prompts
+
+
+def _bench_prompt(p) -> BenchPrompt:
+    key = p.id if p.id.startswith(p.dataset) else f"{p.dataset}/{p.id}"
+    category = p.category if p.dataset in ("spec-bench", "mt-bench") else p.dataset
+    if p.dataset == "mt-bench":
+        category = f"mt-bench/{p.category}"
+    return BenchPrompt(key, p.dataset, category, p.turns[0], p.is_completion)
+
+
+def encode_prompt(tokenizer, prompt: BenchPrompt, chat: bool) -> tuple[list[int], bool]:
+    """Token ids of a prompt's first turn, through the chat template when the model has one.
+
+    Completion prompts (HumanEval) are never templated. Returns (ids, templated).
+    """
+    use_chat = chat and not prompt.is_completion and bool(getattr(tokenizer, "chat_template", None))
+    if use_chat:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": prompt.text}],
+                                             add_generation_prompt=True, tokenize=False)
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    else:
+        ids = tokenizer(prompt.text)["input_ids"]
+    return [int(t) for t in ids], use_chat
+
+
+# --------------------------------------------------------------------------- variants
+
+
+@dataclass
+class RunOutput:
+    """One timed generation: new token ids, wall seconds around the call, and our RunMetrics (None for HF)."""
+
+    token_ids: list[int]
+    wall_s: float
+    finish_reason: str
+    metrics: dict | None = None
+
+
+@dataclass
+class Variant:
+    """One column of the matrix: how to run a prompt, and how to label it.
+
+    Attributes:
+        key: unique id, ``specdecode/plain``, ``specdecode/ngram:k=4``, ``hf/assisted:k=4,model=...``.
+        engine: "specdecode" or "hf".
+        method: "plain", a proposer name, or the HF peer's method ("assisted", "prompt-lookup").
+        gamma: draft length (0 for plain).
+        family: method spec without gamma (groups a gamma sweep), "plain" for baselines.
+        peer_of: for HF variants, the key of our variant they mirror.
+        draft: draft model spec, when the method uses one.
+        run: (prompt ids, seed, max_new_tokens override or None) -> RunOutput.
+    """
+
+    key: str
+    engine: str
+    method: str
+    gamma: int
+    family: str
+    run: Callable[..., RunOutput] = field(repr=False)
+    peer_of: str | None = None
+    draft: str | None = None
+
+    def info(self) -> dict:
+        return {"key": self.key, "engine": self.engine, "method": self.method, "gamma": self.gamma,
+                "family": self.family, "peer_of": self.peer_of, "draft": self.draft}
+
+
+def _engine_runner(target, proposer, gamma: int, max_new_tokens: int, temperature: float, eos: tuple[int, ...],
+                   max_context: int):
+    from specdecode.engine import EngineConfig, SpeculativeEngine
+    from specdecode.types import SamplingParams
+
+    engine = SpeculativeEngine(target.model, proposer, EngineConfig(num_speculative_tokens=max(1, gamma),
+                                                                    max_context=max_context))
+
+    def run(ids: list[int], seed: int, limit: int | None = None) -> RunOutput:
+        params = SamplingParams(temperature=temperature, max_new_tokens=limit or max_new_tokens, seed=seed,
+                                eos_token_ids=eos)
+        start = time.perf_counter()
+        out = engine.generate(ids, params)
+        wall = time.perf_counter() - start
+        return RunOutput(list(out.token_ids), wall, out.finish_reason, out.metrics.to_dict())
+
+    return run
+
+
+def _peer_runner(target, method: str, gamma: int, draft, max_ngram: int, max_new_tokens: int,
+                 temperature: float, eos: tuple[int, ...]):
+    from specdecode.bench.peer import hf_generate
+
+    def run(ids: list[int], seed: int, limit: int | None = None) -> RunOutput:
+        res = hf_generate(target.model, ids, max_new_tokens=limit or max_new_tokens, temperature=temperature,
+                          seed=seed, eos_token_ids=eos, method=method, gamma=gamma,
+                          draft=draft.model if draft is not None else None, max_ngram=max_ngram)
+        return RunOutput(res.token_ids, res.wall_s, res.finish_reason, None)
+
+    return run
+
+
+def expand_methods(config: BenchConfig) -> list[MethodSpec]:
+    """Method specs to run: given or all registered, each at its gamma and at every sweep gamma.
+
+    Methods that take a draft model get ``model=--draft`` in their spec unless they name one.
+
+    Raises:
+        SpecDecodeError: a malformed spec, or an unknown proposer name.
+    """
+    names = config.methods or tuple(m for m in registered_methods()
+                                    if not needs_draft_model(m) or config.draft)
+    specs = [MethodSpec.parse(m) for m in names]
+    known = registered_methods()
+    out: list[MethodSpec] = []
+    for spec in specs:
+        if spec.name not in known:
+            raise SpecDecodeError(f"unknown method {spec.name!r}; registered proposers: {', '.join(known)}")
+        base = spec.with_gamma(spec.gamma or config.gamma)
+        if needs_draft_model(spec.name) and spec.option("model") is None and config.draft:
+            # name the draft in the spec: records of another --draft must never be resumed as this one's
+            base = dataclasses.replace(base, options=tuple(sorted((*base.options, ("model", config.draft)))))
+        for g in (base.gamma, *config.gammas):
+            s = base.with_gamma(g)
+            if s not in out:
+                out.append(s)
+    return out
+
+
+def main_gamma_of(specs: Sequence[MethodSpec]) -> dict[str, int]:
+    """Per method family, the gamma of its leaderboard row: the first of the family in ``expand_methods``
+    order, i.e. the spec's own k, else ``--gamma`` (sweep gammas come after it)."""
+    out: dict[str, int] = {}
+    for spec in specs:
+        out.setdefault(spec.family, spec.gamma)
+    return out
+
+
+# --------------------------------------------------------------------------- records (resume)
+
+
+class RecordStore:
+    """``records.jsonl`` in the output directory: one JSON object per finished run, appended as it ends.
+
+    Records carry the run's settings id; a rerun with equal settings skips what is there.
+    """
+
+    def __init__(self, directory: Path, settings_id: str) -> None:
+        self.path = directory / RECORDS_FILE
+        self.settings_id = settings_id
+        self.records: list[dict] = []
+        self.ignored = 0
+        if self.path.exists():
+            text = self.path.read_text(encoding="utf-8")
+            if text and not text.endswith("\n"):  # a run killed mid-write: drop its partial last line
+                text = text[: text.rfind("\n") + 1]
+                self.path.write_text(text, encoding="utf-8")
+            for line in text.splitlines():
+                if not line.strip():
+                    continue
+                try:
+                    rec = json.loads(line)
+                except json.JSONDecodeError:  # a corrupt line: skip it (its run is redone)
+                    continue
+                if rec.get("settings_id") == settings_id:
+                    self.records.append(rec)
+                else:
+                    self.ignored += 1
+        self._done = {(r["kind"], r.get("variant"), r.get("prompt"), r.get("model")) for r in self.records}
+
+    def has(self, kind: str, variant: str | None = None, prompt: str | None = None, model: str | None = None) -> bool:
+        return (kind, variant, prompt, model) in self._done
+
+    def add(self, record: dict) -> None:
+        record = {"settings_id": self.settings_id, **record}
+        with self.path.open("a", encoding="utf-8") as f:
+            f.write(json.dumps(record, ensure_ascii=False) + "\n")
+            f.flush()
+        self.records.append(record)
+        self._done.add((record["kind"], record.get("variant"), record.get("prompt"), record.get("model")))
+
+    def of_kind(self, kind: str) -> list[dict]:
+        return [r for r in self.records if r["kind"] == kind]
+
+
+# --------------------------------------------------------------------------- cost probe
+
+
+@torch.inference_mode()
+def probe_forward_times(model: torch.nn.Module, context: list[int], ks: Iterable[int], reps: int = 3) -> dict[int, float]:
+    """Least seconds (over ``reps``) of one cached forward over k + 1 new tokens after ``context``, for each k.
+
+    The minimum, not the median: on a shared machine noise only ever adds time.
+
+    This is T_verify(k) of the target (k = 0: one decoding step, T_decode(1)) or the cost of
+    one draft-model step; the cache is cut back to ``context`` after every timed forward.
+
+    Args:
+        model: a causal LM.
+        context: [L] token ids already in the cache when timing starts.
+        ks: draft lengths to time.
+        reps: timed repetitions per k (after one untimed warm-up pass).
+    """
+    from specdecode.cache import CachedModel
+
+    runner = CachedModel(model)
+    runner.reset()
+    runner.forward(context, last_only=True)
+    base = len(context)
+    ks = sorted(set(ks))
+    samples: dict[int, list[float]] = {k: [] for k in ks}
+    filler = context[-1]
+    for rep in range(reps + 1):
+        for k in ks:
+            start = time.perf_counter()
+            runner.forward([filler] * (k + 1))
+            elapsed = time.perf_counter() - start
+            runner.rollback(base)
+            if rep:  # rep 0 warms up
+                samples[k].append(elapsed)
+    return {k: min(v) for k, v in samples.items()}
+
+
+# --------------------------------------------------------------------------- the run
+
+
+@dataclass
+class Models:
+    """The loaded target and drafts of a run, with their provenance for the report."""
+
+    target: object
+    drafts: dict[str, object] = field(default_factory=dict)
+    load_seconds: dict[str, float] = field(default_factory=dict)
+
+    def describe(self) -> dict:
+        def one(m, seconds):
+            cfg = m.model.config
+            return {"name": m.name, "source": m.source, "sha256": m.sha256,
+                    "parameters": sum(p.numel() for p in m.model.parameters()),
+                    "architecture": type(m.model).__name__, "layers": getattr(cfg, "num_hidden_layers", None),
+                    "vocab_size": getattr(cfg, "vocab_size", None), "dtype": str(next(m.model.parameters()).dtype),
+                    "load_seconds": round(seconds, 2)}
+
+        return {"target": one(self.target, self.load_seconds.get(self.target.name, 0.0)),
+                "drafts": {k: one(v, self.load_seconds.get(k, 0.0)) for k, v in self.drafts.items()}}
+
+
+def load_any(spec: str, dtype: str, kernel: str = "default"):
+    """A LoadedModel: ``smoke:*`` built in code, anything else through ``specdecode.models.load_model``."""
+    from specdecode.bench.smoke import load_smoke_model
+    from specdecode.models import load_model
+
+    if spec.startswith("smoke:"):
+        loaded = load_smoke_model(spec)
+        loaded.model.to(getattr(torch, dtype))
+    else:
+        loaded = load_model(spec, dtype=dtype)
+    if kernel == "small-row":
+        from specdecode.kernels import use_small_row_matmul
+
+        use_small_row_matmul(loaded.model)
+    return loaded
+
+
+def build_variants(config: BenchConfig, models: Models, dtype: str, status: Callable[[str], None]) -> list[Variant]:
+    """Our plain baseline, every method spec, then the HF plain / peer variants (when ``config.peer``)."""
+    from specdecode.bench.peer import PEER_OF
+    from specdecode.models import check_compatible
+
+    target = models.target
+    eos = target.eos_token_ids
+    n, temp = config.max_new_tokens, config.temperature
+    ctx_len = target.max_context
+
+    def load_draft(spec: str):
+        if spec not in models.drafts:
+            status(f"loading draft {spec!r}")
+            t0 = time.perf_counter()
+            draft = load_any(spec, dtype, config.kernel)
+            models.load_seconds[spec] = time.perf_counter() - t0
+            check_compatible(target, draft)
+            models.drafts[spec] = draft
+        return models.drafts[spec]
+
+    build = BuildContext(target=target, load_draft=load_draft, default_draft=config.draft)
+    variants = [Variant("specdecode/plain", "specdecode", "plain", 0, "plain",
+                        _engine_runner(target, None, 1, n, temp, eos, ctx_len))]
+    specs = expand_methods(config)
+    for spec in specs:
+        proposer = build_proposer_for(spec, build)
+        draft = draft_model_of(spec, config.draft)
+        variants.append(Variant(f"specdecode/{spec.canonical}", "specdecode", spec.name, spec.gamma, spec.family,
+                                _engine_runner(target, proposer, spec.gamma, n, temp, eos, ctx_len), draft=draft))
+    if config.peer:
+        variants.append(Variant("hf/plain", "hf", "plain", 0, "hf/plain",
+                                _peer_runner(target, "plain", 1, None, 3, n, temp, eos)))
+        mains = main_gamma_of(specs)
+        for spec in specs:
+            peer = PEER_OF.get(spec.name)
+            if peer is None or spec.gamma != mains.get(spec.family):
+                continue  # the peer mirrors each family at its leaderboard gamma only
+            draft_spec = draft_model_of(spec, config.draft)
+            draft = load_draft(draft_spec) if draft_spec else None
+            max_ngram = int(spec.option("max_ngram", "3"))
+            tail = f":k={spec.gamma}" + (f",model={draft_spec}" if draft_spec else f",max_ngram={max_ngram}")
+            variants.append(Variant(f"hf/{peer}{tail}", "hf", peer, spec.gamma, f"hf/{peer}",
+                                    _peer_runner(target, peer, spec.gamma, draft, max_ngram, n, temp, eos),
+                                    peer_of=f"specdecode/{spec.canonical}", draft=draft_spec))
+    return variants
+
+
+def run_bench(config: BenchConfig, *, progress: bool = True, log: Callable[[str], None] | None = None) -> dict:
+    """Run (or resume) the matrix and write the reports into ``config.output``.
+
+    Returns:
+        The report dict written to ``report.json`` (environment, config, summary, records).
+
+    Raises:
+        SpecDecodeError: bad config, unknown method / dataset, incompatible draft, model load failure.
+    """
+    from specdecode.bench import report
+    from specdecode.bench.env import environment
+
+    status = log or (lambda msg: print(f"specdecode bench: {msg}", file=sys.stderr, flush=True))
+    out = Path(config.output)
+    out.mkdir(parents=True, exist_ok=True)
+    if config.threads:
+        torch.set_num_threads(config.threads)
+    _quiet_transformers()
+    prompts = select_prompts(config.datasets, config.limit)
+    expand_methods(config)  # validate method specs before any slow load
+    store = RecordStore(out, config.settings_id())
+    if store.ignored:
+        status(f"{store.ignored} record(s) in {store.path} have other settings and are ignored")
+
+    status(f"loading target {config.target!r}")
+    t0 = time.perf_counter()
+    models = Models(target=load_any(config.target, config.dtype, config.kernel))
+    models.load_seconds[config.target] = time.perf_counter() - t0
+    variants = build_variants(config, models, config.dtype, status)
+
+    encoded = _encode_all(prompts, models.target, config, status)
+    runnable = [p for p in prompts if p.key in encoded]
+    todo = [(p, v) for i, p in enumerate(runnable) for v in _rotate(variants, i)
+            if not store.has("run", v.key, p.key)]
+    status(f"{len(runnable)} prompts x {len(variants)} variants; {len(todo)} runs to do "
+           f"({len(runnable) * len(variants) - len(todo)} already in {store.path.name})")
+    if config.probe:
+        _probe(config, models, variants, runnable, encoded, store, status)
+    if todo and config.warmup:
+        _warm_up(variants, encoded[runnable[0].key][0], config.seed, status)
+    try:
+        _run_matrix(todo, runnable, variants, encoded, config, store, progress)
+    finally:
+        env = environment()
+        result = report.write_reports(out, config=config, env=env, models=models.describe(),
+                                      variants=[v.info() for v in variants],
+                                      prompts=[{"key": p.key, "dataset": p.dataset, "category": p.category,
+                                                "prompt_tokens": len(encoded[p.key][0]),
+                                                "chat_template": encoded[p.key][1]} for p in runnable],
+                                      records=store.of_kind("run"), probes=store.of_kind("probe"))
+        status(f"reports written to {out}/ (report.md, report.json, *.png)")
+    return result
+
+
+def _rotate(items: list, shift: int) -> list:
+    s = shift % len(items) if items else 0
+    return items[s:] + items[:s]
+
+
+def _encode_all(prompts, target, config: BenchConfig, status) -> dict[str, tuple[list[int], bool]]:
+    out = {}
+    for p in prompts:
+        ids, templated = encode_prompt(target.tokenizer, p, config.chat)
+        if not ids:
+            bos = target.tokenizer.bos_token_id
+            ids = [bos] if bos is not None else []
+        if not ids or len(ids) + config.max_new_tokens > target.max_context:
+            status(f"skipping {p.key}: {len(ids)} prompt tokens + {config.max_new_tokens} new exceed the "
+                   f"context of {target.max_context}")
+            continue
+        out[p.key] = (ids, templated)
+    return out
+
+
+def _seed(config: BenchConfig, prompt_index: int) -> int:
+    return config.seed + prompt_index
+
+
+def _run_matrix(todo, prompts, variants, encoded, config: BenchConfig, store: RecordStore, progress: bool) -> None:
+    from rich.console import Console
+    from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
+                               TimeRemainingColumn)
+
+    index = {p.key: i for i, p in enumerate(prompts)}
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("elapsed"),
+               TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn())
+    total = len(prompts) * len(variants)
+    with Progress(*columns, console=Console(stderr=True), disable=not progress, transient=False) as bar:
+        task = bar.add_task("bench", total=total, completed=total - len(todo))
+        failed: set[str] = set()
+        for prompt, variant in todo:
+            bar.update(task, description=f"{prompt.key} {variant.key}"[:60])
+            if variant.key in failed:
+                bar.advance(task)
+                continue
+            ids, templated = encoded[prompt.key]
+            seed = _seed(config, index[prompt.key])
+            gc.collect()
+            try:
+                res = variant.run(ids, seed)
+            except Exception as exc:  # noqa: BLE001 - one broken method must not sink an hour of other runs
+                failed.add(variant.key)
+                message = f"{type(exc).__name__}: {exc}"
+                bar.console.print(f"specdecode bench: {variant.key} failed on {prompt.key}, skipping it from now "
+                                  f"on: {message}")
+                store.add({"kind": "error", "variant": variant.key, "prompt": prompt.key, "error": message,
+                           "time": time.time()})
+                bar.advance(task)
+                continue
+            store.add({
+                "kind": "run", "variant": variant.key, "prompt": prompt.key, **variant.info(),
+                "dataset": prompt.dataset, "category": prompt.category, "prompt_tokens": len(ids),
+                "chat_template": templated, "seed": seed, "token_ids": res.token_ids,
+                "new_tokens": len(res.token_ids), "wall_s": res.wall_s, "finish_reason": res.finish_reason,
+                "metrics": res.metrics, "time": time.time(),
+            })
+            bar.advance(task)
+
+
+def _warm_up(variants: list[Variant], ids: list[int], seed: int, status) -> None:
+    """A short unrecorded run per variant: first-call costs (allocations, lazy init) leave the timings."""
+    status("warming up every variant")
+    for v in variants:
+        v.run(ids[: min(len(ids), 32)], seed, 8)
+
+
+def _probe(config, models: Models, variants, prompts, encoded, store: RecordStore, status) -> None:
+    """Time T_verify(k) of the target and one step of each draft model at a typical context (recorded once)."""
+    lengths = sorted(len(encoded[p.key][0]) for p in prompts)
+    ctx_len = lengths[len(lengths) // 2] + config.max_new_tokens // 2
+    first = encoded[prompts[0].key][0]
+    context = (first * (ctx_len // len(first) + 1))[:ctx_len]
+    max_k = max([v.gamma for v in variants] + [8])
+    ks = sorted({0, 1, 2, 3, 4, 6, 8, *[v.gamma for v in variants if v.gamma]} | ({max_k} if max_k <= 16 else set()))
+    todo = [("target", config.target, models.target, ks)]
+    todo += [("draft", spec, m, [0]) for spec, m in models.drafts.items()]
+    for role, spec, loaded, kk in todo:
+        if store.has("probe", model=spec):
+            continue
+        status(f"timing {role} forwards ({spec}, context {ctx_len} tokens, k = {kk})")
+        times = probe_forward_times(loaded.model, context, kk, reps=3)
+        store.add({"kind": "probe", "model": spec, "role": role, "context_tokens": ctx_len,
+                   "forward_s": {str(k): t for k, t in times.items()}})
+
+
+def _quiet_transformers() -> None:
+    """Keep transformers' generation warnings (flags, deprecations) out of the progress display."""
+    try:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.set_verbosity_error()
+    except ImportError:
+        pass

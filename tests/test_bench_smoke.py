@@ -1,0 +1,72 @@
+"""``specdecode bench --smoke`` end to end on tiny random models: reports, output agreement with HF, resume."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from specdecode.bench import report
+from specdecode.bench.runner import RECORDS_FILE, run_bench, smoke_config
+
+
+def _runs(path) -> list[dict]:
+    lines = (path / RECORDS_FILE).read_text().splitlines()
+    return [json.loads(x) for x in lines if x.strip() and json.loads(x)["kind"] == "run"]
+
+
+@pytest.fixture(scope="module")
+def smoke_dir(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench") / "smoke"
+    run_bench(smoke_config(output=str(out), limit=1), progress=False, log=lambda msg: None)
+    return out
+
+
+def test_smoke_run_writes_every_report(smoke_dir):
+    for name in (report.REPORT_MD, report.REPORT_JSON, report.META_JSON, *report.PLOTS):
+        assert (smoke_dir / name).is_file(), name
+    data = json.loads((smoke_dir / report.REPORT_JSON).read_text())
+    env = data["environment"]
+    for key in ("cpu_model", "usable_cores", "torch", "transformers", "torch_threads", "date"):
+        assert env[key], key
+    assert data["models"]["target"]["sha256"] and data["models"]["drafts"]["smoke:draft"]["sha256"]
+    variants = {v["key"] for v in data["variants"]}
+    assert {"specdecode/plain", "specdecode/ngram:k=4", "specdecode/ngram:k=2", "specdecode/draft-model:k=4,model=smoke:draft",
+            "hf/plain", "hf/assisted:k=4,model=smoke:draft", "hf/prompt-lookup:k=4,max_ngram=3"} <= variants
+    assert len(_runs(smoke_dir)) == 3 * len(variants)  # 3 categories x 1 prompt, every variant
+    md = (smoke_dir / report.REPORT_MD).read_text()
+    assert "| Method | summarization | qa | coding | τ | Overall |" in md
+
+
+def test_greedy_outputs_agree_with_plain_and_hugging_face(smoke_dir):
+    summ = json.loads((smoke_dir / report.REPORT_JSON).read_text())["summary"]
+    assert summ["agreement"]["mismatches"] == []
+    assert summ["agreement"]["checked"]["hf/assisted:k=4,model=smoke:draft"] == 3
+    pred = summ["predictions"]["specdecode/draft-model:k=4,model=smoke:draft"]
+    assert pred["expected_tokens"] == pytest.approx(pred["measured_tau"], rel=0.15)
+    assert summ["sweeps"]["draft-model:model=smoke:draft"]["gammas"] == [2, 4]
+
+
+def test_rerun_resumes_and_skips_done_work(smoke_dir):
+    before = _runs(smoke_dir)
+    # lose the last three runs, and leave a half-written line as a killed run would
+    lines = (smoke_dir / RECORDS_FILE).read_text().splitlines()
+    run_lines = [i for i, x in enumerate(lines) if json.loads(x)["kind"] == "run"]
+    keep = [x for i, x in enumerate(lines) if i not in run_lines[-3:]]
+    (smoke_dir / RECORDS_FILE).write_text("\n".join(keep) + '\n{"kind": "run", "vari')
+    run_bench(smoke_config(output=str(smoke_dir), limit=1), progress=False, log=lambda msg: None)
+    after = _runs(smoke_dir)
+    assert len(after) == len(before)
+    redone = {(r["variant"], r["prompt"]) for r in after[-3:]}
+    assert redone == {(r["variant"], r["prompt"]) for r in before[-3:]}
+    assert [r["time"] for r in after[:-3]] == [r["time"] for r in before[:-3]]  # nothing else ran again
+
+
+def test_cli_report_only_rebuilds_without_running(smoke_dir, capsys):
+    from specdecode.cli import main
+
+    (smoke_dir / report.REPORT_MD).unlink()
+    n = len(_runs(smoke_dir))
+    assert main(["bench", "--smoke", "--report-only", "--output", str(smoke_dir)]) == 0
+    assert "# specdecode bench" in capsys.readouterr().out
+    assert (smoke_dir / report.REPORT_MD).is_file() and len(_runs(smoke_dir)) == n
