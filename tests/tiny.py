@@ -29,3 +29,21 @@ def tiny_llama(vocab_size: int = 64, seed: int = 0, layers: int = 2, hidden: int
     for p in model.parameters():
         p.requires_grad_(False)
     return model
+
+
+def chi2_pvalue(counts, probs) -> float:
+    """Chi-square goodness-of-fit p-value of observed ``counts`` against exact ``probs``.
+
+    Outcomes expected fewer than 5 times are pooled into one bin (dropped if it is empty).
+    """
+    import numpy as np
+    from scipy import stats
+
+    counts, probs = np.asarray(counts, dtype=float), np.asarray(probs, dtype=float)
+    expected = probs / probs.sum() * counts.sum()
+    keep = expected >= 5
+    obs = np.append(counts[keep], counts[~keep].sum())
+    exp = np.append(expected[keep], expected[~keep].sum())
+    if exp[-1] == 0:
+        obs, exp = obs[:-1], exp[:-1]
+    return float(stats.chisquare(obs, exp * obs.sum() / exp.sum()).pvalue)

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from specdecode import __version__
+from specdecode.kernels import WEIGHT_PRECISIONS
 from specdecode.types import SpecDecodeError
 
 EXIT_USAGE = 2
@@ -117,6 +118,14 @@ def _add_generate(commands) -> None:
                         help="longest n-gram the ngram drafter matches, tried first (default: %(default)s)")
     models.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
                         help="weight dtype; float32 is fastest on most CPUs (default: %(default)s)")
+    models.add_argument("--weights", default="fp32", choices=WEIGHT_PRECISIONS,
+                        help="precision the target's weights execute in (plain decoding uses the same target). "
+                             "int8 is refused for the target: its per-tensor activation scale makes a row's "
+                             "logits depend on the rows verified with it (default: %(default)s)")
+    models.add_argument("--draft-weights", default=None, choices=WEIGHT_PRECISIONS,
+                        help="precision of the draft model's weights (default: same as --weights). int8 = "
+                             "fbgemm dynamic-quantized linear layers: 4x fewer bytes per draft step, and an int8 "
+                             "draft with a float32 target changes speed only, never the output distribution")
     models.add_argument("--cache-dir", metavar="DIR",
                         help="where converted GGUF models are cached (default: $SPECDECODE_CACHE or "
                              "~/.cache/specdecode)")
@@ -246,6 +255,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     decoder = SpecDecoder.from_pretrained(
         args.target, args.draft, num_speculative_tokens=args.num_speculative_tokens,
         ngram_min=args.ngram_min, ngram_max=args.ngram_max, dtype=args.dtype, cache_dir=args.cache_dir,
+        weights=args.weights, draft_weights=args.draft_weights,
     )
     _status(f"loaded in {time.perf_counter() - t0:.1f} s: target {decoder.target.source}, {_draft_label(args)}, "
             f"gamma {args.num_speculative_tokens}, context {decoder.target.max_context} tokens")

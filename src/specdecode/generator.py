@@ -27,15 +27,20 @@ from dataclasses import dataclass, field
 import torch
 
 from specdecode.engine import EngineConfig, SpeculativeEngine
+from specdecode.kernels import WEIGHT_PRECISIONS, set_weight_precision
 from specdecode.metrics import RunMetrics
 from specdecode.models import LoadedModel, check_compatible, load_model
-from specdecode.proposers import NgramConfig, build_proposer
+from specdecode.policy import build_policy
+from specdecode.proposers import LayerSkipConfig, NgramConfig, build_proposer
+from specdecode.proposers.layer_skip import parse_skip_layers
 from specdecode.types import EmptyPromptError, InvalidSamplingParams, SamplingParams, SpecDecodeError
 
 #: ``draft`` values that mean "no proposer": plain decoding.
 NO_DRAFT = ("none", "")
 #: ``draft`` value for prompt-lookup (n-gram) drafting.
 NGRAM_DRAFT = "ngram"
+#: ``draft`` value for self-speculation: the target with some decoder layers skipped.
+LAYER_SKIP_DRAFT = "layer-skip"
 
 
 @dataclass
@@ -72,6 +77,8 @@ class SpecDecoder:
         num_speculative_tokens: gamma, draft tokens per step (1..64).
         draft: the draft LoadedModel behind ``proposer`` when it is a draft model (kept for
             reference and reuse; the proposer holds its own cache).
+        policy: draft-length policy: a name for :func:`specdecode.policy.build_policy`
+            ("fixed", "heuristic", "confidence", "cost-model") or a policy object.
 
     Raises:
         SpecDecodeError: gamma out of range.
@@ -84,13 +91,15 @@ class SpecDecoder:
         *,
         num_speculative_tokens: int = 5,
         draft: LoadedModel | None = None,
+        policy="fixed",
     ) -> None:
         self.target = target
         self.proposer = proposer
         self.draft = draft
         self.num_speculative_tokens = num_speculative_tokens
         config = EngineConfig(num_speculative_tokens=num_speculative_tokens, max_context=target.max_context)
-        self.engine = SpeculativeEngine(target.model, proposer, config)
+        self.policy = build_policy(policy, num_speculative_tokens) if isinstance(policy, str) else policy
+        self.engine = SpeculativeEngine(target.model, proposer, config, policy=self.policy)
 
     @classmethod
     def from_pretrained(
@@ -104,6 +113,10 @@ class SpecDecoder:
         dtype: torch.dtype | str = torch.float32,
         cache_dir=None,
         progress: bool = True,
+        weights: str = "fp32",
+        draft_weights: str | None = None,
+        policy: str = "fixed",
+        skip_layers: str | Sequence[int] | None = None,
     ) -> "SpecDecoder":
         """Load a target (and a draft model) by spec and build the decoder.
 
@@ -115,28 +128,56 @@ class SpecDecoder:
                 model spec, loaded like the target and checked for a shared tokenizer.
             num_speculative_tokens: gamma (1..64).
             dtype, cache_dir, progress: passed to ``load_model``.
+            weights: precision the target's weights execute in ("fp32", "bf16"; plain
+                decoding uses the same target, so losslessness is with respect to it).
+                "int8" is refused for the target (see SpecDecodeError below).
+            draft_weights: the draft model's precision ("fp32", "bf16", "int8", see
+                :func:`specdecode.kernels.set_weight_precision`); None = same as ``weights``.
+            policy: the draft-length policy's name (see :func:`specdecode.policy.build_policy`).
+            skip_layers: with ``draft="layer-skip"`` (self-speculation, the target with some
+                decoder layers skipped): layer indices ("3,5,7" or a list); None = the set
+                cached for this model, or a search on the first prompt (``specdecode.layer_search``).
 
         Raises:
             ModelLoadError, IncompatibleTokenizerError, SpecDecodeError (bad gamma or
             n-gram sizes; checked before any model is loaded).
         """
         EngineConfig(num_speculative_tokens=num_speculative_tokens)  # fail fast, before slow loads
+        build_policy(policy, num_speculative_tokens)
+        skip_layers = parse_skip_layers(skip_layers)
         kind = (draft or "").strip()
         ngram = None
         if kind.lower() == NGRAM_DRAFT:
             ngram = NgramConfig(min_ngram=ngram_min, max_ngram=ngram_max)
+        draft_weights = draft_weights or weights
+        if weights == "int8":
+            raise SpecDecodeError(
+                "--weights int8 is for drafts only: fbgemm's dynamic int8 linear quantizes activations per "
+                "tensor, so a row's logits depend on the other rows verified with it and speculative output "
+                "would drift from plain decoding. Use --draft-weights int8 with a float32 target instead."
+            )
+        for precision in (weights, draft_weights):
+            if precision not in WEIGHT_PRECISIONS:
+                raise SpecDecodeError(f"unknown weight precision {precision!r}; choose one of {WEIGHT_PRECISIONS}")
         loaded = load_model(target, dtype=dtype, cache_dir=cache_dir, progress=progress)
+        set_weight_precision(loaded.model, weights)
         if kind.lower() in NO_DRAFT:
             return cls(loaded, None, num_speculative_tokens=num_speculative_tokens)
         if ngram is not None:
-            return cls(loaded, build_proposer("ngram", config=ngram), num_speculative_tokens=num_speculative_tokens)
-        if kind == target:
+            return cls(loaded, build_proposer("ngram", config=ngram), num_speculative_tokens=num_speculative_tokens,
+                       policy=policy)
+        if kind.lower() == LAYER_SKIP_DRAFT:
+            config = LayerSkipConfig(skip_layers=skip_layers, cache_dir=None if cache_dir is None else str(cache_dir))
+            proposer = build_proposer("layer-skip", model=loaded.model, config=config)
+            return cls(loaded, proposer, num_speculative_tokens=num_speculative_tokens, policy=policy)
+        if kind == target and draft_weights == weights:
             draft_model = loaded  # same weights; the proposer keeps its own cache
         else:
             draft_model = load_model(kind, dtype=dtype, cache_dir=cache_dir, progress=progress)
             check_compatible(loaded, draft_model)
+            set_weight_precision(draft_model.model, draft_weights)
         proposer = build_proposer("draft-model", model=draft_model.model)
-        return cls(loaded, proposer, num_speculative_tokens=num_speculative_tokens, draft=draft_model)
+        return cls(loaded, proposer, num_speculative_tokens=num_speculative_tokens, draft=draft_model, policy=policy)
 
     def plain(self) -> "SpecDecoder":
         """The baseline: same target and engine code, no proposer (one token per target forward)."""

@@ -1,0 +1,107 @@
+"""Weight precisions and matmul choices: losslessness holds for the target as loaded."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from specdecode.cache import CachedModel
+from specdecode.engine import EngineConfig, SpeculativeEngine
+from specdecode.fastforward import OwnedCachedModel
+from specdecode.kernels import set_weight_precision, use_small_row_matmul
+from specdecode.proposers import DraftModelProposer, NgramProposer
+from specdecode.types import SamplingParams
+from tiny import chi2_pvalue, tiny_llama
+
+PROMPTS = [[1], [5, 9, 2], [3, 4, 5, 3, 4, 5, 3, 4], list(range(10, 30))]
+
+
+def _int8(seed, **kw):
+    return set_weight_precision(tiny_llama(seed=seed, dtype=torch.float32, **kw), "int8")
+
+
+def test_int8_draft_with_float_target_greedy_equals_plain_decoding():
+    target = tiny_llama(seed=0, scale=3.0)
+    draft = set_weight_precision(tiny_llama(seed=0, dtype=torch.float32, scale=3.0), "int8")  # target, quantized
+    params = SamplingParams(max_new_tokens=30)
+    plain = SpeculativeEngine(target, None)
+    for gamma in (1, 4):
+        spec = SpeculativeEngine(target, DraftModelProposer(draft), EngineConfig(num_speculative_tokens=gamma))
+        for prompt in PROMPTS:
+            out = spec.generate(prompt, params)
+            assert out.token_ids == plain.generate(prompt, params).token_ids
+            assert out.metrics.acceptance_rate > 0.5  # an int8 copy of the target mostly agrees with it
+
+
+def test_int8_draft_sampling_follows_the_float_target_distribution():
+    vocab = 5
+    target = tiny_llama(seed=3, vocab_size=vocab, layers=1, hidden=32, scale=4.0)
+    draft = _int8(4, vocab_size=vocab, layers=1, hidden=32, scale=4.0)
+    prompt = [1, 2]
+    runner = CachedModel(target)
+    exact = np.zeros(vocab**2)
+    for i in range(vocab**2):
+        seq = list(np.unravel_index(i, (vocab,) * 2))
+        runner.reset()
+        probs = torch.softmax(runner.forward(prompt + seq[:1]).double(), -1)[-2:]
+        exact[i] = float(probs[0, seq[0]] * probs[1, seq[1]])
+    engine = SpeculativeEngine(target, DraftModelProposer(draft), EngineConfig(num_speculative_tokens=1))
+    counts = np.zeros(vocab**2)
+    for s in range(1500):
+        out = engine.generate(prompt, SamplingParams(temperature=1.0, max_new_tokens=2, seed=s))
+        counts[np.ravel_multi_index(out.token_ids, (vocab,) * 2)] += 1
+    assert chi2_pvalue(counts, exact) > 1e-3
+
+
+def test_dynamic_int8_rows_are_not_independent():
+    """Why an int8 *target* is refused: fbgemm quantizes activations per tensor, so a row's
+    result depends on the other rows of the call (verification of k tokens != k decoding steps)."""
+    lin = set_weight_precision(torch.nn.Sequential(torch.nn.Linear(64, 64)), "int8")[0]
+    x = torch.randn(1, 64)
+    alone = lin(x)
+    together = lin(torch.cat([x, 100 * torch.randn(1, 64)]))[:1]
+    assert not torch.equal(alone, together)
+
+
+def test_int8_target_is_refused_with_a_reason(tmp_path):
+    from specdecode.generator import SpecDecoder
+    from specdecode.types import SpecDecodeError
+
+    with pytest.raises(SpecDecodeError, match="per tensor"):
+        SpecDecoder.from_pretrained(str(tmp_path / "no-model"), "ngram", weights="int8")
+
+
+def test_small_row_matmul_matches_linear():
+    model = tiny_llama(seed=0, dtype=torch.float64)
+    ref = CachedModel(model)
+    ref.reset()
+    expected = ref.forward([1, 2, 3, 4])
+    assert use_small_row_matmul(model) > 0
+    assert use_small_row_matmul(model) == 0  # idempotent
+    got = CachedModel(model)
+    got.reset()
+    torch.testing.assert_close(got.forward([1, 2, 3, 4]), expected)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_owned_forward_matches_hugging_face_logits_and_rollback(family):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    if family == "llama":
+        model = tiny_llama(seed=0, dtype=torch.float32)
+    else:
+        torch.manual_seed(0)
+        cfg = Qwen2Config(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                          num_key_value_heads=2, vocab_size=50, max_position_embeddings=256)
+        model = Qwen2ForCausalLM(cfg).eval()
+    hf, owned = CachedModel(model), OwnedCachedModel(model, capacity=4)  # capacity 4: growth is exercised
+    hf.reset()
+    for chunk in ([1, 2, 3, 4, 5], [6], [7, 8, 9]):
+        torch.testing.assert_close(owned.forward(chunk), hf.forward(chunk), atol=1e-5, rtol=1e-4)
+    hf.rollback(6)
+    owned.rollback(6)
+    torch.testing.assert_close(owned.forward([10, 11]), hf.forward([10, 11]), atol=1e-5, rtol=1e-4)
+    for (k1, v1), (k2, v2) in zip(owned.layer_tensors(), hf.layer_tensors()):
+        torch.testing.assert_close(k1, k2, atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(v1, v2, atol=1e-5, rtol=1e-4)
