@@ -29,6 +29,7 @@ from specdecode.types import (
     StepOutput,
     VerifyResult,
 )
+from specdecode.tree import tree_depth, tree_inputs, verify_tree_greedy, verify_tree_sampling
 from specdecode.verify import verify_greedy, verify_sampling
 
 
@@ -87,6 +88,10 @@ class SpeculativeEngine:
         self.config = config or EngineConfig()
         self.target = CachedModel(target)
         self.proposer = proposer
+        # Token-tree drafts (proposer.produces_trees) take the ancestor-mask path; decided once, here.
+        self._trees = bool(getattr(proposer, "produces_trees", False))
+        if self._trees:
+            self.target.check_tree_support()
         self.policy = policy or FixedPolicy(self.config.num_speculative_tokens)
         self.max_context = self.config.max_context or _model_context(target)
 
@@ -178,6 +183,8 @@ class SpeculativeEngine:
 
     def _verify(self, state: RequestState, draft: Draft) -> VerifyResult:
         """Score the last committed token plus every draft token in one target forward."""
+        if self._trees and draft.num_tokens:
+            return self._verify_tree(state, draft)
         ctx = state.ctx
         draft_ids = draft.token_ids  # [1, K]
         logits = self.target.forward([ctx.token_ids[-1], *draft_ids[0].tolist()])  # [K+1, V]
@@ -188,6 +195,25 @@ class SpeculativeEngine:
         if draft_probs is not None:
             draft_probs = _match_vocab(draft_probs, target_probs.shape[-1])
         return verify_sampling(draft_ids, draft_probs, target_probs, [ctx.generator])
+
+    def _verify_tree(self, state: RequestState, draft: Draft) -> VerifyResult:
+        """Score the root (last committed token) and every tree node in one forward with an
+        ancestor mask; verify (greedy / multi-candidate sampling, ``specdecode.tree``); keep only
+        the accepted path in the target cache."""
+        ctx = state.ctx
+        parents, _ = tree_inputs(draft.parents[0])
+        logits = self.target.forward_tree([ctx.token_ids[-1], *draft.token_ids[0].tolist()], parents)  # [N+1, V]
+        if ctx.params.greedy:
+            result = verify_tree_greedy(draft.token_ids, draft.parents, logits.unsqueeze(0))
+        else:
+            target_probs = logits_to_probs(logits, ctx.params).unsqueeze(0)  # [1, N+1, V]
+            draft_probs = draft.draft_probs
+            if draft_probs is not None:
+                draft_probs = _match_vocab(draft_probs, target_probs.shape[-1])
+            result = verify_tree_sampling(draft.token_ids, draft.parents, draft_probs, target_probs, [ctx.generator])
+        n = int(result.num_accepted[0])
+        self.target.keep_tree_path([0, *(result.kept_nodes[0, :n] + 1).tolist()])
+        return result
 
     def _commit(self, state: RequestState, tokens: list[int]) -> list[int]:
         """Append ``tokens`` after the stopping rules; cut the target cache back to them.
@@ -212,7 +238,8 @@ class SpeculativeEngine:
 
     def _observe(self, state: RequestState, draft: Draft, result: VerifyResult, committed: list[int]) -> None:
         n_acc = int(result.num_accepted[0])
-        state.metrics.record_step(draft.num_tokens, n_acc, len(committed))
+        depth = tree_depth(draft.parents[0]) if self._trees and draft.num_tokens else None
+        state.metrics.record_step(draft.num_tokens, n_acc, len(committed), depth=depth)
         if self.proposer is not None and draft.num_tokens:
             self.proposer.observe(state.ctx, result)
         self.policy.update(draft.num_tokens, n_acc)

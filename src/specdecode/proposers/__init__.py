@@ -1,9 +1,11 @@
 """Proposers (drafters), one file each, built by name through a registry."""
 
-from specdecode.proposers import draft_model, ngram  # noqa: F401 - registers them
+from specdecode.proposers import draft_model, ngram, suffix, tree_draft  # noqa: F401 - registers them
 from specdecode.proposers.base import PROPOSERS, Proposer, ProposeContext, register
 from specdecode.proposers.draft_model import DraftModelConfig, DraftModelProposer
 from specdecode.proposers.ngram import NgramConfig, NgramProposer
+from specdecode.proposers.suffix import GlobalSuffixTree, SuffixConfig, SuffixProposer
+from specdecode.proposers.tree_draft import TreeDraftConfig, TreeDraftProposer
 
 
 def build_proposer(name: str, **kwargs) -> Proposer:
@@ -23,8 +25,13 @@ __all__ = [
     "DraftModelProposer",
     "NgramConfig",
     "NgramProposer",
+    "GlobalSuffixTree",
     "ProposeContext",
     "Proposer",
+    "SuffixConfig",
+    "SuffixProposer",
+    "TreeDraftConfig",
+    "TreeDraftProposer",
     "build_proposer",
     "register",
 ]

@@ -1,0 +1,211 @@
+"""Suffix decoding: suffix-trie counts, insert / remove / eviction and the memory bound, candidate
+trees, the proposer (per-request and global matches, adaptive budget, hybrid fallback, cost)."""
+
+from __future__ import annotations
+
+import random
+import time
+
+import pytest
+import torch
+
+from specdecode.engine import EngineConfig, SpeculativeEngine
+from specdecode.proposers.base import ProposeContext
+from specdecode.proposers.suffix import GlobalSuffixTree, SuffixConfig, SuffixProposer, SuffixTrie, grow_tree
+from specdecode.tree import as_parent_list
+from specdecode.types import Draft, SamplingParams, SpecDecodeError
+from tiny import tiny_llama
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def _substring_counts(docs, depth):
+    counts = {}
+    for doc in docs:
+        for i in range(len(doc)):
+            for j in range(i + 1, min(len(doc), i + depth) + 1):
+                key = tuple(doc[i:j])
+                counts[key] = counts.get(key, 0) + 1
+    return counts
+
+
+def _trie_counts(trie: SuffixTrie):
+    out, stack = {}, [(0, ())]
+    while stack:
+        node, path = stack.pop()
+        for tok, child in (trie.children[node] or {}).items():
+            out[path + (tok,)] = trie.counts[child]
+            stack.append((child, path + (tok,)))
+    return out
+
+
+def test_trie_counts_every_substring_up_to_depth():
+    rng = random.Random(0)
+    docs = [[rng.randrange(5) for _ in range(rng.randrange(1, 40))] for _ in range(6)]
+    trie = SuffixTrie(max_depth=6)
+    for doc in docs:
+        trie.insert(doc)
+    assert _trie_counts(trie) == _substring_counts(docs, 6)
+    assert trie.num_nodes == len(_substring_counts(docs, 6)) + 1
+    assert trie.walk([]) == 0 and trie.walk(docs[0][:3]) > 0 and trie.walk([9, 9]) == -1
+
+
+def test_incremental_append_equals_insert():
+    doc = [1, 2, 3, 1, 2, 4, 1, 2, 3, 3]
+    a, b = SuffixTrie(4), SuffixTrie(4)
+    a.insert(doc)
+    active = [0]
+    for tok in doc:
+        active = b.append(active, tok)
+    assert _trie_counts(a) == _trie_counts(b)
+    assert active[3] == b.walk(doc[-3:])  # active[j] is the node of the last j tokens
+
+
+def test_remove_undoes_insert_and_frees_nodes():
+    rng = random.Random(1)
+    docs = [[rng.randrange(4) for _ in range(30)] for _ in range(5)]
+    trie = SuffixTrie(5)
+    for doc in docs:
+        trie.insert(doc)
+    for doc in docs[:3]:
+        trie.remove(doc)
+    assert _trie_counts(trie) == _substring_counts(docs[3:], 5)
+    assert trie.num_nodes == len(_substring_counts(docs[3:], 5)) + 1
+    for doc in docs[3:]:
+        trie.remove(doc)
+    assert trie.num_nodes == 1 and not trie.children[0]
+    trie.insert(docs[0])  # freed nodes are reused
+    assert _trie_counts(trie) == _substring_counts(docs[:1], 5)
+
+
+def test_global_tree_memory_bound_and_fifo_eviction():
+    rng = random.Random(2)
+    g = GlobalSuffixTree(max_depth=8, max_nodes=2_000)
+    docs = []
+    for i in range(40):
+        doc = [rng.randrange(50) for _ in range(rng.randrange(10, 60))]
+        docs.append(doc)
+        g.add(doc)
+        assert g.trie.num_nodes <= g.max_nodes
+    kept = list(g._docs)
+    assert 1 <= len(kept) < 40 and kept == docs[-len(kept):]  # the newest outputs survive
+    assert _trie_counts(g.trie) == _substring_counts(kept, 8)
+    g.add(list(range(1000)))  # too long to fit alone: keeps its last tokens
+    assert g.trie.num_nodes <= g.max_nodes and g.num_documents == 1
+    with pytest.raises(SpecDecodeError):
+        GlobalSuffixTree(max_depth=8, max_nodes=5)
+
+
+def test_grow_tree_best_first_by_continuation_frequency():
+    trie = SuffixTrie(8)
+    for doc in ([1, 2, 3, 4], [1, 2, 3, 5], [1, 2, 3, 4], [1, 2, 6, 7]):
+        trie.insert(doc)
+    node = trie.walk([1, 2])
+    tokens, parents, probs = grow_tree(trie, node, budget=10, max_depth=5, min_prob=0.0)
+    as_parent_list(parents)  # breadth-first tree
+    assert tokens[:2] == [3, 6] and probs[:2] == [0.75, 0.25]
+    assert tokens[2:] == [4, 5, 7] and probs[2:] == pytest.approx([0.5, 0.25, 0.25])
+    assert grow_tree(trie, node, budget=2, max_depth=5, min_prob=0.0)[0] == [3, 4]  # best-first
+    assert grow_tree(trie, node, budget=10, max_depth=5, min_prob=0.3)[0] == [3, 4]  # pruned
+    assert grow_tree(trie, node, budget=10, max_depth=1, min_prob=0.0)[0] == [3, 6]  # depth cap
+
+
+def _ctx(tokens, num_prompt=None):
+    return ProposeContext(list(tokens), len(tokens) if num_prompt is None else num_prompt, SamplingParams(),
+                          torch.Generator().manual_seed(0), 100)
+
+
+def test_proposer_matches_the_prompt_and_adapts_to_match_length():
+    prop = SuffixProposer(SuffixConfig(spec_factor=1.0, min_token_prob=0.0, use_global=False))
+    text = [10, 11, 12, 13, 14, 15, 16, 17, 20, 21, 22, 23, 10, 11]
+    ctx = _ctx(text)
+    prop.start(ctx)
+    d = prop.propose(ctx, 8)
+    assert d.token_ids[0].tolist() == [12, 13]  # 2-token match -> 2-node budget
+    ctx.token_ids.extend([12, 13, 14])
+    d = prop.propose(ctx, 8)
+    assert d.token_ids[0].tolist() == [15, 16, 17, 20, 21]  # 5-token match -> 5 nodes
+    assert prop.propose(ctx, 2).token_ids[0].tolist() == [15, 16]  # the engine's depth cap
+    assert prop.propose(_ctx([1, 2, 3]), 4).num_tokens == 0  # nothing matches
+
+
+def test_global_tree_serves_a_repeated_request():
+    prop = SuffixProposer(SuffixConfig(min_token_prob=0.0))
+    answer = [50, 51, 52, 53, 54, 55, 56, 57]
+    first = _ctx([1, 2, 3], num_prompt=3)
+    prop.start(first)
+    first.token_ids.extend(answer)  # as if generated
+    second = _ctx([1, 2, 3], num_prompt=3)
+    prop.start(second)  # flushes the first output into the global tree
+    assert prop.global_tree.num_documents == 1
+    second.token_ids.extend(answer[:3])
+    d = prop.propose(second, 8)
+    assert d.token_ids[0].tolist() == answer[3:]
+
+
+class _Fixed:
+    """A fallback that always proposes one token."""
+
+    def __init__(self):
+        self.started = self.observed = 0
+
+    def start(self, ctx):
+        self.started += 1
+
+    def propose(self, ctx, k):
+        return Draft.chain(torch.tensor([[7]]))
+
+    def observe(self, ctx, result):
+        self.observed += 1
+
+
+def test_hybrid_falls_back_when_the_suffix_score_is_low():
+    fb = _Fixed()
+    prop = SuffixProposer(SuffixConfig(min_score=1.5, min_token_prob=0.0, use_global=False), fallback=fb)
+    ctx = _ctx([5, 6, 7, 8, 5, 6])
+    prop.start(ctx)
+    assert fb.started == 1
+    assert prop.propose(ctx, 4).token_ids[0].tolist() == [7, 8, 5, 6]  # score 4 >= 1.5: the suffix tree
+    low = _ctx([1, 2, 3])
+    prop.start(low)
+    assert prop.propose(low, 4).token_ids[0].tolist() == [7]  # no match: the fallback
+    assert prop.stats.fallback_steps == 1 and prop.stats.suffix_steps == 1
+
+
+def test_proposal_cost_is_small_on_a_long_prompt():
+    rng = random.Random(3)
+    base = [rng.randrange(2000) for _ in range(300)]
+    prompt = (base * 7)[:2000]  # repetitive, 2000 tokens
+    prop = SuffixProposer()
+    ctx = _ctx(prompt)
+    t0 = time.perf_counter()
+    prop.start(ctx)
+    index_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    for i in range(50):
+        d = prop.propose(ctx, 8)
+        ctx.token_ids.extend(d.token_ids[0, :3].tolist() or [1])
+    per_step = (time.perf_counter() - t0) / 50
+    assert d.num_tokens > 0
+    # generous bounds (a loaded 2-core box); typical: ~0.1 s to index, ~0.2 ms per step
+    assert index_s < 5.0 and per_step < 0.02, (index_s, per_step)
+
+
+def test_suffix_engine_is_lossless_and_learns_across_requests():
+    target = tiny_llama(vocab_size=64, seed=0, scale=3.0)
+    plain = SpeculativeEngine(target, None)
+    prop = SuffixProposer()
+    spec = SpeculativeEngine(target, prop, EngineConfig(num_speculative_tokens=8))
+    prompt, params = [5, 9, 2, 33], SamplingParams(max_new_tokens=40)
+    expected = plain.generate(prompt, params).token_ids
+    first = spec.generate(prompt, params)
+    second = spec.generate(prompt, params)  # the first output is now in the global tree
+    assert first.token_ids == second.token_ids == expected
+    assert second.metrics.num_target_forwards < first.metrics.num_target_forwards
+    assert second.metrics.mean_accepted_length > 3.0
