@@ -65,7 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=(
             "commands:\n"
             "  generate   generate text for a prompt or a prompt set and report the metrics\n"
-            "  bench      benchmark every method against plain decoding and Hugging Face (Spec-Bench style)\n\n"
+            "  bench      benchmark every method against plain decoding and Hugging Face (Spec-Bench style)\n"
+            "  serve      OpenAI-compatible HTTP server with batched speculative decoding\n\n"
             "Run 'specdecode generate' with no flags for a demo on SmolLM2-135M-Instruct with the\n"
             "n-gram (prompt lookup) drafter. 'specdecode COMMAND --help' explains each command."
         ),
@@ -74,6 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     _add_generate(commands)
     _add_bench(commands)
+    _add_serve(commands)
     return parser
 
 
@@ -190,6 +192,38 @@ def _add_bench(commands) -> None:
     )
     add_arguments(p)
     p.set_defaults(func=cmd_bench)
+
+
+def _add_serve(commands) -> None:
+    from specdecode.server.launch import add_serve_arguments
+
+    p = commands.add_parser(
+        "serve",
+        help="OpenAI-compatible server (completions, chat, streaming) with batched speculative decoding",
+        formatter_class=_HelpFormatter,
+        description=(
+            "Serve --target over an OpenAI-compatible API on 127.0.0.1 (GET /v1/models, POST /v1/completions,\n"
+            "POST /v1/chat/completions with stream: true, GET /health, GET /metrics for Prometheus).\n"
+            "Concurrent requests are decoded together in one batched target forward per step, each with\n"
+            "its own sampling parameters and seed; the draft length follows a cost model measured at start."
+        ),
+        epilog=(
+            "examples:\n"
+            "  specdecode serve\n"
+            "  specdecode serve --target smollm2-135m --draft ngram -k 4 --max-batch-size 8 --port 8000\n"
+            "  curl http://127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' \\\n"
+            "      -d '{\"model\": \"smollm2-135m\", \"prompt\": \"def fib(n):\", \"max_tokens\": 32}'"
+        ),
+    )
+    add_serve_arguments(p)
+    p.set_defaults(func=cmd_serve)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    """``specdecode serve``: load the models and serve until interrupted (specdecode.server)."""
+    from specdecode.server.launch import run_from_args
+
+    return run_from_args(args)
 
 
 def cmd_bench(args: argparse.Namespace) -> int:

@@ -1,0 +1,417 @@
+"""The real server on loopback: official ``openai`` client, raw HTTP errors, batching, cancellation, metrics.
+
+The server runs in a thread (uvicorn on a free port) over the tiny random
+Llama with its character tokenizer and chat template (tests/conftest.py), cast
+to float64 so greedy outputs cannot flip between batch shapes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import openai
+import pytest
+import torch
+from prometheus_client.parser import text_string_to_metric_families
+
+from specdecode.engine import EngineConfig, SpeculativeEngine
+from specdecode.models import load_model
+from specdecode.server import build_state, create_app
+from specdecode.types import SamplingParams
+
+MODEL = "tiny"
+PROMPT = "the cat and the dog and the cat and the"
+
+
+class LiveServer:
+    """uvicorn serving ``app`` on 127.0.0.1:<free port> in a daemon thread."""
+
+    def __init__(self, state) -> None:
+        import uvicorn
+
+        self.state = state
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        config = uvicorn.Config(create_app(state), host="127.0.0.1", port=self.port, log_level="warning")
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def __enter__(self) -> "LiveServer":
+        self.thread.start()
+        deadline = time.time() + 30
+        while not self.server.started:
+            if time.time() > deadline or not self.thread.is_alive():
+                raise RuntimeError("server did not start")
+            time.sleep(0.02)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self.thread.join(15)
+
+    def client(self, **kw) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=kw.pop("api_key", "unused"), max_retries=0, **kw)
+
+    def metrics(self) -> dict[str, float]:
+        """Every sample of /metrics as {'name{labels}': value}."""
+        text = httpx.get(f"{self.url}/metrics").text
+        out = {}
+        for family in text_string_to_metric_families(text):
+            for s in family.samples:
+                labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))
+                out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
+        return out
+
+
+@pytest.fixture(scope="module")
+def tiny64(tiny_model_dir):
+    loaded = load_model(str(tiny_model_dir), progress=False)
+    loaded.model.to(torch.float64)
+    return loaded
+
+
+@contextlib.contextmanager
+def serving(loaded, **kw) -> Iterator[LiveServer]:
+    kw.setdefault("model_name", MODEL)
+    kw.setdefault("adaptive", False)  # fixed gamma: seeded sampling is also batch-independent
+    with LiveServer(build_state(loaded, kw.pop("draft", "ngram"), **kw)) as live:
+        yield live
+
+
+@pytest.fixture(scope="module")
+def live(tiny64):
+    with serving(tiny64, max_batch_size=4, max_queue=16, num_speculative_tokens=4) as server:
+        yield server
+
+
+def _plain_greedy(loaded, prompt_ids, n) -> list[int]:
+    engine = SpeculativeEngine(loaded.model, None, EngineConfig(max_context=loaded.max_context))
+    return engine.generate(prompt_ids, SamplingParams(max_new_tokens=n, eos_token_ids=loaded.eos_token_ids)).token_ids
+
+
+# --------------------------------------------------------------------------- the OpenAI client
+
+
+def test_models_and_health(live):
+    models = live.client().models.list()
+    assert [m.id for m in models.data] == [MODEL]
+    health = httpx.get(f"{live.url}/health").json()
+    assert health["status"] == "ok" and health["active"] == 0
+
+
+def test_completion_matches_plain_decoding_and_its_stream(live, tiny64):
+    client = live.client()
+    out = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=40, temperature=0)
+    choice = out.choices[0]
+    prompt_ids = tiny64.tokenizer(PROMPT)["input_ids"]
+    assert choice.token_ids == _plain_greedy(tiny64, prompt_ids, 40)  # lossless end to end
+    assert choice.text == tiny64.tokenizer.decode(choice.token_ids, skip_special_tokens=True)
+    assert out.usage.prompt_tokens == len(prompt_ids)
+    assert out.usage.completion_tokens == len(choice.token_ids)
+    spec = out.usage.speculative
+    assert spec["drafted_tokens"] > 0 and spec["mean_accepted_length"] >= 1.0
+    assert spec["target_forwards"] < out.usage.completion_tokens + 1  # drafts were accepted
+
+    chunks = list(client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=40, temperature=0, stream=True,
+                                            stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    ids = [t for c in chunks if c.choices for t in c.choices[0].token_ids]
+    assert text == choice.text and ids == choice.token_ids
+    assert max(len(c.choices[0].token_ids) for c in chunks if c.choices) > 1  # a step's tokens travel together
+    assert chunks[-1].usage.completion_tokens == len(ids)
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == choice.finish_reason
+
+
+def test_chat_applies_the_template_and_streams(live, tiny64):
+    client = live.client()
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello there"}]
+    out = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=30, temperature=0)
+    templated = tiny64.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    prompt_ids = tiny64.tokenizer(templated, add_special_tokens=False)["input_ids"]
+    assert out.usage.prompt_tokens == len(prompt_ids)
+    assert out.choices[0].message.role == "assistant"
+    assert out.choices[0].token_ids == _plain_greedy(tiny64, prompt_ids, 30)
+    stream = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=30, temperature=0, stream=True)
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == out.choices[0].message.content
+    assert chunks[-1].choices[0].finish_reason == out.choices[0].finish_reason
+
+
+def test_seed_stop_n_and_logprobs(live, tiny64):
+    client = live.client()
+    kw = dict(model=MODEL, prompt=PROMPT, max_tokens=30, temperature=1.0, top_p=0.95, extra_body={"top_k": 20})
+    a = client.completions.create(seed=5, **kw).choices[0].text
+    assert client.completions.create(seed=5, **kw).choices[0].text == a
+    many = client.completions.create(seed=5, n=3, **kw)
+    assert [c.index for c in many.choices] == [0, 1, 2] and many.choices[0].text == a  # choice i uses seed + i
+    assert many.usage.prompt_tokens == len(tiny64.tokenizer(PROMPT)["input_ids"])
+
+    full = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=40, temperature=0).choices[0].text
+    stop = full[5:7]
+    cut = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=40, temperature=0, stop=[stop])
+    before = full[: full.index(stop)]
+    # the text ends at a token boundary at or before the stop string (TextTracker keeps text == decode(ids))
+    assert before.startswith(cut.choices[0].text) and len(before) - len(cut.choices[0].text) < 3
+    assert cut.choices[0].finish_reason == "stop"
+    streamed = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=40, temperature=0, stop=stop,
+                                         stream=True)
+    assert "".join(c.choices[0].text for c in streamed) == cut.choices[0].text
+
+    lp = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0, logprobs=2).choices[0]
+    assert len(lp.logprobs.token_logprobs) == len(lp.token_ids) == 8
+    assert all(x <= 0 for x in lp.logprobs.token_logprobs) and all(len(t) == 2 for t in lp.logprobs.top_logprobs)
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=5,
+                                          temperature=0, logprobs=True, top_logprobs=3).choices[0]
+    assert len(chat.logprobs.content) == len(chat.token_ids)
+    assert all(len(e.top_logprobs) == 3 and e.top_logprobs[0].logprob >= e.logprob - 1e-9
+               for e in chat.logprobs.content)
+
+
+# --------------------------------------------------------------------------- batching
+
+
+def test_batch_isolation_through_the_server(live):
+    """A greedy request gives the same tokens alone and inside a batch of mixed requests."""
+    client = live.client()
+    probe = dict(model=MODEL, prompt=PROMPT, max_tokens=60, temperature=0, extra_body={"ignore_eos": True})
+    sampled = dict(model=MODEL, prompt="and the dog", max_tokens=60, temperature=0.8, seed=3,
+                   extra_body={"ignore_eos": True, "top_k": 10})
+    alone = client.completions.create(**probe).choices[0].token_ids
+    alone_sampled = client.completions.create(**sampled).choices[0].token_ids
+    seen: list[int] = []
+    live.state.engine.on_step = _chain(live.state.engine.on_step, lambda s: seen.append(s.batch_size))
+    others = [dict(model=MODEL, prompt=p, max_tokens=m, temperature=t, top_p=tp, seed=i)
+              for i, (p, m, t, tp) in enumerate([("hello", 50, 1.2, 0.9), ("the the the", 30, 0.0, 1.0),
+                                                 ("dog", 70, 0.5, 1.0)])]
+    with ThreadPoolExecutor(5) as pool:
+        futures = [pool.submit(client.completions.create, **kw) for kw in (probe, sampled, *others)]
+        results = [f.result() for f in futures]
+    assert max(seen) >= 3  # they really were decoded together
+    assert results[0].choices[0].token_ids == alone
+    assert results[1].choices[0].token_ids == alone_sampled  # fixed gamma: same random draws as alone
+
+
+def _chain(first, second):
+    def both(stats):
+        first(stats)
+        second(stats)
+    return both
+
+
+def test_client_disconnect_cancels_and_frees_the_cache(live):
+    engine = live.state.engine
+    before = live.metrics().get('specdecode_requests_total{endpoint=completions,outcome=cancelled}', 0.0)
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 200, "temperature": 0, "stream": True, "ignore_eos": True}
+    slow = _slow_engine(engine, 0.02)
+    try:
+        with httpx.stream("POST", f"{live.url}/v1/completions", json=body, timeout=30) as resp:
+            assert resp.status_code == 200
+            lines = resp.iter_lines()
+            got = [next(lines) for _ in range(4)]
+            assert any(line.startswith("data: {") for line in got)
+            assert engine.num_active == 1 and engine.runner.cache.nbytes > 0
+        # the connection is closed here, mid-generation
+        _wait(lambda: engine.num_active == 0 and engine.runner.cache.nbytes == 0)
+    finally:
+        slow()
+    _wait(lambda: live.metrics().get('specdecode_requests_total{endpoint=completions,outcome=cancelled}', 0) > before)
+
+
+def _slow_engine(engine, seconds: float):
+    """Make every engine step take at least ``seconds`` (so a client can leave mid-generation); returns undo."""
+    real = engine.step
+
+    def slow():
+        out = real()
+        time.sleep(seconds)
+        return out
+
+    engine.step = slow
+    return lambda: setattr(engine, "step", real)
+
+
+def _wait(cond, timeout: float = 15.0) -> None:
+    deadline = time.time() + timeout
+    while not cond():
+        assert time.time() < deadline, "condition not reached"
+        time.sleep(0.05)
+
+
+def test_full_queue_answers_429_and_recovers(tiny64):
+    with serving(tiny64, max_batch_size=1, max_queue=1) as server:
+        gate = threading.Event()
+        engine = server.state.engine
+        real = engine.step
+        engine.step = lambda: (gate.wait(30), real())[1]
+        body = {"model": MODEL, "prompt": "hello", "max_tokens": 5, "temperature": 0}
+        with ThreadPoolExecutor(2) as pool:
+            waiting = [pool.submit(httpx.post, f"{server.url}/v1/completions", json=body, timeout=30) for _ in range(2)]
+            _wait(lambda: engine.num_pending == 2)
+            rejected = httpx.post(f"{server.url}/v1/completions", json=body)
+            gate.set()
+            assert [f.result().status_code for f in waiting] == [200, 200]
+        assert rejected.status_code == 429 and rejected.headers["retry-after"] == "1"
+        err = rejected.json()["error"]
+        assert err["type"] == "rate_limit_error" and err["code"] == "queue_full" and "max-queue" in err["message"]
+        assert httpx.post(f"{server.url}/v1/completions", json=body).status_code == 200
+
+
+# --------------------------------------------------------------------------- errors
+
+
+BAD_REQUESTS = [
+    ("/v1/completions", "{not json", 400, None, "not valid JSON"),
+    ("/v1/completions", "[1, 2]", 400, None, "JSON object"),
+    ("/v1/completions", "", 400, None, "body is empty"),
+    ("/v1/completions", {"prompt": "x"}, 400, "model", "missing required field 'model'"),
+    ("/v1/completions", {"model": MODEL}, 400, "prompt", "missing required field 'prompt'"),
+    ("/v1/completions", {"model": "gpt-4", "prompt": "x"}, 404, "model", "serves 'tiny'"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": -3}, 400, "max_tokens", ">= 1"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 10**9}, 400, "max_tokens", "at most"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": "5"}, 400, "max_tokens", "integer"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "temperature": -0.5}, 400, "temperature", "[0, 2]"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "top_p": 0}, 400, "top_p", "(0, 1]"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "top_p": 1.5}, 400, "top_p", "(0, 1]"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "top_k": -2}, 400, "top_k", ">= 0"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "n": 0}, 400, "n", "n must be"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "stream": "yes"}, 400, "stream", "boolean"),
+    ("/v1/completions", {"model": MODEL, "prompt": 42}, 400, "prompt", "must be a string"),
+    ("/v1/completions", {"model": MODEL, "prompt": []}, 400, "prompt", "empty list"),
+    ("/v1/completions", {"model": MODEL, "prompt": [1, 99999]}, 400, "prompt", "token ids must be in"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x " * 300}, 400, "prompt", "context"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "stop": ["a", ""]}, 400, "stop", "non-empty"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "echo": True}, 400, None, "echo is not supported"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "logprobs": 50}, 400, "logprobs", "[0, 20]"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "presence_penalty": 1}, 400, None, "not supported"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": []}, 400, "messages", "at least one message"),
+    ("/v1/chat/completions", {"model": MODEL}, 400, "messages", "missing required field 'messages'"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": "hi"}, 400, "messages", "list"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]}, 400,
+     "messages[0].role", "role"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user"}]}, 400, "messages", "no content"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+                              "max_completion_tokens": 0}, 400, "max_completion_tokens", ">= 1"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+                              "tools": [{"type": "function"}]}, 400, None, "tools"),
+]
+
+
+@pytest.mark.parametrize("path,body,status,param,message", BAD_REQUESTS,
+                         ids=[f"{i}-{case[4][:20]}" for i, case in enumerate(BAD_REQUESTS)])
+def test_bad_input_gets_an_openai_error_and_the_server_keeps_serving(live, path, body, status, param, message):
+    content = body if isinstance(body, str) else json.dumps(body)
+    resp = httpx.post(f"{live.url}{path}", content=content, headers={"content-type": "application/json"})
+    assert resp.status_code == status, resp.text
+    err = resp.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert message in err["message"], err
+    if param is not None:
+        assert err["param"] == param
+    ok = httpx.post(f"{live.url}/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2})
+    assert ok.status_code == 200
+
+
+def test_openai_client_raises_on_errors(live):
+    client = live.client()
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="nope", prompt="x")
+    with pytest.raises(openai.BadRequestError, match="temperature"):
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], temperature=-1)
+
+
+def test_unknown_route_is_json(live):
+    resp = httpx.get(f"{live.url}/v2/nothing")
+    assert resp.status_code == 404 and "no such endpoint" in resp.json()["error"]["message"]
+
+
+def test_api_key_guards_everything_but_health(tiny64):
+    with serving(tiny64, max_batch_size=2, api_key="s3cret") as server:
+        assert httpx.get(f"{server.url}/health").status_code == 200
+        for path in ("/v1/models", "/metrics"):
+            resp = httpx.get(f"{server.url}{path}")
+            assert resp.status_code == 401 and resp.json()["error"]["code"] == "invalid_api_key"
+        with pytest.raises(openai.AuthenticationError):
+            server.client(api_key="wrong").models.list()
+        out = server.client(api_key="s3cret").completions.create(model=MODEL, prompt="x", max_tokens=3)
+        assert len(out.choices[0].token_ids) <= 3
+
+
+# --------------------------------------------------------------------------- metrics
+
+
+def test_metrics_parse_and_move(live):
+    before = live.metrics()
+    client = live.client()
+    client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=30, temperature=0)
+    list(client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=10,
+                                        temperature=0, stream=True))
+    after = live.metrics()
+
+    def moved(name):
+        return after.get(name, 0.0) - before.get(name, 0.0)
+
+    assert moved("specdecode_requests_total{endpoint=completions,outcome=ok}") == 1
+    assert moved("specdecode_requests_total{endpoint=chat_completions,outcome=ok}") == 1
+    assert moved("specdecode_generation_tokens_total") >= 31
+    assert moved("specdecode_prompt_tokens_total") > 0
+    assert moved("specdecode_draft_tokens_total") > 0
+    assert moved("specdecode_accepted_tokens_total") >= 0
+    assert moved("specdecode_draft_tokens_by_position_total{position=0}") > 0
+    assert moved("specdecode_time_to_first_token_seconds_count") == 2
+    assert moved("specdecode_inter_token_latency_seconds_count") > 0
+    assert moved("specdecode_mean_accepted_length_count") == 2
+    assert moved("specdecode_batch_size_count") > 0
+    for gauge in ("specdecode_queue_length", "specdecode_running_requests", "specdecode_kv_cache_bytes"):
+        assert gauge in after
+
+
+# --------------------------------------------------------------------------- command line
+
+
+def test_specdecode_serve_command_serves(tiny_model_dir):
+    """`specdecode serve` end to end in its own process: load, calibrate, bind loopback, answer, stop."""
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "specdecode.cli", "serve", "--target", str(tiny_model_dir), "--port", str(port),
+           "--served-model-name", MODEL, "--max-batch-size", "2", "--log-level", "warning"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.time() + 90
+        while True:
+            assert proc.poll() is None, proc.stderr.read()
+            assert time.time() < deadline, "server did not start"
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            time.sleep(0.2)
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
+        out = client.completions.create(model=MODEL, prompt="hello", max_tokens=4, temperature=0)
+        assert len(out.choices[0].token_ids) <= 4
+    finally:
+        proc.terminate()
+        proc.wait(20)
+
+
+def test_serve_rejects_bad_flags_before_loading():
+    from specdecode.cli import main
+
+    assert main(["serve", "--num-speculative-tokens", "0"]) == 2
+    assert main(["serve", "--ngram-min", "3", "--ngram-max", "1"]) == 2
