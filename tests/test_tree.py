@@ -450,3 +450,29 @@ def test_sampled_static_tree_self_draft_accepts_almost_everything(target):
     out = _engine(target, TreeDraftProposer(target, TreeDraftConfig(kind="static", num_nodes=6, branching=(2, 1, 1)))
                   ).generate([3, 1, 4], SamplingParams(max_new_tokens=60, temperature=1.0, seed=0))
     assert out.metrics.mean_accepted_depth > 0.95 * out.metrics.mean_tree_depth  # q == p: the first child is kept
+
+
+@pytest.mark.parametrize("family", list(MODELS))
+def test_owned_forward_scores_and_commits_trees_like_the_hf_forward(family):
+    from specdecode.fastforward import OwnedCachedModel
+
+    model = MODELS[family]()
+    prefix, tokens = [3, 4, 5, 6], [10, 11, 12, 13, 14, 15]
+    hf, _ = _fresh(model, prefix)
+    owned = OwnedCachedModel(model)
+    owned.forward(prefix)
+    owned.check_tree_support()
+    ref = hf.forward_tree(tokens, TREE)
+    got = torch.cat([owned.forward_tree(tokens[:2], TREE[:2]), owned.forward_tree(tokens[2:], TREE[2:])])
+    assert torch.allclose(got, ref, atol=1e-5)  # both return float32 logits
+    with pytest.raises(ValueError):
+        owned.forward([1])
+    hf.keep_tree_path([0, 3, 5])
+    owned.keep_tree_path([0, 3, 5])
+    assert owned.cached_ids == hf.cached_ids == prefix + [10, 13, 15]
+    fresh = OwnedCachedModel(model)  # the rollback contract, within the owned forward
+    fresh.forward(owned.cached_ids)
+    for (ko, vo), (kf, vf), (kh, vh) in zip(owned.layer_tensors(), fresh.layer_tensors(), hf.layer_tensors()):
+        assert torch.allclose(ko, kf, atol=1e-10) and torch.allclose(vo, vf, atol=1e-10)
+        assert torch.allclose(ko, kh, atol=1e-6)  # RoPE tables differ in rounding between the two forwards
+    assert torch.allclose(owned.forward([7, 8]), hf.forward([7, 8]), atol=1e-5)

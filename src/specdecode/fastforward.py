@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from specdecode.cache import common_prefix_length
+from specdecode.tree import as_parent_list, node_depths, tree_attention_mask
 from specdecode.types import SpecDecodeError
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
@@ -118,6 +119,8 @@ class OwnedCachedModel:
         self.max_context = int(getattr(cfg, "max_position_embeddings", 2048))
         self._capacity = min(capacity, self.max_context)
         self.cached_ids: list[int] = []
+        self._tree_start: int | None = None  # prefix length while tree nodes are pending (forward_tree)
+        self._tree_parents: list[int] = []
         self._alloc(self._capacity)
 
     # Cache -------------------------------------------------------------------------
@@ -143,14 +146,21 @@ class OwnedCachedModel:
 
     def reset(self) -> None:
         self.cached_ids = []
+        self._tree_start, self._tree_parents = None, []
 
     def rollback(self, length: int) -> None:
         """Keep the first ``length`` cached tokens (O(1): positions past it are overwritten later)."""
         if not 0 <= length <= self.num_cached:
             raise ValueError(f"cannot roll back to {length} tokens; cache holds {self.num_cached}")
+        if self._tree_start is not None:
+            if length > self._tree_start:
+                raise ValueError("a token tree is pending: keep_tree_path() first, or roll back into the prefix")
+            self._tree_start, self._tree_parents = None, []
         del self.cached_ids[length:]
 
     def sync(self, token_ids: Sequence[int]) -> None:
+        if self._tree_start is not None:
+            self.rollback(self._tree_start)
         self.rollback(common_prefix_length(self.cached_ids, token_ids))
 
     def layer_tensors(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -164,6 +174,8 @@ class OwnedCachedModel:
     @torch.inference_mode()
     def forward(self, token_ids: Sequence[int] | torch.Tensor, last_only: bool = False) -> torch.Tensor:
         """Append ``token_ids`` ([n] int64, causal among themselves) and return [n, V] float32 logits."""
+        if self._tree_start is not None:
+            raise ValueError("forward: a token tree is pending; call keep_tree_path() first")
         ids = torch.as_tensor(token_ids, dtype=torch.int64).reshape(-1)
         start = self.num_cached
         positions = torch.arange(start, start + ids.numel())
@@ -172,6 +184,59 @@ class OwnedCachedModel:
         if last_only:
             hidden = hidden[-1:]
         return _mm(self.lm_head, hidden).float()
+
+    # Token trees (same contract as CachedModel.forward_tree / keep_tree_path) ----------
+
+    @property
+    def has_pending_tree(self) -> bool:
+        return self._tree_start is not None
+
+    def check_tree_support(self) -> None:
+        """The owned forward always takes a tree mask (nothing to check)."""
+
+    @torch.inference_mode()
+    def forward_tree(self, token_ids: Sequence[int] | torch.Tensor, parents: Sequence[int] | torch.Tensor) -> torch.Tensor:
+        """Append token-tree nodes (ancestor mask, position = prefix length + depth - 1); [n, V] float32 logits.
+
+        ``parents[i]``: the node's parent among all pending nodes (earlier calls first), -1 = child
+        of the prefix. See :meth:`specdecode.cache.CachedModel.forward_tree`.
+
+        Raises:
+            InvalidTreeError: a parent that is not an earlier pending node.
+        """
+        ids = torch.as_tensor(token_ids, dtype=torch.int64).reshape(-1)
+        n = ids.numel()
+        start = self.num_cached if self._tree_start is None else self._tree_start
+        new = parents.tolist() if isinstance(parents, torch.Tensor) else [int(p) for p in parents]
+        region = as_parent_list([*self._tree_parents, *new])
+        positions = torch.tensor(node_depths(region)[-n:], dtype=torch.int64) + (start - 1)
+        hidden = self._run(ids, positions, mask=tree_attention_mask(region, start, n))
+        self._tree_start, self._tree_parents = start, region
+        self.cached_ids.extend(ids.tolist())
+        return _mm(self.lm_head, hidden).float()
+
+    @torch.inference_mode()
+    def keep_tree_path(self, nodes: Sequence[int]) -> None:
+        """Keep the prefix plus the pending nodes ``nodes`` (a root path, in order): their cache
+        slots move into place, the other nodes are cut.
+
+        Raises:
+            ValueError: no tree pending, or ``nodes`` is not a root path.
+        """
+        if self._tree_start is None:
+            raise ValueError("keep_tree_path: no token tree is pending")
+        nodes = [int(i) for i in nodes]
+        for prev, node in zip([-1, *nodes], nodes):
+            if not 0 <= node < len(self._tree_parents) or self._tree_parents[node] != prev:
+                raise ValueError(f"keep_tree_path: {nodes} is not a root path of the pending tree")
+        start, k = self._tree_start, len(nodes)
+        if nodes != list(range(k)):
+            src = torch.tensor(nodes, dtype=torch.int64) + start
+            self.k_cache[:, :, start : start + k] = self.k_cache[:, :, src]
+            self.v_cache[:, :, start : start + k] = self.v_cache[:, :, src]
+            self.cached_ids[start : start + k] = [self.cached_ids[start + i] for i in nodes]
+        self._tree_start, self._tree_parents = None, []
+        self.rollback(start + k)
 
     def _run(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         """Run every layer over ``ids`` written at cache slots start..start+n; returns [n, hidden]."""
