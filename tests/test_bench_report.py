@@ -234,6 +234,7 @@ class EchoConfig:
     width: int = 1
     scale: float = 1.0
     loud: bool = False
+    shape: tuple[int, ...] = (1,)
 
 
 class Echo:
@@ -249,8 +250,9 @@ def test_a_newly_registered_proposer_plugs_in_without_harness_changes():
         loaded = []
         ctx = BuildContext(target=None, default_draft="d0",
                            load_draft=lambda spec: loaded.append(spec) or type("M", (), {"model": spec})())
-        prop = build_proposer_for(MethodSpec.parse("echo-test:k=3,width=7,scale=0.5,loud=yes,model=d1"), ctx)
-        assert prop.config == EchoConfig(width=7, scale=0.5, loud=True) and prop.model == "d1"
+        prop = build_proposer_for(MethodSpec.parse("echo-test:k=3,width=7,scale=0.5,loud=yes,shape=4/2/1,model=d1"),
+                                  ctx)
+        assert prop.config == EchoConfig(width=7, scale=0.5, loud=True, shape=(4, 2, 1)) and prop.model == "d1"
         assert loaded == ["d1"]
     finally:
         del PROPOSERS["echo-test"]

@@ -74,7 +74,7 @@ def leaderboard_table(summary: dict, variants: dict[str, dict]) -> str:
 
 def details_table(summary: dict, variants: dict[str, dict]) -> str:
     header = ["Method", "speedup median [q1, q3]", "throughput ratio", "decode speedup", "tok/s", "τ",
-              "acceptance", "mean γ", "prefill / draft / verify / other", "outputs = plain"]
+              "acceptance", "mean draft", "prefill / draft / verify / other", "outputs = plain"]
     checked = (summary.get("agreement") or {}).get("checked", {})
     bad: dict[str, int] = {}
     for m in (summary.get("agreement") or {}).get("mismatches", []):
@@ -92,8 +92,15 @@ def details_table(summary: dict, variants: dict[str, dict]) -> str:
                      fx(c["throughput_ratio"]), fx(c["decode_speedup"]), fn(c["tokens_per_s"], 1),
                      fn(m.get("tau")) if m and v["gamma"] else "–",
                      fp(m.get("acceptance_rate")) if m and v["gamma"] else "–",
-                     fn(m.get("mean_draft_length"), 1) if m and v["gamma"] else "–", split_s, agree])
+                     _draft_size(m) if m and v["gamma"] else "–", split_s, agree])
     return _table(header, rows)
+
+
+def _draft_size(m: dict) -> str:
+    """Mean draft length, or for token trees 'N nodes, depth D'."""
+    if m.get("is_tree"):
+        return f"{fn(m.get('mean_tree_nodes'), 1)} nodes, depth {fn(m.get('mean_tree_depth'), 1)}"
+    return fn(m.get("mean_draft_length"), 1)
 
 
 def acceptance_table(summary: dict, variants: dict[str, dict]) -> str:
@@ -207,6 +214,11 @@ def env_section(meta: dict) -> str:
     for name, d in models["drafts"].items():
         rows.append(["draft", f"`{name}` {d['architecture']}, {d['parameters'] / 1e6:.1f}M params, {d['dtype']}, "
                               f"sha256 `{d['sha256']}`"])
+    load = meta.get("load_average")
+    if load:
+        busy = " (above the core count: other processes competed for the CPU; timings are noisier)" \
+            if load["max"] > (env.get("usable_cores") or 1) else ""
+        rows.append(["1-min load average during runs", f"median {load['median']:.1f}, max {load['max']:.1f}{busy}"])
     rows += [["decoding", f"{'greedy' if cfg['temperature'] == 0 else 'temperature ' + str(cfg['temperature'])}, "
                           f"batch size 1, max {cfg['max_new_tokens']} new tokens, seed {cfg['seed']}"],
              ["γ", f"{cfg['gamma']} (sweep: {cfg['gammas'] or 'none'})"],
@@ -237,20 +249,22 @@ def markdown(summary: dict, meta: dict) -> str:
         "same after the first token (prefill taken out); time split of wall time.\n\n"
         + details_table(summary, variants),
         "## Acceptance by draft position\n\nP(draft tokens 1..i all kept | the draft reached position i), and in "
-        "brackets the conditional rate P(token i kept | tokens before it kept).\n\n"
+        "brackets the conditional rate P(token i kept | tokens before it kept). For token trees, position i is "
+        "depth i, and acceptance (table above) is accepted depth over drafted nodes.\n\n"
         + acceptance_table(summary, variants),
         "## Theory vs measurement (Leviathan et al. 2023)\n\nFrom the measured per-position acceptance and "
         "measured costs. Ideal = E[tokens per step] (free drafting, verification as cheap as one decoding step); "
         "Leviathan = E[tokens] / (γc + 1), c = T_draft / T_decode(1) (verification assumed to cost one step); "
         "overhead-aware = E[tokens] · T_plain / (γ·T_draft + T_verify(γ) + T_overhead), with T_verify(γ) from "
         "the probe below and per-step overhead from the run. Efficiency = measured decode speedup / "
-        "overhead-aware prediction.\n\n" + theory_table(summary, variants),
+        "overhead-aware prediction. (Token-tree methods are left out: the chain model does not describe "
+        "them.)\n\n" + theory_table(summary, variants),
         "## τ and speedup against γ\n\n" + sweep_section(summary),
         "## Against Hugging Face transformers\n\n" + peer_section(summary, variants),
         "## Output agreement\n\n" + agreement_section(summary),
         "## Cost of verification\n\nOne cached target forward over k + 1 new tokens at a typical context "
         "(least of 3 timings), relative to one decoding step.\n\n" + probe_section(summary),
-        "## Environment\n\n" + env_section(meta),
+        "## Environment\n\n" + env_section({**meta, "load_average": summary.get("load_average")}),
     ]
     return "\n\n".join(sections) + "\n"
 

@@ -13,7 +13,7 @@ the same output directory and settings skips what is there (resume).
 Method specs are one line: ``NAME[:OPTION=VALUE,...]`` where NAME is a key of
 ``specdecode.proposers.PROPOSERS``, ``k`` is gamma (``num_speculative_tokens``), ``model``
 names a draft model (for proposers that take one) and any other option is a field of the
-proposer's config dataclass (``ngram:k=5,max_ngram=4``). A new proposer registered with
+proposer's config dataclass (``ngram:k=5,max_ngram=4``; tuples as ``branching=4/2/2``). A new proposer registered with
 ``@register("name")`` whose factory takes ``config=`` (a dataclass) and/or ``model=`` needs
 no change here; one that needs more registers a builder with :func:`method_builder`.
 """
@@ -26,6 +26,7 @@ import hashlib
 import inspect
 import json
 import logging
+import os
 import sys
 import time
 import typing
@@ -217,6 +218,11 @@ def _build_config(config_type: type, options: dict[str, str], spec: MethodSpec):
 
 
 def _convert(raw: str, hint, key: str, spec: MethodSpec):
+    """An option string as the config field's type: bool, int, float, str, or a tuple written a/b/c."""
+    for h in (hint, *typing.get_args(hint)):
+        if typing.get_origin(h) is tuple:
+            item = next((t for t in typing.get_args(h) if t is not Ellipsis), str)
+            return tuple(_convert(part, item, key, spec) for part in raw.split("/") if part)
     kinds = [t for t in (hint, *typing.get_args(hint)) if t in (bool, int, float, str)]
     kind = kinds[0] if kinds else str
     try:
@@ -780,6 +786,7 @@ def _run_matrix(todo, prompts, variants, encoded, config: BenchConfig, store: Re
             ids, templated = encoded[prompt.key]
             seed = _seed(config, index[prompt.key])
             gc.collect()
+            load1 = _load_average()
             try:
                 res = variant.run(ids, seed)
             except Exception as exc:  # noqa: BLE001 - one broken method must not sink an hour of other runs
@@ -796,9 +803,17 @@ def _run_matrix(todo, prompts, variants, encoded, config: BenchConfig, store: Re
                 "dataset": prompt.dataset, "category": prompt.category, "prompt_tokens": len(ids),
                 "chat_template": templated, "seed": seed, "token_ids": res.token_ids,
                 "new_tokens": len(res.token_ids), "wall_s": res.wall_s, "finish_reason": res.finish_reason,
-                "metrics": res.metrics, "time": time.time(),
+                "metrics": res.metrics, "time": time.time(), "load1_before": load1, "load1_after": _load_average(),
             })
             bar.advance(task)
+
+
+def _load_average() -> float | None:
+    """The 1-minute load average (runnable processes): above the core count, runs compete for CPU."""
+    try:
+        return os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return None
 
 
 def _warm_up(variants: list[Variant], ids: list[int], seed: int, status) -> None:

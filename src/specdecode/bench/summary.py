@@ -61,6 +61,8 @@ def pool_metrics(records: Sequence[dict]) -> dict | None:
     keys = ("num_generated_tokens", "num_drafted_tokens", "num_accepted_tokens", "num_verify_steps",
             "num_step_tokens", "prefill_time_s", "draft_time_s", "verify_time_s", "wall_time_s")
     tot = {k: sum(m[k] for m in ms) for k in keys}
+    for k in ("num_tree_steps", "num_tree_nodes", "tree_depth_sum"):  # token-tree runs (absent in older records)
+        tot[k] = sum(m.get(k, 0) for m in ms)
     width = max((len(m["drafted_by_position"]) for m in ms), default=0)
     drafted = [sum(m["drafted_by_position"][i] for m in ms if i < len(m["drafted_by_position"])) for i in range(width)]
     accepted = [sum(m["accepted_by_position"][i] for m in ms if i < len(m["accepted_by_position"])) for i in range(width)]
@@ -80,6 +82,9 @@ def pool_metrics(records: Sequence[dict]) -> dict | None:
         "survival": survival,
         "conditional_acceptance": theory.rates_from_survival(survival),
         "mean_draft_length": statistics.fmean(lengths) if lengths else 0.0,
+        "is_tree": tot["num_tree_steps"] > 0,
+        "mean_tree_nodes": tot["num_tree_nodes"] / tot["num_tree_steps"] if tot["num_tree_steps"] else None,
+        "mean_tree_depth": tot["tree_depth_sum"] / tot["num_tree_steps"] if tot["num_tree_steps"] else None,
         "draft_lengths": lengths,
         "time_split": {k: (v / wall if wall else 0.0) for k, v in
                        (("prefill", tot["prefill_time_s"]), ("draft", tot["draft_time_s"]),
@@ -236,7 +241,8 @@ def sweep(family_variants: Sequence[dict], pooled: dict[str, dict], plain: dict,
     The prediction uses the per-position acceptance, draft lengths and costs of the family's
     largest-gamma run (acceptance past its length continues at its last conditional rate).
     """
-    points = sorted(((v["gamma"], v["key"]) for v in family_variants if v["key"] in pooled), key=lambda t: t[0])
+    points = sorted(((v["gamma"], v["key"]) for v in family_variants
+                     if v["key"] in pooled and not pooled[v["key"]]["is_tree"]), key=lambda t: t[0])
     if not points:
         return None
     cap, cap_key = points[-1]
@@ -308,6 +314,8 @@ def summarize(records: Sequence[dict], variants: Sequence[dict], prompts: Sequen
         if v["engine"] != "specdecode" or v["key"] == OURS_PLAIN or not pooled.get(v["key"]) or not plain:
             continue
         spec = pooled[v["key"]]
+        if spec["is_tree"]:
+            continue  # the chain cost model does not describe token trees (nodes != depth)
         pred = predict(plain, spec, v["gamma"], ratio, spec["draft_lengths"])
         if pred is None:
             continue
@@ -358,7 +366,9 @@ def summarize(records: Sequence[dict], variants: Sequence[dict], prompts: Sequen
         o, h = cells[OURS_PLAIN][OVERALL]["tokens_per_s"], cells[HF_PLAIN][OVERALL]["tokens_per_s"]
         plain_vs_hf = {"ours_tokens_per_s": o, "hf_tokens_per_s": h, "ratio": o / h if o and h else None}
 
+    loads = [r[k] for r in records for k in ("load1_before", "load1_after") if r.get(k) is not None]
     return {
+        "load_average": spread([x for x in loads if x > 0]) if loads else None,
         "categories": categories,
         "prompts_per_category": {c: len(ks) for c, ks in by_cat.items()},
         "cells": cells,
