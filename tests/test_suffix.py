@@ -209,3 +209,46 @@ def test_suffix_engine_is_lossless_and_learns_across_requests():
     assert first.token_ids == second.token_ids == expected
     assert second.metrics.num_target_forwards < first.metrics.num_target_forwards
     assert second.metrics.mean_accepted_length > 3.0
+
+
+# --------------------------------------------------------------------------- API and CLI
+
+
+def test_from_pretrained_builds_suffix_and_tree_proposers(tiny_model_dir):
+    from specdecode.generator import SpecDecoder
+    from specdecode.proposers import DraftModelProposer, NgramProposer, TreeDraftProposer
+
+    spec = str(tiny_model_dir)
+    suffix = SpecDecoder.from_pretrained(spec, "suffix", tree_nodes=8, progress=False)
+    assert isinstance(suffix.proposer, SuffixProposer) and suffix.proposer.fallback is None
+    assert suffix.proposer.config.max_spec_nodes == 8
+    hybrid = SpecDecoder.from_pretrained(spec, "suffix:ngram", progress=False)
+    assert isinstance(hybrid.proposer.fallback, NgramProposer)
+    model_hybrid = SpecDecoder.from_pretrained(spec, f"suffix:{spec}", progress=False)
+    assert isinstance(model_hybrid.proposer.fallback, DraftModelProposer) and model_hybrid.draft is not None
+    tree = SpecDecoder.from_pretrained(spec, spec, tree="dynamic", tree_nodes=12, progress=False)
+    assert isinstance(tree.proposer, TreeDraftProposer) and tree.proposer.config.num_nodes == 12
+    tree_hybrid = SpecDecoder.from_pretrained(spec, f"suffix:{spec}", tree="static", progress=False)
+    assert isinstance(tree_hybrid.proposer.fallback, TreeDraftProposer)
+    for bad in (dict(draft="ngram", tree="static"), dict(draft="suffix", tree="dynamic"),
+                dict(draft=spec, tree="bushy"), dict(draft=spec, tree="static", tree_nodes=0)):
+        with pytest.raises(SpecDecodeError):
+            SpecDecoder.from_pretrained(spec, bad.pop("draft"), progress=False, **bad)
+
+
+@pytest.mark.parametrize("draft", ["suffix", "suffix:ngram", "tree"])
+def test_cli_generate_with_trees_matches_the_baseline(capsys, tiny_model_dir, draft):
+    import json
+
+    from specdecode import cli
+
+    args = ["--draft", "suffix"] if draft == "suffix" else ["--draft", "suffix:ngram"] if draft == "suffix:ngram" \
+        else ["--draft", str(tiny_model_dir), "--tree", "dynamic", "--tree-nodes", "6"]
+    code = cli.main(["generate", "--target", str(tiny_model_dir), "--prompt", "the cat and the dog and the cat",
+                     "--max-new-tokens", "30", "--ignore-eos", "-k", "4", "--compare-baseline", "--json", *args])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    rec = json.loads(captured.out.strip().splitlines()[-1])
+    assert rec["matches_baseline"] is True
+    if rec["num_drafted_tokens"]:
+        assert rec["num_tree_steps"] > 0 and rec["mean_tree_size"] >= 1.0

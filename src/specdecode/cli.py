@@ -30,7 +30,9 @@ EXIT_USAGE = 2
 #: The embedded default prompt: a long news article to summarize, where prompt lookup pays off.
 DEFAULT_TARGET = "smollm2-135m"
 DEFAULT_DATASET = "spec-bench:summarization:1"
-DRAFT_CHOICES_HELP = "'ngram' (prompt lookup, no model), 'none' (plain decoding), or a draft model spec"
+DRAFT_CHOICES_HELP = ("'ngram' (prompt lookup, no model), 'none' (plain decoding), 'suffix' (suffix decoding, "
+                      "no model), 'suffix:ngram' or 'suffix:MODEL' (suffix decoding, falling back to that drafter "
+                      "when the suffix match is weak), or a draft model spec")
 
 
 class UsageError(SpecDecodeError):
@@ -118,6 +120,12 @@ def _add_generate(commands) -> None:
                         help="shortest n-gram the ngram drafter matches (default: %(default)s)")
     models.add_argument("--ngram-max", type=int, default=3, metavar="N",
                         help="longest n-gram the ngram drafter matches, tried first (default: %(default)s)")
+    models.add_argument("--tree", default="none", choices=("none", "static", "dynamic"),
+                        help="token trees from the draft model, verified in one target pass: 'static' (top-k "
+                             "branching per depth) or 'dynamic' (EAGLE-2: expand the most probable nodes, keep the "
+                             "best N); -k caps the depth (default: %(default)s = chains)")
+    models.add_argument("--tree-nodes", type=int, default=16, metavar="N",
+                        help="node budget N of --tree and of suffix decoding, 1..64 (default: %(default)s)")
     models.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
                         help="weight dtype; float32 is fastest on most CPUs (default: %(default)s)")
     models.add_argument("--weights", default="fp32", choices=WEIGHT_PRECISIONS,
@@ -289,7 +297,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     decoder = SpecDecoder.from_pretrained(
         args.target, args.draft, num_speculative_tokens=args.num_speculative_tokens,
         ngram_min=args.ngram_min, ngram_max=args.ngram_max, dtype=args.dtype, cache_dir=args.cache_dir,
-        weights=args.weights, draft_weights=args.draft_weights,
+        weights=args.weights, draft_weights=args.draft_weights, tree=args.tree, tree_nodes=args.tree_nodes,
     )
     _status(f"loaded in {time.perf_counter() - t0:.1f} s: target {decoder.target.source}, {_draft_label(args)}, "
             f"gamma {args.num_speculative_tokens}, context {decoder.target.max_context} tokens")
@@ -308,13 +316,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def _check_generate_args(args: argparse.Namespace) -> None:
     """Range-check every number before any slow model load (SpecDecodeError on the first bad one)."""
     from specdecode.engine import EngineConfig
-    from specdecode.generator import _check_stops
+    from specdecode.generator import _check_stops, _tree_config
     from specdecode.proposers import NgramConfig
     from specdecode.types import SamplingParams
 
     SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                    max_new_tokens=args.max_new_tokens, seed=args.seed)
     EngineConfig(num_speculative_tokens=args.num_speculative_tokens)
+    _tree_config(args.tree, args.tree_nodes)
     if args.draft.strip().lower() == "ngram":
         NgramConfig(min_ngram=args.ngram_min, max_ngram=args.ngram_max)
     _check_stops(args.stop)
@@ -365,7 +374,11 @@ def _draft_label(args: argparse.Namespace) -> str:
         return "no draft (plain decoding)"
     if kind == "ngram":
         return f"ngram drafter (n = {args.ngram_max}..{args.ngram_min})"
-    return f"draft model {args.draft}"
+    tree = f", {args.tree} trees of {args.tree_nodes} nodes" if args.tree != "none" else ""
+    if kind.partition(":")[0] == "suffix":
+        fallback = args.draft.strip().partition(":")[2]
+        return f"suffix decoding ({args.tree_nodes} nodes)" + (f", fallback {fallback}{tree}" if fallback else "")
+    return f"draft model {args.draft}{tree}"
 
 
 def _warm_up(decoder, baseline) -> None:
@@ -435,6 +448,9 @@ def _record(job: _Job, chat: bool, out, base_out) -> dict:
         "mean_accepted_length": m.mean_accepted_length,
         "acceptance_by_position": m.acceptance_by_position,
         "num_target_forwards": m.num_target_forwards,
+        "num_tree_steps": m.num_tree_steps,
+        "mean_tree_size": m.mean_tree_size,
+        "mean_accepted_depth": m.mean_accepted_depth,
         "prefill_time_s": m.prefill_time_s,
         "draft_time_s": m.draft_time_s,
         "verify_time_s": m.verify_time_s,
@@ -479,6 +495,8 @@ def _print_summary(r: dict) -> None:
         f"accepted {r['num_accepted_tokens']} | acceptance rate {r['acceptance_rate']:.1%} | "
         f"tau {r['mean_accepted_length']:.2f} tokens/forward",
         f"acceptance by position: {positions}",
+        *([f"token trees: {r['num_tree_steps']} steps, {r['mean_tree_size']:.1f} nodes per tree, accepted depth "
+           f"{r['mean_accepted_depth']:.2f}"] if r.get("num_tree_steps") else []),
         f"target forwards {r['num_target_forwards']} | time: prefill {r['prefill_time_s']:.2f} s, "
         f"draft {r['draft_time_s']:.2f} s, verify {r['verify_time_s']:.2f} s, other {r['other_time_s']:.2f} s, "
         f"wall {r['wall_time_s']:.2f} s | {r['tokens_per_s']:.1f} tokens/s",

@@ -33,6 +33,8 @@ from specdecode.models import LoadedModel, check_compatible, load_model
 from specdecode.policy import build_policy
 from specdecode.proposers import LayerSkipConfig, NgramConfig, build_proposer
 from specdecode.proposers.layer_skip import parse_skip_layers
+from specdecode.proposers.suffix import SuffixConfig, SuffixProposer
+from specdecode.proposers.tree_draft import TREE_KINDS, TreeDraftConfig
 from specdecode.types import EmptyPromptError, InvalidSamplingParams, SamplingParams, SpecDecodeError
 
 #: ``draft`` values that mean "no proposer": plain decoding.
@@ -41,6 +43,8 @@ NO_DRAFT = ("none", "")
 NGRAM_DRAFT = "ngram"
 #: ``draft`` value for self-speculation: the target with some decoder layers skipped.
 LAYER_SKIP_DRAFT = "layer-skip"
+#: ``draft`` value for suffix decoding; ``suffix:ngram`` / ``suffix:MODEL`` add a fallback drafter.
+SUFFIX_DRAFT = "suffix"
 
 
 @dataclass
@@ -117,6 +121,8 @@ class SpecDecoder:
         draft_weights: str | None = None,
         policy: str = "fixed",
         skip_layers: str | Sequence[int] | None = None,
+        tree: str | None = None,
+        tree_nodes: int = 16,
     ) -> "SpecDecoder":
         """Load a target (and a draft model) by spec and build the decoder.
 
@@ -137,6 +143,11 @@ class SpecDecoder:
             skip_layers: with ``draft="layer-skip"`` (self-speculation, the target with some
                 decoder layers skipped): layer indices ("3,5,7" or a list); None = the set
                 cached for this model, or a search on the first prompt (``specdecode.layer_search``).
+            tree: with a draft model, "static" (top-k branching per depth) or "dynamic" (EAGLE-2)
+                token trees instead of chains; None / "none" = chains.
+            tree_nodes: node budget N of a tree (1..64); also the node budget of ``draft="suffix"``
+                (suffix decoding, model-free token trees; ``"suffix:ngram"`` / ``"suffix:MODEL"``
+                fall back to that drafter when the suffix match scores low).
 
         Raises:
             ModelLoadError, IncompatibleTokenizerError, SpecDecodeError (bad gamma or
@@ -146,6 +157,18 @@ class SpecDecoder:
         build_policy(policy, num_speculative_tokens)
         skip_layers = parse_skip_layers(skip_layers)
         kind = (draft or "").strip()
+        tree_config = _tree_config(tree, tree_nodes)  # checked before any load; None = chain drafts
+        if kind.lower().partition(":")[0] == SUFFIX_DRAFT:  # suffix decoding around an optional fallback
+            inner = cls.from_pretrained(
+                target, kind.partition(":")[2] or "none", num_speculative_tokens=num_speculative_tokens,
+                ngram_min=ngram_min, ngram_max=ngram_max, dtype=dtype, cache_dir=cache_dir, progress=progress,
+                weights=weights, draft_weights=draft_weights, policy=policy, skip_layers=skip_layers,
+                tree=tree, tree_nodes=tree_nodes)
+            proposer = SuffixProposer(SuffixConfig(max_spec_nodes=tree_nodes), fallback=inner.proposer)
+            return cls(inner.target, proposer, num_speculative_tokens=num_speculative_tokens, draft=inner.draft,
+                       policy=policy)
+        if tree_config is not None and kind.lower() in (*NO_DRAFT, NGRAM_DRAFT, LAYER_SKIP_DRAFT):
+            raise SpecDecodeError(f"--tree {tree} needs a draft model (--draft MODEL or suffix:MODEL), not {kind!r}")
         ngram = None
         if kind.lower() == NGRAM_DRAFT:
             ngram = NgramConfig(min_ngram=ngram_min, max_ngram=ngram_max)
@@ -176,7 +199,10 @@ class SpecDecoder:
             draft_model = load_model(kind, dtype=dtype, cache_dir=cache_dir, progress=progress)
             check_compatible(loaded, draft_model)
             set_weight_precision(draft_model.model, draft_weights)
-        proposer = build_proposer("draft-model", model=draft_model.model)
+        if tree_config is not None:
+            proposer = build_proposer("tree-draft", model=draft_model.model, config=tree_config)
+        else:
+            proposer = build_proposer("draft-model", model=draft_model.model)
         return cls(loaded, proposer, num_speculative_tokens=num_speculative_tokens, draft=draft_model, policy=policy)
 
     def plain(self) -> "SpecDecoder":
@@ -305,6 +331,19 @@ class SpecDecoder:
             prompt_token_ids=list(result.prompt_token_ids),
             stop_string=tracker.stop_string,
         )
+
+
+def _tree_config(tree: str | None, tree_nodes: int) -> TreeDraftConfig | None:
+    """The draft-model tree config of ``tree`` ("static" / "dynamic"; None / "none" = chains).
+
+    Raises:
+        SpecDecodeError: an unknown tree kind or a node budget outside 1..64.
+    """
+    kind = (tree or "none").strip().lower()
+    if kind != "none" and kind not in TREE_KINDS:
+        raise SpecDecodeError(f"tree must be one of none, {', '.join(TREE_KINDS)}; got {tree!r}")
+    config = TreeDraftConfig(kind=kind if kind != "none" else "dynamic", num_nodes=tree_nodes)
+    return None if kind == "none" else config
 
 
 def _check_stops(stop: Sequence[str] | None) -> list[str]:
