@@ -119,13 +119,18 @@ class SpeculativeEngine:
         """Like :meth:`generate`, yielding each step's committed tokens as they come.
 
         The first item carries the token sampled from the prefill. The final
-        GenerationOutput is available as ``engine.last_output`` afterwards.
+        GenerationOutput is available as ``engine.last_output`` afterwards, also
+        when the caller stops iterating early (a stop string): its finish reason
+        is then "stop".
         """
         state = self.start(prompt_ids, params)
-        yield StepOutput(list(state.generated), 0, 0, state.finish_reason is not None, state.finish_reason)
-        while state.finish_reason is None:
-            yield self.step(state)
-        self.last_output = self.output(state)
+        try:
+            yield StepOutput(list(state.generated), 0, 0, state.finish_reason is not None, state.finish_reason)
+            while state.finish_reason is None:
+                yield self.step(state)
+        finally:
+            state.finish_reason = state.finish_reason or "stop"
+            self.last_output = self.output(state)
 
     # The loop --------------------------------------------------------------------
 
@@ -134,7 +139,8 @@ class SpeculativeEngine:
         prompt = self._check_prompt(prompt_ids, params)
         seed = params.seed if params.seed is not None else random.randrange(2**63)
         ctx = ProposeContext(
-            list(prompt), len(prompt), params, torch.Generator().manual_seed(seed), self.target.vocab_size
+            list(prompt), len(prompt), params, torch.Generator().manual_seed(seed), self.target.vocab_size,
+            should_continue=getattr(self.policy, "should_continue", None), target=self.target,
         )
         state = RequestState(ctx=ctx, metrics=RunMetrics(num_prompt_tokens=len(prompt)), started_at=time.perf_counter())
         self.target.reset()
@@ -157,7 +163,7 @@ class SpeculativeEngine:
         result = self._verify(state, draft)
         t2 = time.perf_counter()
         committed = self._commit(state, result.new_token_ids[0, : int(result.num_accepted[0]) + 1].tolist())
-        self._observe(state, draft, result, committed)
+        self._observe(state, draft, result, committed, t1 - t0, t2 - t1)
         m = state.metrics
         m.draft_time_s += t1 - t0
         m.verify_time_s += t2 - t1
@@ -236,13 +242,14 @@ class SpeculativeEngine:
         self.target.rollback(min(self.target.num_cached, len(state.ctx.token_ids) - 1))
         return tokens
 
-    def _observe(self, state: RequestState, draft: Draft, result: VerifyResult, committed: list[int]) -> None:
+    def _observe(self, state: RequestState, draft: Draft, result: VerifyResult, committed: list[int],
+                 draft_time_s: float | None = None, verify_time_s: float | None = None) -> None:
         n_acc = int(result.num_accepted[0])
         depth = tree_depth(draft.parents[0]) if self._trees and draft.num_tokens else None
         state.metrics.record_step(draft.num_tokens, n_acc, len(committed), depth=depth)
         if self.proposer is not None and draft.num_tokens:
             self.proposer.observe(state.ctx, result)
-        self.policy.update(draft.num_tokens, n_acc)
+        self.policy.update(draft.num_tokens, n_acc, draft_time_s=draft_time_s, verify_time_s=verify_time_s)
 
     def _finish_timing(self, state: RequestState) -> None:
         state.metrics.num_generated_tokens = len(state.generated)
