@@ -122,7 +122,7 @@ def test_every_draft_rejected_still_equals_plain(target):
 
 
 def _assert_cache_is_fresh_prefill(runner: CachedModel):
-    fresh = CachedModel(runner.model)
+    fresh = type(runner)(runner.model)  # the same forward backend, fresh
     fresh.reset()
     fresh.forward(runner.cached_ids)
     for (k1, v1), (k2, v2) in zip(runner.layer_tensors(), fresh.layer_tensors()):

@@ -176,7 +176,8 @@ def test_models_that_cannot_take_a_tree_mask_fail_clearly():
     flash = tiny_llama(vocab_size=64)
     flash.config._attn_implementation = "flash_attention_2"
     with pytest.raises(TreeAttentionUnsupported, match="flash_attention_2"):
-        SpeculativeEngine(flash, SuffixProposer())  # refused when the engine is built
+        # refused when the engine is built (the Hugging Face forward; the owned one always takes masks)
+        SpeculativeEngine(flash, SuffixProposer(), EngineConfig(forward="hf"))
 
 
 # --------------------------------------------------------------------------- greedy verification

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specdecode.cache import CachedModel
+from specdecode.fastforward import make_runner
 from specdecode.metrics import RunMetrics
 from specdecode.policy import FixedPolicy
 from specdecode.proposers.base import ProposeContext, Proposer
@@ -40,10 +40,14 @@ class EngineConfig:
     Attributes:
         num_speculative_tokens: gamma, draft tokens per step (>= 1) for the fixed policy.
         max_context: context length in tokens; None reads the target's config.
+        forward: target forward backend: "auto" (the project's own Llama / Qwen2
+            forward when the model is supported and the proposer does not need the
+            Hugging Face cache, else Hugging Face), "hf", or "owned".
     """
 
     num_speculative_tokens: int = 5
     max_context: int | None = None
+    forward: str = "auto"
 
     def __post_init__(self) -> None:
         if not isinstance(self.num_speculative_tokens, int) or not 1 <= self.num_speculative_tokens <= 64:
@@ -86,7 +90,10 @@ class SpeculativeEngine:
         policy=None,
     ) -> None:
         self.config = config or EngineConfig()
-        self.target = CachedModel(target)
+        backend = self.config.forward
+        if backend == "auto" and getattr(proposer, "requires_hf_target", False):
+            backend = "hf"  # e.g. layer skipping drafts on the target's Hugging Face cache
+        self.target = make_runner(target, backend)
         self.proposer = proposer
         # Token-tree drafts (proposer.produces_trees) take the ancestor-mask path; decided once, here.
         self._trees = bool(getattr(proposer, "produces_trees", False))

@@ -39,7 +39,32 @@ def supports(model: torch.nn.Module) -> bool:
         return False
     if getattr(cfg, "sliding_window", None) and getattr(cfg, "use_sliding_window", False):
         return False
-    return getattr(cfg, "hidden_act", "silu") == "silu"
+    linears_are_plain = all(
+        type(getattr(layer.self_attn, "q_proj", None)) is torch.nn.Linear
+        and type(getattr(layer.mlp, "down_proj", None)) is torch.nn.Linear
+        for layer in getattr(getattr(model, "model", None), "layers", [None])
+        if layer is not None
+    ) and type(model.get_output_embeddings()) is torch.nn.Linear  # quantized models take the HF forward
+    return linears_are_plain and getattr(cfg, "hidden_act", "silu") == "silu"
+
+
+#: Forward backends: "auto" (owned when the model is supported, else Hugging Face), "hf", "owned".
+FORWARD_BACKENDS = ("auto", "hf", "owned")
+
+
+def make_runner(model: torch.nn.Module, backend: str = "auto"):
+    """A model bound to its KV cache: :class:`OwnedCachedModel` or :class:`~specdecode.cache.CachedModel`.
+
+    Raises:
+        SpecDecodeError: unknown backend, or "owned" for a model it cannot run.
+    """
+    if backend not in FORWARD_BACKENDS:
+        raise SpecDecodeError(f"unknown forward backend {backend!r}; choose one of {FORWARD_BACKENDS}")
+    if backend == "owned" or (backend == "auto" and supports(model)):
+        return OwnedCachedModel(model)
+    from specdecode.cache import CachedModel
+
+    return CachedModel(model)
 
 
 class _Layer:
@@ -106,7 +131,9 @@ class OwnedCachedModel:
         self.embed = inner.embed_tokens.weight
         self.norm = inner.norm.weight
         self.lm_head = model.get_output_embeddings().weight
-        self.layers = [_Layer(layer) for layer in inner.layers]
+        # Fused once per model and shared by every runner of it (a self-draft, plain and speculative engines).
+        self.layers = model.__dict__.get("_specdecode_fused_layers") or [_Layer(layer) for layer in inner.layers]
+        model.__dict__["_specdecode_fused_layers"] = self.layers
         self.eps = float(cfg.rms_norm_eps)
         self.num_heads = int(cfg.num_attention_heads)
         self.num_kv_heads = int(cfg.num_key_value_heads)
@@ -114,7 +141,8 @@ class OwnedCachedModel:
         rope = getattr(cfg, "rope_parameters", None) or {}
         theta = float(rope.get("rope_theta", getattr(cfg, "rope_theta", 10000.0)))
         dtype = self.embed.dtype
-        self.inv_freq = 1.0 / (theta ** (torch.arange(0, self.head_dim, 2, dtype=torch.float64) / self.head_dim))
+        # float32 like the Hugging Face rotary embedding, so both forwards rotate identically
+        self.inv_freq = 1.0 / (theta ** (torch.arange(0, self.head_dim, 2, dtype=torch.int64).float() / self.head_dim))
         self.dtype = dtype
         self.max_context = int(getattr(cfg, "max_position_embeddings", 2048))
         self._capacity = min(capacity, self.max_context)
@@ -274,13 +302,13 @@ class OwnedCachedModel:
         return _rms_norm(x, self.norm, self.eps)
 
     def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = positions.to(torch.float64)[:, None] * self.inv_freq[None, :]  # [n, d/2]
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [n, d/2] float32
         emb = torch.cat([freqs, freqs], dim=-1)
         return emb.cos().to(self.dtype), emb.sin().to(self.dtype)
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    xf = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+    xf = x.float()  # float32 statistics, as the Hugging Face RMSNorm (also for float64 models)
     out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return weight * out.to(x.dtype)
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specdecode.cache import CachedModel
+from specdecode.fastforward import make_runner
 from specdecode.proposers.base import ProposeContext, register
 from specdecode.sampling import logits_to_probs, sample
 from specdecode.types import Draft, VerifyResult
@@ -20,7 +20,14 @@ from specdecode.types import Draft, VerifyResult
 
 @dataclass(frozen=True)
 class DraftModelConfig:
-    """Config of the draft-model proposer: nothing beyond the model itself yet."""
+    """Config of the draft-model proposer.
+
+    Attributes:
+        forward: the draft's forward backend ("auto", "hf", "owned"; see
+            :func:`specdecode.fastforward.make_runner`).
+    """
+
+    forward: str = "auto"
 
 
 @register("draft-model")
@@ -33,8 +40,8 @@ class DraftModelProposer:
     """
 
     def __init__(self, model: torch.nn.Module, config: DraftModelConfig | None = None) -> None:
-        self.runner = CachedModel(model)
         self.config = config or DraftModelConfig()
+        self.runner = make_runner(model, self.config.forward)
 
     def start(self, ctx: ProposeContext) -> None:
         self.runner.reset()
@@ -51,13 +58,18 @@ class DraftModelProposer:
         for i in range(max_tokens):
             if ctx.params.greedy:
                 tok = logits.argmax(-1)
+                q = None
             else:
                 q = logits_to_probs(logits, ctx.params)
                 tok = sample(q, ctx.generator)
                 probs.append(q)
             tokens.append(tok)
-            if i + 1 < max_tokens:
-                logits = self.runner.forward(tok.reshape(1))[-1, :vocab]
+            if i + 1 >= max_tokens:
+                break
+            if ctx.should_continue is not None:  # the policy's confidence hook (policy.py)
+                if not ctx.keep_drafting(q if q is not None else torch.softmax(logits.float(), -1)):
+                    break
+            logits = self.runner.forward(tok.reshape(1))[-1, :vocab]
         token_ids = torch.stack(tokens).reshape(1, -1)
         draft_probs = torch.stack(probs).unsqueeze(0) if probs else None
         return Draft.chain(token_ids, draft_probs)
