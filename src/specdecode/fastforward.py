@@ -266,10 +266,30 @@ class OwnedCachedModel:
         self._tree_start, self._tree_parents = None, []
         self.rollback(start + k)
 
-    def _run(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-        """Run every layer over ``ids`` written at cache slots start..start+n; returns [n, hidden]."""
+    @torch.inference_mode()
+    def forward_skipping(self, token_ids: Sequence[int] | torch.Tensor, start: int,
+                         layers: Sequence[int]) -> torch.Tensor:
+        """Layer-skip drafting: run ``token_ids`` at positions start.. through ``layers`` only.
+
+        Writes those layers' cache slots start..start+n but leaves ``cached_ids`` alone, so the
+        slots stay past the committed length: verification rewrites them before any read
+        (``specdecode.proposers.layer_skip``). ``start`` >= ``num_cached``.
+
+        Returns:
+            [n, V] float32 logits.
+        """
+        ids = torch.as_tensor(token_ids, dtype=torch.int64).reshape(-1)
+        if start < self.num_cached or self._tree_start is not None:
+            raise ValueError(f"forward_skipping writes past the committed cache ({self.num_cached}), got {start}")
+        positions = torch.arange(start, start + ids.numel())
+        return _mm(self.lm_head, self._run(ids, positions, mask=None, start=start, layers=layers)).float()
+
+    def _run(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None, start: int | None = None,
+             layers: Sequence[int] | None = None) -> torch.Tensor:
+        """Run every layer (or ``layers``) over ``ids`` written at cache slots start..start+n
+        (default start: ``num_cached``); returns [n, hidden]."""
         n = ids.numel()
-        start = self.num_cached
+        start = self.num_cached if start is None else start
         end = start + n
         if end > self._capacity:
             if end > self.max_context:
@@ -280,7 +300,8 @@ class OwnedCachedModel:
         cos, sin = self._rope(positions)
         x = self.embed[ids]  # [n, hidden]
         h, kvh, d = self.num_heads, self.num_kv_heads, self.head_dim
-        for i, layer in enumerate(self.layers):
+        for i in range(len(self.layers)) if layers is None else layers:
+            layer = self.layers[i]
             qkv = _mm(layer.qkv, _rms_norm(x, layer.ln1, self.eps))
             if layer.qkv_bias is not None:
                 qkv = qkv + layer.qkv_bias

@@ -89,6 +89,19 @@ class RunMetrics:
         return [a / d if d else 0.0 for a, d in zip(self.accepted_by_position, self.drafted_by_position)]
 
     @property
+    def mean_draft_length(self) -> float:
+        """Mean gamma per verification step (0 = plain steps included; what the draft-length policy did)."""
+        return sum(self.draft_lengths) / len(self.draft_lengths) if self.draft_lengths else 0.0
+
+    @property
+    def draft_length_histogram(self) -> dict[int, int]:
+        """{gamma: steps} over the verification steps, gamma ascending (0 = a plain decoding step)."""
+        counts: dict[int, int] = {}
+        for g in self.draft_lengths:
+            counts[g] = counts.get(g, 0) + 1
+        return dict(sorted(counts.items()))
+
+    @property
     def mean_tree_size(self) -> float:
         """Nodes per token-tree step (0.0 without tree steps)."""
         return self.num_tree_nodes / self.num_tree_steps if self.num_tree_steps else 0.0
@@ -119,6 +132,8 @@ class RunMetrics:
             acceptance_rate=self.acceptance_rate,
             mean_accepted_length=self.mean_accepted_length,
             acceptance_by_position=self.acceptance_by_position,
+            mean_draft_length=self.mean_draft_length,
+            draft_length_histogram=self.draft_length_histogram,
             mean_tree_size=self.mean_tree_size,
             mean_tree_depth=self.mean_tree_depth,
             mean_accepted_depth=self.mean_accepted_depth,

@@ -1,21 +1,502 @@
-"""Draft-length policies: how many tokens to draft next step (gamma, ``num_speculative_tokens``)."""
+"""Draft-length policies: how many tokens to draft next step (gamma, ``num_speculative_tokens``).
+
+Every policy answers three questions for the engine:
+
+- ``next_length() -> int``: gamma for the next step; 0 means a plain decoding step.
+- ``update(num_drafted, num_accepted, *, draft_time_s=None, verify_time_s=None)``:
+  feedback after each verification (``num_drafted`` is what the proposer actually
+  drafted, which may be less than asked; the times are the step's measured
+  seconds of drafting and of the target's verification forward).
+- ``should_continue``: None, or a callable ``probs [V] float32 -> bool`` that a
+  model-based proposer (draft-model, layer-skip) consults after each drafted
+  token, with the distribution that token came from (greedy requests: the
+  softmax of the raw draft logits). False stops the chain there (the token just
+  drafted is kept). Deterministic drafters (n-gram, suffix) never call it.
+
+Policies (build them by name with :func:`build_policy`):
+
+- ``fixed``: always gamma (Leviathan et al. 2023; vLLM's ``num_speculative_tokens``).
+- ``heuristic``: +2 after a fully accepted step, -1 otherwise, never below 1
+  (Hugging Face transformers' ``num_assistant_tokens_schedule="heuristic"``).
+- ``confidence``: draft up to a cap, stopping as soon as the draft's top
+  probability falls below a threshold (HF ``assistant_confidence_threshold``) or,
+  optionally, its entropy exceeds a bound (the SVIP idea, Zhang et al. 2024).
+- ``cost-model``: chooses gamma in [0, max] maximising expected committed tokens
+  per second, from per-position acceptance and T_draft(k), T_verify(k) measured
+  online; gamma = 0 (plain decoding, re-probed later with backoff) when
+  speculation would lose.
+
+``heuristic`` and ``confidence`` also carry a :class:`PlainFallback` guard (on by
+default, ``guard=False`` gives the published rule alone): it compares measured
+speculative throughput with measured plain decoding and switches to plain
+decoding while speculation loses, so neither policy runs much slower than
+plain decoding when acceptance collapses.
+
+All policies are per engine: their state (gamma, estimates) carries over from
+one request to the next, as Hugging Face's heuristic does.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from specdecode.types import SpecDecodeError
+
+#: Largest gamma any policy may choose (the engine's own limit).
+MAX_SPECULATIVE_TOKENS = 64
 
 
-@dataclass(frozen=True)
-class FixedPolicy:
-    """Always draft ``num_speculative_tokens`` (vLLM's and the paper's fixed gamma)."""
+def _check_gamma(name: str, value: int, low: int = 1) -> int:
+    if not isinstance(value, int) or not low <= value <= MAX_SPECULATIVE_TOKENS:
+        raise SpecDecodeError(f"{name} must be an integer in [{low}, {MAX_SPECULATIVE_TOKENS}], got {value!r}")
+    return value
 
-    num_speculative_tokens: int
+
+def default_max_tokens(num_speculative_tokens: int) -> int:
+    """Cap of the adaptive policies: max(2 * gamma, 8), at most 64."""
+    return min(MAX_SPECULATIVE_TOKENS, max(2 * num_speculative_tokens, 8))
+
+
+class DraftLengthPolicy:
+    """Base class: the interface the engine uses, with do-nothing defaults."""
+
+    #: None, or ``probs [V] float32 -> bool`` consulted by model-based drafters after each token.
+    should_continue: Callable[[torch.Tensor], bool] | None = None
+
+    def next_length(self) -> int:
+        raise NotImplementedError
+
+    def update(
+        self,
+        num_drafted: int,
+        num_accepted: int,
+        *,
+        draft_time_s: float | None = None,
+        verify_time_s: float | None = None,
+    ) -> None:
+        return None
+
+
+class FixedPolicy(DraftLengthPolicy):
+    """Always draft ``num_speculative_tokens`` (vLLM's and the papers' fixed gamma).
+
+    Raises:
+        SpecDecodeError: gamma outside [1, 64].
+    """
+
+    def __init__(self, num_speculative_tokens: int) -> None:
+        self.num_speculative_tokens = _check_gamma("num_speculative_tokens", num_speculative_tokens)
 
     def next_length(self) -> int:
         return self.num_speculative_tokens
 
-    def update(self, num_drafted: int, num_accepted: int) -> None:  # noqa: ARG002 - fixed ignores feedback
-        return None
+    def __repr__(self) -> str:
+        return f"FixedPolicy({self.num_speculative_tokens})"
 
 
-POLICIES = {"fixed": FixedPolicy}
+# --------------------------------------------------------------------------- plain-decoding guard
+
+
+@dataclass
+class PlainFallback:
+    """Switch to plain decoding while speculation is measured to be slower than it.
+
+    Tracks two exponential moving averages: committed tokens per second of
+    speculative steps (draft + verify time) and of plain steps (verify time of a
+    step with nothing drafted). Plain steps are taken on purpose now and then to
+    measure the second (they cost nothing against the plain baseline). After
+    ``window`` speculative steps, if speculation runs below ``margin`` x plain,
+    the guard holds gamma at 0 for ``backoff`` steps, doubling the hold after
+    each failed re-probe (up to ``max_backoff``), and resetting it once
+    speculation wins again.
+
+    Attributes:
+        window: speculative steps between decisions.
+        margin: speculate while spec_rate >= margin * plain_rate.
+        backoff, max_backoff: plain steps before the next probe (doubles on failure).
+        refresh_every: steps between plain-step measurements while speculating.
+        smoothing: EMA weight of a new observation.
+    """
+
+    window: int = 4
+    margin: float = 1.0
+    backoff: int = 8
+    max_backoff: int = 256
+    refresh_every: int = 64
+    smoothing: float = 0.25
+    spec_rate: float | None = None
+    plain_step_s: float | None = None
+    _hold: int = 0
+    _current_backoff: int = 0
+    _since_decision: int = 0
+    _since_plain: int = 0
+    _steps: int = 0
+
+    def __post_init__(self) -> None:
+        self._current_backoff = self.backoff
+
+    def holds(self) -> bool:
+        """True when the next step must be plain (held back, or a plain measurement is due)."""
+        if self._hold > 0:
+            return True
+        due = self.plain_step_s is None and self._steps >= 1
+        return due or self._since_plain >= self.refresh_every
+
+    def update(self, num_drafted: int, num_accepted: int, draft_time_s: float | None,
+               verify_time_s: float | None) -> None:
+        """Record one step; decide whether to hold plain decoding."""
+        self._steps += 1
+        if verify_time_s is None:
+            return
+        if num_drafted == 0:
+            self.plain_step_s = _ema(self.plain_step_s, verify_time_s, self.smoothing)
+            self._since_plain = 0
+            self._hold = max(0, self._hold - 1)
+            return
+        self._since_plain += 1
+        rate = (num_accepted + 1) / max(1e-9, (draft_time_s or 0.0) + verify_time_s)
+        self.spec_rate = _ema(self.spec_rate, rate, self.smoothing)
+        self._since_decision += 1
+        if self._since_decision < self.window or self.plain_step_s is None:
+            return
+        self._since_decision = 0
+        if self.spec_rate < self.margin / self.plain_step_s:
+            self._hold = self._current_backoff
+            self._current_backoff = min(self.max_backoff, 2 * self._current_backoff)
+            self.spec_rate = None  # the next probe is judged on its own steps
+        else:
+            self._current_backoff = self.backoff
+
+
+def _ema(old: float | None, new: float, weight: float) -> float:
+    return new if old is None else (1.0 - weight) * old + weight * new
+
+
+# --------------------------------------------------------------------------- heuristic
+
+
+class HeuristicPolicy(DraftLengthPolicy):
+    """Hugging Face's schedule: +2 after a fully accepted step, -1 (not below 1) otherwise.
+
+    (transformers ``AssistedCandidateGenerator.update_candidate_strategy``,
+    ``num_assistant_tokens_schedule="heuristic"``.) A step whose proposer drafted
+    nothing (e.g. no n-gram match) leaves gamma unchanged. Gamma is capped at
+    ``max_tokens``.
+
+    Args:
+        num_speculative_tokens: starting gamma.
+        max_tokens: cap (default :func:`default_max_tokens`).
+        guard: add the :class:`PlainFallback` guard (True) or run the schedule alone.
+    """
+
+    def __init__(self, num_speculative_tokens: int = 5, max_tokens: int | None = None, guard: bool = True) -> None:
+        self.gamma = _check_gamma("num_speculative_tokens", num_speculative_tokens)
+        self.max_tokens = _check_gamma("max_tokens", max_tokens or default_max_tokens(num_speculative_tokens))
+        self.gamma = min(self.gamma, self.max_tokens)
+        self.guard = PlainFallback() if guard else None
+
+    def next_length(self) -> int:
+        if self.guard is not None and self.guard.holds():
+            return 0
+        return self.gamma
+
+    def update(self, num_drafted, num_accepted, *, draft_time_s=None, verify_time_s=None) -> None:
+        if self.guard is not None:
+            self.guard.update(num_drafted, num_accepted, draft_time_s, verify_time_s)
+        if num_drafted <= 0:
+            return
+        if num_accepted >= num_drafted:
+            self.gamma = min(self.max_tokens, self.gamma + 2)
+        else:
+            self.gamma = max(1, self.gamma - 1)
+
+    def __repr__(self) -> str:
+        return f"HeuristicPolicy(gamma={self.gamma}, max={self.max_tokens}, guard={self.guard is not None})"
+
+
+# --------------------------------------------------------------------------- confidence
+
+
+class ConfidencePolicy(DraftLengthPolicy):
+    """Draft up to ``max_tokens``; stop the chain when the draft becomes unsure.
+
+    After each drafted token the proposer calls :attr:`should_continue` with the
+    distribution q [V] that token was drawn from: drafting goes on while
+    max(q) >= ``min_top_prob`` and (when ``max_entropy`` is set) the entropy of
+    q in nats is <= ``max_entropy`` (an SVIP-style bound, Zhang et al. 2024).
+    Deterministic drafters never call it: gamma is then ``max_tokens``.
+
+    Args:
+        max_tokens: the most tokens drafted per step.
+        min_top_prob: threshold on the draft's top probability, in [0, 1].
+        max_entropy: optional bound on the draft's entropy (nats).
+        guard: add the :class:`PlainFallback` guard.
+
+    Raises:
+        SpecDecodeError: a threshold out of range.
+    """
+
+    def __init__(self, max_tokens: int = 8, min_top_prob: float = 0.5, max_entropy: float | None = None,
+                 guard: bool = True) -> None:
+        self.max_tokens = _check_gamma("max_tokens", max_tokens)
+        if not 0.0 <= min_top_prob <= 1.0:
+            raise SpecDecodeError(f"min_top_prob must be in [0, 1], got {min_top_prob!r}")
+        if max_entropy is not None and not max_entropy > 0:
+            raise SpecDecodeError(f"max_entropy must be > 0 nats, got {max_entropy!r}")
+        self.min_top_prob = float(min_top_prob)
+        self.max_entropy = max_entropy
+        self.guard = PlainFallback() if guard else None
+        self.should_continue = self._confident
+
+    def _confident(self, probs: torch.Tensor) -> bool:
+        """probs [V] float32 -> keep drafting? (one host synchronisation per drafted token)."""
+        if float(probs.max()) < self.min_top_prob:
+            return False
+        if self.max_entropy is not None:
+            p = probs[probs > 0]
+            if float(-(p * p.log()).sum()) > self.max_entropy:
+                return False
+        return True
+
+    def next_length(self) -> int:
+        if self.guard is not None and self.guard.holds():
+            return 0
+        return self.max_tokens
+
+    def update(self, num_drafted, num_accepted, *, draft_time_s=None, verify_time_s=None) -> None:
+        if self.guard is not None:
+            self.guard.update(num_drafted, num_accepted, draft_time_s, verify_time_s)
+
+    def __repr__(self) -> str:
+        return (f"ConfidencePolicy(max={self.max_tokens}, min_top_prob={self.min_top_prob}, "
+                f"max_entropy={self.max_entropy}, guard={self.guard is not None})")
+
+
+# --------------------------------------------------------------------------- cost model
+
+
+@dataclass
+class _TimeTable:
+    """Seconds as a function of k (tokens drafted), from EMAs of measured points.
+
+    Unmeasured k: linear interpolation between measured neighbours; beyond the
+    largest measured k, the slope of the two largest (or ``default_slope`` x the
+    value per step when only one point is known); below the smallest, the same
+    proportional guess. ``proportional`` models a cost that is zero at k = 0
+    (drafting) rather than one with an intercept (verification).
+    """
+
+    smoothing: float = 0.3
+    default_slope: float = 0.05
+    proportional: bool = False
+    points: dict[int, float] = field(default_factory=dict)
+
+    def add(self, k: int, seconds: float) -> None:
+        self.points[k] = _ema(self.points.get(k), seconds, self.smoothing)
+
+    def __call__(self, k: int) -> float | None:
+        if k in self.points:
+            return self.points[k]
+        if not self.points:
+            return None
+        ks = sorted(self.points)
+        if self.proportional:
+            near = min(ks, key=lambda x: abs(x - k))
+            return self.points[near] * k / near if near else self.points[near]
+        below = [x for x in ks if x < k]
+        above = [x for x in ks if x > k]
+        if below and above:
+            a, b = below[-1], above[0]
+            return self.points[a] + (self.points[b] - self.points[a]) * (k - a) / (b - a)
+        if len(ks) >= 2 and below:
+            a, b = ks[-2], ks[-1]
+            slope = max(0.0, (self.points[b] - self.points[a]) / (b - a))
+            return self.points[b] + slope * (k - b)
+        ref = ks[-1] if below else ks[0]
+        per_step = self.points[ref] / (1.0 + self.default_slope * ref)
+        return per_step * (1.0 + self.default_slope * k)
+
+
+class CostModelPolicy(DraftLengthPolicy):
+    """Choose gamma maximising expected committed tokens per second, from online measurements.
+
+    The model (Leviathan et al. 2023, section 3.4, with measured rather than
+    assumed costs and per-position rather than one acceptance rate)::
+
+        E(g)    = 1 + sum_{j=1..g} prod_{i<j} c_i          expected tokens committed by a step
+        rate(g) = E(g) / (T_draft(g) + T_verify(g))       committed tokens per second
+        gamma   = argmax_{g in 0..max_tokens} rate(g)      (g = 0: plain decoding, E = 1)
+
+    c_i = P(draft token i accepted | tokens 0..i-1 accepted), estimated from
+    exponentially decayed counts (each position decays when it is judged),
+    shrunk towards the estimate of position i-1; positions never drafted
+    inherit the estimate of the deepest observed one. T_draft(k) and T_verify(k)
+    are EMAs of the measured seconds per number of tokens drafted, interpolated
+    for unmeasured k (:class:`_TimeTable`).
+
+    Exploration: the first ``warmup`` steps draft ``num_speculative_tokens``, then
+    one plain step measures T_verify(0). While the model picks 0, after
+    ``probe_interval`` plain steps it probes: the acceptance evidence is
+    discounted (x ``probe_discount``, old news) and ``probe_steps`` steps draft the
+    best positive gamma; if speculation still loses, the interval doubles (up to
+    ``max_probe_interval``), else it resets. While speculating, a plain step every
+    ``refresh_every`` steps keeps T_verify(0) current on a machine whose load changes.
+
+    Args:
+        num_speculative_tokens: gamma during warm-up.
+        max_tokens: the largest gamma considered (default :func:`default_max_tokens`).
+        decay: per-observation decay of the acceptance counts (0 < decay <= 1).
+
+    Raises:
+        SpecDecodeError: a value out of range.
+    """
+
+    def __init__(self, num_speculative_tokens: int = 5, max_tokens: int | None = None, *, decay: float = 0.95,
+                 warmup: int = 3, probe_interval: int = 8, max_probe_interval: int = 256, probe_steps: int = 3,
+                 probe_discount: float = 0.25, refresh_every: int = 64) -> None:
+        self.initial = _check_gamma("num_speculative_tokens", num_speculative_tokens)
+        self.max_tokens = _check_gamma("max_tokens", max_tokens or default_max_tokens(num_speculative_tokens))
+        self.initial = min(self.initial, self.max_tokens)
+        if not 0.0 < decay <= 1.0:
+            raise SpecDecodeError(f"decay must be in (0, 1], got {decay!r}")
+        self.decay = decay
+        self.shrink = 2.0
+        self.warmup = warmup
+        self.probe_interval = probe_interval
+        self.max_probe_interval = max_probe_interval
+        self.probe_steps = probe_steps
+        self.probe_discount = probe_discount
+        self.refresh_every = refresh_every
+        self.hits = [0.0] * self.max_tokens  # decayed accepted counts per position
+        self.trials = [0.0] * self.max_tokens  # decayed judged counts per position
+        self.t_draft = _TimeTable(proportional=True)
+        self.t_verify = _TimeTable()
+        self._steps = 0
+        self._plain_run = 0  # consecutive plain steps chosen by the model
+        self._interval = probe_interval
+        self._probe_left = 0
+        self._since_plain = 0
+
+    # Model -----------------------------------------------------------------------
+
+    def acceptance(self) -> list[float]:
+        """Estimated c_i for positions 0..max_tokens-1 (conditional on reaching i).
+
+        Each position's decayed counts are shrunk towards the previous position's
+        estimate (``shrink`` pseudo-observations), position 0 towards the pooled rate
+        of all positions; a position never reached inherits the one before it.
+        """
+        pooled = (sum(self.hits) + 1.0) / (sum(self.trials) + 2.0)
+        out, prev = [], pooled
+        for h, t in zip(self.hits, self.trials):
+            prev = (h + self.shrink * prev) / (t + self.shrink)
+            out.append(prev)
+        return out
+
+    def expected_tokens(self, gamma: int) -> float:
+        """E(gamma): expected tokens committed by one step drafting gamma tokens."""
+        total, reach = 1.0, 1.0
+        for c in self.acceptance()[:gamma]:
+            reach *= c
+            total += reach
+        return total
+
+    def rates(self) -> list[float] | None:
+        """Predicted committed tokens per second for gamma = 0..max_tokens; None until a plain
+        step and a drafting step have both been timed."""
+        if 0 not in self.t_verify.points or not self.t_draft.points:
+            return None
+        out = []
+        for g in range(self.max_tokens + 1):
+            cost = self.t_verify(g) + (self.t_draft(g) if g else 0.0)
+            out.append(self.expected_tokens(g) / max(cost, 1e-9))
+        return out
+
+    # Policy ----------------------------------------------------------------------
+
+    def next_length(self) -> int:
+        if self._steps < self.warmup:
+            return self.initial
+        rates = self.rates()
+        if rates is None:
+            return 0 if 0 not in self.t_verify.points else self.initial
+        best_spec = max(range(1, len(rates)), key=rates.__getitem__)
+        if self._probe_left > 0:
+            return best_spec
+        if rates[best_spec] > rates[0]:
+            return 0 if self._since_plain >= self.refresh_every else best_spec
+        if self._plain_run >= self._interval:  # re-probe: acceptance may have changed
+            self._start_probe()
+            return max(range(1, len(rates)), key=self.rates().__getitem__)
+        return 0
+
+    def _start_probe(self) -> None:
+        self._probe_left = self.probe_steps
+        self.hits = [h * self.probe_discount for h in self.hits]
+        self.trials = [t * self.probe_discount for t in self.trials]
+
+    def update(self, num_drafted, num_accepted, *, draft_time_s=None, verify_time_s=None) -> None:
+        self._steps += 1
+        if num_drafted <= 0:
+            if verify_time_s is not None:
+                self.t_verify.add(0, verify_time_s)
+            self._since_plain = 0
+            self._plain_run += 1
+            return
+        self._since_plain += 1
+        self._plain_run = 0
+        self._observe_acceptance(num_drafted, num_accepted)
+        if verify_time_s is not None:
+            self.t_verify.add(num_drafted, verify_time_s)
+        if draft_time_s is not None:
+            self.t_draft.add(num_drafted, draft_time_s)
+        if self._probe_left > 0:
+            self._probe_left -= 1
+            if self._probe_left == 0:
+                rates = self.rates()
+                wins = rates is not None and max(rates[1:]) > rates[0]
+                self._interval = self.probe_interval if wins else min(self.max_probe_interval, 2 * self._interval)
+
+    def _observe_acceptance(self, num_drafted: int, num_accepted: int) -> None:
+        """Positions 0..min(accepted, drafted - 1) were judged; decay only what was judged."""
+        reached = min(num_accepted + 1, num_drafted, self.max_tokens)
+        for i in range(reached):
+            self.hits[i] = self.decay * self.hits[i] + (1.0 if i < num_accepted else 0.0)
+            self.trials[i] = self.decay * self.trials[i] + 1.0
+
+    def __repr__(self) -> str:
+        return f"CostModelPolicy(start={self.initial}, max={self.max_tokens}, decay={self.decay})"
+
+
+# --------------------------------------------------------------------------- registry
+
+
+POLICIES: dict[str, Callable[..., DraftLengthPolicy]] = {
+    "fixed": lambda num_speculative_tokens=5, **kw: FixedPolicy(num_speculative_tokens),
+    "heuristic": lambda num_speculative_tokens=5, **kw: HeuristicPolicy(num_speculative_tokens, **kw),
+    "confidence": lambda num_speculative_tokens=5, max_tokens=None, **kw: ConfidencePolicy(
+        max_tokens or default_max_tokens(num_speculative_tokens), **kw),
+    "cost-model": lambda num_speculative_tokens=5, **kw: CostModelPolicy(num_speculative_tokens, **kw),
+}
+
+
+def build_policy(name: str, num_speculative_tokens: int = 5, **kwargs) -> DraftLengthPolicy:
+    """Build a draft-length policy by name.
+
+    Args:
+        name: ``fixed`` | ``heuristic`` | ``confidence`` | ``cost-model``.
+        num_speculative_tokens: gamma for ``fixed``; the starting gamma of ``heuristic``
+            and ``cost-model``; ``confidence`` drafts up to ``default_max_tokens(gamma)``.
+        kwargs: passed to the policy's constructor (e.g. ``min_top_prob=0.6``, ``guard=False``).
+
+    Raises:
+        SpecDecodeError: unknown name (the message lists the choices) or a value out of range.
+    """
+    key = (name or "").strip().lower()
+    if key not in POLICIES:
+        raise SpecDecodeError(f"unknown draft-length policy {name!r}; choose one of {', '.join(POLICIES)}")
+    _check_gamma("num_speculative_tokens", num_speculative_tokens)
+    return POLICIES[key](num_speculative_tokens, **kwargs)

@@ -21,6 +21,14 @@ class ProposeContext:
         params: the request's sampling parameters (drafts use the same processing).
         generator: the request's random generator (sampling drafters draw from it).
         vocab_size: the target's output vocabulary V; drafts must stay below it.
+        should_continue: the draft-length policy's per-token hook, or None. Model-based
+            drafters call it after each drafted token with the [V] float32 distribution
+            the token came from (greedy: softmax of the raw logits); False ends the chain
+            after that token. Deterministic drafters ignore it.
+        target: the engine's target runner (``CachedModel`` or ``OwnedCachedModel``), for
+            self-speculative drafters that draft on the target's own cache; they must leave
+            its committed tokens' cache exactly as they found it. None where an engine does
+            not offer it.
     """
 
     token_ids: list[int]
@@ -28,6 +36,12 @@ class ProposeContext:
     params: SamplingParams
     generator: torch.Generator
     vocab_size: int
+    should_continue: Callable[[torch.Tensor], bool] | None = None
+    target: object | None = None
+
+    def keep_drafting(self, probs: torch.Tensor) -> bool:
+        """Ask the policy hook whether to draft another token after one drawn from ``probs`` [V]."""
+        return self.should_continue is None or bool(self.should_continue(probs))
 
 
 class Proposer(Protocol):

@@ -1,0 +1,449 @@
+"""Choosing which decoder layers the layer-skip draft skips: a SWIFT-style search, cached per model.
+
+Xia et al. 2024 ("SWIFT: On-the-Fly Self-Speculative Decoding") pick the skip
+set on the fly from the text being generated, alternating random search with
+Bayesian optimisation of how well the skipped model's parallel (teacher-forced)
+predictions match the full model's. This module does the same in two stages,
+so that the final choice rests on measured speed, not on a proxy alone:
+
+1. **Context.** For each calibration prompt (e.g. the first request's prompt),
+   plain greedy decoding through the engine produces ``new_tokens`` of the
+   target's own text (timed: the plain-decoding baseline on this machine).
+2. **Proxy, guided random search.** A candidate skip set S is scored by
+   ``acceptance(S)``, the share of positions j where the skipped model's first
+   draft token, drafted from token j on top of the full model's cache of
+   tokens < j (as in decoding), equals the full model's argmax. All positions
+   are scored in one pass of the kept layers (each query sees the cache before
+   its position and itself), and by a timing model measured once
+   on this machine (a draft step costs ``a + b * kept_layers``, verifying k
+   tokens costs ``T_verify(k)``). The predicted speedup is
+   ``max_gamma E(gamma) / (gamma * T_draft(S) + T_verify(gamma)) * T_verify(0)`` with
+   ``E(gamma) = (1 - acc^(gamma+1)) / (1 - acc)``. Candidates come from evenly spread
+   and random sets at several skip ratios, then mostly from mutations of the
+   best so far (swap a skipped and a kept layer, or skip one more / one fewer):
+   a (1+1)-evolution with random restarts.
+3. **Measurement.** The best few candidates by the proxy are run for real
+   (layer-skip speculative decoding through the engine on the same prompts,
+   greedy), interleaved with plain decoding, twice, best round kept; the one
+   with the highest measured tokens/s wins.
+
+The winner is stored in ``<cache_dir>/layer_skip.json`` under a key naming the
+model (path, family, layer count, dtype and a digest of some weights), so later
+runs reuse it at no cost. Greedy outputs never depend on the choice (it only
+changes speed); sampled outputs keep the target's distribution whatever it is.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import statistics
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from specdecode.proposers.layer_skip import LayerSkipConfig, LayerSkipProposer, SkipForward, draft_step, remove_last
+
+CACHE_FILE = "layer_skip.json"
+CACHE_FORMAT = 1
+
+
+@dataclass(frozen=True)
+class SearchConfig:
+    """Search settings.
+
+    Attributes:
+        new_tokens: target tokens generated per calibration prompt (the context the proxy scores,
+            and the length of each timed run).
+        max_prompt_tokens: keep only the last this many tokens of each prompt.
+        skip_ratios: fractions of the skippable layers tried by the initial candidates.
+        proxy_evaluations: most candidates scored by the proxy.
+        measured_candidates: best proxy candidates timed by real decoding.
+        max_gamma: largest draft length the speed model considers.
+        protect_first, protect_last: layers at either end that are never skipped.
+        time_budget_s: soft limit on the whole search (the proxy stage stops at 60% of it;
+            at least one candidate is always measured).
+        seed: seeds the random search.
+    """
+
+    new_tokens: int = 32
+    max_prompt_tokens: int = 256
+    skip_ratios: tuple[float, ...] = (0.25, 0.35, 0.45, 0.55)
+    proxy_evaluations: int = 48
+    measured_candidates: int = 3
+    max_gamma: int = 8
+    protect_first: int = 1
+    protect_last: int = 1
+    time_budget_s: float = 120.0
+    seed: int = 0
+
+
+@dataclass
+class SearchResult:
+    """The chosen skip set and how it was found.
+
+    Attributes:
+        skip_layers: decoder layer indices to skip.
+        gamma: the draft length the speed model predicted best for it.
+        tokens_per_s: measured layer-skip decoding speed on the calibration prompts (None if not measured).
+        plain_tokens_per_s: measured plain decoding speed on the same prompts.
+        acceptance: proxy acceptance (teacher-forced argmax agreement) of the set.
+        num_layers: decoder layers of the model.
+        candidates: every candidate scored: skip_layers, acceptance, predicted_speedup, (measured) tokens_per_s.
+        key: the model key in the cache file.
+        from_cache: True when read from the cache file instead of searched.
+        seconds: time the search took.
+    """
+
+    skip_layers: tuple[int, ...]
+    gamma: int
+    tokens_per_s: float | None
+    plain_tokens_per_s: float | None
+    acceptance: float
+    num_layers: int
+    candidates: list[dict] = field(default_factory=list)
+    key: str = ""
+    from_cache: bool = False
+    seconds: float = 0.0
+
+    @property
+    def speedup(self) -> float | None:
+        if self.tokens_per_s and self.plain_tokens_per_s:
+            return self.tokens_per_s / self.plain_tokens_per_s
+        return None
+
+
+# --------------------------------------------------------------------------- cache file
+
+
+def model_key(model: torch.nn.Module) -> str:
+    """A key naming the model's weights: source path, family, layers, dtype, digest of a few tensors."""
+    cfg = model.config
+    name = Path(str(getattr(cfg, "_name_or_path", "") or "unnamed")).name
+    emb = model.get_input_embeddings().weight
+    digest = hashlib.sha256()
+    for t in (emb[:8], emb[-8:], model.model.norm.weight):
+        digest.update(t.detach().float().contiguous().numpy().tobytes())
+    layers = len(model.model.layers)
+    weights = getattr(cfg, "specdecode_weights", None) or str(emb.dtype).removeprefix("torch.")  # int8 runs differ
+    return f"{name}|{getattr(cfg, 'model_type', '?')}|L{layers}|{weights}|{digest.hexdigest()[:16]}"
+
+
+def cache_path(cache_dir: str | Path | None = None) -> Path:
+    """``<cache_dir or models.default_cache_dir()>/layer_skip.json``."""
+    if cache_dir is None:
+        from specdecode.models import default_cache_dir
+
+        cache_dir = default_cache_dir()
+    return Path(cache_dir).expanduser() / CACHE_FILE
+
+
+def load_cached(model: torch.nn.Module, cache_dir: str | Path | None = None) -> SearchResult | None:
+    """The stored choice for this model, or None (no file, no entry, unreadable file)."""
+    path = cache_path(cache_dir)
+    key = model_key(model)
+    try:
+        entry = json.loads(path.read_text())["models"][key]
+        known = {k: v for k, v in entry.items() if k in SearchResult.__dataclass_fields__}
+        result = SearchResult(**{**known, "skip_layers": tuple(entry["skip_layers"]), "from_cache": True})
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if result.num_layers != len(model.model.layers):
+        return None
+    result.key = key
+    return result
+
+
+def store(model: torch.nn.Module, result: SearchResult, cache_dir: str | Path | None = None) -> Path:
+    """Write ``result`` for this model into the cache file (atomically; other models' entries kept)."""
+    path = cache_path(cache_dir)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        data = json.loads(path.read_text())
+        if data.get("format") != CACHE_FORMAT:
+            data = {}
+    except (OSError, ValueError):
+        data = {}
+    data.setdefault("format", CACHE_FORMAT)
+    entry = asdict(result)
+    entry.pop("from_cache")
+    entry["skip_layers"] = list(result.skip_layers)
+    entry["created"] = time.strftime("%Y-%m-%dT%H:%M:%S")
+    entry["cpu_count"] = os.cpu_count()
+    data.setdefault("models", {})[model_key(model)] = entry
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".layer_skip.", suffix=".json")
+    with os.fdopen(fd, "w") as f:
+        json.dump(data, f, indent=1)
+    os.replace(tmp, path)
+    return path
+
+
+def choose_skip_layers(model: torch.nn.Module, prompts: Sequence[Sequence[int]], config: SearchConfig | None = None,
+                       *, cache_dir: str | Path | None = None, refresh: bool = False) -> SearchResult:
+    """The cached skip set for ``model``, or a fresh search on ``prompts`` (stored for next time).
+
+    Args:
+        model: the target (Llama / Qwen2 family), eval mode.
+        prompts: calibration prompts as token id lists (at least one, each non-empty).
+        config: SearchConfig.
+        cache_dir: where ``layer_skip.json`` lives (default ``models.default_cache_dir()``).
+        refresh: search even if a cached choice exists.
+
+    Raises:
+        LayerSkipError: unsupported model. ValueError: no usable prompt.
+    """
+    if not refresh:
+        cached = load_cached(model, cache_dir)
+        if cached is not None:
+            return cached
+    result = search_skip_layers(model, prompts, config)
+    store(model, result, cache_dir)
+    return result
+
+
+# --------------------------------------------------------------------------- search
+
+
+def search_skip_layers(model: torch.nn.Module, prompts: Sequence[Sequence[int]],
+                       config: SearchConfig | None = None) -> SearchResult:
+    """Search for the skip set with the best measured layer-skip decoding speed (see the module docstring).
+
+    Args:
+        model: the target (Llama / Qwen2 family), eval mode.
+        prompts: calibration prompts, token id lists.
+        config: SearchConfig.
+
+    Returns:
+        SearchResult (not stored; :func:`choose_skip_layers` stores).
+
+    Raises:
+        LayerSkipError: unsupported model. ValueError: no usable prompt.
+    """
+    config = config or SearchConfig()
+    started = time.perf_counter()
+    deadline = started + config.time_budget_s
+    skip = SkipForward(model)
+    prompts = [list(p)[-config.max_prompt_tokens:] for p in prompts if len(p)]
+    if not prompts:
+        raise ValueError("the layer-skip search needs at least one non-empty calibration prompt")
+    contexts, plain_tps = _contexts(model, prompts, config.new_tokens)
+    scorer = _ProxyScorer(skip, contexts, [len(p) for p in prompts], config.max_gamma)
+    rng = random.Random(config.seed)
+    space = list(range(config.protect_first, skip.num_layers - config.protect_last))
+    scored: dict[tuple[int, ...], dict] = {}
+
+    def evaluate(cand: tuple[int, ...]) -> None:
+        if cand not in scored and len(cand) < skip.num_layers:
+            scored[cand] = scorer.score(cand)
+
+    for cand in _initial_candidates(space, config.skip_ratios, rng):
+        evaluate(cand)
+    proxy_deadline = started + 0.6 * config.time_budget_s
+    attempts = 0  # mutations of a small layer space repeat: stop when nothing new turns up
+    while (len(scored) < config.proxy_evaluations and attempts < 4 * config.proxy_evaluations
+           and time.perf_counter() < proxy_deadline and space):
+        attempts += 1
+        best = max(scored.values(), key=lambda r: r["predicted_speedup"])["skip_layers"] if scored else ()
+        evaluate(_mutate(tuple(best), space, config.skip_ratios, rng))
+    ranked = sorted(scored.values(), key=lambda r: -r["predicted_speedup"])
+    timing = _measure_round_robin(model, prompts, ranked[: max(1, config.measured_candidates)], config, deadline)
+    plain_tps = max(plain_tps, timing["plain"])
+    measured = [row for row in ranked if row["tokens_per_s"] is not None]
+    winner = max(measured, key=lambda r: r["tokens_per_s"])
+    return SearchResult(
+        skip_layers=tuple(winner["skip_layers"]), gamma=winner["gamma"], tokens_per_s=winner["tokens_per_s"],
+        plain_tokens_per_s=plain_tps, acceptance=winner["acceptance"], num_layers=skip.num_layers,
+        candidates=ranked, key=model_key(model), seconds=time.perf_counter() - started,
+    )
+
+
+def _initial_candidates(space: list[int], ratios: Sequence[float], rng: random.Random) -> list[tuple[int, ...]]:
+    """Per ratio: layers spread evenly over the skippable span, the deepest block, and a random set."""
+    out = []
+    for r in ratios:
+        m = max(1, min(len(space), round(r * len(space))))
+        even = {space[int(i * len(space) / m + len(space) / (2 * m))] for i in range(m)}
+        out += [tuple(sorted(even)), tuple(space[-m:]), tuple(sorted(rng.sample(space, m)))]
+    return out
+
+
+def _mutate(best: tuple[int, ...], space: list[int], ratios: Sequence[float], rng: random.Random) -> tuple[int, ...]:
+    """A neighbour of ``best`` (swap one skipped and one kept layer, or grow / shrink by one), or a random restart."""
+    if not best or rng.random() < 0.2:
+        m = max(1, round(rng.choice(ratios) * len(space)))
+        return tuple(sorted(rng.sample(space, min(m, len(space)))))
+    skipped = set(best)
+    kept = [i for i in space if i not in skipped]
+    move = rng.random()
+    if move < 0.6 and kept:
+        skipped.remove(rng.choice(sorted(skipped)))
+        skipped.add(rng.choice(kept))
+    elif move < 0.8 and kept:
+        skipped.add(rng.choice(kept))
+    elif len(skipped) > 1:
+        skipped.remove(rng.choice(sorted(skipped)))
+    return tuple(sorted(skipped))
+
+
+def _contexts(model: torch.nn.Module, prompts: list[list[int]], new_tokens: int) -> tuple[list[list[int]], float]:
+    """Greedy plain continuations of each prompt (the target's own text) and plain decoding tokens/s."""
+    from specdecode.engine import SpeculativeEngine
+    from specdecode.types import SamplingParams
+
+    engine = SpeculativeEngine(model, None)
+    contexts, tokens, seconds = [], 0, 0.0
+    for p in prompts:
+        out = engine.generate(p, SamplingParams(max_new_tokens=new_tokens, ignore_eos=True))
+        contexts.append(p + out.token_ids)
+        tokens += len(out.token_ids) - 1  # the first token comes from the prefill
+        seconds += out.metrics.wall_time_s - out.metrics.prefill_time_s
+    return contexts, tokens / seconds if seconds > 0 else 0.0
+
+
+def _measure_round_robin(model: torch.nn.Module, prompts: list[list[int]], rows: list[dict], config: SearchConfig,
+                         deadline: float, rounds: int = 2) -> dict:
+    """Time plain decoding and each candidate in turn, ``rounds`` times; keep each one's best round.
+
+    Best-of-rounds because other work on a shared machine only ever slows a run
+    down; interleaving keeps slow spells from favouring whichever ran first.
+    Sets ``row["tokens_per_s"]``; returns ``{"plain": tokens/s}``. The first
+    candidate is always measured; later ones only while time is left.
+    """
+    plain = 0.0
+    for r in range(rounds):
+        if r and time.perf_counter() > deadline:
+            break
+        plain = max(plain, _measure(model, prompts, None, 1, config.new_tokens))
+        for i, row in enumerate(rows):
+            if (i or r) and time.perf_counter() > deadline:
+                break
+            tps = _measure(model, prompts, tuple(row["skip_layers"]), row["gamma"], config.new_tokens)
+            row["tokens_per_s"] = max(row["tokens_per_s"] or 0.0, tps)
+    return {"plain": plain}
+
+
+def _measure(model: torch.nn.Module, prompts: list[list[int]], skip_layers: tuple[int, ...] | None, gamma: int,
+             new_tokens: int) -> float:
+    """Measured greedy decoding tokens/s (prefill excluded) on the prompts: layer-skip, or plain (None)."""
+    from specdecode.engine import EngineConfig, SpeculativeEngine
+    from specdecode.types import SamplingParams
+
+    proposer = None if skip_layers is None else LayerSkipProposer(model, LayerSkipConfig(skip_layers=skip_layers))
+    engine = SpeculativeEngine(model, proposer, EngineConfig(num_speculative_tokens=gamma))
+    tokens, seconds = 0, 0.0
+    for p in prompts:
+        out = engine.generate(p, SamplingParams(max_new_tokens=new_tokens, ignore_eos=True))
+        tokens += len(out.token_ids) - 1
+        seconds += out.metrics.wall_time_s - out.metrics.prefill_time_s
+    return tokens / seconds if seconds > 0 else 0.0
+
+
+class _ProxyScorer:
+    """First-draft-token agreement of a skip set with the full model, and the predicted speedup.
+
+    For every scored position j of a context, the skipped model drafts from token
+    j on top of the full model's keys / values of tokens < j, exactly as
+    :class:`~specdecode.proposers.layer_skip.LayerSkipProposer` drafts its first
+    token in decoding. All positions are scored in one pass of the kept layers:
+    query i (token x_j at position j) sees cache entries 0..j-1 and itself.
+    """
+
+    def __init__(self, skip: SkipForward, contexts: list[list[int]], prompt_lengths: list[int], max_gamma: int) -> None:
+        from specdecode.cache import CachedModel
+
+        self.skip = skip
+        self.max_gamma = max_gamma
+        self.items = []
+        with torch.inference_mode():
+            for ctx, n_prompt in zip(contexts, prompt_lengths):
+                runner = CachedModel(skip.model)
+                runner.reset()
+                full_argmax = runner.forward(ctx).argmax(-1)  # [P]
+                rows = torch.arange(max(1, n_prompt - 32), len(ctx) - 1)  # the generated text and a bit before
+                p, n = len(ctx), len(rows)
+                sees_prefix = torch.arange(p)[None, :] < rows[:, None]  # [n, P]: query i sees tokens < j_i
+                prefix = torch.zeros(n, p, dtype=skip.model.dtype).masked_fill(~sees_prefix, float("-inf"))
+                own = torch.full((n, n), float("-inf"), dtype=skip.model.dtype).fill_diagonal_(0.0)  # and itself
+                mask = torch.cat([prefix, own], dim=1)
+                self.items.append((runner, torch.tensor(ctx)[rows], rows, mask[None, None], full_argmax[rows]))
+        self.t_draft, self.t_verify = _time_model(skip, contexts[0], max_gamma)
+
+    def acceptance(self, kept: list[int]) -> float:
+        hits = total = 0
+        with torch.inference_mode():
+            for runner, ids, rows, mask, target in self.items:
+                p = runner.num_cached
+                pred = self.skip.forward(ids, p, kept, runner.cache, positions=rows, mask=mask).argmax(-1)
+                remove_last(runner.cache, kept, len(rows))
+                hits += int((pred == target).sum())
+                total += target.numel()
+        return hits / max(1, total)
+
+    def score(self, skip_layers: tuple[int, ...]) -> dict:
+        kept = [i for i in range(self.skip.num_layers) if i not in set(skip_layers)]
+        acc = min(self.acceptance(kept), 0.999)
+        t_d = self.t_draft(len(kept))
+        best_gamma, best = 1, 0.0
+        for g in range(1, self.max_gamma + 1):
+            expected = (1 - acc ** (g + 1)) / (1 - acc)
+            speedup = expected / (g * t_d + self.t_verify[g]) * self.t_verify[0]
+            if speedup > best:
+                best_gamma, best = g, speedup
+        return {"skip_layers": list(skip_layers), "acceptance": acc, "gamma": best_gamma,
+                "predicted_speedup": best, "tokens_per_s": None}
+
+
+def _time_model(skip: SkipForward, context: list[int], max_gamma: int, reps: int = 5):
+    """Measure, on the forward the engine uses, T_draft(kept layers) = a + b * kept and T_verify(k), k = 0..max_gamma."""
+    from specdecode.fastforward import make_runner
+
+    runner = make_runner(skip.model)
+    runner.reset()
+    with torch.inference_mode():
+        runner.forward(context[:-1])
+        n = runner.num_cached
+        tok = torch.tensor(context[-1:], dtype=torch.int64)
+
+        def draft_time(kept: list[int]) -> float:
+            step, discard = draft_step(runner, skip, kept)
+            times = []
+            for _ in range(reps):
+                t0 = time.perf_counter()
+                step(tok, n)
+                times.append(time.perf_counter() - t0)
+                discard(1)
+            return statistics.median(times)
+
+        def verify_time(k: int) -> float:
+            times = []
+            for _ in range(max(3, reps // 2)):
+                t0 = time.perf_counter()
+                runner.forward(context[-1:] * (k + 1))
+                times.append(time.perf_counter() - t0)
+                runner.rollback(n)
+            return statistics.median(times)
+
+        all_layers = list(range(skip.num_layers))
+        few = all_layers[: max(1, skip.num_layers // 4)]
+        t_all, t_few = draft_time(all_layers), draft_time(few)
+        slope = max(0.0, (t_all - t_few) / max(1, len(all_layers) - len(few)))
+        intercept = max(0.0, t_few - slope * len(few))
+        probes = sorted({0, 1, 2, 4, max_gamma})
+        measured = {k: verify_time(k) for k in probes}
+    verify = []
+    for k in range(max_gamma + 1):
+        lo = max(p for p in probes if p <= k)
+        hi = min(p for p in probes if p >= k)
+        verify.append(measured[lo] if lo == hi else measured[lo] + (measured[hi] - measured[lo]) * (k - lo) / (hi - lo))
+    verify = [max(v, verify[0]) for v in verify]  # verifying more tokens never costs less than one
+    return (lambda kept: intercept + slope * kept), verify
+
+
+__all__ = ["SearchConfig", "SearchResult", "cache_path", "choose_skip_layers", "load_cached", "model_key",
+           "search_skip_layers", "store"]

@@ -1,0 +1,263 @@
+"""Draft-length policies: decisions on scripted feedback, the confidence hook, and the engine wiring."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdecode.engine import EngineConfig, SpeculativeEngine
+from specdecode.policy import (
+    ConfidencePolicy,
+    CostModelPolicy,
+    FixedPolicy,
+    HeuristicPolicy,
+    PlainFallback,
+    build_policy,
+    default_max_tokens,
+)
+from specdecode.proposers import DraftModelProposer, LayerSkipConfig, LayerSkipProposer, NgramProposer
+from specdecode.types import SamplingParams, SpecDecodeError
+from tiny import tiny_llama
+
+PLAIN_S = 0.010  # scripted seconds of one plain step (target forward on 1 token)
+
+
+def verify_s(k: int) -> float:
+    """Scripted T_verify(k): nearly flat, as after the few-row matmul fix."""
+    return PLAIN_S * (1 + 0.05 * k)
+
+
+def draft_s(k: int, per_token: float = 0.004) -> float:
+    return per_token * k
+
+
+def drive(policy, accepted_for, steps: int, per_token: float = 0.004) -> list[int]:
+    """Run ``steps`` scripted steps; ``accepted_for(gamma)`` gives the accepted count. Returns the gammas chosen."""
+    chosen = []
+    for _ in range(steps):
+        g = policy.next_length()
+        chosen.append(g)
+        a = accepted_for(g) if g else 0
+        policy.update(g, a, draft_time_s=draft_s(g, per_token) if g else 0.0, verify_time_s=verify_s(g))
+    return chosen
+
+
+# --------------------------------------------------------------------------- fixed / heuristic
+
+
+def test_fixed_policy_never_changes():
+    p = FixedPolicy(4)
+    assert drive(p, lambda g: 0, 10) == [4] * 10
+    with pytest.raises(SpecDecodeError):
+        FixedPolicy(0)
+
+
+def test_heuristic_follows_hugging_face_schedule():
+    p = HeuristicPolicy(5, max_tokens=9, guard=False)
+    script = [(5, 5), (7, 7), (9, 2), (8, 8), (9, 9), (9, 0), (8, 0), (7, 0), (6, 0), (5, 0), (4, 0), (3, 0),
+              (2, 0), (1, 0), (1, 1), (3, 3)]
+    seen = []
+    for drafted, accepted in script:
+        g = p.next_length()
+        seen.append(g)
+        assert g == drafted
+        p.update(drafted, accepted)
+    assert p.next_length() == 5  # 3 fully accepted -> +2
+    # the cap holds, gamma never goes below 1, and a step with nothing drafted changes nothing
+    p.update(0, 0)
+    assert p.next_length() == 5
+
+
+def test_heuristic_counts_what_was_actually_drafted():
+    p = HeuristicPolicy(5, guard=False)
+    p.update(2, 2)  # the proposer drafted only 2 (short n-gram match), both kept: fully accepted
+    assert p.next_length() == 7
+
+
+def test_heuristic_guard_falls_back_to_plain_when_speculation_loses():
+    p = HeuristicPolicy(4)
+    # expensive draft (a full target forward per token) and nothing accepted: speculation loses
+    chosen = drive(p, lambda g: 0, 200, per_token=PLAIN_S)
+    assert chosen[0] == 4
+    assert chosen.count(0) > 150, chosen
+    probes = [i for i in range(1, len(chosen)) if chosen[i] and not chosen[i - 1]]
+    gaps = [b - a for a, b in zip(probes, probes[1:])]
+    assert gaps == sorted(gaps) and gaps[-1] > gaps[0]  # re-probes back off
+
+
+def test_heuristic_guard_keeps_speculating_when_it_wins():
+    p = HeuristicPolicy(4)
+    chosen = drive(p, lambda g: g, 200, per_token=0.001)
+    assert chosen.count(0) <= 1 + 200 // PlainFallback().refresh_every + 1
+    assert max(chosen) == p.max_tokens
+
+
+# --------------------------------------------------------------------------- confidence
+
+
+def test_confidence_hook_thresholds():
+    p = ConfidencePolicy(max_tokens=6, min_top_prob=0.6, guard=False)
+    assert p.next_length() == 6
+    assert p.should_continue(torch.tensor([0.7, 0.2, 0.1]))
+    assert not p.should_continue(torch.tensor([0.5, 0.3, 0.2]))
+    e = ConfidencePolicy(max_tokens=6, min_top_prob=0.0, max_entropy=0.5, guard=False)
+    assert e.should_continue(torch.tensor([0.95, 0.05, 0.0]))
+    assert not e.should_continue(torch.tensor([0.4, 0.3, 0.3]))
+    with pytest.raises(SpecDecodeError):
+        ConfidencePolicy(min_top_prob=1.5)
+
+
+def test_confidence_guard_falls_back_to_plain():
+    p = ConfidencePolicy(max_tokens=8)
+    chosen = drive(p, lambda g: 0, 120, per_token=PLAIN_S)
+    assert chosen.count(0) > 90
+
+
+# --------------------------------------------------------------------------- cost model
+
+
+def test_cost_model_expected_tokens():
+    p = CostModelPolicy(4, max_tokens=4)
+    p.hits = [80.0, 40.0, 0.0, 0.0]
+    p.trials = [100.0, 80.0, 0.0, 0.0]
+    c = p.acceptance()
+    assert c[0] == pytest.approx(0.8, abs=0.01) and c[1] == pytest.approx(0.5, abs=0.01)
+    assert c[2] == c[1] == c[3]  # never reached: inherit the deepest estimate
+    assert p.expected_tokens(0) == 1.0
+    assert p.expected_tokens(2) == pytest.approx(1 + c[0] + c[0] * c[1])
+
+
+def test_cost_model_picks_plain_when_acceptance_is_near_zero():
+    p = CostModelPolicy(4)
+    chosen = drive(p, lambda g: 0, 300)
+    assert chosen[:3] == [4, 4, 4] and chosen[3] == 0  # warm-up, then one timed plain step
+    assert chosen[-100:].count(0) >= 97  # plain decoding, with rare re-probes
+    bursts = [i for i in range(4, len(chosen)) if chosen[i] and not chosen[i - 1]]  # a probe is a short burst
+    assert len(bursts) >= 3, "it re-probes"
+    gaps = [b - a for a, b in zip(bursts, bursts[1:])]
+    assert all(b > a for a, b in zip(gaps, gaps[1:]))  # with growing intervals
+
+
+def test_cost_model_drafts_long_when_everything_is_accepted_and_drafting_is_cheap():
+    p = CostModelPolicy(2, max_tokens=12)
+    chosen = drive(p, lambda g: g, 60, per_token=0.0005)
+    assert chosen[-1] >= 10
+    assert chosen[20:].count(0) <= 1
+
+
+@pytest.mark.parametrize("acceptance, per_token", [(0.7, 0.3 * PLAIN_S), (0.8, 0.1 * PLAIN_S), (0.9, 0.02 * PLAIN_S)])
+def test_cost_model_is_within_5_percent_of_the_best_fixed_gamma(acceptance, per_token):
+    """Scripted i.i.d. acceptance per position and scripted costs: compare realised tokens/s."""
+    gen = torch.Generator().manual_seed(0)
+
+    def accepted(g):
+        n = 0
+        while n < g and torch.rand(1, generator=gen).item() < acceptance:
+            n += 1
+        return n
+
+    def rate(g):  # exact expected tokens per second of fixed gamma g
+        tokens = (1 - acceptance ** (g + 1)) / (1 - acceptance)
+        return tokens / (verify_s(g) + draft_s(g, per_token))
+
+    best = max(rate(g) for g in range(0, 13))
+    p = CostModelPolicy(4, max_tokens=12)
+    tokens = seconds = 0.0
+    for _ in range(1500):
+        g = p.next_length()
+        a = accepted(g) if g else 0
+        d, v = (draft_s(g, per_token) if g else 0.0), verify_s(g)
+        p.update(g, a, draft_time_s=d, verify_time_s=v)
+        tokens += a + 1
+        seconds += d + v
+    assert tokens / seconds >= 0.95 * best
+
+
+def test_cost_model_returns_to_speculation_when_acceptance_recovers():
+    p = CostModelPolicy(4)
+    drive(p, lambda g: 0, 100)
+    assert p.next_length() == 0
+    chosen = drive(p, lambda g: g, 400)
+    assert chosen[-50:].count(0) <= 2
+
+
+# --------------------------------------------------------------------------- registry and engine
+
+
+def test_build_policy_by_name():
+    assert isinstance(build_policy("fixed", 3), FixedPolicy)
+    assert isinstance(build_policy("heuristic", 3), HeuristicPolicy)
+    c = build_policy("confidence", 3, min_top_prob=0.7)
+    assert isinstance(c, ConfidencePolicy) and c.max_tokens == default_max_tokens(3) and c.min_top_prob == 0.7
+    assert isinstance(build_policy("Cost-Model", 3), CostModelPolicy)
+    with pytest.raises(SpecDecodeError, match="choose one of"):
+        build_policy("greedy")
+    with pytest.raises(SpecDecodeError):
+        build_policy("fixed", 0)
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_llama(vocab_size=64, seed=0, layers=4, scale=3.0)
+
+
+@pytest.fixture(scope="module")
+def draft():
+    return tiny_llama(vocab_size=64, seed=1, layers=1, hidden=32, scale=3.0)
+
+
+@pytest.mark.parametrize("policy", ["fixed", "heuristic", "confidence", "cost-model"])
+@pytest.mark.parametrize("kind", ["ngram", "draft-model", "layer-skip"])
+def test_every_policy_with_every_proposer_equals_plain_greedy(target, draft, policy, kind):
+    make = {
+        "ngram": lambda: NgramProposer(),
+        "draft-model": lambda: DraftModelProposer(draft),
+        "layer-skip": lambda: LayerSkipProposer(target, LayerSkipConfig(skip_layers=(1, 2))),
+    }[kind]
+    plain = SpeculativeEngine(target, None)
+    spec = SpeculativeEngine(target, make(), EngineConfig(num_speculative_tokens=3), policy=build_policy(policy, 3))
+    for prompt in ([1], [5, 9, 2, 5, 9], list(range(10, 30))):
+        params = SamplingParams(max_new_tokens=40)
+        out = spec.generate(prompt, params)
+        assert out.token_ids == plain.generate(prompt, params).token_ids
+        m = out.metrics
+        assert len(m.draft_lengths) == m.num_verify_steps
+        assert sum(m.draft_length_histogram.values()) == m.num_verify_steps
+        assert m.mean_draft_length == pytest.approx(sum(m.draft_lengths) / len(m.draft_lengths))
+
+
+def test_gamma_zero_steps_are_plain_steps(target):
+    class Always0(FixedPolicy):
+        def next_length(self):
+            return 0
+
+    out = SpeculativeEngine(target, NgramProposer(), policy=Always0(1)).generate([3, 4, 3, 4, 3], SamplingParams(
+        max_new_tokens=12))
+    assert out.metrics.draft_lengths == [0] * 11 and out.metrics.num_drafted_tokens == 0
+    assert out.metrics.draft_length_histogram == {0: 11}
+
+
+def test_confidence_hook_shortens_draft_model_chains(target, draft):
+    params = SamplingParams(max_new_tokens=40)
+    sure = SpeculativeEngine(target, DraftModelProposer(draft), policy=ConfidencePolicy(6, min_top_prob=0.0,
+                                                                                          guard=False))
+    never = SpeculativeEngine(target, DraftModelProposer(draft), policy=ConfidencePolicy(6, min_top_prob=1.0,
+                                                                                           guard=False))
+    a, b = sure.generate([1, 2, 3], params), never.generate([1, 2, 3], params)
+    assert a.token_ids == b.token_ids
+    assert a.metrics.draft_lengths[:3] == [6, 6, 6]  # (later steps may be cut by max_new_tokens)
+    assert set(b.metrics.draft_lengths) - {0} == {1}  # stops after the first token whatever the cap
+
+
+def test_policy_receives_measured_times(target):
+    class Recorder(FixedPolicy):
+        def __init__(self):
+            super().__init__(2)
+            self.calls = []
+
+        def update(self, num_drafted, num_accepted, *, draft_time_s=None, verify_time_s=None):
+            self.calls.append((num_drafted, num_accepted, draft_time_s, verify_time_s))
+
+    rec = Recorder()
+    SpeculativeEngine(target, NgramProposer(), policy=rec).generate([7, 8, 7, 8], SamplingParams(max_new_tokens=8))
+    assert rec.calls and all(d >= 0 and v > 0 for _, _, d, v in rec.calls)
