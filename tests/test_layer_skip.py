@@ -329,3 +329,51 @@ def test_auto_mode_searches_on_the_first_long_enough_prompt(tmp_path):
     assert proposer.search_result is not None and not proposer.search_result.from_cache
     assert load_cached(model, tmp_path).skip_layers == proposer.skip_layers
     assert out.token_ids == plain.generate(long, SamplingParams(max_new_tokens=12)).token_ids
+
+
+# --------------------------------------------------------------------------- command line
+
+
+def _cli(capsys, *argv):
+    from specdecode import cli
+
+    code = cli.main(list(argv))
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+@pytest.mark.parametrize("policy", ["fixed", "heuristic", "confidence", "cost-model"])
+def test_cli_layer_skip_with_each_policy_matches_plain(capsys, tiny_model_dir, policy):
+    code, out, err = _cli(capsys, "generate", "--target", str(tiny_model_dir), "--draft", "layer-skip",
+                          "--skip-layers", "1", "--policy", policy, "--prompt", "the cat and the dog",
+                          "--max-new-tokens", "30", "--ignore-eos", "-k", "3", "--compare-baseline", "--json")
+    assert code == 0, err
+    rec = json.loads(out.strip().splitlines()[-1])
+    assert rec["matches_baseline"] is True
+    assert sum(rec["draft_length_histogram"].values()) == rec["num_target_forwards"] - 1
+    assert rec["mean_draft_length"] >= 0
+    assert "layer-skip self-speculation (skip 1), policy " + policy in err
+
+
+def test_cli_layer_skip_auto_searches_once_then_uses_the_cache(capsys, tiny_model_dir, tmp_path):
+    argv = ["generate", "--target", str(tiny_model_dir), "--draft", "layer-skip", "--cache-dir", str(tmp_path),
+            "--prompt", "the quick brown fox jumps over the lazy dog, then the dog sleeps in the sun",
+            "--max-new-tokens", "12", "--ignore-eos"]
+    code, out, err = _cli(capsys, *argv)
+    assert code == 0, err
+    assert "searched in" in err and "layer-skip: skipping layers" in err
+    assert "draft length per step (gamma): mean" in out
+    assert (tmp_path / "layer_skip.json").is_file()
+    code, out, err = _cli(capsys, *argv)
+    assert code == 0 and "(cached;" in err
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--skip-layers", "1;2"], "comma-separated"),
+    (["--skip-layers", "7"], "outside 0..1"),
+    (["--policy", "always"], "invalid choice"),
+])
+def test_cli_layer_skip_errors(capsys, tiny_model_dir, argv, needle):
+    code, out, err = _cli(capsys, "generate", "--target", str(tiny_model_dir), "--draft", "layer-skip",
+                          "--prompt", "hi", *argv)
+    assert code == 2 and needle in err and err.count("error:") == 1

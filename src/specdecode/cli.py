@@ -30,7 +30,8 @@ EXIT_USAGE = 2
 #: The embedded default prompt: a long news article to summarize, where prompt lookup pays off.
 DEFAULT_TARGET = "smollm2-135m"
 DEFAULT_DATASET = "spec-bench:summarization:1"
-DRAFT_CHOICES_HELP = ("'ngram' (prompt lookup, no model), 'none' (plain decoding), 'suffix' (suffix decoding, "
+DRAFT_CHOICES_HELP = ("'ngram' (prompt lookup, no model), 'none' (plain decoding), 'layer-skip' (self-speculation: "
+                      "the target drafts with some decoder layers skipped, no second model), 'suffix' (suffix decoding, "
                       "no model), 'suffix:ngram' or 'suffix:MODEL' (suffix decoding, falling back to that drafter "
                       "when the suffix match is weak), or a draft model spec")
 
@@ -120,6 +121,14 @@ def _add_generate(commands) -> None:
                         help="shortest n-gram the ngram drafter matches (default: %(default)s)")
     models.add_argument("--ngram-max", type=int, default=3, metavar="N",
                         help="longest n-gram the ngram drafter matches, tried first (default: %(default)s)")
+    models.add_argument("--skip-layers", default=None, metavar="LIST",
+                        help="with --draft layer-skip: decoder layers to skip, e.g. 3,5,7 (default: the set cached for "
+                             "the model, else a search on the first prompts, cached in the --cache-dir)")
+    models.add_argument("--policy", default="fixed", choices=("fixed", "heuristic", "confidence", "cost-model"),
+                        help="draft-length policy: fixed gamma (-k); heuristic (+2 after a fully accepted step, -1 "
+                             "otherwise); confidence (draft up to max(2k, 8) while the draft is sure); cost-model "
+                             "(gamma maximising measured tokens/s, 0 = plain decoding when speculation loses) "
+                             "(default: %(default)s)")
     models.add_argument("--tree", default="none", choices=("none", "static", "dynamic"),
                         help="token trees from the draft model, verified in one target pass: 'static' (top-k "
                              "branching per depth) or 'dynamic' (EAGLE-2: expand the most probable nodes, keep the "
@@ -298,6 +307,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         args.target, args.draft, num_speculative_tokens=args.num_speculative_tokens,
         ngram_min=args.ngram_min, ngram_max=args.ngram_max, dtype=args.dtype, cache_dir=args.cache_dir,
         weights=args.weights, draft_weights=args.draft_weights, tree=args.tree, tree_nodes=args.tree_nodes,
+        policy=args.policy, skip_layers=args.skip_layers,
     )
     _status(f"loaded in {time.perf_counter() - t0:.1f} s: target {decoder.target.source}, {_draft_label(args)}, "
             f"gamma {args.num_speculative_tokens}, context {decoder.target.max_context} tokens")
@@ -305,6 +315,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.warmup:
         _warm_up(decoder, baseline)
     encoded = [_encode_job(args, decoder, job) for job in jobs]  # every input error before any output
+    _choose_skip_layers(decoder, [ids for _, _, ids in encoded])
     records = []
     for i, (job, chat, prompt_ids) in enumerate(encoded):
         records.append(_run_job(args, decoder, baseline, job, chat, prompt_ids, i, len(jobs)))
@@ -317,6 +328,7 @@ def _check_generate_args(args: argparse.Namespace) -> None:
     """Range-check every number before any slow model load (SpecDecodeError on the first bad one)."""
     from specdecode.engine import EngineConfig
     from specdecode.generator import _check_stops, _tree_config
+    from specdecode.proposers.layer_skip import parse_skip_layers
     from specdecode.proposers import NgramConfig
     from specdecode.types import SamplingParams
 
@@ -324,6 +336,7 @@ def _check_generate_args(args: argparse.Namespace) -> None:
                    max_new_tokens=args.max_new_tokens, seed=args.seed)
     EngineConfig(num_speculative_tokens=args.num_speculative_tokens)
     _tree_config(args.tree, args.tree_nodes)
+    parse_skip_layers(args.skip_layers)
     if args.draft.strip().lower() == "ngram":
         NgramConfig(min_ngram=args.ngram_min, max_ngram=args.ngram_max)
     _check_stops(args.stop)
@@ -374,11 +387,28 @@ def _draft_label(args: argparse.Namespace) -> str:
         return "no draft (plain decoding)"
     if kind == "ngram":
         return f"ngram drafter (n = {args.ngram_max}..{args.ngram_min})"
+    if kind == "layer-skip":
+        return f"layer-skip self-speculation (skip {args.skip_layers or 'auto'}), policy {args.policy}"
     tree = f", {args.tree} trees of {args.tree_nodes} nodes" if args.tree != "none" else ""
     if kind.partition(":")[0] == "suffix":
         fallback = args.draft.strip().partition(":")[2]
         return f"suffix decoding ({args.tree_nodes} nodes)" + (f", fallback {fallback}{tree}" if fallback else "")
     return f"draft model {args.draft}{tree}"
+
+
+def _choose_skip_layers(decoder, prompts: list[list[int]]) -> None:
+    """--draft layer-skip without --skip-layers: the set cached for the model, else a search on these prompts."""
+    from specdecode.proposers import LayerSkipProposer
+
+    proposer = decoder.proposer
+    if not isinstance(proposer, LayerSkipProposer) or proposer.config.skip_layers is not None:
+        return
+    _status("layer-skip: choosing the layers to skip (cached per model; a first search takes a minute or two)")
+    r = proposer.calibrate(prompts[:3])
+    how = "cached" if r.from_cache else f"searched in {r.seconds:.0f} s"
+    measured = f"{r.tokens_per_s:.1f} vs plain {r.plain_tokens_per_s:.1f} tokens/s" if r.tokens_per_s else "-"
+    _status(f"layer-skip: skipping layers {','.join(map(str, r.skip_layers))} of {r.num_layers} ({how}; "
+            f"measured on the calibration prompts: {measured})")
 
 
 def _warm_up(decoder, baseline) -> None:
@@ -457,6 +487,8 @@ def _record(job: _Job, chat: bool, out, base_out) -> dict:
         "other_time_s": m.other_time_s,
         "wall_time_s": m.wall_time_s,
         "tokens_per_s": m.tokens_per_s,
+        "mean_draft_length": m.mean_draft_length,
+        "draft_length_histogram": m.draft_length_histogram,
     }
     if base_out is not None:
         b = base_out.metrics
@@ -495,6 +527,8 @@ def _print_summary(r: dict) -> None:
         f"accepted {r['num_accepted_tokens']} | acceptance rate {r['acceptance_rate']:.1%} | "
         f"tau {r['mean_accepted_length']:.2f} tokens/forward",
         f"acceptance by position: {positions}",
+        f"draft length per step (gamma): mean {r['mean_draft_length']:.2f}, histogram "
+        + (" ".join(f"{g}:{n}" for g, n in r["draft_length_histogram"].items()) or "-"),
         *([f"token trees: {r['num_tree_steps']} steps, {r['mean_tree_size']:.1f} nodes per tree, accepted depth "
            f"{r['mean_accepted_depth']:.2f}"] if r.get("num_tree_steps") else []),
         f"target forwards {r['num_target_forwards']} | time: prefill {r['prefill_time_s']:.2f} s, "

@@ -236,6 +236,8 @@ def search_skip_layers(model: torch.nn.Module, prompts: Sequence[Sequence[int]],
     scorer = _ProxyScorer(skip, contexts, [len(p) for p in prompts], config.max_gamma)
     rng = random.Random(config.seed)
     space = list(range(config.protect_first, skip.num_layers - config.protect_last))
+    if not space:  # too few layers to protect the ends
+        space = list(range(skip.num_layers))
     scored: dict[tuple[int, ...], dict] = {}
 
     def evaluate(cand: tuple[int, ...]) -> None:
@@ -267,7 +269,7 @@ def _initial_candidates(space: list[int], ratios: Sequence[float], rng: random.R
     """Per ratio: layers spread evenly over the skippable span, the deepest block, and a random set."""
     out = []
     for r in ratios:
-        m = max(1, min(len(space), round(r * len(space))))
+        m = max(1, min(len(space) - 1, round(r * len(space))))
         even = {space[int(i * len(space) / m + len(space) / (2 * m))] for i in range(m)}
         out += [tuple(sorted(even)), tuple(space[-m:]), tuple(sorted(rng.sample(space, m)))]
     return out

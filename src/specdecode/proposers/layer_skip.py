@@ -294,6 +294,7 @@ class LayerSkipProposer:
                                     cache_dir=self.config.cache_dir, refresh=refresh)
         self.search_result = result
         self.set_skip_layers(result.skip_layers)
+        self._provisional = False
         return result
 
     def start(self, ctx: ProposeContext) -> None:
