@@ -14,10 +14,12 @@ Two phases, each against a server started here as a subprocess on 127.0.0.1
    and the same text as its concatenated deltas (so the deltas lost and duplicated
    nothing, and batching changed nothing). Reports the server's resident memory
    after warm-up, at the end, and its peak.
-2. **throughput**: greedy fixed-length requests (``ignore_eos``) at concurrency 1, 4
-   and 8, against a server with speculation (``--draft``, adaptive gamma), with a
-   fixed gamma, and without speculation (``--draft none``); tokens/s = generated
-   tokens / wall time of the level.
+2. **throughput**: greedy chat requests (default: Spec-Bench summarization articles,
+   where prompt lookup has text to copy) at concurrency 1, 4 and 8, against a server
+   with speculation (``--draft``, adaptive gamma), with a fixed gamma, and without
+   speculation (``--draft none``); tokens/s = generated tokens / wall time of the
+   level, prefill included. Greedy decoding is lossless, so all three generate the
+   same tokens.
 
 Prints tables and writes JSON (``--out``). Run the heavy part under the shared lock:
 
@@ -202,10 +204,32 @@ def check_jobs(url: str, jobs: list[Job], recheck_greedy: int) -> dict:
             text = c["text"] if "text" in c else c["message"]["content"]
             if c["token_ids"] != j.token_ids or text != j.text:
                 mismatches += 1
-                problems.append(f"greedy re-run differs: streamed {j.text[:60]!r} vs {text[:60]!r}")
+                problems.append(f"greedy re-run differs{near_tie(client, url, j, c['token_ids'])}: streamed "
+                                f"{j.text[:60]!r} vs {text[:60]!r}")
     return {"ran": len(ran), "not_run": len(jobs) - len(ran), "errors": sum(1 for j in ran if j.error),
             "greedy_rechecked": len(greedy), "greedy_mismatches": mismatches, "problems": problems[:20],
             "num_problems": len(problems)}
+
+
+def near_tie(client: httpx.Client, url: str, job: Job, rerun_ids: list[int]) -> str:
+    """Where a batched greedy stream and its solo re-run part, and the target's top-2 logprob gap there.
+
+    A float32 target can flip a greedy near-tie between batch shapes (a different summation order);
+    a gap of ~1e-5 nats says that is what happened, a large gap would be a bug.
+    """
+    a, b = job.token_ids, rerun_ids
+    i = next((k for k in range(min(len(a), len(b))) if a[k] != b[k]), min(len(a), len(b)))
+    body = {**job.body, "stream": False, "max_tokens": i + 1, "logprobs": 2}
+    if job.endpoint.endswith("chat/completions"):
+        body.update(logprobs=True, top_logprobs=2)
+    r = client.post(f"{url}{job.endpoint}", json=body)
+    try:
+        lp = r.json()["choices"][0]["logprobs"]
+        tops = lp["content"][i]["top_logprobs"] if "content" in lp else list(lp["top_logprobs"][i].values())
+        vals = [t["logprob"] if isinstance(t, dict) else t for t in tops]
+        return f" at token {i} (top-2 logprob gap {abs(vals[0] - vals[1]):.2e} nats)"
+    except (KeyError, IndexError, TypeError, ValueError):
+        return f" at token {i}"
 
 
 # --------------------------------------------------------------------------- workloads
@@ -238,17 +262,12 @@ def stress_jobs(n: int, chat: list[str], code: list[str], seed: int) -> list[Job
     return jobs
 
 
-def throughput_jobs(n: int, chat: list[str], code: list[str], max_tokens: int) -> list[Job]:
-    """Greedy fixed-length requests, alternating summarization-style chat and code completion."""
-    jobs = []
-    for i in range(n):
-        body = {"model": "model", "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
-        if i % 2:
-            jobs.append(Job("/v1/completions", {**body, "prompt": code[i % len(code)]}))
-        else:
-            jobs.append(Job("/v1/chat/completions",
-                            {**body, "messages": [{"role": "user", "content": chat[(7 * i) % len(chat)]}]}))
-    return jobs
+def throughput_jobs(n: int, prompts: list[str], max_tokens: int, ignore_eos: bool) -> list[Job]:
+    """Greedy chat requests over ``prompts`` in order. Greedy speculative decoding commits the same tokens
+    as plain decoding, so every configuration generates the same text and the tokens/s compare like with like."""
+    body = {"model": "model", "max_tokens": max_tokens, "temperature": 0, "ignore_eos": ignore_eos}
+    return [Job("/v1/chat/completions", {**body, "messages": [{"role": "user", "content": prompts[i % len(prompts)]}]})
+            for i in range(n)]
 
 
 # --------------------------------------------------------------------------- phases
@@ -269,10 +288,21 @@ def phase_stress(args, chat, code) -> dict:
                 peak = max(peak, srv.rss_mb())
                 await asyncio.sleep(1.0)
 
+        rss_waves = []
+
         async def main():
             nonlocal stop
             w = asyncio.create_task(watch())
-            wall = await run_jobs(srv.url, jobs, args.concurrency, args.time_limit, args.request_timeout)
+            wall, t0 = 0.0, time.perf_counter()
+            for start in range(0, len(jobs), args.rss_every):  # waves, to see whether memory keeps growing
+                left = args.time_limit - (time.perf_counter() - t0)
+                if left <= 0:
+                    break
+                wall += await run_jobs(srv.url, jobs[start: start + args.rss_every], args.concurrency, left,
+                                       args.request_timeout)
+                rss_waves.append(round(srv.rss_mb(), 1))
+                print(f"  {min(len(jobs), start + args.rss_every)} requests: server RSS {rss_waves[-1]:.0f} MB",
+                      flush=True)
             stop = True
             await w
             return wall
@@ -284,10 +314,10 @@ def phase_stress(args, chat, code) -> dict:
     ran = [j for j in jobs if j.seconds > 0 and not j.error]
     tokens = sum(len(j.token_ids) for j in ran)
     return {
-        "server": srv.desc, "requests": args.requests, "concurrency": args.concurrency, "wall_s": wall,
+        "server": srv.desc, "requests": args.requests, "rss_every": args.rss_every, "concurrency": args.concurrency, "wall_s": wall,
         "tokens": tokens, "tokens_per_s": tokens / wall if wall else 0.0,
         "latency_p50_s": statistics.median(j.seconds for j in ran) if ran else None,
-        "rss_mb_after_warmup": rss_start, "rss_mb_end": rss_end, "rss_mb_peak": peak,
+        "rss_mb_after_warmup": rss_start, "rss_mb_end": rss_end, "rss_mb_peak": peak, "rss_mb_waves": rss_waves,
         "acceptance_rate": _ratio(m, "specdecode_accepted_tokens_total", "specdecode_draft_tokens_total"),
         "mean_batch_size": _ratio(m, "specdecode_batch_size_sum", "specdecode_batch_size_count"),
         "mean_gamma": _ratio(m, "specdecode_draft_length_sum", "specdecode_draft_length_count"),
@@ -295,16 +325,20 @@ def phase_stress(args, chat, code) -> dict:
     }
 
 
-def phase_throughput(args, chat, code) -> list[dict]:
+def phase_throughput(args) -> list[dict]:
+    from specdecode.data import load_prompts
+
+    prompts = [p.turns[0][: args.throughput_chars] for p in load_prompts(args.throughput_prompts)]
     configs = [("ngram, adaptive gamma", args.draft, True), (f"ngram, fixed gamma {args.gamma}", args.draft, False),
                ("none (plain decoding)", "none", False)]
     rows = []
     for name, draft, adaptive in configs:
         with ServerProcess(args.target, draft, args.gamma, max(args.levels), args.max_queue, adaptive) as srv:
-            asyncio.run(run_jobs(srv.url, throughput_jobs(2, chat, code, 8), 2, 300, 300))  # warm-up
+            asyncio.run(run_jobs(srv.url, throughput_jobs(2, prompts[-2:], 8, False), 2, 300, 300))  # warm-up
             for c in args.levels:
                 before = srv.metrics()
-                jobs = throughput_jobs(args.throughput_requests_per_client * c, chat, code, args.throughput_tokens)
+                jobs = throughput_jobs(args.throughput_requests_per_client * c, prompts, args.throughput_tokens,
+                                       args.ignore_eos)
                 wall = asyncio.run(run_jobs(srv.url, jobs, c, args.time_limit, args.request_timeout))
                 after = srv.metrics()
                 ok = [j for j in jobs if j.seconds > 0 and not j.error]
@@ -336,7 +370,7 @@ def print_report(result: dict) -> None:
               f"(mismatches {s['greedy_mismatches']}); acceptance {s['acceptance_rate']:.1%}, mean batch "
               f"{s['mean_batch_size']:.2f}, mean gamma {s['mean_gamma']:.2f}")
         print(f"  server RSS: {s['rss_mb_after_warmup']:.0f} MB after warm-up, {s['rss_mb_end']:.0f} MB at the end, "
-              f"peak {s['rss_mb_peak']:.0f} MB")
+              f"peak {s['rss_mb_peak']:.0f} MB; after each {s.get('rss_every', '')} requests: {s['rss_mb_waves']}")
         for p in s["problems"]:
             print(f"  ! {p}")
     rows = result.get("throughput")
@@ -360,7 +394,13 @@ def main() -> int:
     ap.add_argument("--max-queue", type=int, default=64)
     ap.add_argument("--levels", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4, 8])
     ap.add_argument("--throughput-requests-per-client", type=int, default=2)
-    ap.add_argument("--throughput-tokens", type=int, default=64)
+    ap.add_argument("--throughput-tokens", type=int, default=96, help="max_tokens (default %(default)s)")
+    ap.add_argument("--throughput-prompts", default="spec-bench:summarization",
+                    help="prompt set of the throughput phase, as chat messages (default %(default)s: articles to "
+                         "summarize, where prompt lookup finds text to copy)")
+    ap.add_argument("--throughput-chars", type=int, default=2000, help="prompt cut (default %(default)s)")
+    ap.add_argument("--ignore-eos", action="store_true", help="throughput requests run to max_tokens")
+    ap.add_argument("--rss-every", type=int, default=100, help="stress requests per memory sample")
     ap.add_argument("--recheck-greedy", type=int, default=100, help="greedy stress requests re-run without streaming")
     ap.add_argument("--max-prompt-chars", type=int, default=1200)
     ap.add_argument("--time-limit", type=float, default=1800, help="seconds per phase before no new requests start")
@@ -378,8 +418,9 @@ def main() -> int:
         result["stress"] = phase_stress(args, chat, code)
     if "throughput" in phases:
         print("throughput ...", flush=True)
-        result["throughput"] = phase_throughput(args, chat, code)
+        result["throughput"] = phase_throughput(args)
     print_report(result)
+    result["note"] = "tokens/s include prefill, HTTP and streaming; same machine, same run"
     Path(args.out).write_text(json.dumps(result, indent=1))
     print(f"\nwrote {args.out}")
     bad = result.get("stress", {}).get("num_problems", 0) or any(r["errors"] for r in result.get("throughput", []))

@@ -203,6 +203,25 @@ def test_engine_failure_ends_running_requests_and_keeps_serving(target, monkeypa
     assert len(out[0]) == 5
 
 
+def test_a_failing_prefill_fails_only_its_request(target, monkeypatch):
+    engine = BatchEngine(target, None, BatchConfig(max_batch_size=3))
+    events = {0: [], 1: []}
+    engine.submit(BatchRequest([1, 2, 3], SamplingParams(max_new_tokens=20), events[0].append))
+    engine.step()
+    real = engine.runner.forward
+
+    def fail_prefill(rows, token_ids, last_only=False):
+        if last_only:
+            raise RuntimeError("bad prompt")
+        return real(rows, token_ids, last_only)
+
+    monkeypatch.setattr(engine.runner, "forward", fail_prefill)
+    engine.submit(BatchRequest([4, 5], SamplingParams(max_new_tokens=20), events[1].append))
+    _drain(engine)
+    assert events[1][-1].finish_reason == "error" and "bad prompt" in events[1][-1].error
+    assert events[0][-1].finish_reason == "length" and sum(len(e.token_ids) for e in events[0]) == 20
+
+
 def test_background_thread_serves_concurrent_submitters(target):
     engine = BatchEngine(target, lambda: NgramProposer(), BatchConfig(max_batch_size=4, adaptive=False))
     expected = _run_batch(BatchEngine(target, None, BatchConfig(max_batch_size=1)), PROMPTS[:6],

@@ -415,3 +415,4 @@ def test_serve_rejects_bad_flags_before_loading():
 
     assert main(["serve", "--num-speculative-tokens", "0"]) == 2
     assert main(["serve", "--ngram-min", "3", "--ngram-max", "1"]) == 2
+    assert main(["serve", "--draft", "suffix"]) == 2  # token trees: not in the batched engine yet

@@ -701,7 +701,14 @@ class BatchEngine:
             if request.cancelled:
                 self._emit_end(request, None, "cancelled")
                 continue
-            self._prefill(request)
+            slot = len(self.rows)
+            try:
+                self._prefill(request)
+            except Exception as exc:  # noqa: BLE001 - this request fails alone; the batch goes on
+                if len(self.rows) > slot:
+                    self.rows.pop()
+                self.runner.cache.lengths[slot] = 0
+                self._emit_end(request, None, "error", f"{type(exc).__name__}: {exc}")
 
     def _prefill(self, request: BatchRequest) -> None:
         params = request.params

@@ -550,8 +550,9 @@ def create_app(state: ServingState) -> FastAPI:
             prompts = [_encode_prompt(state, p, i) for i, p in enumerate(body.prompts())]
             job = _job(state, endpoint, body, prompts, body.max_tokens, 16, body.logprobs)
             job.submit()
-        except APIError:
-            state.metrics.requests.labels(endpoint, "invalid").inc()
+        except APIError as exc:
+            if exc.code not in ("queue_full", "shutting_down"):  # those are counted where they happen
+                state.metrics.requests.labels(endpoint, "invalid").inc()
             raise
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         base = {"id": rid, "object": "text_completion", "created": created, "model": state.config.model_name}
@@ -581,8 +582,9 @@ def create_app(state: ServingState) -> FastAPI:
             logprobs = (body.top_logprobs or 0) if body.logprobs else None
             job = _job(state, endpoint, body, [ids], body.max_new_tokens, state.config.default_max_tokens, logprobs)
             job.submit()
-        except APIError:
-            state.metrics.requests.labels(endpoint, "invalid").inc()
+        except APIError as exc:
+            if exc.code not in ("queue_full", "shutting_down"):  # those are counted where they happen
+                state.metrics.requests.labels(endpoint, "invalid").inc()
             raise
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": state.config.model_name}

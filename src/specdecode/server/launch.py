@@ -24,6 +24,8 @@ from specdecode.types import SpecDecodeError
 logger = logging.getLogger("specdecode.server")
 
 NO_DRAFT = ("none", "")
+#: Drafters of ``specdecode generate`` that draft token trees or draft on the target's own cache.
+CHAIN_ONLY_REFUSED = ("suffix", "layer-skip", "layerskip")
 
 
 @dataclass(frozen=True)
@@ -45,6 +47,7 @@ class ServeOptions:
     api_key: str | None = None
     served_model_name: str | None = None
     default_max_tokens: int = 256
+    kernel: str = "small-row"
     log_level: str = "info"
 
 
@@ -62,10 +65,17 @@ def proposer_factory(draft: str | LoadedModel | None, target: LoadedModel, ngram
     kind = (draft or "").strip().lower()
     if kind in NO_DRAFT:
         return None
+    _refuse_tree_drafters(kind)
     if kind == "ngram":
         cfg = NgramConfig(min_ngram=ngram_min, max_ngram=ngram_max)
         return lambda: NgramProposer(cfg)
     raise SpecDecodeError(f"unknown draft {draft!r}: use 'ngram', 'none' or a loaded draft model")
+
+
+def _refuse_tree_drafters(kind: str) -> None:
+    if kind.strip().lower().partition(":")[0] in CHAIN_ONLY_REFUSED:
+        raise SpecDecodeError(f"--draft {kind!r} is not available in the server yet: its batched engine verifies "
+                              f"chain drafts; use 'ngram', 'none' or a draft model")
 
 
 def build_state(
@@ -118,12 +128,19 @@ def load_state(opts: ServeOptions, progress: bool = True) -> ServingState:
     if not 1 <= opts.num_speculative_tokens <= 64:
         raise SpecDecodeError(f"--num-speculative-tokens must be in [1, 64], got {opts.num_speculative_tokens}")
     NgramConfig(min_ngram=opts.ngram_min, max_ngram=opts.ngram_max)  # fail before slow loads
-    target = load_model(opts.target, dtype=opts.dtype, cache_dir=opts.cache_dir, progress=progress)
     kind = opts.draft.strip()
+    _refuse_tree_drafters(kind)
+    target = load_model(opts.target, dtype=opts.dtype, cache_dir=opts.cache_dir, progress=progress)
     draft: str | LoadedModel = kind
     if kind.lower() not in (*NO_DRAFT, "ngram"):
         draft = target if kind == opts.target else load_model(kind, dtype=opts.dtype, cache_dir=opts.cache_dir,
                                                                progress=progress)
+    if opts.kernel == "small-row":
+        from specdecode.kernels import use_small_row_matmul
+
+        for loaded in {id(target): target, id(draft): draft}.values():
+            if isinstance(loaded, LoadedModel):
+                use_small_row_matmul(loaded.model)
     return build_state(
         target, draft, model_name=opts.served_model_name or opts.target,
         num_speculative_tokens=opts.num_speculative_tokens, max_batch_size=opts.max_batch_size,
@@ -183,6 +200,10 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                           "or switching off speculation when the batch is large (default: on)")
     srv.add_argument("--default-max-tokens", type=int, default=256, metavar="N",
                      help="max_tokens of a chat request that gives none (default: %(default)s)")
+    srv.add_argument("--kernel", default="small-row", choices=("small-row", "default"),
+                     help="linear layers with at most 16 rows as W @ x.T (small-row: a batch of few rows or a short "
+                          "verification costs about one decoding step on CPUs where torch's few-row GEMM is slow), "
+                          "or torch's own F.linear (default) (default: %(default)s)")
     srv.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
 
 
@@ -192,7 +213,7 @@ def options_from_args(args: argparse.Namespace) -> ServeOptions:
         ngram_min=args.ngram_min, ngram_max=args.ngram_max, dtype=args.dtype, cache_dir=args.cache_dir,
         host=args.host, port=args.port, max_batch_size=args.max_batch_size, max_queue=args.max_queue,
         adaptive=args.adaptive, api_key=args.api_key, served_model_name=args.served_model_name,
-        default_max_tokens=args.default_max_tokens, log_level=args.log_level,
+        default_max_tokens=args.default_max_tokens, kernel=args.kernel, log_level=args.log_level,
     )
 
 
