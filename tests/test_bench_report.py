@@ -264,3 +264,10 @@ def test_prompt_selection_caps_per_category_round_robin():
     assert prompts[2].is_completion and not prompts[0].is_completion
     all_smoke = select_prompts(["smoke"], limit=None)
     assert [p.category for p in all_smoke[:3]] == ["summarization", "qa", "coding"] and len(all_smoke) == 6
+
+
+def test_fastest_of_repeated_runs_is_used():
+    a = {"variant": "v", "prompt": "p", "wall_s": 2.0, "rep": 0}
+    b = {"variant": "v", "prompt": "p", "wall_s": 1.5, "rep": 1}
+    c = {"variant": "w", "prompt": "p", "wall_s": 9.0, "rep": 0}
+    assert summary.fastest_runs([a, b, c]) == {("v", "p"): b, ("w", "p"): c}

@@ -70,3 +70,15 @@ def test_cli_report_only_rebuilds_without_running(smoke_dir, capsys):
     assert main(["bench", "--smoke", "--report-only", "--output", str(smoke_dir)]) == 0
     assert "# specdecode bench" in capsys.readouterr().out
     assert (smoke_dir / report.REPORT_MD).is_file() and len(_runs(smoke_dir)) == n
+
+
+def test_more_repeats_add_runs_and_the_fastest_counts(smoke_dir):
+    before = _runs(smoke_dir)
+    run_bench(smoke_config(output=str(smoke_dir), limit=1, repeats=2), progress=False, log=lambda msg: None)
+    after = _runs(smoke_dir)
+    assert len(after) == 2 * len(before) and {r["rep"] for r in after} == {0, 1}
+    data = json.loads((smoke_dir / report.REPORT_JSON).read_text())
+    for key, cells in data["summary"]["cells"].items():
+        walls = {r["prompt"]: min(x["wall_s"] for x in after if x["variant"] == key and x["prompt"] == r["prompt"])
+                 for r in after if r["variant"] == key}
+        assert cells["overall"]["wall_s"] == pytest.approx(sum(walls.values()))

@@ -18,7 +18,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     """The ``specdecode bench`` flags. Unset flags (None) take the preset's value."""
     p.add_argument("--quick", action="store_const", dest="preset", const="quick",
                    help="preset: a few minutes on SmolLM2-135M (n-gram, gamma 2 and 4, 2 prompts of 3 Spec-Bench "
-                        "categories, 48 new tokens)")
+                        "categories, 48 new tokens, 2 repeats)")
     p.add_argument("--smoke", action="store_const", dest="preset", const="smoke",
                    help="preset: seconds on tiny random models built in code (what CI runs)")
     p.add_argument("--target", metavar="SPEC", help="target model spec (default: smollm2-135m)")
@@ -52,6 +52,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="time target forwards of k+1 tokens, T_verify(k), for the cost model (default: on)")
     p.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=None,
                    help="one unrecorded short run per variant first (default: on)")
+    p.add_argument("--repeats", type=int, metavar="N",
+                   help="run every (prompt, variant) N times, interleaved, and keep the fastest: noise on a shared "
+                        "machine only adds time (default: 1; --quick: 2)")
     p.add_argument("--dtype", metavar="DTYPE", help="float32 (default), bfloat16, float16")
     p.add_argument("--kernel", choices=("default", "small-row"),
                    help="linear-layer execution: default (HF as shipped) or small-row (W @ x.T for few rows, "
@@ -76,7 +79,7 @@ def config_from_args(args: argparse.Namespace):
     preset = args.preset or "full"
     over: dict = {}
     for name in ("target", "draft", "limit", "max_new_tokens", "temperature", "seed", "gamma", "peer", "chat",
-                 "probe", "warmup", "dtype", "kernel", "threads", "output"):
+                 "probe", "warmup", "repeats", "dtype", "kernel", "threads", "output"):
         value = getattr(args, name, None)
         if value is not None:
             over[name] = value

@@ -222,6 +222,7 @@ def env_section(meta: dict) -> str:
     rows += [["decoding", f"{'greedy' if cfg['temperature'] == 0 else 'temperature ' + str(cfg['temperature'])}, "
                           f"batch size 1, max {cfg['max_new_tokens']} new tokens, seed {cfg['seed']}"],
              ["γ", f"{cfg['gamma']} (sweep: {cfg['gammas'] or 'none'})"],
+             ["repeats", f"{cfg.get('repeats', 1)} per (prompt, variant), interleaved; the fastest counts"],
              ["linear kernels", cfg.get("kernel", "default")],
              ["prompts", f"{', '.join(cfg['datasets'])}; limit {cfg['limit']} per category; chat template: "
                          f"{'yes where the model has one' if cfg['chat'] else 'no'}"],

@@ -258,6 +258,8 @@ class BenchConfig:
         chat: apply the chat template to chat prompts (HumanEval is completion text, never templated).
         probe: time target forwards of k + 1 tokens (T_verify(k)) and draft forwards for the theory.
         warmup: one short unrecorded generation per variant before measuring.
+        repeats: runs of every (prompt, variant), interleaved; figures use the fastest (on a shared
+            machine noise only adds time). A rerun with more repeats adds runs to the old ones.
         dtype: model dtype name.
         kernel: "default" (the Hugging Face forward as shipped) or "small-row" (every linear layer of
             target and drafts computed as ``W @ x.T`` for few rows: ``specdecode.kernels``); the HF
@@ -281,6 +283,7 @@ class BenchConfig:
     chat: bool = True
     probe: bool = True
     warmup: bool = True
+    repeats: int = 1
     dtype: str = "float32"
     kernel: str = "default"
     threads: int | None = None
@@ -296,6 +299,8 @@ class BenchConfig:
                 raise SpecDecodeError(f"gamma values must be integers in [1, 64], got {g!r}")
         if self.limit is not None and self.limit < 1:
             raise SpecDecodeError(f"--limit must be >= 1, got {self.limit}")
+        if not isinstance(self.repeats, int) or self.repeats < 1:
+            raise SpecDecodeError(f"--repeats must be an integer >= 1, got {self.repeats!r}")
         if self.threads is not None and self.threads < 1:
             raise SpecDecodeError(f"--threads must be >= 1, got {self.threads}")
         if not self.datasets:
@@ -314,10 +319,11 @@ class BenchConfig:
 
 
 def quick_config(**overrides) -> BenchConfig:
-    """A few minutes on SmolLM2-135M: n-gram at gamma 2 / 4, 2 prompts of 3 Spec-Bench categories, 48 tokens."""
+    """A few minutes on SmolLM2-135M: n-gram at gamma 2 / 4, 2 prompts of 3 Spec-Bench categories, 48 tokens,
+    each run twice (the faster counts)."""
     base = dict(target="smollm2-135m", methods=("ngram",), datasets=("spec-bench:summarization",
                 "spec-bench:coding", "spec-bench:math_reasoning"), limit=2, max_new_tokens=48, gamma=4,
-                gammas=(2, 4), output="bench-out/quick", preset="quick")
+                gammas=(2, 4), repeats=2, output="bench-out/quick", preset="quick")
     return BenchConfig(**{**base, **overrides})
 
 
@@ -545,10 +551,15 @@ class RecordStore:
                     self.records.append(rec)
                 else:
                     self.ignored += 1
-        self._done = {(r["kind"], r.get("variant"), r.get("prompt"), r.get("model")) for r in self.records}
+        self._done = {self._key(r) for r in self.records}
 
-    def has(self, kind: str, variant: str | None = None, prompt: str | None = None, model: str | None = None) -> bool:
-        return (kind, variant, prompt, model) in self._done
+    @staticmethod
+    def _key(r: dict) -> tuple:
+        return r["kind"], r.get("variant"), r.get("prompt"), r.get("model"), r.get("rep", 0)
+
+    def has(self, kind: str, variant: str | None = None, prompt: str | None = None, model: str | None = None,
+            rep: int = 0) -> bool:
+        return (kind, variant, prompt, model, rep) in self._done
 
     def add(self, record: dict) -> None:
         record = {"settings_id": self.settings_id, **record}
@@ -556,7 +567,7 @@ class RecordStore:
             f.write(json.dumps(record, ensure_ascii=False) + "\n")
             f.flush()
         self.records.append(record)
-        self._done.add((record["kind"], record.get("variant"), record.get("prompt"), record.get("model")))
+        self._done.add(self._key(record))
 
     def of_kind(self, kind: str) -> list[dict]:
         return [r for r in self.records if r["kind"] == kind]
@@ -720,10 +731,11 @@ def run_bench(config: BenchConfig, *, progress: bool = True, log: Callable[[str]
 
     encoded = _encode_all(prompts, models.target, config, status)
     runnable = [p for p in prompts if p.key in encoded]
-    todo = [(p, v) for i, p in enumerate(runnable) for v in _rotate(variants, i)
-            if not store.has("run", v.key, p.key)]
-    status(f"{len(runnable)} prompts x {len(variants)} variants; {len(todo)} runs to do "
-           f"({len(runnable) * len(variants) - len(todo)} already in {store.path.name})")
+    todo = [(p, v, r) for i, p in enumerate(runnable) for r in range(config.repeats)
+            for v in _rotate(variants, i + r) if not store.has("run", v.key, p.key, rep=r)]
+    total = len(runnable) * len(variants) * config.repeats
+    status(f"{len(runnable)} prompts x {len(variants)} variants x {config.repeats} repeat(s); {len(todo)} runs to "
+           f"do ({total - len(todo)} already in {store.path.name})")
     if config.probe:
         _probe(config, models, variants, runnable, encoded, store, status)
     if todo and config.warmup:
@@ -774,11 +786,11 @@ def _run_matrix(todo, prompts, variants, encoded, config: BenchConfig, store: Re
     index = {p.key: i for i, p in enumerate(prompts)}
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("elapsed"),
                TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn())
-    total = len(prompts) * len(variants)
+    total = len(prompts) * len(variants) * config.repeats
     with Progress(*columns, console=Console(stderr=True), disable=not progress, transient=False) as bar:
         task = bar.add_task("bench", total=total, completed=total - len(todo))
         failed: set[str] = set()
-        for prompt, variant in todo:
+        for prompt, variant, rep in todo:
             bar.update(task, description=f"{prompt.key} {variant.key}"[:60])
             if variant.key in failed:
                 bar.advance(task)
@@ -799,7 +811,7 @@ def _run_matrix(todo, prompts, variants, encoded, config: BenchConfig, store: Re
                 bar.advance(task)
                 continue
             store.add({
-                "kind": "run", "variant": variant.key, "prompt": prompt.key, **variant.info(),
+                "kind": "run", "variant": variant.key, "prompt": prompt.key, "rep": rep, **variant.info(),
                 "dataset": prompt.dataset, "category": prompt.category, "prompt_tokens": len(ids),
                 "chat_template": templated, "seed": seed, "token_ids": res.token_ids,
                 "new_tokens": len(res.token_ids), "wall_s": res.wall_s, "finish_reason": res.finish_reason,
