@@ -76,18 +76,36 @@ def _drain(engine: BatchEngine, limit: int = 10_000) -> None:
     raise AssertionError("engine did not finish")
 
 
-@pytest.mark.parametrize("kind", ["none", "ngram", "draft-model"])
+@pytest.mark.parametrize("kind", ["none", "ngram", "draft-model", "batched-draft-model"])
 def test_each_row_equals_its_single_request_run(target, draft, kind):
-    factory = _factories(draft)[kind]
+    batched = kind == "batched-draft-model"
+    factory = _factories(draft)["draft-model" if batched else kind]
     params = [_mixed_params(i) for i in range(len(PROMPTS))]
     expected = []
     for p, sp in zip(PROMPTS, params):
         single = SpeculativeEngine(target, factory() if factory else None, EngineConfig(num_speculative_tokens=4))
         expected.append(single.generate(p, sp).token_ids)
     # 3 slots for 8 requests: rows join and leave between steps, slots get compacted.
-    engine = BatchEngine(target, factory, BatchConfig(max_batch_size=3, num_speculative_tokens=4, adaptive=False))
+    cfg = BatchConfig(max_batch_size=3, num_speculative_tokens=4, adaptive=False)
+    engine = (BatchEngine(target, None, cfg, draft_model=draft) if batched else BatchEngine(target, factory, cfg))
     assert _run_batch(engine, PROMPTS, params) == expected
-    assert engine.num_active == 0 and engine.runner.cache.nbytes == 0  # cache released when idle
+    assert engine.num_active == 0 and engine.stats()["kv_cache_bytes"] == 0  # caches released when idle
+
+
+def test_batched_draft_model_drafts_in_one_forward_per_position(target, draft):
+    engine = BatchEngine(target, None, BatchConfig(max_batch_size=4, num_speculative_tokens=3, adaptive=False),
+                         draft_model=draft)
+    calls = []
+    real = engine.draft_model.runner.forward
+    engine.draft_model.runner.forward = lambda rows, ids, last_only=False: (
+        calls.append((rows.stop - rows.start, last_only)), real(rows, ids, last_only))[1]
+    for i in range(4):
+        engine.submit(BatchRequest(PROMPTS[3 + i], SamplingParams(max_new_tokens=30), lambda ev: None))
+    engine.step()  # admits 4 (target prefills) and runs one step
+    batched = [n for n, last in calls if not last]
+    assert batched == [4, 4, 4]  # catch-up feed (+ the first draft position), then 2 more positions
+    # prompts longer than SOLO_FEED were fed alone first
+    assert sum(1 for n, last in calls if last) == sum(len(PROMPTS[3 + i]) > 9 for i in range(4))
 
 
 def test_ragged_acceptance_happens(target):
@@ -135,13 +153,15 @@ def test_alone_and_in_a_mixed_batch_are_identical(target, draft):
     """The same request alone and among others with different settings, in the batch engine itself."""
     probe = (PROMPTS[2], SamplingParams(max_new_tokens=40, temperature=0.0))
     probe_sampled = (PROMPTS[3], SamplingParams(max_new_tokens=40, temperature=0.9, top_k=20, seed=7))
-    for factory in _factories(draft).values():
-        cfg = BatchConfig(max_batch_size=6, num_speculative_tokens=3, adaptive=False)
-        alone = [_run_batch(BatchEngine(target, factory, cfg), [p], [sp])[0] for p, sp in (probe, probe_sampled)]
+    cfg = BatchConfig(max_batch_size=6, num_speculative_tokens=3, adaptive=False)
+    builders = [lambda f=f: BatchEngine(target, f, cfg) for f in _factories(draft).values()]
+    builders.append(lambda: BatchEngine(target, None, cfg, draft_model=draft))
+    for build in builders:
+        alone = [_run_batch(build(), [p], [sp])[0] for p, sp in (probe, probe_sampled)]
         others = [(PROMPTS[i], _mixed_params(i)) for i in (0, 4, 5, 6)]
         prompts = [probe[0], probe_sampled[0], *(p for p, _ in others)]
         params = [probe[1], probe_sampled[1], *(sp for _, sp in others)]
-        mixed = _run_batch(BatchEngine(target, factory, cfg), prompts, params)
+        mixed = _run_batch(build(), prompts, params)
         assert mixed[:2] == alone
 
 

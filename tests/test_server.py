@@ -180,6 +180,19 @@ def test_seed_stop_n_and_logprobs(live, tiny64):
                for e in chat.logprobs.content)
 
 
+def test_draft_model_server_is_lossless(tiny64, tiny_model_dir):
+    """A draft model (here the target's own weights in a second copy) drafts for the batch in batched forwards."""
+    draft = load_model(str(tiny_model_dir), progress=False)
+    draft.model.to(torch.float64)
+    with serving(tiny64, draft=draft, max_batch_size=2, num_speculative_tokens=3) as server:
+        out = server.client().completions.create(model=MODEL, prompt=PROMPT, max_tokens=30, temperature=0)
+        prompt_ids = tiny64.tokenizer(PROMPT)["input_ids"]
+        assert out.choices[0].token_ids == _plain_greedy(tiny64, prompt_ids, 30)
+        spec = out.usage.speculative
+        assert spec["acceptance_rate"] == 1.0 and spec["mean_accepted_length"] > 3  # draft == target
+        assert httpx.get(f"{server.url}/v1/models").json()["data"][0]["draft"] == str(tiny_model_dir)
+
+
 # --------------------------------------------------------------------------- batching
 
 

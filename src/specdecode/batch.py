@@ -36,9 +36,10 @@ alone whenever the draft lengths are the same (fixed policy); the cost-model
 policy makes gamma depend on the batch size, which changes which random
 numbers are drawn, not the output distribution.
 
-Drafting runs per row: the n-gram proposer is a lookup, a draft model runs
-its own small forwards for each row (each with its own cache), one row after
-the other inside the step.
+Drafting: a draft model drafts for all rows together (:class:`BatchDraftModel`:
+its own slot-per-row cache, one batched draft forward per draft position);
+other proposers (n-gram lookup) run per row, each request with its own
+instance.
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ from transformers.cache_utils import Cache
 
 from specdecode.metrics import RunMetrics
 from specdecode.proposers.base import ProposeContext, Proposer
-from specdecode.sampling import logits_to_probs, next_token
+from specdecode.sampling import logits_to_probs, next_token, sample
 from specdecode.types import (
     PAD_TOKEN_ID,
     Draft,
@@ -263,17 +264,20 @@ class CostModelPolicy:
 
     With acceptance rate a (accepted / drafted, measured) a row commits
     E(g) = (1 - a^(g+1)) / (1 - a) tokens per step (Leviathan et al. 2023, eq. 1),
-    and the step costs T(B * (g + 1)) + B * g * t_draft, where T(n) is the
-    measured time of one target forward over n tokens (piecewise-linear
-    between calibration points) and t_draft the measured per-token drafting
-    time. Gamma = argmax over 0..max_gamma of B * E(g) / cost(g); 0 is plain
-    decoding.
+    and the step costs T(B * (g + 1)) + D(B, g), where T(n) is the measured
+    time of one target forward over n tokens (piecewise-linear between
+    calibration points) and D the drafting time: g batched draft forwards
+    g * T_draft(B) for a batched draft model (``draft_forward_cost``), B * g *
+    t_draft for per-row drafting (``draft_token_cost_s``; 0 for n-gram).
+    Gamma = argmax over 0..max_gamma of B * E(g) / cost(g); 0 is plain decoding.
     """
 
     def __init__(self, config: BatchPolicyConfig, forward_cost: Sequence[tuple[int, float]] | None = None,
-                 draft_token_cost_s: float = 0.0) -> None:
+                 draft_token_cost_s: float = 0.0,
+                 draft_forward_cost: Sequence[tuple[int, float]] | None = None) -> None:
         self.config = config
         self.forward_cost = sorted(forward_cost or [])
+        self.draft_forward_cost = sorted(draft_forward_cost or [])
         self.draft_token_cost_s = draft_token_cost_s
         self._accepted = 0.0
         self._drafted = 0.0
@@ -286,20 +290,18 @@ class CostModelPolicy:
         w = 4.0
         return (self._accepted + w * self.config.prior_acceptance) / (self._drafted + w)
 
+    def draft_cost(self, batch_size: int, gamma: int) -> float:
+        """Seconds of drafting ``gamma`` tokens for ``batch_size`` rows."""
+        if self.draft_forward_cost:
+            return gamma * _interpolate(self.draft_forward_cost, batch_size)
+        return batch_size * gamma * self.draft_token_cost_s
+
     def cost(self, num_tokens: int) -> float:
         """Seconds of one target forward over ``num_tokens`` tokens (interpolated; linear past the last point)."""
-        pts = self.forward_cost
-        if not pts:
-            return float(num_tokens)
-        if num_tokens <= pts[0][0]:
-            return pts[0][1]
-        for (n0, t0), (n1, t1) in itertools.pairwise(pts):
-            if num_tokens <= n1:
-                return t0 + (t1 - t0) * (num_tokens - n0) / (n1 - n0)
-        (n0, t0), (n1, t1) = pts[-2:] if len(pts) > 1 else (pts[0], (pts[0][0] + 1, pts[0][1]))
-        return t1 + (t1 - t0) / (n1 - n0) * (num_tokens - n1)
+        return _interpolate(self.forward_cost, num_tokens)
 
     def expected_tokens(self, gamma: int) -> float:
+
         a = min(self.acceptance, 0.999)
         return (1.0 - a ** (gamma + 1)) / (1.0 - a)
 
@@ -311,7 +313,7 @@ class CostModelPolicy:
         else:
             def rate(g: int) -> float:
                 return batch_size * self.expected_tokens(g) / (
-                    self.cost(batch_size * (g + 1)) + batch_size * g * self.draft_token_cost_s)
+                    self.cost(batch_size * (g + 1)) + self.draft_cost(batch_size, g))
 
             gamma = max(range(cfg.max_gamma + 1), key=rate)
             if gamma == 0:
@@ -327,6 +329,21 @@ class CostModelPolicy:
         d = self.config.decay
         self._drafted = self._drafted * d + capacity
         self._accepted = self._accepted * d + accepted
+
+
+def _interpolate(points: Sequence[tuple[int, float]], n: int) -> float:
+    """Piecewise-linear y(n) through sorted (n, y) points; linear extrapolation past the last one."""
+    if not points:
+        return float(n)
+    if n <= points[0][0]:
+        return points[0][1]
+    for (n0, t0), (n1, t1) in itertools.pairwise(points):
+        if n <= n1:
+            return t0 + (t1 - t0) * (n - n0) / (n1 - n0)
+    if len(points) == 1:
+        return points[0][1]
+    (n0, t0), (n1, t1) = points[-2:]
+    return t1 + (t1 - t0) / (n1 - n0) * (n - n1)
 
 
 def calibrate_forward_cost(runner: BatchRunner, max_tokens: int, repeats: int = 2) -> list[tuple[int, float]]:
@@ -351,6 +368,120 @@ def calibrate_forward_cost(runner: BatchRunner, max_tokens: int, repeats: int = 
     for i in range(len(points) - 2, -1, -1):
         points[i] = (points[i][0], min(points[i][1], points[i + 1][1]))
     return points
+
+
+# --------------------------------------------------------------------------- batched draft model
+
+
+class BatchDraftModel:
+    """Draft-model drafting for the whole batch: one draft forward per draft position (Leviathan et al. 2023).
+
+    The draft model has its own :class:`BatchKVCache` whose slots mirror the target's (row i in slot i).
+    A row's draft cache holds a prefix of its committed tokens plus, while drafting, its own drafts.
+    Each step: cut every row back to the longest prefix verification kept (a length change), feed what
+    it lacks (one or two tokens, or a whole prompt fed alone first), then draft: per position, each row
+    picks its token with its own params and generator (argmax, or a sample from q after the same
+    temperature / top-k / top-p), and all rows' tokens go through one batched draft forward. A row
+    draws exactly the random numbers :class:`~specdecode.proposers.DraftModelProposer` draws alone.
+
+    Args:
+        model: the draft causal LM (eval mode), sharing the target's tokenizer.
+        num_slots, max_context: as the target's runner.
+        vocab_size: the target's V; drafts never propose ids past it.
+    """
+
+    #: Rows lacking more tokens than this (a new prompt) are fed alone before the batched forward.
+    SOLO_FEED = 8
+
+    def __init__(self, model: torch.nn.Module, num_slots: int, max_context: int, vocab_size: int) -> None:
+        self.runner = BatchRunner(model, num_slots, max_context)
+        self.cached: list[list[int]] = [[] for _ in range(num_slots)]
+        self.vocab_size = vocab_size
+
+    def join(self, slot: int) -> None:
+        self.cached[slot] = []
+        self.runner.cache.lengths[slot] = 0
+
+    def move(self, src: int, dst: int) -> None:
+        if src != dst:
+            self.runner.cache.move(src, dst)
+            self.cached[dst] = self.cached[src]
+        self.cached[src] = []
+        self.runner.cache.lengths[src] = 0
+
+    def release(self) -> None:
+        self.runner.cache.release()
+        self.cached = [[] for _ in self.cached]
+
+    @torch.inference_mode()
+    def propose(self, rows: Sequence["_Row"], caps: Sequence[int]) -> list[Draft]:
+        """Up to ``caps[i]`` draft tokens for row i: chains [1, k_i] int64 (+ [1, k_i, V] float32 q when sampling)."""
+        b = len(rows)
+        if max(caps, default=0) <= 0:
+            return [Draft.empty() for _ in rows]
+        logits = self._sync(rows)  # [b, V_draft] at each row's last committed token
+        vocab = min(self.vocab_size, logits.shape[-1])
+        tokens: list[list[int]] = [[] for _ in range(b)]
+        probs: list[list[torch.Tensor]] = [[] for _ in range(b)]
+        k_max = max(caps)
+        for pos in range(k_max):
+            feed = []
+            for i, row in enumerate(rows):
+                if pos >= caps[i]:
+                    feed.append([0])  # a placeholder: written past the row's length, never kept
+                    continue
+                params = row.ctx.params
+                if params.greedy:
+                    tok = int(logits[i, :vocab].argmax())
+                else:
+                    q = logits_to_probs(logits[i, :vocab], params)
+                    tok = int(sample(q, row.ctx.generator))
+                    probs[i].append(q)
+                tokens[i].append(tok)
+                feed.append([tok])
+            if pos + 1 < k_max:
+                logits = self._feed(feed, keep=[pos < caps[i] for i in range(b)])[:, -1]
+        return [Draft.chain(torch.tensor([t], dtype=torch.int64).reshape(1, -1),
+                            torch.stack(p).unsqueeze(0) if p else None) if t else Draft.empty()
+                for t, p in zip(tokens, probs)]
+
+    def _sync(self, rows: Sequence["_Row"]) -> torch.Tensor:
+        """Cut each row's draft cache to its committed prefix (at least one token left to feed); feed the rest."""
+        cache = self.runner.cache
+        feeds = []
+        for i, row in enumerate(rows):
+            ids = row.ctx.token_ids
+            keep = min(_common_prefix(self.cached[i], ids), len(ids) - 1)
+            del self.cached[i][keep:]
+            cache.lengths[i] = keep
+            lacking = ids[keep:]
+            if len(lacking) > self.SOLO_FEED:  # a prompt: alone, so the batch is not padded to its length
+                self.runner.forward(slice(i, i + 1), [lacking[:-1]], last_only=True)
+                self.cached[i].extend(lacking[:-1])
+                lacking = lacking[-1:]
+            feeds.append(lacking)
+        counts = [len(f) for f in feeds]
+        out = self._feed(feeds, keep=[True] * len(rows))  # [b, q, V]
+        return out[torch.arange(len(rows)), torch.tensor(counts) - 1]
+
+    def _feed(self, feeds: list[list[int]], keep: list[bool]) -> torch.Tensor:
+        """One batched draft forward; rows with keep=False had a placeholder and keep their length."""
+        cache = self.runner.cache
+        before = cache.lengths[: len(feeds)]
+        out = self.runner.forward(slice(0, len(feeds)), feeds)
+        for i, (f, k) in enumerate(zip(feeds, keep)):
+            if k:
+                self.cached[i].extend(f)
+            else:
+                cache.lengths[i] = before[i]
+        return out
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    if list(a[:n]) == list(b[:n]):
+        return n
+    return next(i for i in range(n) if a[i] != b[i])
 
 
 # --------------------------------------------------------------------------- requests and events
@@ -472,13 +603,19 @@ class BatchEngine:
 
     Args:
         target: Hugging Face causal LM (eval mode) whose distribution is preserved.
-        proposer_factory: builds one proposer per request (its own state / cache), or None for
-            plain decoding.
+        proposer_factory: builds one proposer per request (its own state / cache), drafting row
+            after row; None with no ``draft_model`` = plain decoding.
         config: BatchConfig.
-        forward_cost: calibration points ``[(tokens, seconds)]`` for the cost-model policy
-            (see :func:`calibrate_forward_cost`); None disables adaptation (fixed gamma).
-        draft_token_cost_s: measured seconds per drafted token per row (0 for n-gram).
+        draft_model: a draft causal LM drafting for all rows in batched forwards
+            (:class:`BatchDraftModel`); excludes ``proposer_factory``.
+        forward_cost: calibration points ``[(tokens, seconds)]`` of the target for the cost-model
+            policy (see :func:`calibrate_forward_cost`); None disables adaptation (fixed gamma).
+        draft_forward_cost: the same for ``draft_model`` (rows = tokens of a one-position forward).
+        draft_token_cost_s: seconds per drafted token per row of a per-row proposer (0 for n-gram).
         on_step: called with StepStats after each iteration (engine thread).
+
+    Raises:
+        SpecDecodeError: both ``proposer_factory`` and ``draft_model``; a proposer that drafts trees.
     """
 
     def __init__(
@@ -487,19 +624,28 @@ class BatchEngine:
         proposer_factory: Callable[[], Proposer] | None = None,
         config: BatchConfig | None = None,
         *,
+        draft_model: torch.nn.Module | None = None,
         forward_cost: Sequence[tuple[int, float]] | None = None,
+        draft_forward_cost: Sequence[tuple[int, float]] | None = None,
         draft_token_cost_s: float = 0.0,
         on_step: Callable[[StepStats], None] | None = None,
     ) -> None:
         self.config = config or BatchConfig()
         cfg = self.config
+        if proposer_factory is not None and draft_model is not None:
+            raise SpecDecodeError("give a proposer factory or a draft model, not both")
+        if proposer_factory is not None and getattr(proposer_factory(), "produces_trees", False):
+            raise SpecDecodeError("the batched engine verifies chain drafts; this proposer drafts token trees")
         self.max_context = cfg.max_context or _model_context(target)
         self.runner = BatchRunner(target, cfg.max_batch_size, self.max_context)
         self.vocab_size = self.runner.vocab_size
         self.proposer_factory = proposer_factory
+        self.draft_model = (BatchDraftModel(draft_model, cfg.max_batch_size, self.max_context, self.vocab_size)
+                            if draft_model is not None else None)
+        self.speculates = proposer_factory is not None or draft_model is not None
         self.policy = CostModelPolicy(
             BatchPolicyConfig(max_gamma=cfg.num_speculative_tokens, adaptive=cfg.adaptive and forward_cost is not None),
-            forward_cost, draft_token_cost_s)
+            forward_cost, draft_token_cost_s, draft_forward_cost)
         self.on_step = on_step
         self.rows: list[_Row] = []  # row i lives in cache slot i
         self._pending: deque[BatchRequest] = deque()
@@ -612,9 +758,12 @@ class BatchEngine:
     def _decode_step(self) -> StepStats:
         t0 = time.perf_counter()
         rows = self.rows
-        gamma = self.policy.choose(len(rows)) if self.proposer_factory is not None else 0
+        gamma = self.policy.choose(len(rows)) if self.speculates else 0
         capacity = [min(gamma, row.remaining - 1) for row in rows]  # draft tokens each row may take
-        drafts = [self._propose(row, k) for row, k in zip(rows, capacity)]
+        if self.draft_model is not None:
+            drafts = self.draft_model.propose(rows, capacity)
+        else:
+            drafts = [self._propose(row, k) for row, k in zip(rows, capacity)]
         t1 = time.perf_counter()
         feeds = [[row.ctx.token_ids[-1], *draft.token_ids[0].tolist()] for row, draft in zip(rows, drafts)]
         logits = self.runner.forward(slice(0, len(rows)), feeds)  # [B, K+1, V]
@@ -720,6 +869,8 @@ class BatchEngine:
                    self.proposer_factory() if self.proposer_factory is not None else None, t0)
         slot = len(self.rows)
         self.runner.cache.lengths[slot] = 0
+        if self.draft_model is not None:
+            self.draft_model.join(slot)
         self.rows.append(row)
         logits = self.runner.forward(slice(slot, slot + 1), [prompt], last_only=True)[0]  # [1, V]
         first = int(next_token(logits[-1], params, ctx.generator))
@@ -770,6 +921,8 @@ class BatchEngine:
             self.rows[index] = self.rows[last]
         else:
             self.runner.cache.lengths[last] = 0
+        if self.draft_model is not None:
+            self.draft_model.move(last, index)
         self.rows.pop()
 
     def _drop_cancelled(self) -> None:
@@ -787,10 +940,14 @@ class BatchEngine:
     def _maybe_release(self) -> None:
         if not self.rows and self.runner.cache.capacity:
             self.runner.cache.release()
+            if self.draft_model is not None:
+                self.draft_model.release()
 
     def _fail_all(self, message: str) -> None:
         rows, self.rows = self.rows, []
         self.runner.cache.release()
+        if self.draft_model is not None:
+            self.draft_model.release()
         for row in rows:
             if row.finish_reason is None:
                 self._emit_end(row.request, row, "error", message)
@@ -802,7 +959,8 @@ class BatchEngine:
         return {
             "active": len(self.rows),
             "pending": len(self._pending),
-            "kv_cache_bytes": self.runner.cache.nbytes,
+            "kv_cache_bytes": self.runner.cache.nbytes + (self.draft_model.runner.cache.nbytes
+                                                          if self.draft_model is not None else 0),
             "gamma": self.policy.last_gamma,
             "acceptance_estimate": self.policy.acceptance,
         }

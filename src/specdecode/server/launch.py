@@ -104,18 +104,24 @@ def build_state(
     config = BatchConfig(max_batch_size=max_batch_size, max_queue=max_queue,
                          num_speculative_tokens=num_speculative_tokens, adaptive=adaptive,
                          max_context=target.max_context)
-    factory = proposer_factory(draft, target, ngram_min, ngram_max)
-    forward_cost, draft_cost = None, 0.0
-    if adaptive and calibrate and factory is not None:
+    draft_model = None
+    if isinstance(draft, LoadedModel):  # drafts for the whole batch in batched forwards
+        if draft is not target:
+            check_compatible(target, draft)
+        draft_model, factory = draft.model, None
+    else:
+        factory = proposer_factory(draft, target, ngram_min, ngram_max)
+    forward_cost = draft_cost = None
+    if adaptive and calibrate and (factory is not None or draft_model is not None):
         t0 = time.perf_counter()
         runner = BatchRunner(target.model, 1, target.max_context)
         forward_cost = calibrate_forward_cost(runner, max_batch_size * (num_speculative_tokens + 1))
-        if isinstance(draft, LoadedModel):
-            draft_runner = BatchRunner(draft.model, 1, draft.max_context)
-            draft_cost = dict(calibrate_forward_cost(draft_runner, 1))[1]
+        if draft_model is not None:
+            draft_cost = calibrate_forward_cost(BatchRunner(draft_model, 1, draft.max_context), max_batch_size)
         logger.info("cost model calibrated in %.1f s: %s", time.perf_counter() - t0,
                     ", ".join(f"{n} tok {s * 1e3:.0f} ms" for n, s in forward_cost))
-    engine = BatchEngine(target.model, factory, config, forward_cost=forward_cost, draft_token_cost_s=draft_cost)
+    engine = BatchEngine(target.model, factory, config, draft_model=draft_model, forward_cost=forward_cost,
+                         draft_forward_cost=draft_cost)
     draft_name = draft.name if isinstance(draft, LoadedModel) else (draft or "none")
     server_config = ServerConfig(model_name=model_name or target.name, draft=draft_name,
                                  num_speculative_tokens=num_speculative_tokens, api_key=api_key,
