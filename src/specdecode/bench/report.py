@@ -264,7 +264,7 @@ def markdown(summary: dict, meta: dict) -> str:
         "## Against Hugging Face transformers\n\n" + peer_section(summary, variants),
         "## Output agreement\n\n" + agreement_section(summary),
         "## Cost of verification\n\nOne cached target forward over k + 1 new tokens at a typical context "
-        "(least of 3 timings), relative to one decoding step.\n\n" + probe_section(summary),
+        "(least of the timed repetitions), relative to one decoding step.\n\n" + probe_section(summary),
         "## Environment\n\n" + env_section({**meta, "load_average": summary.get("load_average")}),
     ]
     return "\n\n".join(sections) + "\n"

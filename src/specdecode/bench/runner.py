@@ -42,6 +42,8 @@ logger = logging.getLogger(__name__)
 
 RECORDS_FILE = "records.jsonl"
 KERNELS = ("default", "small-row")
+#: Timed forwards per k in the cost probe (the least counts).
+PROBE_REPS = 5
 #: Spec-Bench's 13 categories come from ``spec-bench``; the issue's four prompt sources.
 DEFAULT_DATASETS = ("spec-bench", "humaneval", "mt-bench", "gsm8k")
 
@@ -849,8 +851,8 @@ def _probe(config, models: Models, variants, prompts, encoded, store: RecordStor
         if store.has("probe", model=spec):
             continue
         status(f"timing {role} forwards ({spec}, context {ctx_len} tokens, k = {kk})")
-        times = probe_forward_times(loaded.model, context, kk, reps=3)
-        store.add({"kind": "probe", "model": spec, "role": role, "context_tokens": ctx_len,
+        times = probe_forward_times(loaded.model, context, kk, reps=PROBE_REPS)
+        store.add({"kind": "probe", "model": spec, "role": role, "context_tokens": ctx_len, "reps": PROBE_REPS,
                    "forward_s": {str(k): t for k, t in times.items()}})
 
 
