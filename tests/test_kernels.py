@@ -105,3 +105,19 @@ def test_owned_forward_matches_hugging_face_logits_and_rollback(family):
     for (k1, v1), (k2, v2) in zip(owned.layer_tensors(), hf.layer_tensors()):
         torch.testing.assert_close(k1, k2, atol=1e-5, rtol=1e-4)
         torch.testing.assert_close(v1, v2, atol=1e-5, rtol=1e-4)
+
+
+def test_owned_forward_runs_an_int8_draft_like_the_hf_forward():
+    model = set_weight_precision(tiny_llama(seed=0, dtype=torch.float32), "int8")
+    hf, owned = CachedModel(model), OwnedCachedModel(model)
+    hf.reset()
+    for chunk in ([1, 2, 3, 4], [5], [6, 7]):
+        torch.testing.assert_close(owned.forward(chunk), hf.forward(chunk), atol=1e-4, rtol=1e-4)
+
+
+def test_owned_forward_in_bfloat16_matches_hf():
+    model = tiny_llama(seed=0, dtype=torch.bfloat16)
+    hf, owned = CachedModel(model), OwnedCachedModel(model)
+    hf.reset()
+    for chunk in ([1, 2, 3, 4], [5], [6, 7]):
+        torch.testing.assert_close(owned.forward(chunk), hf.forward(chunk), atol=3e-2, rtol=3e-2)

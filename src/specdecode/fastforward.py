@@ -39,13 +39,18 @@ def supports(model: torch.nn.Module) -> bool:
         return False
     if getattr(cfg, "sliding_window", None) and getattr(cfg, "use_sliding_window", False):
         return False
-    linears_are_plain = all(
-        type(getattr(layer.self_attn, "q_proj", None)) is torch.nn.Linear
-        and type(getattr(layer.mlp, "down_proj", None)) is torch.nn.Linear
-        for layer in getattr(getattr(model, "model", None), "layers", [None])
-        if layer is not None
-    ) and type(model.get_output_embeddings()) is torch.nn.Linear  # quantized models take the HF forward
-    return linears_are_plain and getattr(cfg, "hidden_act", "silu") == "silu"
+    linears_ok = all(
+        _is_linear(getattr(layer.self_attn, "q_proj", None)) and _is_linear(getattr(layer.mlp, "down_proj", None))
+        for layer in getattr(getattr(model, "model", None), "layers", [])
+    ) and _is_linear(model.get_output_embeddings())
+    return linears_ok and getattr(cfg, "hidden_act", "silu") == "silu"
+
+
+def _is_linear(module) -> bool:
+    """nn.Linear, or fbgemm's dynamic-quantized linear (an int8 draft: ``kernels.set_weight_precision``)."""
+    from torch.ao.nn.quantized.dynamic import Linear as DynamicQuantizedLinear
+
+    return type(module) in (torch.nn.Linear, DynamicQuantizedLinear)
 
 
 #: Forward backends: "auto" (owned when the model is supported, else Hugging Face), "hf", "owned".
@@ -68,21 +73,33 @@ def make_runner(model: torch.nn.Module, backend: str = "auto"):
 
 
 class _Layer:
-    """One decoder layer's weights as fused views of the model's own parameters."""
+    """One decoder layer's weights: fused views of the model's own parameters, or (int8) its quantized modules."""
 
     def __init__(self, layer: torch.nn.Module) -> None:
         attn, mlp = layer.self_attn, layer.mlp
         self.ln1 = layer.input_layernorm.weight
         self.ln2 = layer.post_attention_layernorm.weight
+        self.qkv_bias = None
+        if type(attn.q_proj) is not torch.nn.Linear:  # quantized modules: called one by one (bias inside)
+            self.qkv = _Concat([attn.q_proj, attn.k_proj, attn.v_proj])
+            self.o, self.gate_up, self.down = attn.o_proj, _Concat([mlp.gate_proj, mlp.up_proj]), mlp.down_proj
+            return
         self.qkv = _fuse([attn.q_proj, attn.k_proj, attn.v_proj])
-        self.qkv_bias = (
-            torch.cat([attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias])
-            if attn.q_proj.bias is not None
-            else None
-        )
+        if attn.q_proj.bias is not None:
+            self.qkv_bias = torch.cat([attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias])
         self.o = attn.o_proj.weight
         self.gate_up = _fuse([mlp.gate_proj, mlp.up_proj])
         self.down = mlp.down_proj.weight
+
+
+class _Concat:
+    """Several linear modules applied to one input, outputs concatenated (unfusable quantized weights)."""
+
+    def __init__(self, modules: list[torch.nn.Module]) -> None:
+        self.modules = modules
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([m(x) for m in self.modules], dim=-1)
 
 
 def _fuse(linears: list[torch.nn.Linear]) -> torch.Tensor:
@@ -100,9 +117,16 @@ def _fuse(linears: list[torch.nn.Linear]) -> torch.Tensor:
     return fused
 
 
-def _mm(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """x [n, in] -> [n, out] as ``(W @ x.T).T`` (the fast orientation for few rows)."""
-    if x.shape[0] > 16:
+def _mm(weight, x: torch.Tensor) -> torch.Tensor:
+    """x [n, in] -> [n, out].
+
+    float32 weights with few rows: ``(W @ x.T).T`` (torch's few-row ``F.linear``
+    takes a slow path on these CPUs); bfloat16 / float16 and many rows:
+    ``F.linear``; a quantized module: the module itself.
+    """
+    if not isinstance(weight, torch.Tensor):
+        return weight(x)
+    if x.shape[0] > 16 or weight.dtype != torch.float32:
         return F.linear(x, weight)
     return (weight @ x.T).T
 
@@ -130,7 +154,8 @@ class OwnedCachedModel:
         inner = model.model
         self.embed = inner.embed_tokens.weight
         self.norm = inner.norm.weight
-        self.lm_head = model.get_output_embeddings().weight
+        head = model.get_output_embeddings()
+        self.lm_head = head.weight if type(head) is torch.nn.Linear else head
         # Fused once per model and shared by every runner of it (a self-draft, plain and speculative engines).
         self.layers = model.__dict__.get("_specdecode_fused_layers") or [_Layer(layer) for layer in inner.layers]
         model.__dict__["_specdecode_fused_layers"] = self.layers
@@ -170,7 +195,7 @@ class OwnedCachedModel:
 
     @property
     def vocab_size(self) -> int:
-        return int(self.lm_head.shape[0])
+        return int(self.model.get_output_embeddings().out_features)
 
     def reset(self) -> None:
         self.cached_ids = []
