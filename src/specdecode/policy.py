@@ -127,13 +127,13 @@ class PlainFallback:
     max_backoff: int = 256
     refresh_every: int = 64
     smoothing: float = 0.25
-    spec_rate: float | None = None
-    plain_step_s: float | None = None
-    _hold: int = 0
-    _current_backoff: int = 0
-    _since_decision: int = 0
-    _since_plain: int = 0
-    _steps: int = 0
+    spec_rate: float | None = field(default=None, init=False)  # committed tokens / s of speculative steps
+    plain_step_s: float | None = field(default=None, init=False)  # seconds of one plain step
+    _hold: int = field(default=0, init=False, repr=False)
+    _current_backoff: int = field(default=0, init=False, repr=False)
+    _since_decision: int = field(default=0, init=False, repr=False)
+    _since_plain: int = field(default=0, init=False, repr=False)
+    _steps: int = field(default=0, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self._current_backoff = self.backoff
