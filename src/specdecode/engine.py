@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specdecode.fastforward import make_runner
+from specdecode.fastforward import FORWARD_BACKENDS, make_runner
 from specdecode.metrics import RunMetrics
 from specdecode.policy import FixedPolicy
 from specdecode.proposers.base import ProposeContext, Proposer
@@ -41,8 +41,7 @@ class EngineConfig:
         num_speculative_tokens: gamma, draft tokens per step (>= 1) for the fixed policy.
         max_context: context length in tokens; None reads the target's config.
         forward: target forward backend: "auto" (the project's own Llama / Qwen2
-            forward when the model is supported and the proposer does not need the
-            Hugging Face cache, else Hugging Face), "hf", or "owned".
+            forward when the model is supported, else Hugging Face), "hf", or "owned".
     """
 
     num_speculative_tokens: int = 5
@@ -50,6 +49,8 @@ class EngineConfig:
     forward: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.forward not in FORWARD_BACKENDS:
+            raise SpecDecodeError(f"forward must be one of {FORWARD_BACKENDS}, got {self.forward!r}")
         if not isinstance(self.num_speculative_tokens, int) or not 1 <= self.num_speculative_tokens <= 64:
             raise SpecDecodeError(
                 f"num_speculative_tokens must be an integer in [1, 64], got {self.num_speculative_tokens!r}"
@@ -90,10 +91,7 @@ class SpeculativeEngine:
         policy=None,
     ) -> None:
         self.config = config or EngineConfig()
-        backend = self.config.forward
-        if backend == "auto" and getattr(proposer, "requires_hf_target", False):
-            backend = "hf"  # e.g. layer skipping drafts on the target's Hugging Face cache
-        self.target = make_runner(target, backend)
+        self.target = make_runner(target, self.config.forward)
         self.proposer = proposer
         # Token-tree drafts (proposer.produces_trees) take the ancestor-mask path; decided once, here.
         self._trees = bool(getattr(proposer, "produces_trees", False))
@@ -256,7 +254,9 @@ class SpeculativeEngine:
         state.metrics.record_step(draft.num_tokens, n_acc, len(committed), depth=depth)
         if self.proposer is not None and draft.num_tokens:
             self.proposer.observe(state.ctx, result)
-        self.policy.update(draft.num_tokens, n_acc, draft_time_s=draft_time_s, verify_time_s=verify_time_s)
+        # Policies reason in draft depth (gamma): a tree's depth, not its node count.
+        drafted = depth if depth is not None else draft.num_tokens
+        self.policy.update(drafted, n_acc, draft_time_s=draft_time_s, verify_time_s=verify_time_s)
 
     def _finish_timing(self, state: RequestState) -> None:
         state.metrics.num_generated_tokens = len(state.generated)

@@ -39,6 +39,8 @@ def supports(model: torch.nn.Module) -> bool:
         return False
     if getattr(cfg, "sliding_window", None) and getattr(cfg, "use_sliding_window", False):
         return False
+    if getattr(cfg, "attention_bias", False) or getattr(cfg, "mlp_bias", False):
+        return False  # o_proj / MLP biases are not carried by the owned forward (q/k/v biases are)
     linears_ok = all(
         _is_linear(getattr(layer.self_attn, "q_proj", None)) and _is_linear(getattr(layer.mlp, "down_proj", None))
         for layer in getattr(getattr(model, "model", None), "layers", [])
@@ -52,6 +54,9 @@ def _is_linear(module) -> bool:
 
     return type(module) in (torch.nn.Linear, DynamicQuantizedLinear)
 
+
+#: Cache slots allowed past the context: a token tree's pending nodes (positions stay inside the context).
+SCRATCH_SLOTS = 256
 
 #: Forward backends: "auto" (owned when the model is supported, else Hugging Face), "hf", "owned".
 FORWARD_BACKENDS = ("auto", "hf", "owned")
@@ -316,10 +321,13 @@ class OwnedCachedModel:
         n = ids.numel()
         start = self.num_cached if start is None else start
         end = start + n
+        if int(positions.max()) >= self.max_context:
+            raise SpecDecodeError(f"position {int(positions.max())} exceeds the context of {self.max_context}")
         if end > self._capacity:
-            if end > self.max_context:
-                raise SpecDecodeError(f"sequence of {end} tokens exceeds the context of {self.max_context}")
-            self._alloc(min(self.max_context, max(end, 2 * self._capacity)))
+            # Slots past the context are scratch for token-tree nodes (positions stay inside it).
+            self._alloc(min(self.max_context + SCRATCH_SLOTS, max(end, 2 * self._capacity)))
+            if end > self._capacity:
+                raise SpecDecodeError(f"{end} cache slots needed; at most {self._capacity} (context + tree scratch)")
         if mask is None and n > 1:  # causal among the new tokens, everything cached visible
             mask = torch.ones(n, end, dtype=torch.bool).tril(diagonal=start)
         cos, sin = self._rope(positions)

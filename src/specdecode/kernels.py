@@ -59,8 +59,10 @@ def set_weight_precision(model: torch.nn.Module, precision: str) -> torch.nn.Mod
       1..16 rows cost about what one row costs, so verification is nearly free.
       Embeddings and norms stay float32.
 
-    Speculative decoding stays lossless with respect to the model *as loaded*:
-    quantize the target, and plain decoding runs the same quantized target.
+    Use int8 for drafts only: a draft's precision changes speed, never the output
+    distribution. fbgemm quantizes activations per tensor, so an int8 *target*'s
+    logits for one row depend on the other rows verified with it, and speculative
+    output would drift from plain decoding (``generator`` refuses it).
 
     Raises:
         ValueError: unknown precision.

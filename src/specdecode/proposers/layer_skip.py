@@ -259,9 +259,6 @@ class LayerSkipProposer:
         LayerSkipError: unsupported model, or a skip index outside the model's layers.
     """
 
-    #: Drafts on either target forward: the owned one (forward_skipping) or a Hugging Face cache.
-    requires_hf_target = False
-
     def __init__(self, model: torch.nn.Module, config: LayerSkipConfig | None = None) -> None:
         self.config = config or LayerSkipConfig()
         self.model = model
