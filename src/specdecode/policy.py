@@ -111,7 +111,8 @@ class PlainFallback:
     ``window`` speculative steps, if speculation runs below ``margin`` x plain,
     the guard holds gamma at 0 for ``backoff`` steps, doubling the hold after
     each failed re-probe (up to ``max_backoff``), and resetting it once
-    speculation wins again.
+    speculation wins again. While judging (the first steps, and each re-probe)
+    gamma is capped at ``probe_gamma``, so a losing probe costs little.
 
     Attributes:
         window: speculative steps between decisions.
@@ -119,14 +120,16 @@ class PlainFallback:
         backoff, max_backoff: plain steps before the next probe (doubles on failure).
         refresh_every: steps between plain-step measurements while speculating.
         smoothing: EMA weight of a new observation.
+        probe_gamma: the most tokens drafted while speculation is on trial.
     """
 
-    window: int = 4
+    window: int = 2
     margin: float = 1.0
-    backoff: int = 8
+    backoff: int = 16
     max_backoff: int = 256
     refresh_every: int = 64
     smoothing: float = 0.25
+    probe_gamma: int = 1
     spec_rate: float | None = field(default=None, init=False)  # committed tokens / s of speculative steps
     plain_step_s: float | None = field(default=None, init=False)  # seconds of one plain step
     _hold: int = field(default=0, init=False, repr=False)
@@ -134,9 +137,16 @@ class PlainFallback:
     _since_decision: int = field(default=0, init=False, repr=False)
     _since_plain: int = field(default=0, init=False, repr=False)
     _steps: int = field(default=0, init=False, repr=False)
+    _probing: bool = field(default=True, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self._current_backoff = self.backoff
+
+    def limit(self, gamma: int) -> int:
+        """The gamma to use next: 0 while holding, at most ``probe_gamma`` while on trial."""
+        if self.holds():
+            return 0
+        return min(gamma, self.probe_gamma) if self._probing else gamma
 
     def holds(self) -> bool:
         """True when the next step must be plain (held back, or a plain measurement is due)."""
@@ -167,8 +177,10 @@ class PlainFallback:
             self._hold = self._current_backoff
             self._current_backoff = min(self.max_backoff, 2 * self._current_backoff)
             self.spec_rate = None  # the next probe is judged on its own steps
+            self._probing = True
         else:
             self._current_backoff = self.backoff
+            self._probing = False
 
 
 def _ema(old: float | None, new: float, weight: float) -> float:
@@ -199,9 +211,7 @@ class HeuristicPolicy(DraftLengthPolicy):
         self.guard = PlainFallback() if guard else None
 
     def next_length(self) -> int:
-        if self.guard is not None and self.guard.holds():
-            return 0
-        return self.gamma
+        return self.gamma if self.guard is None else self.guard.limit(self.gamma)
 
     def update(self, num_drafted, num_accepted, *, draft_time_s=None, verify_time_s=None) -> None:
         if self.guard is not None:
@@ -262,9 +272,7 @@ class ConfidencePolicy(DraftLengthPolicy):
         return True
 
     def next_length(self) -> int:
-        if self.guard is not None and self.guard.holds():
-            return 0
-        return self.max_tokens
+        return self.max_tokens if self.guard is None else self.guard.limit(self.max_tokens)
 
     def update(self, num_drafted, num_accepted, *, draft_time_s=None, verify_time_s=None) -> None:
         if self.guard is not None:
@@ -337,8 +345,9 @@ class CostModelPolicy(DraftLengthPolicy):
     are EMAs of the measured seconds per number of tokens drafted, interpolated
     for unmeasured k (:class:`_TimeTable`).
 
-    Exploration: the first ``warmup`` steps draft ``num_speculative_tokens``, then
-    one plain step measures T_verify(0). While the model picks 0, after
+    Exploration: the first ``warmup`` steps draft min(``num_speculative_tokens``, 2)
+    tokens (cheap when speculation turns out to lose), then one plain step
+    measures T_verify(0); from then on the model decides. While the model picks 0, after
     ``probe_interval`` plain steps it probes: the acceptance evidence is
     discounted (x ``probe_discount``, old news) and ``probe_steps`` steps draft the
     best positive gamma; if speculation still loses, the interval doubles (up to
@@ -346,7 +355,7 @@ class CostModelPolicy(DraftLengthPolicy):
     ``refresh_every`` steps keeps T_verify(0) current on a machine whose load changes.
 
     Args:
-        num_speculative_tokens: gamma during warm-up.
+        num_speculative_tokens: gamma before anything is measured.
         max_tokens: the largest gamma considered (default :func:`default_max_tokens`).
         decay: per-observation decay of the acceptance counts (0 < decay <= 1).
 
@@ -355,7 +364,7 @@ class CostModelPolicy(DraftLengthPolicy):
     """
 
     def __init__(self, num_speculative_tokens: int = 5, max_tokens: int | None = None, *, decay: float = 0.95,
-                 warmup: int = 3, probe_interval: int = 8, max_probe_interval: int = 256, probe_steps: int = 3,
+                 warmup: int = 1, probe_interval: int = 16, max_probe_interval: int = 256, probe_steps: int = 2,
                  probe_discount: float = 0.25, refresh_every: int = 64) -> None:
         self.initial = _check_gamma("num_speculative_tokens", num_speculative_tokens)
         self.max_tokens = _check_gamma("max_tokens", max_tokens or default_max_tokens(num_speculative_tokens))
@@ -419,7 +428,7 @@ class CostModelPolicy(DraftLengthPolicy):
 
     def next_length(self) -> int:
         if self._steps < self.warmup:
-            return self.initial
+            return min(self.initial, 2)
         rates = self.rates()
         if rates is None:
             return 0 if 0 not in self.t_verify.points else self.initial
