@@ -101,6 +101,14 @@ def _fresh(model, ids):
     return runner, logits
 
 
+def _fresh_like(runner, model):
+    """A fresh prefill of ``runner.cached_ids`` through the same forward (owned or Hugging Face)."""
+    fresh = type(runner)(model)
+    fresh.reset()
+    fresh.forward(runner.cached_ids)
+    return fresh
+
+
 def _assert_same_cache(a: CachedModel, b: CachedModel):
     assert a.cached_ids == b.cached_ids
     for (ka, va), (kb, vb) in zip(a.layer_tensors(), b.layer_tensors()):
@@ -440,10 +448,8 @@ def test_caches_after_tree_commits_equal_fresh_prefill(target, draft, kind, temp
     for _ in range(8):
         engine.step(state)
         assert engine.target.cached_ids == state.ctx.token_ids[:-1]
-        fresh, _ = _fresh(target, engine.target.cached_ids)
-        _assert_same_cache(engine.target, fresh)
-        fresh_draft, _ = _fresh(draft, proposer.runner.cached_ids)  # the draft kept its accepted path
-        _assert_same_cache(proposer.runner, fresh_draft)
+        _assert_same_cache(engine.target, _fresh_like(engine.target, target))
+        _assert_same_cache(proposer.runner, _fresh_like(proposer.runner, draft))  # the draft kept its accepted path
         assert proposer.runner.cached_ids == state.ctx.token_ids[: proposer.runner.num_cached]
 
 
@@ -477,3 +483,14 @@ def test_owned_forward_scores_and_commits_trees_like_the_hf_forward(family):
         assert torch.allclose(ko, kf, atol=1e-10) and torch.allclose(vo, vf, atol=1e-10)
         assert torch.allclose(ko, kh, atol=1e-6)  # RoPE tables differ in rounding between the two forwards
     assert torch.allclose(owned.forward([7, 8]), hf.forward([7, 8]), atol=1e-5)
+
+
+@pytest.mark.parametrize("backend", ["hf", "owned"])
+def test_tree_greedy_equals_plain_on_both_forwards(target, draft, backend):
+    config = EngineConfig(num_speculative_tokens=4, forward=backend)
+    plain = SpeculativeEngine(target, None, config)
+    spec = SpeculativeEngine(target, TreeDraftProposer(draft, TreeDraftConfig(num_nodes=10, forward=backend)), config)
+    assert type(spec.target).__name__ == ("CachedModel" if backend == "hf" else "OwnedCachedModel")
+    for prompt in PROMPTS[:3]:
+        params = SamplingParams(max_new_tokens=30)
+        assert spec.generate(prompt, params).token_ids == plain.generate(prompt, params).token_ids

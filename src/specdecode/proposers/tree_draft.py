@@ -1,7 +1,7 @@
 """Token trees from a draft model: a static shape (top-k per depth) or a dynamic tree (EAGLE-2).
 
 Both grow the tree level by level: one draft forward per depth scores every node
-of that level that gets children (``CachedModel.forward_tree``, ancestor mask),
+of that level that gets children (``forward_tree`` of the draft's runner, ancestor mask),
 so a tree of depth D costs D draft forwards like a chain of D tokens, with more
 rows each.
 
@@ -42,7 +42,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specdecode.cache import CachedModel
+from specdecode.fastforward import FORWARD_BACKENDS, make_runner
 from specdecode.proposers.base import ProposeContext, register
 from specdecode.sampling import logits_to_probs
 from specdecode.types import Draft, SpecDecodeError, VerifyResult
@@ -64,6 +64,8 @@ class TreeDraftConfig:
             draft length caps both kinds further.
         sampled_candidates: static, temperature > 0: draw children without replacement
             from q (Gumbel-top-k) instead of taking q's top-k.
+        forward: the draft's forward backend ("auto", "hf", "owned"; see
+            :func:`specdecode.fastforward.make_runner`).
 
     Raises:
         SpecDecodeError: a value out of range.
@@ -75,8 +77,11 @@ class TreeDraftConfig:
     top_k: int = 4
     max_depth: int = 8
     sampled_candidates: bool = True
+    forward: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.forward not in FORWARD_BACKENDS:
+            raise SpecDecodeError(f"forward must be one of {FORWARD_BACKENDS}, got {self.forward!r}")
         if self.kind not in TREE_KINDS:
             raise SpecDecodeError(f"tree kind must be one of {TREE_KINDS}, got {self.kind!r}")
         if not isinstance(self.num_nodes, int) or not 1 <= self.num_nodes <= 64:
@@ -122,7 +127,7 @@ class TreeDraftProposer:
 
     def __init__(self, model: torch.nn.Module, config: TreeDraftConfig | None = None) -> None:
         self.config = config or TreeDraftConfig()
-        self.runner = CachedModel(model)
+        self.runner = make_runner(model, self.config.forward)
         self.runner.check_tree_support()
         self._region: list[int] = []  # draft node -> index among the runner's pending tree nodes (-1: not fed)
         self._shape = static_shape(self.config.branching, self.config.num_nodes)
