@@ -78,6 +78,7 @@ def test_stop_flag_cuts_the_output(capsys, tiny_model_dir):
     assert rec["num_generated_tokens"] == len(rec["token_ids"]) < 40
 
 
+@pytest.mark.shared_data
 def test_dataset_prompts_use_the_chat_template_by_default(capsys, tiny_model_dir):
     base = ["generate", "--target", str(tiny_model_dir), "--dataset", "spec-bench:writing:2", "--max-new-tokens", "8",
             "--json"]
@@ -92,6 +93,7 @@ def test_dataset_prompts_use_the_chat_template_by_default(capsys, tiny_model_dir
     assert _json_lines(out)[0]["chat"] is False
 
 
+@pytest.mark.shared_data
 def test_several_prompts_print_an_aggregate(capsys, tiny_model_dir):
     code, out, err = _run(capsys, "generate", "--target", str(tiny_model_dir), "--dataset", "spec-bench:writing:2",
                           "--max-new-tokens", "8", "--ignore-eos", "--compare-baseline")
@@ -99,6 +101,7 @@ def test_several_prompts_print_an_aggregate(capsys, tiny_model_dir):
     assert "median" in out and "2 prompts" in out and "2/2" in out
 
 
+@pytest.mark.shared_data
 def test_default_prompt_is_the_first_spec_bench_summarization_question():
     args = cli.build_parser().parse_args(["generate"])
     (job,) = cli._read_jobs(args)

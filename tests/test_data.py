@@ -35,6 +35,7 @@ def test_mt_bench():
     assert load_prompts("mt_bench:5") == prompts[:5]
 
 
+@pytest.mark.shared_data
 def test_spec_bench():
     prompts = load_prompts("spec-bench")
     assert len(prompts) == 480
@@ -47,6 +48,7 @@ def test_spec_bench():
     assert len(load_prompts("spec-bench:writing")) == 10
 
 
+@pytest.mark.shared_data
 def test_gsm8k():
     prompts = load_prompts("gsm8k:4")
     assert len(prompts) == 4 and prompts[0].id == "gsm8k/0"
@@ -54,6 +56,7 @@ def test_gsm8k():
     assert len(load_prompts("gsm8k")) == 1319
 
 
+@pytest.mark.shared_data
 def test_prompts_are_frozen():
     prompt = load_prompts("gsm8k:1")[0]
     assert isinstance(prompt, Prompt)
@@ -76,6 +79,7 @@ def test_prompts_are_frozen():
         ("spec-bench:qa:math", "malformed"),
     ],
 )
+@pytest.mark.shared_data
 def test_bad_specs(spec, expected):
     with pytest.raises(SpecDecodeError) as info:
         load_prompts(spec)
@@ -98,6 +102,7 @@ def test_shared_dir_argument(tmp_path):
         load_prompts("spec-bench", shared_dir=tmp_path)
 
 
+@pytest.mark.shared_data
 def test_shared_data_dir(monkeypatch, tmp_path):
     found = shared_data_dir()
     assert (found / "spec_bench" / "question.jsonl").is_file()

@@ -30,6 +30,8 @@ EXIT_USAGE = 2
 #: The embedded default prompt: a long news article to summarize, where prompt lookup pays off.
 DEFAULT_TARGET = "smollm2-135m"
 DEFAULT_DATASET = "spec-bench:summarization:1"
+#: Used instead when ../shared/data is not beside the project: HumanEval ships in a registry package.
+FALLBACK_DATASET = "humaneval:1"
 DRAFT_CHOICES_HELP = ("'ngram' (prompt lookup, no model), 'none' (plain decoding), 'layer-skip' (self-speculation: "
                       "the target drafts with some decoder layers skipped, no second model), 'suffix' (suffix decoding, "
                       "no model), 'suffix:ngram' or 'suffix:MODEL' (suffix decoding, falling back to that drafter "
@@ -343,14 +345,23 @@ def _check_generate_args(args: argparse.Namespace) -> None:
 
 
 def _read_jobs(args: argparse.Namespace) -> list[_Job]:
-    from specdecode.data import load_prompts
+    from specdecode.data import SharedDataMissing, load_prompts
 
     if args.prompt is not None:
+        if not args.prompt.strip():
+            raise SpecDecodeError("the prompt is empty: give some text with --prompt (or use --dataset)")
         return [_Job("prompt", args.prompt, chat_default=False)]
     if args.prompt_file is not None:
         return [_Job(args.prompt_file, _read_prompt_file(args.prompt_file), chat_default=False)]
     spec = args.dataset or DEFAULT_DATASET
-    prompts = load_prompts(spec)
+    try:
+        prompts = load_prompts(spec)
+    except SharedDataMissing as err:
+        if args.dataset is not None:
+            raise
+        spec = FALLBACK_DATASET  # ships in a registry package, so the default runs anywhere
+        _status(f"{err}; using {spec} instead")
+        prompts = load_prompts(spec)
     if not prompts:
         raise SpecDecodeError(f"the prompt set {spec!r} is empty")
     if args.dataset is None:
@@ -446,6 +457,7 @@ def _run_job(args, decoder, baseline, job: _Job, chat: bool, prompt_ids: list[in
     on_text = None if args.json else _write_stdout
     out = decoder.generate(prompt_ids, on_text=on_text, **kwargs)
     record = _record(job, chat, out, base_out)
+    record["sampled"] = args.temperature > 0
     if args.json:
         print(json.dumps(record, ensure_ascii=False), flush=True)
     else:
@@ -540,6 +552,8 @@ def _print_summary(r: dict) -> None:
         lines.append(
             f"baseline (plain decoding, same engine): {r['baseline']['tokens_per_s']:.1f} tokens/s | "
             f"speedup {speedup} | output matches baseline: {'yes' if r['matches_baseline'] else 'NO'}"
+            + ("" if r["matches_baseline"] or not r.get("sampled") else
+               " (expected when sampling: the distribution is preserved, not the individual sample)")
         )
     console = _console()
     for line in lines:

@@ -56,6 +56,10 @@ class Prompt:
 # --------------------------------------------------------------------------- locating files
 
 
+class SharedDataMissing(SpecDecodeError):
+    """The shared prompt data (Spec-Bench, GSM8K) is not beside the project and no variable names it."""
+
+
 def shared_data_dir() -> Path:
     """The project's shared prompt data folder.
 
@@ -70,14 +74,14 @@ def shared_data_dir() -> Path:
     if env:
         path = Path(env).expanduser()
         if not path.is_dir():
-            raise SpecDecodeError(f"SPECDECODE_SHARED_DATA={env!r} is not a directory")
+            raise SharedDataMissing(f"SPECDECODE_SHARED_DATA={env!r} is not a directory")
         return path
     starts = (Path.cwd().resolve(), Path(__file__).resolve().parent)
     for start in starts:
         for folder in (start, *start.parents):
             if (folder / "shared" / "data").is_dir():
                 return folder / "shared" / "data"
-    raise SpecDecodeError(
+    raise SharedDataMissing(
         f"cannot find the shared prompt data: no 'shared/data' folder in or above {starts[0]} or "
         f"{starts[1]}; set SPECDECODE_SHARED_DATA=/path/to/shared/data"
     )

@@ -288,6 +288,7 @@ class BenchConfig:
     repeats: int = 1
     dtype: str = "float32"
     kernel: str = "default"
+    draft_weights: str = "fp32"
     threads: int | None = None
     output: str = "bench-out/full"
     preset: str = "full"
@@ -313,7 +314,8 @@ class BenchConfig:
     def settings(self) -> dict:
         """What makes records comparable: a rerun resumes only records with equal settings."""
         return {"target": self.target, "max_new_tokens": self.max_new_tokens, "temperature": self.temperature,
-                "seed": self.seed, "dtype": self.dtype, "chat": self.chat, "batch_size": 1, "kernel": self.kernel}
+                "seed": self.seed, "dtype": self.dtype, "chat": self.chat, "batch_size": 1, "kernel": self.kernel,
+                "draft_weights": self.draft_weights}
 
     def settings_id(self) -> str:
         blob = json.dumps(self.settings(), sort_keys=True).encode()
@@ -669,6 +671,10 @@ def build_variants(config: BenchConfig, models: Models, dtype: str, status: Call
             status(f"loading draft {spec!r}")
             t0 = time.perf_counter()
             draft = load_any(spec, dtype, config.kernel)
+            if config.draft_weights != "fp32":
+                from specdecode.kernels import set_weight_precision
+
+                set_weight_precision(draft.model, config.draft_weights)
             models.load_seconds[spec] = time.perf_counter() - t0
             check_compatible(target, draft)
             models.drafts[spec] = draft
