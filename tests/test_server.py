@@ -193,6 +193,19 @@ def test_draft_model_server_is_lossless(tiny64, tiny_model_dir):
         assert httpx.get(f"{server.url}/v1/models").json()["data"][0]["draft"] == str(tiny_model_dir)
 
 
+def test_several_prompts_and_choices_stream_per_index(live, tiny64):
+    client = live.client()
+    kw = dict(model=MODEL, prompt=["the cat", "and the dog"], n=2, max_tokens=12, temperature=0.9, seed=11)
+    full = client.completions.create(**kw)
+    assert [c.index for c in full.choices] == [0, 1, 2, 3]
+    assert full.usage.prompt_tokens == sum(len(tiny64.tokenizer(p)["input_ids"]) for p in kw["prompt"])
+    texts = {}
+    for chunk in client.completions.create(stream=True, **kw):
+        for c in chunk.choices:
+            texts[c.index] = texts.get(c.index, "") + c.text
+    assert texts == {c.index: c.text for c in full.choices}
+
+
 # --------------------------------------------------------------------------- batching
 
 
