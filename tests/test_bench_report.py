@@ -271,3 +271,11 @@ def test_fastest_of_repeated_runs_is_used():
     b = {"variant": "v", "prompt": "p", "wall_s": 1.5, "rep": 1}
     c = {"variant": "w", "prompt": "p", "wall_s": 9.0, "rep": 0}
     assert summary.fastest_runs([a, b, c]) == {("v", "p"): b, ("w", "p"): c}
+
+
+def test_settings_added_later_keep_old_output_dirs_resumable():
+    base = BenchConfig(datasets=("smoke",))
+    assert set(base.settings()) == {"target", "max_new_tokens", "temperature", "seed", "dtype", "chat", "batch_size",
+                                    "kernel"}
+    assert dataclasses.replace(base, draft_weights="int8").settings_id() != base.settings_id()
+    assert dataclasses.replace(base, gammas=(1, 2), limit=9, repeats=3).settings_id() == base.settings_id()

@@ -313,9 +313,13 @@ class BenchConfig:
 
     def settings(self) -> dict:
         """What makes records comparable: a rerun resumes only records with equal settings."""
-        return {"target": self.target, "max_new_tokens": self.max_new_tokens, "temperature": self.temperature,
-                "seed": self.seed, "dtype": self.dtype, "chat": self.chat, "batch_size": 1, "kernel": self.kernel,
-                "draft_weights": self.draft_weights}
+        out = {"target": self.target, "max_new_tokens": self.max_new_tokens, "temperature": self.temperature,
+               "seed": self.seed, "dtype": self.dtype, "chat": self.chat, "batch_size": 1, "kernel": self.kernel}
+        # Settings added later enter only when set to something else than their default, so that
+        # output directories written before they existed keep resuming.
+        if self.draft_weights != "fp32":
+            out["draft_weights"] = self.draft_weights
+        return out
 
     def settings_id(self) -> str:
         blob = json.dumps(self.settings(), sort_keys=True).encode()
