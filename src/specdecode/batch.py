@@ -47,6 +47,7 @@ from __future__ import annotations
 import ctypes
 import inspect
 import itertools
+import logging
 import math
 import random
 import threading
@@ -71,6 +72,9 @@ from specdecode.types import (
     VerifyResult,
 )
 from specdecode.verify import verify_greedy, verify_sampling
+
+
+logger = logging.getLogger(__name__)
 
 
 class QueueFullError(SpecDecodeError):
@@ -723,6 +727,11 @@ class BatchEngine:
         while self._pending:
             self._emit_end(self._pending.popleft(), None, "cancelled")
 
+    @property
+    def alive(self) -> bool:
+        """True while the background loop runs (or was never started: ``step`` is driven by hand)."""
+        return self._thread is None or self._thread.is_alive()
+
     def _run(self) -> None:
         while True:
             with self._lock:
@@ -730,7 +739,10 @@ class BatchEngine:
                     self._lock.wait()
                 if self._closed:
                     return
-            self.step()
+            try:
+                self.step()
+            except Exception:  # noqa: BLE001 - e.g. a failing on_step hook: log it, keep serving
+                logger.exception("engine step failed")
 
     # The loop ----------------------------------------------------------------------
 

@@ -76,6 +76,7 @@ def set_weight_precision(model: torch.nn.Module, precision: str) -> torch.nn.Mod
 
         from torch.ao.quantization import quantize_dynamic
 
+        model.float()  # fbgemm quantizes from float32 weights (a bfloat16-loaded model is upcast first)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # torch.ao.quantization's deprecation notice
             quantize_dynamic(model, {torch.nn.Linear}, dtype=torch.qint8, inplace=True)

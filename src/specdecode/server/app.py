@@ -519,6 +519,8 @@ def create_app(state: ServingState) -> FastAPI:
 
     @app.get("/health")
     async def health():
+        if not state.engine.alive:
+            return JSONResponse({"status": "engine stopped", **state.engine.stats()}, status_code=503)
         return {"status": "ok", **state.engine.stats()}
 
     @app.get("/metrics")
