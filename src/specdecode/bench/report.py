@@ -195,6 +195,10 @@ def probe_section(summary: dict) -> str:
     ks = sorted(pr["target_forward_s"], key=int)
     rows = [[str(k), f"{1000 * pr['target_forward_s'][k]:.1f}", fn(pr["verify_ratio"][str(k)])] for k in ks]
     text = _table(["k (draft tokens)", "T_verify(k) ms (k+1 tokens)", "T_verify(k) / T_decode(1)"], rows)
+    times = [pr["target_forward_s"][k] for k in ks]
+    if any(later < 0.8 * earlier for i, earlier in enumerate(times) for later in times[i + 1:]):
+        text += ("\n\n**Noisy probe**: a forward over more tokens ran more than 20% faster than one over fewer; "
+                 "the machine was busy. Cost-model predictions built on it are unreliable: rerun on a quiet machine.")
     drafts = pr.get("draft_forward_s") or {}
     if drafts:
         text += "\n\n" + "; ".join(f"draft `{m}`: one step {1000 * t:.1f} ms" for m, t in drafts.items() if t)
