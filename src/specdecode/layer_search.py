@@ -176,6 +176,7 @@ def store(model: torch.nn.Module, result: SearchResult, cache_dir: str | Path | 
     entry["skip_layers"] = list(result.skip_layers)
     entry["created"] = time.strftime("%Y-%m-%dT%H:%M:%S")
     entry["cpu_count"] = os.cpu_count()
+    entry["load_average"] = list(os.getloadavg())  # a search on a busy machine measures noise: this shows it
     data.setdefault("models", {})[model_key(model)] = entry
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".layer_skip.", suffix=".json")
     with os.fdopen(fd, "w") as f:
