@@ -66,6 +66,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--skip-layers", default=None, help="fixed skip set; default: cached or searched")
     p.add_argument("--min-confidence", type=float, default=0.5, help="layer-skip chain confidence stop")
     p.add_argument("--search-budget", type=float, default=150.0)
+    p.add_argument("--refresh-search", action="store_true", help="search again even if a skip set is cached")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch threads (default 1: on a shared 2-core machine one thread is about as fast for these "
+                        "memory-bound models and far less sensitive to other processes)")
     p.add_argument("--adversarial", type=int, default=3, help="adversarial prompts (0 = skip)")
     p.add_argument("--adversarial-tokens", type=int, default=96)
     p.add_argument("--output", default="bench-out/layer_skip.json")
@@ -220,6 +224,7 @@ def bench_adversarial(methods: Methods, tokenizer, n: int, tokens: int) -> dict:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
     loaded = load_model(args.target, progress=False)
     target = loaded.model
@@ -235,7 +240,8 @@ def main(argv=None) -> int:
     if skip_layers is None and "layer-skip" in args.methods:
         calib = [encode(loaded.tokenizer, load_prompts(f"spec-bench:{c}:{args.prompts + 1}")[-1].turns[0])
                  for c in categories]
-        search = choose_skip_layers(target, calib, SearchConfig(time_budget_s=args.search_budget))
+        search = choose_skip_layers(target, calib, SearchConfig(time_budget_s=args.search_budget),
+                                    refresh=args.refresh_search)
         skip_layers = search.skip_layers
         print(f"skip set {list(skip_layers)} ({'cached' if search.from_cache else f'searched in {search.seconds:.0f} s'})"
               f": proxy acceptance {search.acceptance:.2f}, measured {search.tokens_per_s:.1f} vs plain "
