@@ -10,10 +10,11 @@ Three parts, every run greedy unless stated, batch size 1, ``ignore_eos`` (fixed
    for the model, or a search (``specdecode.layer_search``) on calibration prompts that
    are not benchmark prompts (the prompt after the benchmark ones in each category).
 2. **Categories.** For each Spec-Bench category, ``--prompts`` prompts: plain decoding
-   (twice per prompt, before and after the others; their mean is the baseline), then for
-   each method (``layer-skip``; ``draft-model`` = an int8 copy of the target drafting for the
-   float32 target; ``ngram``) a fixed gamma sweep and the adaptive policies. One engine
-   (one policy state) per category and configuration, reused across its prompts.
+   (before and after the others on each prompt), then for each method (``layer-skip``;
+   ``draft-model`` = an int8 copy of the target drafting for the float32 target) a fixed
+   gamma sweep and the adaptive policies. ``--repeats`` rounds, each with fresh engines
+   (one policy state per category and configuration, reused across its prompts); per
+   (configuration, prompt) the best round is kept, plain included.
 3. **Adversarial.** Prompts asking for random strings, sampled at temperature 1 (seeded):
    plain vs every method x policy; the claim checked is that every policy except
    ``fixed`` stays at or above 0.95x plain.
@@ -59,10 +60,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--categories", default="writing,coding,summarization")
     p.add_argument("--prompts", type=int, default=2, help="prompts per category")
     p.add_argument("--max-new-tokens", type=int, default=96)
-    p.add_argument("--gammas", default="1,2,3,4,6", help="fixed gamma sweep")
+    p.add_argument("--gammas", default="1,2,3,4", help="fixed gamma sweep")
     p.add_argument("--policies", default="heuristic,confidence,cost-model")
     p.add_argument("--start-gamma", type=int, default=4, help="starting gamma of the adaptive policies")
-    p.add_argument("--methods", default="layer-skip,draft-model,ngram")
+    p.add_argument("--methods", default="layer-skip,draft-model", help="methods of the category sweeps")
+    p.add_argument("--adversarial-methods", default="layer-skip,draft-model,ngram")
+    p.add_argument("--repeats", type=int, default=2,
+                   help="rounds per category, each with fresh engines (fresh policy state); best round per run kept")
     p.add_argument("--skip-layers", default=None, help="fixed skip set; default: cached or searched")
     p.add_argument("--min-confidence", type=float, default=0.5, help="layer-skip chain confidence stop")
     p.add_argument("--search-budget", type=float, default=150.0)
@@ -120,38 +124,54 @@ class Methods:
         return SpeculativeEngine(self.target, self.proposer(method), EngineConfig(num_speculative_tokens=gamma),
                                  policy=build_policy(policy, gamma))
 
-    def configs(self) -> list[tuple[str, str, int]]:
+    def configs(self, methods: str) -> list[tuple[str, str, int]]:
         out = []
-        for method in self.args.methods.split(","):
+        for method in methods.split(","):
             out += [(method, "fixed", g) for g in map(int, self.args.gammas.split(","))]
             out += [(method, p, self.args.start_gamma) for p in self.args.policies.split(",")]
         return out
 
 
-def bench_category(methods: Methods, tokenizer, category: str, n: int, params: SamplingParams) -> dict:
+def best_of(runs: list[dict]) -> dict:
+    """The fastest of repeated runs of one configuration on one prompt (other load only ever slows a run)."""
+    return max(runs, key=lambda r: r["tokens_per_s"])
+
+
+def bench_category(methods: Methods, tokenizer, category: str, n: int, params: SamplingParams, repeats: int) -> dict:
     prompts = load_prompts(f"spec-bench:{category}:{n}")
-    configs = methods.configs()
-    engines = {c: methods.engine(*c) for c in configs}
-    plain_engine = methods.engine(None, "fixed", 1)
-    rows = {c: [] for c in configs}
+    configs = methods.configs(methods.args.methods)
+    encoded = [encode(tokenizer, p.turns[0]) for p in prompts]
+    rows = {c: [[] for _ in prompts] for c in configs}
+    plain_runs = [[] for _ in prompts]
+    for r in range(repeats):
+        engines = {c: methods.engine(*c) for c in configs}  # fresh policy state each round
+        plain_engine = methods.engine(None, "fixed", 1)
+        for i, (p, ids) in enumerate(zip(prompts, encoded)):
+            before = run(plain_engine, ids, params)
+            plain_runs[i].append(before)
+            for c in configs:
+                out = run(engines[c], ids, params)
+                out["matches_plain"] = out["token_ids"] == before["token_ids"]
+                rows[c][i].append(out)
+                print(f"  [{r}] {category}/{p.id} {c[0]:<11} {c[1]:<10} k={c[2]}: {out['tokens_per_s']:6.1f} tok/s  "
+                      f"acc {out['acceptance_rate']:.2f} tau {out['tau']:.2f} mean gamma {out['mean_gamma']:.2f}",
+                      flush=True)
+            after = run(plain_engine, ids, params)
+            plain_runs[i].append(after)
+            print(f"  [{r}] {category}/{p.id} plain: {before['tokens_per_s']:.1f} / {after['tokens_per_s']:.1f} tok/s",
+                  flush=True)
     plain = []
-    for p in prompts:
-        ids = encode(tokenizer, p.turns[0])
-        before = run(plain_engine, ids, params)
-        for c in configs:
-            r = run(engines[c], ids, params)
-            r["matches_plain"] = r["token_ids"] == before["token_ids"]
-            rows[c].append(r)
-            print(f"  {category}/{p.id} {c[0]:<11} {c[1]:<10} k={c[2]}: {r['tokens_per_s']:6.1f} tok/s  "
-                  f"acc {r['acceptance_rate']:.2f} tau {r['tau']:.2f} mean gamma {r['mean_gamma']:.2f}", flush=True)
-        after = run(plain_engine, ids, params)
-        plain.append({"prompt_id": p.id, "num_prompt_tokens": len(ids),
-                      "tokens_per_s": (before["tokens_per_s"] + after["tokens_per_s"]) / 2,
-                      "decode_tokens_per_s": (before["decode_tokens_per_s"] + after["decode_tokens_per_s"]) / 2,
-                      "runs": [before["tokens_per_s"], after["tokens_per_s"]]})
-        print(f"  {category}/{p.id} plain: {before['tokens_per_s']:.1f} / {after['tokens_per_s']:.1f} tok/s",
-              flush=True)
-    return {"category": category, "plain": plain, "configs": [summarise(c, rows[c], plain) for c in configs]}
+    for p, ids, runs in zip(prompts, encoded, plain_runs):
+        b = best_of(runs)
+        plain.append({"prompt_id": p.id, "num_prompt_tokens": len(ids), "tokens_per_s": b["tokens_per_s"],
+                      "decode_tokens_per_s": b["decode_tokens_per_s"], "runs": [x["tokens_per_s"] for x in runs]})
+    configs_out = []
+    for c in configs:
+        summary = summarise(c, [best_of(runs) for runs in rows[c]], plain)
+        summary["all_match_plain"] = all(x["matches_plain"] for runs in rows[c] for x in runs)
+        summary["all_runs_tokens_per_s"] = [[x["tokens_per_s"] for x in runs] for runs in rows[c]]
+        configs_out.append(summary)
+    return {"category": category, "plain": plain, "configs": configs_out}
 
 
 def summarise(config, runs: list[dict], plain: list[dict]) -> dict:
@@ -194,26 +214,29 @@ def print_category(res: dict) -> None:
                 print(f"  {method}: {c['policy']} / best fixed (k={best['gamma']}) = {ratio:.3f}")
 
 
-def bench_adversarial(methods: Methods, tokenizer, n: int, tokens: int) -> dict:
+def bench_adversarial(methods: Methods, tokenizer, n: int, tokens: int, repeats: int) -> dict:
     policies = ["fixed", *methods.args.policies.split(",")]
-    configs = [(m, p, methods.args.start_gamma) for m in methods.args.methods.split(",") for p in policies]
-    engines = {c: methods.engine(*c) for c in configs}
-    plain_engine = methods.engine(None, "fixed", 1)
-    rows = {c: [] for c in configs}
-    plain = []
-    for i, text in enumerate(ADVERSARIAL[:n]):
-        ids = encode(tokenizer, text)
-        params = SamplingParams(temperature=1.0, max_new_tokens=tokens, seed=1000 + i, ignore_eos=True)
-        before = run(plain_engine, ids, params)
-        for c in configs:
-            rows[c].append(run(engines[c], ids, params))
-        after = run(plain_engine, ids, params)
-        plain.append({"prompt": text, "tokens_per_s": (before["tokens_per_s"] + after["tokens_per_s"]) / 2,
-                      "decode_tokens_per_s": (before["decode_tokens_per_s"] + after["decode_tokens_per_s"]) / 2,
-                      "runs": [before["tokens_per_s"], after["tokens_per_s"]]})
-        print(f"  adversarial {i}: plain {before['tokens_per_s']:.1f} / {after['tokens_per_s']:.1f}", flush=True)
+    configs = [(m, p, methods.args.start_gamma) for m in methods.args.adversarial_methods.split(",") for p in policies]
+    texts = ADVERSARIAL[:n]
+    rows = {c: [[] for _ in texts] for c in configs}
+    plain_runs = [[] for _ in texts]
+    for r in range(repeats):
+        engines = {c: methods.engine(*c) for c in configs}
+        plain_engine = methods.engine(None, "fixed", 1)
+        for i, text in enumerate(texts):
+            ids = encode(tokenizer, text)
+            params = SamplingParams(temperature=1.0, max_new_tokens=tokens, seed=1000 + i, ignore_eos=True)
+            plain_runs[i].append(run(plain_engine, ids, params))
+            for c in configs:
+                rows[c][i].append(run(engines[c], ids, params))
+            plain_runs[i].append(run(plain_engine, ids, params))
+            print(f"  [{r}] adversarial {i}: plain {plain_runs[i][-2]['tokens_per_s']:.1f} / "
+                  f"{plain_runs[i][-1]['tokens_per_s']:.1f}", flush=True)
+    plain = [{"prompt": t, "tokens_per_s": best_of(runs)["tokens_per_s"],
+              "decode_tokens_per_s": best_of(runs)["decode_tokens_per_s"], "runs": [x["tokens_per_s"] for x in runs]}
+             for t, runs in zip(texts, plain_runs)]
     res = {"category": "adversarial (random strings, temperature 1)", "plain": plain,
-           "configs": [summarise(c, rows[c], plain) for c in configs]}
+           "configs": [summarise(c, [best_of(runs) for runs in rows[c]], plain) for c in configs]}
     print_category(res)
     for c in res["configs"]:
         if c["policy"] != "fixed":
@@ -230,7 +253,7 @@ def main(argv=None) -> int:
     target = loaded.model
     use_small_row_matmul(target)
     draft = None
-    if "draft-model" in args.methods:
+    if "draft-model" in args.methods + args.adversarial_methods:
         draft = load_model(args.target, progress=False).model
         set_weight_precision(draft, "int8")
     print(f"loaded in {time.perf_counter() - t0:.1f} s; {machine()}", flush=True)
@@ -250,18 +273,20 @@ def main(argv=None) -> int:
     params = SamplingParams(max_new_tokens=args.max_new_tokens, ignore_eos=True)
     results = []
     for cat in categories:
-        res = bench_category(methods, loaded.tokenizer, cat, args.prompts, params)
+        res = bench_category(methods, loaded.tokenizer, cat, args.prompts, params, args.repeats)
         print_category(res)
         results.append(res)
-    adversarial = bench_adversarial(methods, loaded.tokenizer, args.adversarial, args.adversarial_tokens) \
-        if args.adversarial else None
+    adversarial = bench_adversarial(methods, loaded.tokenizer, args.adversarial, args.adversarial_tokens,
+                                    args.repeats) if args.adversarial else None
     report = {
         "benchmark": "layer-skip self-speculation and draft-length policies",
         "machine": machine(), "target": args.target, "target_source": loaded.source,
         "draft_model": f"{args.target} with int8 dynamic-quantized linear layers (fbgemm)" if draft is not None else None,
         "dataset": f"spec-bench categories {categories}, first {args.prompts} prompts each, chat template",
         "max_new_tokens": args.max_new_tokens, "temperature": 0.0, "batch_size": 1, "ignore_eos": True,
-        "gammas_fixed": args.gammas, "adaptive_start_gamma": args.start_gamma,
+        "gammas_fixed": args.gammas, "adaptive_start_gamma": args.start_gamma, "repeats": args.repeats,
+        "torch_threads": args.threads, "aggregation": "best of repeats per (configuration, prompt); speedup = "
+                                                      "tokens/s over plain's best on the same prompt, wall incl. prefill",
         "layer_skip": {"skip_layers": list(skip_layers or ()), "min_confidence": args.min_confidence,
                        "search": None if search is None else {k: v for k, v in search.__dict__.items()
                                                               if k != "candidates"}},

@@ -38,6 +38,7 @@ one request to the next, as Hugging Face's heuristic does.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -100,6 +101,32 @@ class FixedPolicy(DraftLengthPolicy):
 # --------------------------------------------------------------------------- plain-decoding guard
 
 
+def _ema(old: float | None, new: float, weight: float) -> float:
+    return new if old is None else (1.0 - weight) * old + weight * new
+
+
+@dataclass
+class _StepOverhead:
+    """Per-step seconds outside drafting and verification (commit, bookkeeping, the caller's own work).
+
+    Measured as the time between consecutive ``update`` calls minus the step's draft and verify
+    seconds; every step pays it once, so speculation amortises it over its tokens and a policy
+    that left it out would favour plain decoding. A gap much longer than the step itself (between
+    requests) is not counted.
+    """
+
+    seconds: float = 0.0
+    _last: float | None = field(default=None, repr=False)
+
+    def observe(self, busy_s: float | None) -> None:
+        now = time.perf_counter()
+        if self._last is not None and busy_s is not None:
+            other = now - self._last - busy_s
+            if 0.0 <= other <= 2.0 * busy_s:
+                self.seconds = 0.8 * self.seconds + 0.2 * other
+        self._last = now
+
+
 @dataclass
 class PlainFallback:
     """Switch to plain decoding while speculation is measured to be slower than it.
@@ -138,6 +165,7 @@ class PlainFallback:
     _since_plain: int = field(default=0, init=False, repr=False)
     _steps: int = field(default=0, init=False, repr=False)
     _probing: bool = field(default=True, init=False, repr=False)
+    _overhead: _StepOverhead = field(default_factory=_StepOverhead, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self._current_backoff = self.backoff
@@ -161,19 +189,21 @@ class PlainFallback:
         self._steps += 1
         if verify_time_s is None:
             return
+        busy = (draft_time_s or 0.0) + verify_time_s
+        self._overhead.observe(busy)
         if num_drafted == 0:
             self.plain_step_s = _ema(self.plain_step_s, verify_time_s, self.smoothing)
             self._since_plain = 0
             self._hold = max(0, self._hold - 1)
             return
         self._since_plain += 1
-        rate = (num_accepted + 1) / max(1e-9, (draft_time_s or 0.0) + verify_time_s)
+        rate = (num_accepted + 1) / max(1e-9, busy + self._overhead.seconds)
         self.spec_rate = _ema(self.spec_rate, rate, self.smoothing)
         self._since_decision += 1
         if self._since_decision < self.window or self.plain_step_s is None:
             return
         self._since_decision = 0
-        if self.spec_rate < self.margin / self.plain_step_s:
+        if self.spec_rate < self.margin / (self.plain_step_s + self._overhead.seconds):
             self._hold = self._current_backoff
             self._current_backoff = min(self.max_backoff, 2 * self._current_backoff)
             self.spec_rate = None  # the next probe is judged on its own steps
@@ -181,10 +211,6 @@ class PlainFallback:
         else:
             self._current_backoff = self.backoff
             self._probing = False
-
-
-def _ema(old: float | None, new: float, weight: float) -> float:
-    return new if old is None else (1.0 - weight) * old + weight * new
 
 
 # --------------------------------------------------------------------------- heuristic
@@ -290,11 +316,13 @@ class ConfidencePolicy(DraftLengthPolicy):
 class _TimeTable:
     """Seconds as a function of k (tokens drafted), from EMAs of measured points.
 
-    Unmeasured k: linear interpolation between measured neighbours; beyond the
-    largest measured k, the slope of the two largest (or ``default_slope`` x the
-    value per step when only one point is known); below the smallest, the same
-    proportional guess. ``proportional`` models a cost that is zero at k = 0
-    (drafting) rather than one with an intercept (verification).
+    Unmeasured k, with two or more points: linear interpolation between the
+    measured neighbours, linear extrapolation (slope of the two nearest points,
+    never negative) outside them: an affine cost, e.g. a draft whose first
+    forward also catches up on the tokens committed since. With one point:
+    ``proportional`` scales it by k / k0 (drafting: no cost at k = 0), else it
+    assumes each extra token adds ``default_slope`` of a one-token step
+    (verification, near flat on this project's kernels).
     """
 
     smoothing: float = 0.3
@@ -311,21 +339,22 @@ class _TimeTable:
         if not self.points:
             return None
         ks = sorted(self.points)
-        if self.proportional:
-            near = min(ks, key=lambda x: abs(x - k))
-            return self.points[near] * k / near if near else self.points[near]
+        if len(ks) == 1:
+            (k0,) = ks
+            if self.proportional:
+                return self.points[k0] * k / k0 if k0 else self.points[k0]
+            per_step = self.points[k0] / (1.0 + self.default_slope * k0)
+            return per_step * (1.0 + self.default_slope * k)
         below = [x for x in ks if x < k]
         above = [x for x in ks if x > k]
         if below and above:
             a, b = below[-1], above[0]
-            return self.points[a] + (self.points[b] - self.points[a]) * (k - a) / (b - a)
-        if len(ks) >= 2 and below:
+        elif below:
             a, b = ks[-2], ks[-1]
-            slope = max(0.0, (self.points[b] - self.points[a]) / (b - a))
-            return self.points[b] + slope * (k - b)
-        ref = ks[-1] if below else ks[0]
-        per_step = self.points[ref] / (1.0 + self.default_slope * ref)
-        return per_step * (1.0 + self.default_slope * k)
+        else:
+            a, b = ks[0], ks[1]
+        slope = max(0.0, (self.points[b] - self.points[a]) / (b - a))
+        return max(0.0, self.points[a] + slope * (k - a))
 
 
 class CostModelPolicy(DraftLengthPolicy):
@@ -335,7 +364,7 @@ class CostModelPolicy(DraftLengthPolicy):
     assumed costs and per-position rather than one acceptance rate)::
 
         E(g)    = 1 + sum_{j=1..g} prod_{i<j} c_i          expected tokens committed by a step
-        rate(g) = E(g) / (T_draft(g) + T_verify(g))       committed tokens per second
+        rate(g) = E(g) / (T_draft(g) + T_verify(g) + T_other)   committed tokens per second
         gamma   = argmax_{g in 0..max_tokens} rate(g)      (g = 0: plain decoding, E = 1)
 
     c_i = P(draft token i accepted | tokens 0..i-1 accepted), estimated from
@@ -343,7 +372,8 @@ class CostModelPolicy(DraftLengthPolicy):
     shrunk towards the estimate of position i-1; positions never drafted
     inherit the estimate of the deepest observed one. T_draft(k) and T_verify(k)
     are EMAs of the measured seconds per number of tokens drafted, interpolated
-    for unmeasured k (:class:`_TimeTable`).
+    for unmeasured k (:class:`_TimeTable`); T_other is the per-step time outside
+    both (:class:`_StepOverhead`), which every step pays once.
 
     Exploration: the first ``warmup`` steps draft min(``num_speculative_tokens``, 2)
     tokens (cheap when speculation turns out to lose), then one plain step
@@ -352,7 +382,9 @@ class CostModelPolicy(DraftLengthPolicy):
     discounted (x ``probe_discount``, old news) and ``probe_steps`` steps draft the
     best positive gamma; if speculation still loses, the interval doubles (up to
     ``max_probe_interval``), else it resets. While speculating, a plain step every
-    ``refresh_every`` steps keeps T_verify(0) current on a machine whose load changes.
+    ``refresh_every`` steps keeps T_verify(0) current on a machine whose load changes,
+    and every ``explore_every``-th speculative step drafts one token more than the
+    model's choice, so the costs of longer drafts are measured, not only extrapolated.
 
     Args:
         num_speculative_tokens: gamma before anything is measured.
@@ -365,7 +397,7 @@ class CostModelPolicy(DraftLengthPolicy):
 
     def __init__(self, num_speculative_tokens: int = 5, max_tokens: int | None = None, *, decay: float = 0.95,
                  warmup: int = 1, probe_interval: int = 16, max_probe_interval: int = 256, probe_steps: int = 2,
-                 probe_discount: float = 0.25, refresh_every: int = 64) -> None:
+                 probe_discount: float = 0.25, refresh_every: int = 64, explore_every: int = 8) -> None:
         self.initial = _check_gamma("num_speculative_tokens", num_speculative_tokens)
         self.max_tokens = _check_gamma("max_tokens", max_tokens or default_max_tokens(num_speculative_tokens))
         self.initial = min(self.initial, self.max_tokens)
@@ -379,15 +411,18 @@ class CostModelPolicy(DraftLengthPolicy):
         self.probe_steps = probe_steps
         self.probe_discount = probe_discount
         self.refresh_every = refresh_every
+        self.explore_every = explore_every
         self.hits = [0.0] * self.max_tokens  # decayed accepted counts per position
         self.trials = [0.0] * self.max_tokens  # decayed judged counts per position
         self.t_draft = _TimeTable(proportional=True)
         self.t_verify = _TimeTable()
+        self.overhead = _StepOverhead()
         self._steps = 0
         self._plain_run = 0  # consecutive plain steps chosen by the model
         self._interval = probe_interval
         self._probe_left = 0
         self._since_plain = 0
+        self._spec_steps = 0
 
     # Model -----------------------------------------------------------------------
 
@@ -420,7 +455,7 @@ class CostModelPolicy(DraftLengthPolicy):
             return None
         out = []
         for g in range(self.max_tokens + 1):
-            cost = self.t_verify(g) + (self.t_draft(g) if g else 0.0)
+            cost = self.t_verify(g) + (self.t_draft(g) if g else 0.0) + self.overhead.seconds
             out.append(self.expected_tokens(g) / max(cost, 1e-9))
         return out
 
@@ -436,7 +471,12 @@ class CostModelPolicy(DraftLengthPolicy):
         if self._probe_left > 0:
             return best_spec
         if rates[best_spec] > rates[0]:
-            return 0 if self._since_plain >= self.refresh_every else best_spec
+            if self._since_plain >= self.refresh_every:
+                return 0
+            self._spec_steps += 1
+            if self._spec_steps % self.explore_every == 0 and best_spec < self.max_tokens:
+                return best_spec + 1  # keep measuring the next length up: its cost may be overestimated
+            return best_spec
         if self._plain_run >= self._interval:  # re-probe: acceptance may have changed
             self._start_probe()
             return max(range(1, len(rates)), key=self.rates().__getitem__)
@@ -449,6 +489,8 @@ class CostModelPolicy(DraftLengthPolicy):
 
     def update(self, num_drafted, num_accepted, *, draft_time_s=None, verify_time_s=None) -> None:
         self._steps += 1
+        if verify_time_s is not None:
+            self.overhead.observe((draft_time_s or 0.0) + verify_time_s)
         if num_drafted <= 0:
             if verify_time_s is not None:
                 self.t_verify.add(0, verify_time_s)
