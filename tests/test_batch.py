@@ -284,12 +284,21 @@ def test_cost_model_follows_measured_acceptance_and_probes():
     curve = [(1, 0.050), (2, 0.052), (6, 0.060), (12, 0.090), (24, 0.150), (48, 0.300)]
     policy = CostModelPolicy(BatchPolicyConfig(max_gamma=5, probe_every=4), curve)
     for _ in range(50):
-        policy.update(5, 5)  # everything accepted
+        policy.update([5], [5])  # everything accepted
     assert policy.choose(1) == 5
     for _ in range(200):
-        policy.update(5, 0)  # nothing accepted
+        policy.update([5, 5], [0, 0])  # nothing accepted
     gammas = [policy.choose(4) for _ in range(8)]
     assert gammas.count(0) == 6 and gammas.count(5) == 2  # off, with a probe every 4th step
+
+
+def test_cost_model_rates_bursty_drafts_by_position():
+    """Prompt lookup keeps whole runs or nothing: 30% of steps keep all 5, 70% keep none."""
+    policy = CostModelPolicy(BatchPolicyConfig(max_gamma=5), [(1, 0.040), (6, 0.046)])
+    for step in range(300):
+        policy.update([5], [5 if step % 10 < 3 else 0])
+    assert abs(policy.expected_tokens(5) - 2.5) < 0.2  # 1 + 5 * 0.3 (decayed), where one rate (0.3) gives 1.43
+    assert policy.choose(1) == 5
 
 
 def test_calibration_is_monotone(target):

@@ -267,15 +267,19 @@ class BatchPolicyConfig:
 class CostModelPolicy:
     """Gamma for a batch of B rows that maximises expected tokens per second.
 
-    With acceptance rate a (accepted / drafted, measured) a row commits
-    E(g) = (1 - a^(g+1)) / (1 - a) tokens per step (Leviathan et al. 2023, eq. 1),
-    and the step costs T(B * (g + 1)) + D(B, g), where T(n) is the measured
-    time of one target forward over n tokens (piecewise-linear between
-    calibration points) and D the drafting time: g batched draft forwards
-    g * T_draft(B) for a batched draft model (``draft_forward_cost``), B * g *
-    t_draft for per-row drafting (``draft_token_cost_s``; 0 for n-gram).
-    Gamma = argmax over 0..max_gamma of B * E(g) / cost(g); 0 is plain decoding.
+    A row that may draft g tokens commits E(g) = 1 + sum_{i<g} P(draft position i kept) tokens per
+    step, where P(position i kept) is measured per position over the rows' steps (accepted at i /
+    steps whose row could draft position i, decayed, blended with prior^(i+1)): bursty drafters
+    such as prompt lookup keep long runs or nothing, which one i.i.d. acceptance rate (Leviathan
+    et al. 2023, eq. 1) would under-rate. The step costs T(B * (g + 1)) + D(B, g), where T(n) is the
+    measured time of one target forward over n tokens (piecewise-linear between calibration points)
+    and D the drafting time: g batched draft forwards g * T_draft(B) for a batched draft model
+    (``draft_forward_cost``), B * g * t_draft for per-row drafting (``draft_token_cost_s``; 0 for
+    n-gram). Gamma = argmax over 0..max_gamma of B * E(g) / cost(g); 0 is plain decoding.
     """
+
+    #: Weight (in row-steps) of the prior in each position's estimate.
+    PRIOR_WEIGHT = 4.0
 
     def __init__(self, config: BatchPolicyConfig, forward_cost: Sequence[tuple[int, float]] | None = None,
                  draft_token_cost_s: float = 0.0,
@@ -284,16 +288,22 @@ class CostModelPolicy:
         self.forward_cost = sorted(forward_cost or [])
         self.draft_forward_cost = sorted(draft_forward_cost or [])
         self.draft_token_cost_s = draft_token_cost_s
-        self._accepted = 0.0
-        self._drafted = 0.0
+        self._reached = [0.0] * config.max_gamma  # decayed row-steps that could draft position i
+        self._kept = [0.0] * config.max_gamma  # decayed row-steps that kept position i
         self._off_steps = 0
         self.last_gamma = config.max_gamma
 
+    def kept_probability(self, position: int) -> float:
+        """P(draft position ``position`` (0-based) is kept | the row could draft it), measured + prior."""
+        prior = self.config.prior_acceptance ** (position + 1)
+        w = self.PRIOR_WEIGHT
+        return (self._kept[position] + w * prior) / (self._reached[position] + w)
+
     @property
     def acceptance(self) -> float:
-        """Measured acceptance rate blended with the prior (weight of 4 drafted tokens)."""
-        w = 4.0
-        return (self._accepted + w * self.config.prior_acceptance) / (self._drafted + w)
+        """Measured accepted / asked-for draft tokens over all positions (with the prior)."""
+        w = self.PRIOR_WEIGHT
+        return (sum(self._kept) + w * self.config.prior_acceptance) / (sum(self._reached) + w)
 
     def draft_cost(self, batch_size: int, gamma: int) -> float:
         """Seconds of drafting ``gamma`` tokens for ``batch_size`` rows."""
@@ -306,9 +316,8 @@ class CostModelPolicy:
         return _interpolate(self.forward_cost, num_tokens)
 
     def expected_tokens(self, gamma: int) -> float:
-
-        a = min(self.acceptance, 0.999)
-        return (1.0 - a ** (gamma + 1)) / (1.0 - a)
+        """Tokens a row commits per step when it may draft ``gamma`` tokens (bonus / recovered included)."""
+        return 1.0 + sum(self.kept_probability(i) for i in range(gamma))
 
     def choose(self, batch_size: int) -> int:
         """Gamma for the next step of ``batch_size`` rows."""
@@ -329,11 +338,16 @@ class CostModelPolicy:
         self.last_gamma = gamma
         return gamma
 
-    def update(self, capacity: int, accepted: int) -> None:
-        """Record a step: ``capacity`` draft tokens asked for over the rows, ``accepted`` kept."""
+    def update(self, capacities: Sequence[int], accepted: Sequence[int]) -> None:
+        """Record a step: per row, the draft tokens it could take and the number verification kept."""
         d = self.config.decay
-        self._drafted = self._drafted * d + capacity
-        self._accepted = self._accepted * d + accepted
+        self._reached = [x * d for x in self._reached]
+        self._kept = [x * d for x in self._kept]
+        for cap, n in zip(capacities, accepted):
+            for i in range(min(cap, len(self._reached))):
+                self._reached[i] += 1.0
+            for i in range(min(n, len(self._kept))):
+                self._kept[i] += 1.0
 
 
 def _interpolate(points: Sequence[tuple[int, float]], n: int) -> float:
@@ -796,7 +810,7 @@ class BatchEngine:
             committed_total += len(committed)
             drafted += k
             accepted += n_acc
-        self.policy.update(sum(max(0, k) for k in capacity), accepted)
+        self.policy.update(capacity, [n for n, _ in results])
         return StepStats(len(rows), gamma, time.perf_counter() - t0, committed_total, drafted, accepted,
                          len(self._pending))
 
