@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from specdecode.cache import common_prefix_length
+from specdecode.kernels import RowwiseInt8Linear
 from specdecode.tree import as_parent_list, node_depths, tree_attention_mask
 from specdecode.types import SpecDecodeError
 
@@ -49,10 +50,8 @@ def supports(model: torch.nn.Module) -> bool:
 
 
 def _is_linear(module) -> bool:
-    """nn.Linear, or fbgemm's dynamic-quantized linear (an int8 draft: ``kernels.set_weight_precision``)."""
-    from torch.ao.nn.quantized.dynamic import Linear as DynamicQuantizedLinear
-
-    return type(module) in (torch.nn.Linear, DynamicQuantizedLinear)
+    """nn.Linear, or an int8 linear (``kernels.set_weight_precision(model, "int8")``)."""
+    return type(module) in (torch.nn.Linear, RowwiseInt8Linear, _OutputSlice)
 
 
 #: Cache slots allowed past the context: a token tree's pending nodes (positions stay inside the context).
@@ -78,16 +77,18 @@ def make_runner(model: torch.nn.Module, backend: str = "auto"):
 
 
 class _Layer:
-    """One decoder layer's weights: fused views of the model's own parameters, or (int8) its quantized modules."""
+    """One decoder layer's weights: fused views of the model's own parameters (float), or fused int8 modules
+    whose slices replace the model's own q/k/v and gate/up modules (one copy of the int8 weights)."""
 
     def __init__(self, layer: torch.nn.Module) -> None:
         attn, mlp = layer.self_attn, layer.mlp
         self.ln1 = layer.input_layernorm.weight
         self.ln2 = layer.post_attention_layernorm.weight
         self.qkv_bias = None
-        if type(attn.q_proj) is not torch.nn.Linear:  # quantized modules: called one by one (bias inside)
-            self.qkv = _Concat([attn.q_proj, attn.k_proj, attn.v_proj])
-            self.o, self.gate_up, self.down = attn.o_proj, _Concat([mlp.gate_proj, mlp.up_proj]), mlp.down_proj
+        if type(attn.q_proj) is not torch.nn.Linear:  # int8 modules (bias inside)
+            self.qkv = _fuse_int8(attn, ("q_proj", "k_proj", "v_proj"))
+            self.gate_up = _fuse_int8(mlp, ("gate_proj", "up_proj"))
+            self.o, self.down = attn.o_proj, mlp.down_proj
             return
         self.qkv = _fuse([attn.q_proj, attn.k_proj, attn.v_proj])
         if attn.q_proj.bias is not None:
@@ -97,14 +98,32 @@ class _Layer:
         self.down = mlp.down_proj.weight
 
 
-class _Concat:
-    """Several linear modules applied to one input, outputs concatenated (unfusable quantized weights)."""
+class _OutputSlice(torch.nn.Module):
+    """Columns [start, end) of a fused int8 module's output: what the model's own q/k/v (gate/up)
+    modules become once fused, so the Hugging Face forward still runs (at the fused cost) and the
+    int8 weights exist once."""
 
-    def __init__(self, modules: list[torch.nn.Module]) -> None:
-        self.modules = modules
+    def __init__(self, fused: RowwiseInt8Linear, start: int, end: int) -> None:
+        super().__init__()
+        self.fused, self.start, self.end = fused, start, end
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.cat([m(x) for m in self.modules], dim=-1)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fused(x)[..., self.start : self.end]
+
+
+def _fuse_int8(parent: torch.nn.Module, names: tuple[str, ...]) -> RowwiseInt8Linear:
+    """Fuse ``parent``'s int8 modules ``names`` into one product; re-point them at slices of it."""
+    parts = [getattr(parent, n) for n in names]
+    if all(isinstance(p, _OutputSlice) for p in parts) and len({id(p.fused) for p in parts}) == 1:
+        return parts[0].fused  # fused already (another runner of this model)
+    if not all(isinstance(p, RowwiseInt8Linear) for p in parts):
+        raise SpecDecodeError(f"cannot fuse {[type(p).__name__ for p in parts]}: expected int8 linear modules")
+    fused = RowwiseInt8Linear.concat(parts)
+    start = 0
+    for name, part in zip(names, parts):
+        setattr(parent, name, _OutputSlice(fused, start, start + part.out_features))
+        start += part.out_features
+    return fused
 
 
 def _fuse(linears: list[torch.nn.Linear]) -> torch.Tensor:

@@ -134,9 +134,9 @@ class SpecDecoder:
                 model spec, loaded like the target and checked for a shared tokenizer.
             num_speculative_tokens: gamma (1..64).
             dtype, cache_dir, progress: passed to ``load_model``.
-            weights: precision the target's weights execute in ("fp32", "bf16"; plain
-                decoding uses the same target, so losslessness is with respect to it).
-                "int8" is refused for the target (see SpecDecodeError below).
+            weights: precision the target's weights execute in ("fp32", "bf16", "int8"; plain
+                decoding uses the same target, so losslessness is with respect to it; int8
+                quantizes activations per token, so verified rows do not affect each other).
             draft_weights: the draft model's precision ("fp32", "bf16", "int8", see
                 :func:`specdecode.kernels.set_weight_precision`); None = same as ``weights``.
             policy: the draft-length policy's name (see :func:`specdecode.policy.build_policy`).
@@ -173,12 +173,6 @@ class SpecDecoder:
         if kind.lower() == NGRAM_DRAFT:
             ngram = NgramConfig(min_ngram=ngram_min, max_ngram=ngram_max)
         draft_weights = draft_weights or weights
-        if weights == "int8":
-            raise SpecDecodeError(
-                "--weights int8 is for drafts only: fbgemm's dynamic int8 linear quantizes activations per "
-                "tensor, so a row's logits depend on the other rows verified with it and speculative output "
-                "would drift from plain decoding. Use --draft-weights int8 with a float32 target instead."
-            )
         for precision in (weights, draft_weights):
             if precision not in WEIGHT_PRECISIONS:
                 raise SpecDecodeError(f"unknown weight precision {precision!r}; choose one of {WEIGHT_PRECISIONS}")

@@ -48,21 +48,103 @@ def use_small_row_matmul(model: torch.nn.Module) -> int:
 WEIGHT_PRECISIONS = ("fp32", "bf16", "int8")
 
 
+class RowwiseInt8Linear(torch.nn.Module):
+    """A linear layer with int8 weights whose output rows do not depend on each other.
+
+    Weights: symmetric int8 per output channel (scale = max |w| / 127), packed for
+    fbgemm (``torch.ops.quantized.linear_dynamic``). Activations: quantized per *row*
+    (per token). fbgemm's dynamic linear picks one activation scale per call from the
+    whole input's range, so verifying k tokens together would change every token's
+    logits (a verification of k+1 rows must give each row exactly what a one-row step
+    gives, or speculative output drifts from plain decoding). Here each row is divided
+    by its own max |x| and an anchor row holding +1 and -1 is appended, so the range
+    fbgemm sees is always exactly [-1, 1]: one fixed quantization for every row, whatever
+    its neighbours, with integer accumulation (exact) and an elementwise rescale by the
+    row's max afterwards. Row i of a k-row call equals a one-row call on row i, bit for
+    bit (tested), and per-token scales are also more accurate than one per tensor.
+
+    Args:
+        weight: [out_features, in_features] float tensor (any float dtype; quantized from float32).
+        bias: [out_features] or None (kept in float32, added after the int8 product).
+
+    Input: [..., in_features] float tensor; output: [..., out_features] float32.
+    """
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        super().__init__()
+        w = weight.detach().float()
+        self.out_features, self.in_features = w.shape
+        scales = (w.abs().amax(dim=1) / 127.0).double().clamp_min(1e-12)
+        import warnings
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # torch's deprecation notice for quantized tensor constructors
+            q = torch.quantize_per_channel(w, scales, torch.zeros(len(scales), dtype=torch.long), 0, torch.qint8)
+            self._packed = torch.ops.quantized.linear_prepack(q, None)
+        self.bias = None if bias is None else bias.detach().float().clone()
+        anchor = torch.zeros(1, self.in_features)
+        anchor[0, 0], anchor[0, -1] = 1.0, -1.0
+        self._anchor = anchor
+
+    @classmethod
+    def from_linear(cls, linear: torch.nn.Linear) -> "RowwiseInt8Linear":
+        """Quantize an ``nn.Linear`` (its float weights are not kept)."""
+        return cls(linear.weight, linear.bias)
+
+    @classmethod
+    def concat(cls, parts: list["RowwiseInt8Linear"]) -> "RowwiseInt8Linear":
+        """One module computing ``torch.cat([p(x) for p in parts], -1)`` in a single product.
+
+        Stacks the parts' int8 weights and per-channel scales as they are (no requantization),
+        so its outputs equal the parts' outputs exactly.
+        """
+        qs = [p.int8_weight() for p in parts]
+        fused = cls.__new__(cls)
+        torch.nn.Module.__init__(fused)
+        fused.in_features = parts[0].in_features
+        fused.out_features = sum(p.out_features for p in parts)
+        import warnings
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            scales = torch.cat([q.q_per_channel_scales() for q in qs])
+            ints = torch.cat([q.int_repr() for q in qs])
+            q = torch._make_per_channel_quantized_tensor(ints, scales, torch.zeros(len(scales), dtype=torch.long), 0)
+            fused._packed = torch.ops.quantized.linear_prepack(q, None)
+        biases = [p.bias if p.bias is not None else torch.zeros(p.out_features) for p in parts]
+        fused.bias = None if all(p.bias is None for p in parts) else torch.cat(biases)
+        fused._anchor = parts[0]._anchor
+        return fused
+
+    def int8_weight(self) -> torch.Tensor:
+        """The [out_features, in_features] per-channel qint8 weight."""
+        return torch.ops.quantized.linear_unpack(self._packed)[0]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features).float()
+        peak = rows.abs().amax(dim=-1, keepdim=True).clamp_min(1e-30)
+        out = torch.ops.quantized.linear_dynamic(torch.cat([rows / peak, self._anchor]), self._packed, True)
+        out = out[:-1] * peak
+        if self.bias is not None:
+            out = out + self.bias
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, int8 per-channel, per-row input"
+
+
 def set_weight_precision(model: torch.nn.Module, precision: str) -> torch.nn.Module:
     """Execute ``model``'s weights in ``precision``, in place; returns the model.
 
     - ``fp32``: unchanged (float32).
-    - ``bf16``: parameters cast to bfloat16 (slower than float32 on AVX2 CPUs; for memory).
-    - ``int8``: every ``nn.Linear`` (the LM head included) becomes fbgemm's
-      dynamic-quantized linear: int8 weights per output channel, activations
-      quantized per call. On this CPU it moves 4x fewer bytes than float32 and
-      1..16 rows cost about what one row costs, so verification is nearly free.
-      Embeddings and norms stay float32.
-
-    Use int8 for drafts only: a draft's precision changes speed, never the output
-    distribution. fbgemm quantizes activations per tensor, so an int8 *target*'s
-    logits for one row depend on the other rows verified with it, and speculative
-    output would drift from plain decoding (``generator`` refuses it).
+    - ``bf16``: parameters cast to bfloat16 (AVX512-BF16 CPUs run few-row products at
+      about the one-row cost; half the bytes of float32).
+    - ``int8``: every ``nn.Linear`` (the LM head included) becomes a
+      :class:`RowwiseInt8Linear`: int8 weights per output channel through fbgemm,
+      activations quantized per token. A quarter of float32's bytes, 1..16 rows cost
+      about one row, and a row's output does not depend on the rows verified with it,
+      so an int8 *target* stays lossless (speculative == plain decoding of the same
+      int8 model). Embeddings and norms stay float32.
 
     Raises:
         ValueError: unknown precision.
@@ -72,12 +154,10 @@ def set_weight_precision(model: torch.nn.Module, precision: str) -> torch.nn.Mod
     if precision == "bf16":
         return model.to(torch.bfloat16)
     if precision == "int8":
-        import warnings
-
-        from torch.ao.quantization import quantize_dynamic
-
-        model.float()  # fbgemm quantizes from float32 weights (a bfloat16-loaded model is upcast first)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # torch.ao.quantization's deprecation notice
-            quantize_dynamic(model, {torch.nn.Linear}, dtype=torch.qint8, inplace=True)
+        model.float()  # activations run in float32 (a bfloat16-loaded model is upcast first)
+        linears = [(name, m) for name, m in model.named_modules() if type(m) is torch.nn.Linear]
+        for name, linear in linears:
+            parent_name, _, attr = name.rpartition(".")
+            parent = model.get_submodule(parent_name) if parent_name else model
+            setattr(parent, attr, RowwiseInt8Linear.from_linear(linear))
     return model

@@ -59,9 +59,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kernel", choices=("default", "small-row"),
                    help="linear-layer execution: default (HF as shipped) or small-row (W @ x.T for few rows, "
                         "specdecode.kernels; applied to target and drafts, so the HF peer gets it too)")
+    p.add_argument("--weights", choices=("fp32", "bf16", "int8"),
+                   help="precision the target's weights execute in (int8: fbgemm int8 weights, activations per "
+                        "token; plain decoding, every method and the HF peer run the same target object, so "
+                        "outputs are compared like for like) (default: fp32)")
     p.add_argument("--draft-weights", choices=("fp32", "bf16", "int8"),
-                   help="precision of draft models' weights (int8: fbgemm dynamic-quantized linear layers, 4x fewer "
-                        "bytes per draft step; the HF peer uses the same draft objects) (default: fp32)")
+                   help="precision of draft models' weights (int8: fbgemm int8 linear layers, 4x fewer bytes per "
+                        "draft step; the HF peer uses the same draft objects) (default: fp32)")
     p.add_argument("--threads", type=int, metavar="N", help="torch threads (default: torch's)")
     p.add_argument("--output", metavar="DIR",
                    help="report directory; rerunning with the same directory resumes (default: bench-out/PRESET)")
@@ -82,7 +86,8 @@ def config_from_args(args: argparse.Namespace):
     preset = args.preset or "full"
     over: dict = {}
     for name in ("target", "draft", "limit", "max_new_tokens", "temperature", "seed", "gamma", "peer", "chat",
-                 "probe", "warmup", "repeats", "dtype", "kernel", "draft_weights", "threads", "output"):
+                 "probe", "warmup", "repeats", "dtype", "kernel", "draft_weights", "weights", "threads",
+                 "output"):
         value = getattr(args, name, None)
         if value is not None:
             over[name] = value

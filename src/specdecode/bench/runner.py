@@ -289,6 +289,7 @@ class BenchConfig:
     dtype: str = "float32"
     kernel: str = "default"
     draft_weights: str = "fp32"
+    weights: str = "fp32"
     threads: int | None = None
     output: str = "bench-out/full"
     preset: str = "full"
@@ -308,6 +309,9 @@ class BenchConfig:
             raise SpecDecodeError(f"--threads must be >= 1, got {self.threads}")
         if not self.datasets:
             raise SpecDecodeError("no dataset selected")
+        for w in (self.weights, self.draft_weights):
+            if w not in ("fp32", "bf16", "int8"):
+                raise SpecDecodeError(f"unknown weight precision {w!r}; choose one of fp32, bf16, int8")
         if self.kernel not in KERNELS:
             raise SpecDecodeError(f"unknown kernel {self.kernel!r}; choose one of {', '.join(KERNELS)}")
 
@@ -319,6 +323,8 @@ class BenchConfig:
         # output directories written before they existed keep resuming.
         if self.draft_weights != "fp32":
             out["draft_weights"] = self.draft_weights
+        if self.weights != "fp32":
+            out["weights"] = self.weights
         return out
 
     def settings_id(self) -> str:
@@ -738,6 +744,10 @@ def run_bench(config: BenchConfig, *, progress: bool = True, log: Callable[[str]
     status(f"loading target {config.target!r}")
     t0 = time.perf_counter()
     models = Models(target=load_any(config.target, config.dtype, config.kernel))
+    if config.weights != "fp32":
+        from specdecode.kernels import set_weight_precision
+
+        set_weight_precision(models.target.model, config.weights)
     models.load_seconds[config.target] = time.perf_counter() - t0
     variants = build_variants(config, models, config.dtype, status)
 
