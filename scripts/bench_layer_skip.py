@@ -11,7 +11,7 @@ Three parts, every run greedy unless stated, batch size 1, ``ignore_eos`` (fixed
    are not benchmark prompts (the prompt after the benchmark ones in each category).
 2. **Categories.** For each Spec-Bench category, ``--prompts`` prompts: plain decoding
    (before and after the others on each prompt), then for each method (``layer-skip``;
-   ``draft-model`` = an int8 copy of the target drafting for the float32 target) a fixed
+   ``draft-model`` = ``--draft``, by default an int8 copy of the target) a fixed
    gamma sweep and the adaptive policies. ``--repeats`` rounds, each with fresh engines
    (one policy state per category and configuration, reused across its prompts); per
    (configuration, prompt) the best round is kept, plain included.
@@ -57,6 +57,12 @@ ADVERSARIAL = (
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", default="smollm2-135m")
+    p.add_argument("--dtype", default="bfloat16", help="target load dtype (bfloat16: flat few-row cost on "
+                                                         "AVX512-BF16 CPUs)")
+    p.add_argument("--weights", default=None, choices=("fp32", "bf16", "int8"),
+                   help="target weight precision after loading (default: as loaded)")
+    p.add_argument("--draft", default=None, help="draft model of the draft-model method (default: the target)")
+    p.add_argument("--draft-weights", default="int8", choices=("fp32", "bf16", "int8"))
     p.add_argument("--categories", default="writing,coding,summarization")
     p.add_argument("--prompts", type=int, default=2, help="prompts per category")
     p.add_argument("--max-new-tokens", type=int, default=96)
@@ -249,13 +255,16 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
-    loaded = load_model(args.target, progress=False)
+    loaded = load_model(args.target, dtype=args.dtype, progress=False)
     target = loaded.model
-    use_small_row_matmul(target)
+    if args.weights:
+        set_weight_precision(target, args.weights)
+    if args.dtype == "float32" and args.weights in (None, "fp32"):
+        use_small_row_matmul(target)
     draft = None
     if "draft-model" in args.methods + args.adversarial_methods:
-        draft = load_model(args.target, progress=False).model
-        set_weight_precision(draft, "int8")
+        draft = load_model(args.draft or args.target, progress=False).model
+        set_weight_precision(draft, args.draft_weights)
     print(f"loaded in {time.perf_counter() - t0:.1f} s; {machine()}", flush=True)
     categories = args.categories.split(",")
     skip_layers = parse_skip_layers(args.skip_layers)
@@ -281,7 +290,8 @@ def main(argv=None) -> int:
     report = {
         "benchmark": "layer-skip self-speculation and draft-length policies",
         "machine": machine(), "target": args.target, "target_source": loaded.source,
-        "draft_model": f"{args.target} with int8 dynamic-quantized linear layers (fbgemm)" if draft is not None else None,
+        "target_dtype": args.dtype, "target_weights": args.weights or "as loaded",
+        "draft_model": f"{args.draft or args.target}, {args.draft_weights} weights" if draft is not None else None,
         "dataset": f"spec-bench categories {categories}, first {args.prompts} prompts each, chat template",
         "max_new_tokens": args.max_new_tokens, "temperature": 0.0, "batch_size": 1, "ignore_eos": True,
         "gammas_fixed": args.gammas, "adaptive_start_gamma": args.start_gamma, "repeats": args.repeats,

@@ -1,8 +1,14 @@
-"""Measure T_verify(k) / T_decode(1) for each forward backend on a real model (a program, not a test).
+"""Per-precision decode time and T_verify(k) / T_decode(1), next to the memory-bandwidth floor
+(a program, not a test; run it alone on the machine, it times things).
 
-Usage: python scripts/verify_cost.py --target smollm2-135m [--context 200] [--repeats 7] [--json out.json]
-Prints, per backend and k = 1..9, the median time of one forward of k new tokens
-after a context of --context tokens, and its ratio to k = 1.
+    python scripts/verify_cost.py --target qwen2.5-coder-1.5b --precisions fp32,bf16,int8 --threads 1
+
+For each weight precision the target is loaded and run with the forward backend given
+(default: owned), after a context of --context tokens: one cached forward of k + 1 new tokens
+(a verification of k draft tokens; k = 0 is a decoding step), the least of --repeats timings.
+Next to it: the bytes of weights one step reads (every linear layer, the LM head included,
+and the norms; one embedding row) and the floor bytes / copy bandwidth, with the copy
+bandwidth measured here (STREAM-style copy of a 512 MiB buffer: read + write bytes / time).
 """
 
 from __future__ import annotations
@@ -10,15 +16,46 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import statistics
 import time
 
 import torch
 
-from specdecode.cache import CachedModel
-from specdecode.fastforward import OwnedCachedModel, supports
-from specdecode.kernels import use_small_row_matmul
+from specdecode.fastforward import make_runner
+from specdecode.kernels import RowwiseInt8Linear, set_weight_precision
 from specdecode.models import load_model
+
+DTYPE_OF = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.float32}
+
+
+def copy_bandwidth(mib: int = 512, repeats: int = 5) -> float:
+    """STREAM-style copy bandwidth in bytes/s (read + write) with torch's current threads."""
+    src = torch.ones(mib * 2**20 // 4)
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - t)
+    return 2 * src.numel() * 4 / best
+
+
+def step_bytes(model: torch.nn.Module) -> int:
+    """Bytes of weights one decoding step reads: linear layers (int8: 1 byte + scales), norms."""
+    total, seen = 0, set()
+    for module in model.modules():
+        if isinstance(module, RowwiseInt8Linear):
+            total += module.in_features * module.out_features + 8 * module.out_features
+            continue
+        if isinstance(module, torch.nn.Embedding):
+            continue  # one row per token
+        for p in module.parameters(recurse=False):
+            if id(p) not in seen:
+                seen.add(id(p))
+                total += p.numel() * p.element_size()
+    head = model.get_output_embeddings()
+    if isinstance(head, torch.nn.Linear) and head.weight is model.get_input_embeddings().weight:
+        pass  # tied: counted once, through the head
+    return total
 
 
 def measure(runner, context: list[int], ks: list[int], repeats: int) -> dict[int, float]:
@@ -26,42 +63,58 @@ def measure(runner, context: list[int], ks: list[int], repeats: int) -> dict[int
     runner.forward(context, last_only=True)
     out = {}
     for k in ks:
-        times = []
+        best = float("inf")
         for r in range(repeats + 1):
             t = time.perf_counter()
-            runner.forward(list(range(100, 100 + k)))
+            runner.forward(list(range(100, 100 + k + 1)))
             dt = time.perf_counter() - t
             runner.rollback(len(context))
             if r:
-                times.append(dt)
-        out[k] = statistics.median(times)
+                best = min(best, dt)
+        out[k] = best
     return out
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", default="smollm2-135m")
+    ap.add_argument("--precisions", default="fp32,bf16,int8")
+    ap.add_argument("--backend", default="owned", choices=("owned", "hf"))
     ap.add_argument("--context", type=int, default=200)
     ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--json")
     args = ap.parse_args()
-    lm = load_model(args.target)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    bw = copy_bandwidth()
     context = list(range(1000, 1000 + args.context))
-    ks = list(range(1, 10))
-    results = {}
-    results["hf"] = measure(CachedModel(lm.model), context, ks, args.repeats)
-    if supports(lm.model):
-        results["owned"] = measure(OwnedCachedModel(lm.model), context, ks, args.repeats)
-    use_small_row_matmul(lm.model)
-    results["hf+small-row-matmul"] = measure(CachedModel(lm.model), context, ks, args.repeats)
-    print(f"# {args.target}, context {args.context}, torch {torch.__version__}, threads {torch.get_num_threads()}, "
-          f"{platform.processor() or platform.machine()}; median of {args.repeats}")
-    print("backend".ljust(22) + "T(1) ms".rjust(9) + "".join(f"{f'k={k}':>7}" for k in ks))
-    for name, r in results.items():
-        print(name.ljust(22) + f"{r[1] * 1000:9.1f}" + "".join(f"{r[k] / r[1]:7.2f}" for k in ks))
+    ks = list(range(0, 9))
+    rows = {}
+    for precision in args.precisions.split(","):
+        lm = load_model(args.target, dtype=DTYPE_OF[precision], progress=False)
+        if precision == "int8":
+            set_weight_precision(lm.model, "int8")
+        runner = make_runner(lm.model, args.backend)
+        times = measure(runner, context, ks, args.repeats)
+        nbytes = step_bytes(lm.model)
+        rows[precision] = {"times_s": times, "step_bytes": nbytes, "floor_s": nbytes / bw}
+        del runner, lm
+    print(f"# {args.target}, {args.backend} forward, context {args.context}, torch {torch.__version__}, "
+          f"threads {torch.get_num_threads()}, {platform.processor() or platform.machine()}; least of {args.repeats}; "
+          f"copy bandwidth {bw / 1e9:.1f} GB/s")
+    print("| precision | weights read / step | floor (bytes / bandwidth) | T_decode(1) | tok/s | T/floor | "
+          + " | ".join(f"k={k}" for k in ks[1:]) + " |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | " + " | ".join("---:" for _ in ks[1:]) + " |")
+    for name, r in rows.items():
+        t = r["times_s"]
+        print(f"| {name} | {r['step_bytes'] / 1e6:.0f} MB | {r['floor_s'] * 1e3:.1f} ms | {t[0] * 1e3:.1f} ms | "
+              f"{1 / t[0]:.1f} | {t[0] / r['floor_s']:.2f} | " + " | ".join(f"{t[k] / t[0]:.2f}" for k in ks[1:]) + " |")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"target": args.target, "context": args.context, "results": results}, f, indent=1)
+            json.dump({"target": args.target, "backend": args.backend, "context": args.context,
+                       "threads": torch.get_num_threads(), "copy_bandwidth_bytes_per_s": bw, "rows": rows}, f,
+                      indent=1)
 
 
 if __name__ == "__main__":

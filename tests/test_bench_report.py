@@ -279,3 +279,22 @@ def test_settings_added_later_keep_old_output_dirs_resumable():
                                     "kernel"}
     assert dataclasses.replace(base, draft_weights="int8").settings_id() != base.settings_id()
     assert dataclasses.replace(base, gammas=(1, 2), limit=9, repeats=3).settings_id() == base.settings_id()
+
+
+def test_llama_cpp_variants_have_their_own_baseline_and_agreement():
+    """llama.cpp runs the 4-bit GGUF: its speedups are over its own plain decoding, and its outputs
+    are checked against its own plain only (never against ours)."""
+    from specdecode.bench import summary as S
+
+    variants = [
+        {"key": "specdecode/plain", "engine": "specdecode"},
+        {"key": "llama.cpp/plain", "engine": "llama.cpp"},
+        {"key": "llama.cpp/prompt-lookup:k=6,max_ngram=3", "engine": "llama.cpp"},
+    ]
+    assert [S.baseline_of(v) for v in variants] == ["specdecode/plain", "llama.cpp/plain", "llama.cpp/plain"]
+    runs = {("specdecode/plain", "p"): {"token_ids": [1, 2, 3]},
+            ("llama.cpp/plain", "p"): {"token_ids": [1, 9, 9]},
+            ("llama.cpp/prompt-lookup:k=6,max_ngram=3", "p"): {"token_ids": [1, 9, 8]}}
+    res = S.agreement(runs, variants, ["p"])
+    assert [(m["variant"], m["first_diff"]) for m in res["mismatches"]] == [
+        ("llama.cpp/prompt-lookup:k=6,max_ngram=3", 2)]

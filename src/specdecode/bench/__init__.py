@@ -63,6 +63,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="precision the target's weights execute in (int8: fbgemm int8 weights, activations per "
                         "token; plain decoding, every method and the HF peer run the same target object, so "
                         "outputs are compared like for like) (default: fp32)")
+    p.add_argument("--llama-cpp", action="store_true", default=None,
+                   help="also run llama.cpp (llama-cpp-python) on the target's GGUF file: plain decoding and its "
+                        "prompt lookup as the n-gram method's peer, timed the same way (optional dependency)")
     p.add_argument("--draft-weights", choices=("fp32", "bf16", "int8"),
                    help="precision of draft models' weights (int8: fbgemm int8 linear layers, 4x fewer bytes per "
                         "draft step; the HF peer uses the same draft objects) (default: fp32)")
@@ -86,7 +89,7 @@ def config_from_args(args: argparse.Namespace):
     preset = args.preset or "full"
     over: dict = {}
     for name in ("target", "draft", "limit", "max_new_tokens", "temperature", "seed", "gamma", "peer", "chat",
-                 "probe", "warmup", "repeats", "dtype", "kernel", "draft_weights", "weights", "threads",
+                 "probe", "warmup", "repeats", "dtype", "kernel", "draft_weights", "weights", "llama_cpp", "threads",
                  "output"):
         value = getattr(args, name, None)
         if value is not None:

@@ -27,10 +27,10 @@ def label(variant: dict) -> str:
     """A row label: 'ngram γ=4', 'draft-model γ=4 (qwen2.5-coder-0.5b)', 'HF assisted γ=4 (...)', 'plain'."""
     engine, method, gamma = variant["engine"], variant["method"], variant["gamma"]
     if method == "plain":
-        return "HF plain generate" if engine == "hf" else "plain (specdecode)"
+        return {"hf": "HF plain generate", "specdecode": "plain (specdecode)"}.get(engine, f"{engine} plain")
     extra = variant["family"].split(":", 1)[1] if ":" in variant["family"] and engine == "specdecode" else ""
     extra = ",".join(p for p in extra.split(",") if p and not p.startswith("model="))
-    name = f"HF {method}" if engine == "hf" else method
+    name = {"hf": f"HF {method}", "specdecode": method}.get(engine, f"{engine} {method}")
     text = f"{name} γ={gamma}" + (f" [{extra}]" if extra else "")
     return text + (f" ({variant['draft']})" if variant.get("draft") else "")
 
@@ -169,7 +169,7 @@ def peer_section(summary: dict, variants: dict[str, dict]) -> str:
                            for c in cats],
                          f"{fn(rc[S.OVERALL]['ours_tokens_per_s'], 2)} / {fn(rc[S.OVERALL]['hf_tokens_per_s'], 2)}"])
         parts.append("Cells: our speedup over our plain / HF's speedup over HF plain = ratio (> 1: ours gains more).")
-        parts.append(_table(["Ours", "HF peer", *cats, "tok/s ours / HF"], rows))
+        parts.append(_table(["Ours", "Peer (HF, llama.cpp)", *cats, "tok/s ours / peer"], rows))
     return "\n\n".join(parts) if parts else "_No peer runs._"
 
 

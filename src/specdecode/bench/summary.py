@@ -26,7 +26,8 @@ OVERALL = "overall"
 
 
 def baseline_of(variant: dict) -> str:
-    return HF_PLAIN if variant["engine"] == "hf" else OURS_PLAIN
+    """The plain decoding a variant's speedup is over: its own engine's (ours, HF, llama.cpp)."""
+    return OURS_PLAIN if variant["engine"] == "specdecode" else f"{variant['engine']}/plain"
 
 
 def spread(values: Sequence[float]) -> dict | None:
@@ -144,9 +145,10 @@ def agreement(runs: dict[tuple[str, str], dict], variants: Sequence[dict], promp
     checked: dict[str, int] = {}
     mismatches = []
     for v in variants:
-        refs = [OURS_PLAIN] if v["key"] != OURS_PLAIN else []
-        if v["engine"] == "hf" and v["key"] != HF_PLAIN:
-            refs.append(HF_PLAIN)
+        # llama.cpp runs the 4-bit GGUF, not our converted weights: checked against its own plain only
+        refs = [OURS_PLAIN] if v["key"] != OURS_PLAIN and v["engine"] in ("specdecode", "hf") else []
+        if v["engine"] != "specdecode" and v["key"] != baseline_of(v):
+            refs.append(baseline_of(v))
         for p in prompts:
             rec = runs.get((v["key"], p))
             if rec is None:
@@ -356,7 +358,7 @@ def summarize(records: Sequence[dict], variants: Sequence[dict], prompts: Sequen
         mains.setdefault(fam, min(v["gamma"] for v in vs))
     leaderboard = [v["key"] for v in variants if v["engine"] == "specdecode" and v["key"] != OURS_PLAIN
                    and v["gamma"] == mains.get(v["family"])]
-    leaderboard += [v["key"] for v in variants if v["engine"] == "hf" and v["key"] != HF_PLAIN]
+    leaderboard += [v["key"] for v in variants if v["engine"] != "specdecode" and v["key"] != baseline_of(v)]
 
     peers = []
     for v in variants:
