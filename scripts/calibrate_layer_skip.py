@@ -16,6 +16,7 @@ import argparse
 import torch
 
 from specdecode.data import load_prompts
+from specdecode.kernels import set_weight_precision
 from specdecode.layer_search import SearchConfig, choose_skip_layers
 from specdecode.models import load_model
 
@@ -24,6 +25,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", default="smollm2-135m")
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--weights", default=None, choices=("fp32", "bf16", "int8"),
+                    help="target weight precision after loading (the cache keys it)")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--categories", default="writing,coding,math_reasoning,summarization")
     ap.add_argument("--offset", type=int, default=6, help="0-based prompt index used per category")
@@ -32,6 +35,8 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     lm = load_model(args.target, dtype=args.dtype)
+    if args.weights:
+        set_weight_precision(lm.model, args.weights)
     prompts = []
     for cat in args.categories.split(","):
         p = load_prompts(f"spec-bench:{cat}")[args.offset]
@@ -41,7 +46,7 @@ def main() -> None:
                                                     add_generation_prompt=True)
         prompts.append(lm.tokenizer(text, add_special_tokens=False)["input_ids"])
     result = choose_skip_layers(lm.model, prompts, SearchConfig(time_budget_s=args.budget), refresh=args.refresh)
-    print(f"{args.target} {args.dtype}: skip {list(result.skip_layers)} of {result.num_layers} layers, "
+    print(f"{args.target} {args.weights or args.dtype}: skip {list(result.skip_layers)} of {result.num_layers} layers, "
           f"gamma {result.gamma}, {result.tokens_per_s:.1f} tok/s vs plain {result.plain_tokens_per_s:.1f}, "
           f"acceptance {result.acceptance:.2f}")
 

@@ -57,10 +57,10 @@ class RowwiseInt8Linear(torch.nn.Module):
     whole input's range, so verifying k tokens together would change every token's
     logits (a verification of k+1 rows must give each row exactly what a one-row step
     gives, or speculative output drifts from plain decoding). Here each row is divided
-    by its own max |x| and an anchor row holding +1 and -1 is appended, so the range
-    fbgemm sees is always exactly [-1, 1]: one fixed quantization for every row, whatever
-    its neighbours, with integer accumulation (exact) and an elementwise rescale by the
-    row's max afterwards. Row i of a k-row call equals a one-row call on row i, bit for
+    by its own max |x| and two pin columns holding +1 and -1 are appended (their weights
+    are zero, so they add exactly nothing), so the range fbgemm sees is always exactly
+    [-1, 1]: one fixed quantization for every row, whatever its neighbours, with integer
+    accumulation (exact) and an elementwise rescale by the row's max afterwards. Row i of a k-row call equals a one-row call on row i, bit for
     bit (tested), and per-token scales are also more accurate than one per tensor.
 
     Args:
@@ -74,6 +74,7 @@ class RowwiseInt8Linear(torch.nn.Module):
         super().__init__()
         w = weight.detach().float()
         self.out_features, self.in_features = w.shape
+        w = torch.cat([w, torch.zeros(self.out_features, 2)], dim=1)  # weights of the two pin columns
         scales = (w.abs().amax(dim=1) / 127.0).double().clamp_min(1e-12)
         import warnings
 
@@ -82,9 +83,7 @@ class RowwiseInt8Linear(torch.nn.Module):
             q = torch.quantize_per_channel(w, scales, torch.zeros(len(scales), dtype=torch.long), 0, torch.qint8)
             self._packed = torch.ops.quantized.linear_prepack(q, None)
         self.bias = None if bias is None else bias.detach().float().clone()
-        anchor = torch.zeros(1, self.in_features)
-        anchor[0, 0], anchor[0, -1] = 1.0, -1.0
-        self._anchor = anchor
+        self._pins = torch.tensor([[1.0, -1.0]])
 
     @classmethod
     def from_linear(cls, linear: torch.nn.Linear) -> "RowwiseInt8Linear":
@@ -113,18 +112,18 @@ class RowwiseInt8Linear(torch.nn.Module):
             fused._packed = torch.ops.quantized.linear_prepack(q, None)
         biases = [p.bias if p.bias is not None else torch.zeros(p.out_features) for p in parts]
         fused.bias = None if all(p.bias is None for p in parts) else torch.cat(biases)
-        fused._anchor = parts[0]._anchor
+        fused._pins = parts[0]._pins
         return fused
 
     def int8_weight(self) -> torch.Tensor:
-        """The [out_features, in_features] per-channel qint8 weight."""
+        """The [out_features, in_features + 2] per-channel qint8 weight (the last two columns: pins, zero)."""
         return torch.ops.quantized.linear_unpack(self._packed)[0]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features).float()
         peak = rows.abs().amax(dim=-1, keepdim=True).clamp_min(1e-30)
-        out = torch.ops.quantized.linear_dynamic(torch.cat([rows / peak, self._anchor]), self._packed, True)
-        out = out[:-1] * peak
+        pinned = torch.cat([rows / peak, self._pins.expand(rows.shape[0], 2)], dim=1)
+        out = torch.ops.quantized.linear_dynamic(pinned, self._packed, True) * peak
         if self.bias is not None:
             out = out + self.bias
         return out.reshape(*x.shape[:-1], self.out_features)
@@ -160,4 +159,6 @@ def set_weight_precision(model: torch.nn.Module, precision: str) -> torch.nn.Mod
             parent_name, _, attr = name.rpartition(".")
             parent = model.get_submodule(parent_name) if parent_name else model
             setattr(parent, attr, RowwiseInt8Linear.from_linear(linear))
+    if getattr(model, "config", None) is not None:
+        model.config.specdecode_weights = precision  # names the precision in per-model caches (layer_search)
     return model
