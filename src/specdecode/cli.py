@@ -330,18 +330,16 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def _check_generate_args(args: argparse.Namespace) -> None:
     """Range-check every number before any slow model load (SpecDecodeError on the first bad one)."""
     from specdecode.engine import EngineConfig
-    from specdecode.generator import _check_stops, _tree_config
-    from specdecode.proposers.layer_skip import parse_skip_layers
-    from specdecode.proposers import NgramConfig
+    from specdecode.generator import _check_stops
+    from specdecode.proposers.factory import DrafterOptions, check_drafter, parse_draft
     from specdecode.types import SamplingParams
 
     SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                    max_new_tokens=args.max_new_tokens, seed=args.seed)
     EngineConfig(num_speculative_tokens=args.num_speculative_tokens)
-    _tree_config(args.tree, args.tree_nodes)
-    parse_skip_layers(args.skip_layers)
-    if args.draft.strip().lower() == "ngram":
-        NgramConfig(min_ngram=args.ngram_min, max_ngram=args.ngram_max)
+    check_drafter(parse_draft(args.draft), DrafterOptions(ngram_min=args.ngram_min, ngram_max=args.ngram_max,
+                                                          tree=args.tree, tree_nodes=args.tree_nodes,
+                                                          skip_layers=args.skip_layers))
     _check_stops(args.stop)
 
 

@@ -29,22 +29,21 @@ import torch
 from specdecode.engine import EngineConfig, SpeculativeEngine
 from specdecode.kernels import WEIGHT_PRECISIONS, set_weight_precision
 from specdecode.metrics import RunMetrics
-from specdecode.models import LoadedModel, check_compatible, load_model
+from specdecode.models import LoadedModel, load_model
 from specdecode.policy import build_policy
-from specdecode.proposers import LayerSkipConfig, NgramConfig, build_proposer
+from specdecode.proposers.factory import (  # noqa: F401 - the drafter choices, re-exported
+    LAYER_SKIP_DRAFT,
+    NGRAM_DRAFT,
+    NO_DRAFT,
+    SUFFIX_DRAFT,
+    DrafterOptions,
+    check_drafter,
+    load_draft_model,
+    parse_draft,
+    proposer_factory,
+)
 from specdecode.proposers.layer_skip import parse_skip_layers
-from specdecode.proposers.suffix import SuffixConfig, SuffixProposer
-from specdecode.proposers.tree_draft import TREE_KINDS, TreeDraftConfig
 from specdecode.types import EmptyPromptError, InvalidSamplingParams, SamplingParams, SpecDecodeError
-
-#: ``draft`` values that mean "no proposer": plain decoding.
-NO_DRAFT = ("none", "")
-#: ``draft`` value for prompt-lookup (n-gram) drafting.
-NGRAM_DRAFT = "ngram"
-#: ``draft`` value for self-speculation: the target with some decoder layers skipped.
-LAYER_SKIP_DRAFT = "layer-skip"
-#: ``draft`` value for suffix decoding; ``suffix:ngram`` / ``suffix:MODEL`` add a fallback drafter.
-SUFFIX_DRAFT = "suffix"
 
 
 @dataclass
@@ -155,49 +154,24 @@ class SpecDecoder:
         """
         EngineConfig(num_speculative_tokens=num_speculative_tokens)  # fail fast, before slow loads
         build_policy(policy, num_speculative_tokens)
-        skip_layers = parse_skip_layers(skip_layers)
-        kind = (draft or "").strip()
-        tree_config = _tree_config(tree, tree_nodes)  # checked before any load; None = chain drafts
-        if kind.lower().partition(":")[0] == SUFFIX_DRAFT:  # suffix decoding around an optional fallback
-            inner = cls.from_pretrained(
-                target, kind.partition(":")[2] or "none", num_speculative_tokens=num_speculative_tokens,
-                ngram_min=ngram_min, ngram_max=ngram_max, dtype=dtype, cache_dir=cache_dir, progress=progress,
-                weights=weights, draft_weights=draft_weights, policy=policy, skip_layers=skip_layers,
-                tree=tree, tree_nodes=tree_nodes)
-            proposer = SuffixProposer(SuffixConfig(max_spec_nodes=tree_nodes), fallback=inner.proposer)
-            return cls(inner.target, proposer, num_speculative_tokens=num_speculative_tokens, draft=inner.draft,
-                       policy=policy)
-        if tree_config is not None and kind.lower() in (*NO_DRAFT, NGRAM_DRAFT, LAYER_SKIP_DRAFT):
-            raise SpecDecodeError(f"--tree {tree} needs a draft model (--draft MODEL or suffix:MODEL), not {kind!r}")
-        ngram = None
-        if kind.lower() == NGRAM_DRAFT:
-            ngram = NgramConfig(min_ngram=ngram_min, max_ngram=ngram_max)
+        choice = parse_draft(draft)
+        options = DrafterOptions(ngram_min=ngram_min, ngram_max=ngram_max, tree=tree, tree_nodes=tree_nodes,
+                                 skip_layers=parse_skip_layers(skip_layers),
+                                 cache_dir=None if cache_dir is None else str(cache_dir))
+        check_drafter(choice, options)
         draft_weights = draft_weights or weights
         for precision in (weights, draft_weights):
             if precision not in WEIGHT_PRECISIONS:
                 raise SpecDecodeError(f"unknown weight precision {precision!r}; choose one of {WEIGHT_PRECISIONS}")
         loaded = load_model(target, dtype=dtype, cache_dir=cache_dir, progress=progress)
         set_weight_precision(loaded.model, weights)
-        if kind.lower() in NO_DRAFT:
+        draft_model = load_draft_model(choice, loaded, target, weights=weights, draft_weights=draft_weights,
+                                       dtype=dtype, cache_dir=cache_dir, progress=progress)
+        factory = proposer_factory(choice, options, target=loaded.model,
+                                   draft=None if draft_model is None else draft_model.model)
+        if factory is None:  # plain decoding: no draft length to choose
             return cls(loaded, None, num_speculative_tokens=num_speculative_tokens)
-        if ngram is not None:
-            return cls(loaded, build_proposer("ngram", config=ngram), num_speculative_tokens=num_speculative_tokens,
-                       policy=policy)
-        if kind.lower() == LAYER_SKIP_DRAFT:
-            config = LayerSkipConfig(skip_layers=skip_layers, cache_dir=None if cache_dir is None else str(cache_dir))
-            proposer = build_proposer("layer-skip", model=loaded.model, config=config)
-            return cls(loaded, proposer, num_speculative_tokens=num_speculative_tokens, policy=policy)
-        if kind == target and draft_weights == weights:
-            draft_model = loaded  # same weights; the proposer keeps its own cache
-        else:
-            draft_model = load_model(kind, dtype=dtype, cache_dir=cache_dir, progress=progress)
-            check_compatible(loaded, draft_model)
-            set_weight_precision(draft_model.model, draft_weights)
-        if tree_config is not None:
-            proposer = build_proposer("tree-draft", model=draft_model.model, config=tree_config)
-        else:
-            proposer = build_proposer("draft-model", model=draft_model.model)
-        return cls(loaded, proposer, num_speculative_tokens=num_speculative_tokens, draft=draft_model, policy=policy)
+        return cls(loaded, factory(), num_speculative_tokens=num_speculative_tokens, draft=draft_model, policy=policy)
 
     def plain(self) -> "SpecDecoder":
         """The baseline: same target and engine code, no proposer (one token per target forward)."""
@@ -325,19 +299,6 @@ class SpecDecoder:
             prompt_token_ids=list(result.prompt_token_ids),
             stop_string=tracker.stop_string,
         )
-
-
-def _tree_config(tree: str | None, tree_nodes: int) -> TreeDraftConfig | None:
-    """The draft-model tree config of ``tree`` ("static" / "dynamic"; None / "none" = chains).
-
-    Raises:
-        SpecDecodeError: an unknown tree kind or a node budget outside 1..64.
-    """
-    kind = (tree or "none").strip().lower()
-    if kind != "none" and kind not in TREE_KINDS:
-        raise SpecDecodeError(f"tree must be one of none, {', '.join(TREE_KINDS)}; got {tree!r}")
-    config = TreeDraftConfig(kind=kind if kind != "none" else "dynamic", num_nodes=tree_nodes)
-    return None if kind == "none" else config
 
 
 def _check_stops(stop: Sequence[str] | None) -> list[str]:

@@ -23,7 +23,6 @@ from __future__ import annotations
 import dataclasses
 import gc
 import hashlib
-import inspect
 import json
 import logging
 import os
@@ -119,8 +118,6 @@ class BuildContext:
 
 Builder = Callable[[MethodSpec, BuildContext], object]
 BUILDERS: dict[str, Builder] = {}
-#: Self-speculative proposers whose factory's ``model`` argument is the target itself, not a draft.
-MODEL_IS_TARGET: set[str] = {"layer-skip"}
 
 
 def method_builder(name: str) -> Callable[[Builder], Builder]:
@@ -142,10 +139,9 @@ def registered_methods() -> list[str]:
 
 def needs_draft_model(name: str) -> bool:
     """True when the registered factory takes a ``model`` argument (a draft model)."""
-    from specdecode.proposers import PROPOSERS
+    from specdecode.proposers.factory import takes_draft_model
 
-    factory = PROPOSERS[name]
-    return "model" in inspect.signature(factory).parameters and name not in MODEL_IS_TARGET
+    return takes_draft_model(name)
 
 
 def draft_model_of(spec: MethodSpec, default: str | None) -> str | None:
@@ -156,11 +152,12 @@ def draft_model_of(spec: MethodSpec, default: str | None) -> str | None:
 
 
 def build_proposer_for(spec: MethodSpec, ctx: BuildContext):
-    """Build the proposer a MethodSpec names: a custom builder, else by introspecting the factory.
+    """Build the proposer a MethodSpec names: a custom builder, else through the registered factory.
 
-    The generic path passes ``config=`` (the factory's config dataclass, built from the
-    options with each field's type), ``model=`` (the draft model: option ``model`` or the
-    default draft; the target for names in MODEL_IS_TARGET) and ``target=`` (the target
+    The generic path (:func:`specdecode.proposers.factory.registered_factory`) passes ``config=``
+    (the factory's config dataclass, built from the options with each field's type), ``model=``
+    (the draft model: option ``model`` or the default draft; the target for self-speculative
+    proposers, ``specdecode.proposers.factory.SELF_SPECULATIVE``) and ``target=`` (the target
     model) where the factory takes them.
 
     Raises:
@@ -168,43 +165,25 @@ def build_proposer_for(spec: MethodSpec, ctx: BuildContext):
             config field, a value of the wrong type, or a draft model needed but not given.
     """
     from specdecode.proposers import PROPOSERS
+    from specdecode.proposers.factory import config_type, registered_factory, takes_draft_model
 
     if spec.name not in PROPOSERS:
         raise SpecDecodeError(f"unknown method {spec.name!r}; registered proposers: {', '.join(PROPOSERS)}")
     if spec.name in BUILDERS:
         return BUILDERS[spec.name](spec, ctx)
-    factory = PROPOSERS[spec.name]
-    params = inspect.signature(factory).parameters
-    kwargs: dict = {}
     options = dict(spec.options)
-    if "model" in params and spec.name in MODEL_IS_TARGET:
-        kwargs["model"] = ctx.target.model
-    elif "model" in params:
+    draft = None
+    if takes_draft_model(spec.name):
         draft_spec = options.pop("model", None) or ctx.default_draft
         if not draft_spec:
             raise SpecDecodeError(f"method {spec.name!r} needs a draft model: pass --draft SPEC or "
                                   f"'{spec.name}:model=SPEC'")
-        kwargs["model"] = ctx.load_draft(draft_spec).model
-    if "target" in params:
-        kwargs["target"] = ctx.target.model
-    config_type = _config_type(factory)
-    if config_type is not None:
-        kwargs["config"] = _build_config(config_type, options, spec)
-    elif options:
+        draft = ctx.load_draft(draft_spec).model
+    kind = config_type(spec.name)
+    if kind is None and options:
         raise SpecDecodeError(f"method {spec.name!r} takes no options, got {sorted(options)}")
-    return factory(**kwargs)
-
-
-def _config_type(factory) -> type | None:
-    """The dataclass type of the factory's ``config`` parameter, if it has one."""
-    if "config" not in inspect.signature(factory).parameters:
-        return None
-    hints = typing.get_type_hints(factory.__init__ if inspect.isclass(factory) else factory)
-    hint = hints.get("config")
-    for candidate in (hint, *typing.get_args(hint)):
-        if dataclasses.is_dataclass(candidate):
-            return candidate
-    return None
+    config = _build_config(kind, options, spec) if kind is not None else None
+    return registered_factory(spec.name, target=getattr(ctx.target, "model", None), draft=draft, config=config)()
 
 
 def _build_config(config_type: type, options: dict[str, str], spec: MethodSpec):

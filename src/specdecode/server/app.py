@@ -21,7 +21,7 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
@@ -99,14 +99,17 @@ _FIELD_NAMES = set(CompletionRequest.model_fields) | set(ChatCompletionRequest.m
     "role", "content", "name", "type", "text", "include_usage"}
 
 
-async def _parse(request: Request, model_cls):
+async def _parse(request: Request, model_cls, state: ServingState):
+    """The request body as ``model_cls``, for the model this server serves (400 / 404 otherwise)."""
     body = await request.body()
     if not body.strip():
         raise APIError(400, "the request body is empty; send a JSON object", code="invalid_json")
     try:
-        return model_cls.model_validate_json(body)
+        parsed = model_cls.model_validate_json(body)
     except ValidationError as exc:
         raise _validation_error(exc) from None
+    _served(state, parsed.model)
+    return parsed
 
 
 # --------------------------------------------------------------------------- state
@@ -459,6 +462,24 @@ def _chat_logprobs(state: ServingState, c: _Choice, start: int, ids: list[int]) 
     return {"content": content}
 
 
+def _response_base(state: ServingState, id_prefix: str, obj: str) -> dict:
+    """The fields every response body and stream chunk of one request starts with."""
+    return {"id": f"{id_prefix}-{uuid.uuid4().hex}", "object": obj, "created": int(time.time()),
+            "model": state.config.model_name}
+
+
+@contextmanager
+def _counted_if_invalid(state: ServingState, endpoint: str):
+    """Count a request refused with an APIError as ``invalid`` (a full queue or a shutdown is counted where
+    it happens), and let the error through."""
+    try:
+        yield
+    except APIError as exc:
+        if exc.code not in ("queue_full", "shutting_down"):
+            state.metrics.requests.labels(endpoint, "invalid").inc()
+        raise
+
+
 def _finish_reason(c: _Choice) -> str | None:
     """OpenAI's finish_reason: "length" or "stop" (EOS or a stop string); engine-only reasons pass through."""
     return c.finish_reason
@@ -546,18 +567,12 @@ def create_app(state: ServingState) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(request: Request):
         endpoint = "completions"
-        try:
-            body: CompletionRequest = await _parse(request, CompletionRequest)
-            _served(state, body.model)
+        with _counted_if_invalid(state, endpoint):
+            body: CompletionRequest = await _parse(request, CompletionRequest, state)
             prompts = [_encode_prompt(state, p, i) for i, p in enumerate(body.prompts())]
             job = _job(state, endpoint, body, prompts, body.max_tokens, 16, body.logprobs)
             job.submit()
-        except APIError as exc:
-            if exc.code not in ("queue_full", "shutting_down"):  # those are counted where they happen
-                state.metrics.requests.labels(endpoint, "invalid").inc()
-            raise
-        rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
-        base = {"id": rid, "object": "text_completion", "created": created, "model": state.config.model_name}
+        base = _response_base(state, "cmpl", "text_completion")
         if body.stream:
             return _sse(job, body, request, lambda c, piece, ids, start, fin: {
                 **base, "choices": [{"index": c.index, "text": piece, "token_ids": ids,
@@ -572,9 +587,8 @@ def create_app(state: ServingState) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         endpoint = "chat_completions"
-        try:
-            body: ChatCompletionRequest = await _parse(request, ChatCompletionRequest)
-            _served(state, body.model)
+        with _counted_if_invalid(state, endpoint):
+            body: ChatCompletionRequest = await _parse(request, ChatCompletionRequest, state)
             try:
                 ids = state.text.encode_chat(body.chat_messages())
             except SpecDecodeError as exc:
@@ -584,12 +598,7 @@ def create_app(state: ServingState) -> FastAPI:
             logprobs = (body.top_logprobs or 0) if body.logprobs else None
             job = _job(state, endpoint, body, [ids], body.max_new_tokens, state.config.default_max_tokens, logprobs)
             job.submit()
-        except APIError as exc:
-            if exc.code not in ("queue_full", "shutting_down"):  # those are counted where they happen
-                state.metrics.requests.labels(endpoint, "invalid").inc()
-            raise
-        rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
-        base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": state.config.model_name}
+        base = _response_base(state, "chatcmpl", "chat.completion.chunk")
         if body.stream:
             first = {**base, "choices": [{"index": c.index, "delta": {"role": "assistant", "content": ""},
                                           "logprobs": None, "finish_reason": None} for c in job.choices]}

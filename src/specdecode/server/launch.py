@@ -17,13 +17,15 @@ import torch
 
 from specdecode.batch import BatchConfig, BatchEngine, BatchRunner, calibrate_forward_cost
 from specdecode.models import LoadedModel, check_compatible, load_model
-from specdecode.proposers import DraftModelProposer, NgramConfig, NgramProposer
+from specdecode.proposers import NgramConfig
+from specdecode.proposers.factory import NO_DRAFT  # noqa: F401 - re-exported
+from specdecode.proposers.factory import DraftChoice, DrafterOptions, load_draft_model, parse_draft
+from specdecode.proposers.factory import proposer_factory as drafter_factory
 from specdecode.server.app import ServerConfig, ServingState, create_app
 from specdecode.types import SpecDecodeError
 
 logger = logging.getLogger("specdecode.server")
 
-NO_DRAFT = ("none", "")
 #: Drafters of ``specdecode generate`` that draft token trees or draft on the target's own cache.
 CHAIN_ONLY_REFUSED = ("suffix", "layer-skip", "layerskip")
 
@@ -57,18 +59,17 @@ def proposer_factory(draft: str | LoadedModel | None, target: LoadedModel, ngram
     Raises:
         SpecDecodeError (bad n-gram sizes), IncompatibleTokenizerError.
     """
+    options = DrafterOptions(ngram_min=ngram_min, ngram_max=ngram_max)
     if isinstance(draft, LoadedModel):
         if draft is not target:
             check_compatible(target, draft)
-        model = draft.model
-        return lambda: DraftModelProposer(model)
-    kind = (draft or "").strip().lower()
-    if kind in NO_DRAFT:
+        return drafter_factory(DraftChoice(draft.name, "model"), options, target=target.model, draft=draft.model)
+    choice = parse_draft(draft)
+    if choice.kind == "none":
         return None
-    _refuse_tree_drafters(kind)
-    if kind == "ngram":
-        cfg = NgramConfig(min_ngram=ngram_min, max_ngram=ngram_max)
-        return lambda: NgramProposer(cfg)
+    _refuse_tree_drafters(choice.text)
+    if choice.kind == "ngram":
+        return drafter_factory(choice, options)
     raise SpecDecodeError(f"unknown draft {draft!r}: use 'ngram', 'none' or a loaded draft model")
 
 
@@ -134,13 +135,11 @@ def load_state(opts: ServeOptions, progress: bool = True) -> ServingState:
     if not 1 <= opts.num_speculative_tokens <= 64:
         raise SpecDecodeError(f"--num-speculative-tokens must be in [1, 64], got {opts.num_speculative_tokens}")
     NgramConfig(min_ngram=opts.ngram_min, max_ngram=opts.ngram_max)  # fail before slow loads
-    kind = opts.draft.strip()
-    _refuse_tree_drafters(kind)
+    choice = parse_draft(opts.draft)
+    _refuse_tree_drafters(choice.text)
     target = load_model(opts.target, dtype=opts.dtype, cache_dir=opts.cache_dir, progress=progress)
-    draft: str | LoadedModel = kind
-    if kind.lower() not in (*NO_DRAFT, "ngram"):
-        draft = target if kind == opts.target else load_model(kind, dtype=opts.dtype, cache_dir=opts.cache_dir,
-                                                               progress=progress)
+    draft: str | LoadedModel = load_draft_model(choice, target, opts.target, dtype=opts.dtype,
+                                                cache_dir=opts.cache_dir, progress=progress) or choice.text
     if opts.kernel == "small-row":
         from specdecode.kernels import use_small_row_matmul
 

@@ -13,9 +13,9 @@ responses add ``usage.speculative`` and, per choice (also in stream chunks),
 from __future__ import annotations
 
 import math
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 #: Most choices one request may ask for (prompts x n).
 MAX_CHOICES = 64
@@ -23,6 +23,26 @@ MAX_CHOICES = 64
 MAX_TOP_LOGPROBS = 20
 #: Most stop strings per request (OpenAI's limit).
 MAX_STOP = 4
+
+
+def _token_limit(v: int | None, info: ValidationInfo) -> int | None:
+    """``max_tokens`` / ``max_completion_tokens``: unset, or at least one token."""
+    if v is not None and v < 1:
+        raise ValueError(f"{info.field_name} must be >= 1, got {v}")
+    return v
+
+
+def _logprob_count(v: int | None, info: ValidationInfo) -> int | None:
+    """``logprobs`` (completions) / ``top_logprobs`` (chat): unset, or 0 .. MAX_TOP_LOGPROBS alternatives."""
+    if v is not None and not 0 <= v <= MAX_TOP_LOGPROBS:
+        raise ValueError(f"{info.field_name} must be in [0, {MAX_TOP_LOGPROBS}], got {v}")
+    return v
+
+
+#: An optional token count of at least one.
+TokenLimit = Annotated[int | None, AfterValidator(_token_limit)]
+#: An optional number of logprobs alternatives per token.
+LogprobCount = Annotated[int | None, AfterValidator(_logprob_count)]
 
 
 class _Strict(BaseModel):
@@ -37,7 +57,7 @@ class _SamplingFields(_Strict):
     """Fields shared by completions and chat completions."""
 
     model: str
-    max_tokens: int | None = None
+    max_tokens: TokenLimit = None
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
@@ -51,13 +71,6 @@ class _SamplingFields(_Strict):
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
     logit_bias: dict[str, Any] | None = None
-
-    @field_validator("max_tokens")
-    @classmethod
-    def _max_tokens(cls, v):
-        if v is not None and v < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {v}")
-        return v
 
     @field_validator("temperature")
     @classmethod
@@ -129,17 +142,10 @@ class CompletionRequest(_SamplingFields):
     """POST /v1/completions."""
 
     prompt: str | list[str] | list[int] | list[list[int]]
-    logprobs: int | None = None
+    logprobs: LogprobCount = None
     echo: bool = False
     best_of: int | None = None
     suffix: str | None = None
-
-    @field_validator("logprobs")
-    @classmethod
-    def _logprobs(cls, v):
-        if v is not None and not 0 <= v <= MAX_TOP_LOGPROBS:
-            raise ValueError(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {v}")
-        return v
 
     @field_validator("prompt")
     @classmethod
@@ -190,9 +196,9 @@ class ChatCompletionRequest(_SamplingFields):
     """POST /v1/chat/completions."""
 
     messages: list[ChatMessage]
-    max_completion_tokens: int | None = None
+    max_completion_tokens: TokenLimit = None
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: LogprobCount = None
     tools: list[Any] | None = None
     tool_choice: Any = None
     functions: list[Any] | None = None
@@ -206,20 +212,6 @@ class ChatCompletionRequest(_SamplingFields):
         for i, m in enumerate(v):
             if m.role != "assistant" and m.text() is None:
                 raise ValueError(f"messages[{i}] ({m.role}) has no content")
-        return v
-
-    @field_validator("max_completion_tokens")
-    @classmethod
-    def _max_completion_tokens(cls, v):
-        if v is not None and v < 1:
-            raise ValueError(f"max_completion_tokens must be >= 1, got {v}")
-        return v
-
-    @field_validator("top_logprobs")
-    @classmethod
-    def _top_logprobs(cls, v):
-        if v is not None and not 0 <= v <= MAX_TOP_LOGPROBS:
-            raise ValueError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {v}")
         return v
 
     @model_validator(mode="after")

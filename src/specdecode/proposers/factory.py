@@ -1,0 +1,270 @@
+"""From a drafter choice to a proposer: the one construction path of the library, the server and the bench.
+
+A *drafter choice* is what ``--draft`` (and ``SpecDecoder.from_pretrained(draft=...)``) takes:
+
+- ``none`` (or empty): plain decoding, no proposer;
+- ``ngram``: prompt lookup (:class:`~specdecode.proposers.ngram.NgramProposer`);
+- ``layer-skip``: self-speculation, the target with some decoder layers skipped;
+- ``suffix`` / ``suffix:INNER``: suffix decoding, falling back to the drafter INNER (any other
+  choice) when the suffix match scores low;
+- anything else: a draft-model spec, loaded like the target (chains, or token trees with ``tree``).
+
+The pieces, used in this order:
+
+- :func:`parse_draft` reads a choice once (a :class:`DraftChoice`);
+- :func:`check_drafter` range-checks it with its :class:`DrafterOptions` before any slow load;
+- :func:`load_draft_model` loads the draft model it names (the target itself for the target's spec);
+- :func:`proposer_factory` turns it and the loaded modules into a zero-argument factory of
+  proposers: the library builds one proposer per decoder, the server one per request.
+
+Underneath, :func:`registered_factory` binds a registered proposer (``@register(name)``) to
+the arguments its factory takes (``model``: the draft model, or the target for self-speculative
+proposers; ``target``; ``config``). The bench's method specs (``ngram:k=5,max_ngram=4``) build
+through it as well, with their own option parsing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+import typing
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from specdecode.proposers.base import PROPOSERS, Proposer
+from specdecode.proposers.layer_skip import LayerSkipConfig, parse_skip_layers
+from specdecode.proposers.ngram import NgramConfig
+from specdecode.proposers.suffix import SuffixConfig
+from specdecode.proposers.tree_draft import TREE_KINDS, TreeDraftConfig
+from specdecode.types import SpecDecodeError
+
+#: Drafter choices that mean "no proposer": plain decoding.
+NO_DRAFT = ("none", "")
+#: The drafter choice of prompt-lookup (n-gram) drafting.
+NGRAM_DRAFT = "ngram"
+#: The drafter choice of self-speculation: the target with some decoder layers skipped.
+LAYER_SKIP_DRAFT = "layer-skip"
+#: The drafter choice of suffix decoding; ``suffix:ngram`` / ``suffix:MODEL`` add a fallback drafter.
+SUFFIX_DRAFT = "suffix"
+#: Kinds of :class:`DraftChoice`: the four above and "model" (a draft-model spec).
+DRAFT_KINDS = ("none", NGRAM_DRAFT, LAYER_SKIP_DRAFT, SUFFIX_DRAFT, "model")
+
+#: Self-speculative proposers: the ``model`` argument of their factory is the target itself, not a draft.
+SELF_SPECULATIVE: set[str] = {"layer-skip"}
+
+
+# --------------------------------------------------------------------------- registered factories
+
+
+def takes_draft_model(name: str) -> bool:
+    """True when the factory registered as ``name`` takes a ``model`` argument that is a draft model.
+
+    Raises:
+        KeyError: ``name`` is not registered.
+    """
+    return "model" in inspect.signature(PROPOSERS[name]).parameters and name not in SELF_SPECULATIVE
+
+
+def config_type(name: str) -> type | None:
+    """The dataclass type of the ``config`` parameter of the factory registered as ``name``, if it has one.
+
+    Raises:
+        KeyError: ``name`` is not registered.
+    """
+    factory = PROPOSERS[name]
+    if "config" not in inspect.signature(factory).parameters:
+        return None
+    hints = typing.get_type_hints(factory.__init__ if inspect.isclass(factory) else factory)
+    hint = hints.get("config")
+    for candidate in (hint, *typing.get_args(hint)):
+        if dataclasses.is_dataclass(candidate):
+            return candidate
+    return None
+
+
+def registered_factory(name: str, *, target=None, draft=None, config=None, **kwargs) -> Callable[[], Proposer]:
+    """A zero-argument factory of the proposer registered as ``name``, its arguments bound once.
+
+    Args:
+        name: a key of ``specdecode.proposers.PROPOSERS``.
+        target: the target ``nn.Module``; passed as ``model`` to self-speculative proposers
+            (:data:`SELF_SPECULATIVE`) and as ``target`` to factories that take one.
+        draft: the draft ``nn.Module``, passed as ``model`` to the other factories that take one.
+        config: the proposer's config dataclass, passed where the factory takes ``config``
+            (None = the factory's default).
+        kwargs: passed as they are (e.g. suffix decoding's ``fallback``).
+
+    Raises:
+        KeyError: ``name`` is not registered (the message lists the registered ones).
+    """
+    if name not in PROPOSERS:
+        raise KeyError(f"unknown proposer {name!r}; choose one of {sorted(PROPOSERS)}")
+    factory = PROPOSERS[name]
+    params = inspect.signature(factory).parameters
+    if "model" in params:
+        kwargs["model"] = target if name in SELF_SPECULATIVE else draft
+    if "target" in params:
+        kwargs["target"] = target
+    if config is not None:
+        kwargs["config"] = config
+    return functools.partial(factory, **kwargs)
+
+
+# --------------------------------------------------------------------------- drafter choices
+
+
+@dataclass(frozen=True)
+class DraftChoice:
+    """A ``--draft`` value, read.
+
+    Attributes:
+        text: the value as given, stripped ("" for None); a draft-model spec keeps its case.
+        kind: one of :data:`DRAFT_KINDS`.
+        fallback: with kind "suffix", the inner drafter of ``suffix:INNER`` (kind "none" when there is none).
+    """
+
+    text: str
+    kind: str
+    fallback: DraftChoice | None = None
+
+    @property
+    def model_spec(self) -> str | None:
+        """The draft-model spec this choice loads (its own or its fallback's); None when it needs no model."""
+        if self.kind == "model":
+            return self.text
+        return self.fallback.model_spec if self.fallback is not None else None
+
+
+def parse_draft(draft: str | None) -> DraftChoice:
+    """Read a drafter choice (see the module docstring); names are case-insensitive, model specs are not."""
+    text = (draft or "").strip()
+    name = text.lower()
+    if name in NO_DRAFT:
+        return DraftChoice(text, "none")
+    if name in (NGRAM_DRAFT, LAYER_SKIP_DRAFT):
+        return DraftChoice(text, name)
+    if name.partition(":")[0] == SUFFIX_DRAFT:
+        return DraftChoice(text, SUFFIX_DRAFT, parse_draft(text.partition(":")[2] or "none"))
+    return DraftChoice(text, "model")
+
+
+@dataclass(frozen=True)
+class DrafterOptions:
+    """The settings that go with a drafter choice; each is used only by the drafters it names.
+
+    Attributes:
+        ngram_min, ngram_max: smallest and largest n-gram matched by ``ngram`` (tokens).
+        tree: "static" (top-k branching per depth) or "dynamic" (EAGLE-2) token trees of a draft
+            model; None / "none" = chains.
+        tree_nodes: node budget N (1..64) of a tree, and of ``suffix``.
+        skip_layers: the decoder layers ``layer-skip`` skips ("3,5,7" or indices); None = the set
+            cached for the model, or a search on the first prompt.
+        cache_dir: where ``layer-skip`` keeps its chosen sets (None = its default).
+    """
+
+    ngram_min: int = 1
+    ngram_max: int = 3
+    tree: str | None = None
+    tree_nodes: int = 16
+    skip_layers: str | Sequence[int] | None = None
+    cache_dir: str | None = None
+
+
+def tree_config(tree: str | None, tree_nodes: int) -> TreeDraftConfig | None:
+    """The draft-model tree config of ``tree`` ("static" / "dynamic"; None / "none" = chains, returns None).
+
+    Raises:
+        SpecDecodeError: an unknown tree kind or a node budget outside 1..64.
+    """
+    kind = (tree or "none").strip().lower()
+    if kind != "none" and kind not in TREE_KINDS:
+        raise SpecDecodeError(f"tree must be one of none, {', '.join(TREE_KINDS)}; got {tree!r}")
+    config = TreeDraftConfig(kind=kind if kind != "none" else "dynamic", num_nodes=tree_nodes)
+    return None if kind == "none" else config
+
+
+def check_drafter(choice: DraftChoice, options: DrafterOptions) -> None:
+    """Range-check a choice with its options, without loading anything (call it before slow loads).
+
+    Raises:
+        SpecDecodeError: bad skip layers, an unknown tree kind, a node budget outside 1..64, a
+            tree asked of a model-free drafter, or bad n-gram sizes (for the drafters that use them).
+    """
+    parse_skip_layers(options.skip_layers)
+    tree = tree_config(options.tree, options.tree_nodes)
+    if choice.kind == SUFFIX_DRAFT:
+        check_drafter(choice.fallback, options)
+        return
+    if tree is not None and choice.kind != "model":
+        raise SpecDecodeError(f"--tree {options.tree} needs a draft model (--draft MODEL or suffix:MODEL), "
+                              f"not {choice.text!r}")
+    if choice.kind == NGRAM_DRAFT:
+        NgramConfig(min_ngram=options.ngram_min, max_ngram=options.ngram_max)
+
+
+def load_draft_model(choice: DraftChoice, target, target_spec: str, *, weights: str = "fp32",
+                     draft_weights: str | None = None, **load_kwargs):
+    """The draft LoadedModel a choice names (its own or its suffix fallback's), None for model-free choices.
+
+    The draft is ``target`` itself (one module; each proposer keeps its own cache) when its spec
+    is ``target_spec`` and it runs in the target's precision; otherwise it is loaded with
+    :func:`specdecode.models.load_model` (``load_kwargs``: dtype, cache_dir, progress), checked
+    for a tokenizer shared with the target, and set to ``draft_weights``.
+
+    Args:
+        choice: the parsed ``--draft``.
+        target: the target's LoadedModel; target_spec: the spec it was loaded from.
+        weights: the precision the target runs in; draft_weights: the draft's (None = ``weights``).
+
+    Raises:
+        ModelLoadError, IncompatibleTokenizerError.
+    """
+    from specdecode.kernels import set_weight_precision
+    from specdecode.models import check_compatible, load_model
+
+    spec = choice.model_spec
+    if spec is None:
+        return None
+    draft_weights = draft_weights or weights
+    if spec == target_spec and draft_weights == weights:
+        return target
+    draft = load_model(spec, **load_kwargs)
+    check_compatible(target, draft)
+    set_weight_precision(draft.model, draft_weights)
+    return draft
+
+
+def proposer_factory(choice: DraftChoice, options: DrafterOptions, *, target=None,
+                     draft=None) -> Callable[[], Proposer] | None:
+    """A zero-argument factory of fresh proposers for a choice; None for plain decoding.
+
+    Args:
+        choice: the parsed ``--draft``.
+        options: its settings (checked here as by :func:`check_drafter`).
+        target: the target ``nn.Module`` (``layer-skip`` drafts with it).
+        draft: the draft ``nn.Module`` of a draft-model choice (or of its suffix fallback),
+            e.g. ``load_draft_model(...).model``.
+
+    Raises:
+        SpecDecodeError: as :func:`check_drafter`; a draft-model choice without ``draft``.
+    """
+    check_drafter(choice, options)
+    if choice.kind == "none":
+        return None
+    if choice.kind == SUFFIX_DRAFT:
+        inner = proposer_factory(choice.fallback, options, target=target, draft=draft)
+        suffix = registered_factory(SUFFIX_DRAFT, config=SuffixConfig(max_spec_nodes=options.tree_nodes))
+        return lambda: suffix(fallback=inner() if inner is not None else None)
+    if choice.kind == NGRAM_DRAFT:
+        return registered_factory("ngram", config=NgramConfig(min_ngram=options.ngram_min,
+                                                              max_ngram=options.ngram_max))
+    if choice.kind == LAYER_SKIP_DRAFT:
+        config = LayerSkipConfig(skip_layers=parse_skip_layers(options.skip_layers), cache_dir=options.cache_dir)
+        return registered_factory("layer-skip", target=target, config=config)
+    if draft is None:
+        raise SpecDecodeError(f"--draft {choice.text!r} names a draft model, but none was loaded")
+    tree = tree_config(options.tree, options.tree_nodes)
+    if tree is not None:
+        return registered_factory("tree-draft", draft=draft, config=tree)
+    return registered_factory("draft-model", draft=draft)
