@@ -269,6 +269,7 @@ class BenchConfig:
     kernel: str = "default"
     draft_weights: str = "fp32"
     weights: str = "fp32"
+    llama_cpp: bool = False
     threads: int | None = None
     output: str = "bench-out/full"
     preset: str = "full"
@@ -693,7 +694,42 @@ def build_variants(config: BenchConfig, models: Models, dtype: str, status: Call
             variants.append(Variant(f"hf/{peer}{tail}", "hf", peer, spec.gamma, f"hf/{peer}",
                                     _peer_runner(target, peer, spec.gamma, draft, max_ngram, n, temp, eos),
                                     peer_of=f"specdecode/{spec.canonical}", draft=draft_spec))
+    if config.llama_cpp:
+        variants += _llama_cpp_variants(config, specs, main_gamma_of(specs), eos, status)
     return variants
+
+
+def _llama_cpp_variants(config: BenchConfig, specs, mains: dict, eos: tuple[int, ...], status) -> list[Variant]:
+    """llama.cpp plain, and its prompt lookup as the peer of each n-gram family (``bench.llamacpp``)."""
+    from specdecode.bench import llamacpp
+    from specdecode.models import gguf_file
+
+    if not llamacpp.available():
+        raise SpecDecodeError("--llama-cpp needs llama-cpp-python: pip install llama-cpp-python (it builds "
+                              "llama.cpp from source; set CMAKE_ARGS=-DGGML_NATIVE=ON for this CPU)")
+    gguf = gguf_file(config.target)
+    status(f"llama.cpp peer on {gguf.name}")
+
+    def runner(method: str, gamma: int, max_ngram: int):
+        engine = llamacpp.LlamaCppRunner(str(gguf), method, gamma=gamma, max_ngram=max_ngram,
+                                         n_threads=config.threads)
+
+        def run(ids: list[int], seed: int, limit: int | None = None) -> RunOutput:
+            res = engine.generate(ids, limit or config.max_new_tokens, eos)
+            return RunOutput(res.token_ids, res.wall_s, res.finish_reason, None)
+
+        return run
+
+    out = [Variant(f"{llamacpp.ENGINE}/plain", llamacpp.ENGINE, "plain", 0, f"{llamacpp.ENGINE}/plain",
+                   runner("plain", 1, 2))]
+    for spec in specs:
+        if spec.name == "ngram" and spec.gamma == mains.get(spec.family):
+            max_ngram = int(spec.option("max_ngram", "3"))
+            out.append(Variant(f"{llamacpp.ENGINE}/prompt-lookup:k={spec.gamma},max_ngram={max_ngram}",
+                               llamacpp.ENGINE, "prompt-lookup", spec.gamma, f"{llamacpp.ENGINE}/prompt-lookup",
+                               runner("prompt-lookup", spec.gamma, max_ngram),
+                               peer_of=f"specdecode/{spec.canonical}"))
+    return out
 
 
 def run_bench(config: BenchConfig, *, progress: bool = True, log: Callable[[str], None] | None = None) -> dict:
