@@ -28,12 +28,14 @@ DTYPE_OF = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.float32
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", default="smollm2-135m")
-    ap.add_argument("--precisions", default="fp32,bf16,int8")
+    ap.add_argument("--precisions", default="fp32,bf16,int8", help="fp32 first: the others are compared to it")
     ap.add_argument("--limit", type=int, default=2, help="prompts per Spec-Bench category")
     ap.add_argument("--max-tokens", type=int, default=512, help="tokens kept per text")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--json")
     args = ap.parse_args()
+    if not args.precisions.startswith("fp32"):
+        ap.error("--precisions must start with fp32 (the reference)")
     if args.threads:
         torch.set_num_threads(args.threads)
     texts = None

@@ -148,7 +148,7 @@ def test_markdown_is_laid_out_like_the_spec_bench_leaderboard(summ, tmp_path):
     assert row.split("|")[-3].strip() == "3.80"  # tau
     assert "| HF prompt-lookup γ=4 |" in text
     assert "first diff" in text and "b/2" in text
-    for section in ("Theory vs measurement", "Against Hugging Face", "Environment", "Acceptance by draft position"):
+    for section in ("Theory vs measurement", "Against the peers", "Environment", "Acceptance by draft position"):
         assert section in text
 
 

@@ -60,7 +60,7 @@ def test_int8_draft_sampling_follows_the_float_target_distribution():
 
 def test_rowwise_int8_rows_are_independent_bit_for_bit():
     """Why an int8 *target* is lossless: a row's output is the same whatever rows share the call
-    (fbgemm's per-call activation range is pinned to [-1, 1] by per-row scaling and an anchor row)."""
+    (fbgemm's per-call activation range is pinned to [-1, 1] by per-row scaling and two pin columns)."""
     from specdecode.kernels import RowwiseInt8Linear
 
     torch.manual_seed(0)

@@ -143,7 +143,8 @@ def _add_generate(commands) -> None:
                         help="precision the target's weights execute in; plain decoding uses the same target, so "
                              "output stays lossless with respect to it. bf16: half the bytes, fast few-row products "
                              "on AVX512-BF16 CPUs; int8: a quarter of the bytes (fbgemm, int8 weights per channel, "
-                             "activations per token) (default: %(default)s)")
+                             "activations per token), token-for-token lossless with the owned Llama/Qwen2 forward "
+                             "(default: %(default)s)")
     models.add_argument("--draft-weights", default=None, choices=WEIGHT_PRECISIONS,
                         help="precision of the draft model's weights (default: same as --weights). int8 = "
                              "fbgemm int8 linear layers: 4x fewer bytes per draft step; a draft's precision changes "

@@ -108,7 +108,16 @@ class _OutputSlice(torch.nn.Module):
         self.fused, self.start, self.end = fused, start, end
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fused(x)[..., self.start : self.end]
+        # q/k/v (gate/up) are called one after another on the same input: compute the fused product once
+        memo = self.fused.__dict__.get("_memo")
+        if memo is not None and memo[0] is x:
+            out = memo[1]
+        else:
+            out = self.fused(x)
+            self.fused.__dict__["_memo"] = (x, out)
+        if self.end == self.fused.out_features:  # the last slice: drop the memo (no activations kept alive)
+            self.fused.__dict__.pop("_memo", None)
+        return out[..., self.start : self.end]
 
 
 def _fuse_int8(parent: torch.nn.Module, names: tuple[str, ...]) -> RowwiseInt8Linear:
@@ -193,6 +202,12 @@ class OwnedCachedModel:
         # float32 like the Hugging Face rotary embedding, so both forwards rotate identically
         self.inv_freq = 1.0 / (theta ** (torch.arange(0, self.head_dim, 2, dtype=torch.int64).float() / self.head_dim))
         self.dtype = dtype
+        # int8 weights: the products are exact integer sums, so a verified row equals a decoded row
+        # if the float parts do too. Attention is the one float part whose rounding depends on the
+        # number of query rows (SDPA blocks keys by query length); float64 attention with a float64
+        # cache makes that rounding ~1e-16, below what a float32 result can show.
+        self.cache_dtype = torch.float64 if any(isinstance(l.qkv, RowwiseInt8Linear) for l in self.layers) \
+            else dtype
         self.max_context = int(getattr(cfg, "max_position_embeddings", 2048))
         self._capacity = min(capacity, self.max_context)
         self.cached_ids: list[int] = []
@@ -205,8 +220,8 @@ class OwnedCachedModel:
     def _alloc(self, capacity: int) -> None:
         shape = (len(self.layers), self.num_kv_heads, capacity, self.head_dim)
         old_k, old_v = getattr(self, "k_cache", None), getattr(self, "v_cache", None)
-        self.k_cache = torch.zeros(shape, dtype=self.dtype)
-        self.v_cache = torch.zeros(shape, dtype=self.dtype)
+        self.k_cache = torch.zeros(shape, dtype=self.cache_dtype)
+        self.v_cache = torch.zeros(shape, dtype=self.cache_dtype)
         if old_k is not None:
             n = old_k.shape[2]
             self.k_cache[:, :, :n] = old_k
@@ -363,12 +378,12 @@ class OwnedCachedModel:
             self.k_cache[i, :, start:end] = k
             self.v_cache[i, :, start:end] = v.view(n, kvh, d).transpose(0, 1)
             attn = F.scaled_dot_product_attention(
-                q.unsqueeze(0),
+                q.unsqueeze(0).to(self.cache_dtype),
                 self.k_cache[i, :, :end].unsqueeze(0),
                 self.v_cache[i, :, :end].unsqueeze(0),
                 attn_mask=mask,
                 enable_gqa=h != kvh,
-            )  # [1, h, n, d]
+            ).to(x.dtype)  # [1, h, n, d]
             x = x + _mm(layer.o, attn[0].transpose(0, 1).reshape(n, h * d))
             gate, up = _mm(layer.gate_up, _rms_norm(x, layer.ln2, self.eps)).chunk(2, dim=-1)
             x = x + _mm(layer.down, F.silu(gate) * up)

@@ -135,7 +135,8 @@ class SpecDecoder:
             dtype, cache_dir, progress: passed to ``load_model``.
             weights: precision the target's weights execute in ("fp32", "bf16", "int8"; plain
                 decoding uses the same target, so losslessness is with respect to it; int8
-                quantizes activations per token, so verified rows do not affect each other).
+                quantizes activations per token, so verified rows do not affect each other; exact with
+                the owned Llama / Qwen2 forward, see ``kernels.set_weight_precision``).
             draft_weights: the draft model's precision ("fp32", "bf16", "int8", see
                 :func:`specdecode.kernels.set_weight_precision`); None = same as ``weights``.
             policy: the draft-length policy's name (see :func:`specdecode.policy.build_policy`).

@@ -68,6 +68,9 @@ class RowwiseInt8Linear(torch.nn.Module):
         bias: [out_features] or None (kept in float32, added after the int8 product).
 
     Input: [..., in_features] float tensor; output: [..., out_features] float32.
+
+    Raises:
+        RuntimeError: a NaN in the input (fbgemm cannot choose a range).
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
@@ -96,7 +99,12 @@ class RowwiseInt8Linear(torch.nn.Module):
 
         Stacks the parts' int8 weights and per-channel scales as they are (no requantization),
         so its outputs equal the parts' outputs exactly.
+
+        Raises:
+            ValueError: no parts, or parts with different ``in_features``.
         """
+        if not parts or len({p.in_features for p in parts}) != 1:
+            raise ValueError("concat needs at least one part, all with the same in_features")
         qs = [p.int8_weight() for p in parts]
         fused = cls.__new__(cls)
         torch.nn.Module.__init__(fused)
@@ -140,10 +148,13 @@ def set_weight_precision(model: torch.nn.Module, precision: str) -> torch.nn.Mod
       about the one-row cost; half the bytes of float32).
     - ``int8``: every ``nn.Linear`` (the LM head included) becomes a
       :class:`RowwiseInt8Linear`: int8 weights per output channel through fbgemm,
-      activations quantized per token. A quarter of float32's bytes, 1..16 rows cost
-      about one row, and a row's output does not depend on the rows verified with it,
-      so an int8 *target* stays lossless (speculative == plain decoding of the same
-      int8 model). Embeddings and norms stay float32.
+      activations quantized per token. A quarter of float32's bytes, and a row's output
+      does not depend on the rows verified with it. With the project's own forward
+      (``fastforward.OwnedCachedModel``, which also runs attention in float64 for int8
+      models) an int8 *target* stays lossless: speculative == plain decoding of the same
+      int8 model. The Hugging Face forward runs float32 attention, whose rounding depends
+      on the number of rows, and 7-bit activations amplify that: there, outputs can leave
+      plain decoding's path. Embeddings and norms stay float32.
 
     Raises:
         ValueError: unknown precision.
@@ -159,6 +170,7 @@ def set_weight_precision(model: torch.nn.Module, precision: str) -> torch.nn.Mod
             parent_name, _, attr = name.rpartition(".")
             parent = model.get_submodule(parent_name) if parent_name else model
             setattr(parent, attr, RowwiseInt8Linear.from_linear(linear))
+    model.__dict__.pop("_specdecode_fused_layers", None)  # owned-forward weight views of the old precision
     if getattr(model, "config", None) is not None:
         model.config.specdecode_weights = precision  # names the precision in per-model caches (layer_search)
     return model

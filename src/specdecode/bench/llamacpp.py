@@ -6,7 +6,9 @@ converted from (e.g. Qwen2.5-Coder 1.5B Q4_K_M):
 
 - ``llama.cpp/plain``: plain decoding (``Llama.generate``, top-k 1);
 - ``llama.cpp/prompt-lookup``: llama-cpp-python's prompt-lookup drafting
-  (``LlamaPromptLookupDecoding``, ``num_pred_tokens`` = gamma), the n-gram method's peer.
+  (``LlamaPromptLookupDecoding``, ``num_pred_tokens`` = gamma), the n-gram method's peer. This is
+  the Python binding's lookup (it turns on logits for every position), not llama.cpp's C++
+  ``llama-lookup`` example.
 
 Timing is the same as ours: wall time around the whole generation, prefill included.
 Outputs are not compared with ours (4-bit GGUF weights against our converted weights give
@@ -54,21 +56,35 @@ class LlamaCppRunner:
     def __init__(self, gguf: str, method: str = "plain", *, gamma: int = 10, max_ngram: int = 2,
                  n_ctx: int = 2048, n_threads: int | None = None) -> None:
         import torch
-        from llama_cpp import Llama
 
         if method not in ("plain", "prompt-lookup"):
             raise ValueError(f"unknown llama.cpp method {method!r}; use plain or prompt-lookup")
+        self.gguf, self.method, self.gamma, self.max_ngram = str(gguf), method, gamma, max_ngram
+        self.threads = n_threads or torch.get_num_threads()
+        self.llm = None
+        self.n_ctx = 0
+        self._load(n_ctx)
+
+    def _load(self, n_ctx: int) -> None:
+        """(Re)create the context with room for ``n_ctx`` tokens. A draft makes llama-cpp-python keep
+        logits for every position (n_ctx x vocab floats), so the context is sized to the need."""
+        from llama_cpp import Llama
+
         draft = None
-        if method == "prompt-lookup":
+        if self.method == "prompt-lookup":
             from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
-            draft = LlamaPromptLookupDecoding(max_ngram_size=max_ngram, num_pred_tokens=gamma)
-        threads = n_threads or torch.get_num_threads()
-        self.llm = Llama(model_path=str(gguf), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads,
+            draft = LlamaPromptLookupDecoding(max_ngram_size=self.max_ngram, num_pred_tokens=self.gamma)
+        self.llm = None  # free the old context first
+        self.llm = Llama(model_path=self.gguf, n_ctx=n_ctx, n_threads=self.threads, n_threads_batch=self.threads,
                          n_batch=512, draft_model=draft, verbose=False)
+        self.n_ctx = n_ctx
 
     def generate(self, prompt_ids: Sequence[int], max_new_tokens: int, eos_token_ids: Sequence[int]) -> LlamaCppResult:
         """Greedy decoding of ``max_new_tokens`` at most, stopping at any of ``eos_token_ids``."""
+        need = len(prompt_ids) + max_new_tokens + self.gamma + 8
+        if need > self.n_ctx:  # a long prompt: grow the context (not timed)
+            self._load(-(-need // 512) * 512)
         eos = set(eos_token_ids) | {self.llm.token_eos()}
         out: list[int] = []
         finish = "length"

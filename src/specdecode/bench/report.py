@@ -170,7 +170,8 @@ def peer_section(summary: dict, variants: dict[str, dict]) -> str:
                          *[f"{fx(rc[c]['ours_speedup'])} / {fx(rc[c]['hf_speedup'])} = {fn(rc[c]['ratio'])}"
                            for c in cats],
                          f"{fn(rc[S.OVERALL]['ours_tokens_per_s'], 2)} / {fn(rc[S.OVERALL]['hf_tokens_per_s'], 2)}"])
-        parts.append("Cells: our speedup over our plain / HF's speedup over HF plain = ratio (> 1: ours gains more).")
+        parts.append("Cells: our speedup over our plain / the peer's speedup over its own plain decoding (HF `generate`, "
+                     "llama.cpp) = ratio (> 1: ours gains more).")
         parts.append(_table(["Ours", "Peer (HF, llama.cpp)", *cats, "tok/s ours / peer"], rows))
     return "\n\n".join(parts) if parts else "_No peer runs._"
 
@@ -182,7 +183,7 @@ def agreement_section(summary: dict) -> str:
     n = sum(ag["checked"].values())
     mm = ag["mismatches"]
     if not mm:
-        return f"All {n} greedy outputs equal our plain decoding's (and HF peers' equal HF plain's)."
+        return f"All {n} greedy outputs equal our plain decoding's (and each peer's equal its own plain decoding's)."
     rows = [[m["variant"], m["prompt"], m["reference"], str(m["first_diff"]), f"{m['tokens']} / {m['reference_tokens']}"]
             for m in mm]
     return (f"{len(mm)} mismatch(es) among {n} checked outputs (first differing token position; real models "
@@ -252,8 +253,8 @@ def markdown(summary: dict, meta: dict) -> str:
         head,
         "## Speedup over plain decoding\n\nMedian over prompts of the wall-clock speedup (tokens/s over plain "
         "decoding of the same target, same prompt, same process, runs interleaved prompt by prompt; prefill "
-        "included). Our rows are over our plain decoding, HF rows over HF plain `generate`. τ = tokens per "
-        "target forward pass.\n\n" + leaderboard_table(summary, {**variants}),
+        "included). Our rows are over our plain decoding, HF rows over HF plain `generate`, llama.cpp rows "
+        "over llama.cpp plain. τ = tokens per target forward pass.\n\n" + leaderboard_table(summary, {**variants}),
         "## Details (all prompts)\n\nThroughput ratio: pooled tokens/s over the baseline's; decode speedup: the "
         "same after the first token (prefill taken out); time split of wall time.\n\n"
         + details_table(summary, variants),
@@ -269,7 +270,7 @@ def markdown(summary: dict, meta: dict) -> str:
         "overhead-aware prediction. (Token-tree methods are left out: the chain model does not describe "
         "them.)\n\n" + theory_table(summary, variants),
         "## τ and speedup against γ\n\n" + sweep_section(summary),
-        "## Against Hugging Face transformers\n\n" + peer_section(summary, variants),
+        "## Against the peers (Hugging Face transformers, llama.cpp)\n\n" + peer_section(summary, variants),
         "## Output agreement\n\n" + agreement_section(summary),
         "## Cost of verification\n\nOne cached target forward over k + 1 new tokens at a typical context "
         "(least of the timed repetitions), relative to one decoding step.\n\n" + probe_section(summary),
