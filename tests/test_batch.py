@@ -305,3 +305,63 @@ def test_calibration_is_monotone(target):
     points = calibrate_forward_cost(BatchRunner(target, 1, 256), 24, repeats=1)
     assert [n for n, _ in points][0] == 1 and points[-1][0] == 24
     assert all(a[1] <= b[1] for a, b in zip(points, points[1:]))
+
+
+# --------------------------------------------------------------------------- rows at the end of a context
+
+
+def _run_events(engine: BatchEngine, prompts, params) -> list[list]:
+    events = [[] for _ in prompts]
+    for i, (p, sp) in enumerate(zip(prompts, params)):
+        engine.submit(BatchRequest(p, sp, events[i].append))
+    _drain(engine)
+    return events
+
+
+@pytest.mark.parametrize("kind", ["self-draft", "batched-self-draft"])
+def test_a_row_reaching_the_context_finishes_alone(kind):
+    """Rows whose prompt + max_new_tokens fill the context end with "length" while the others draft on.
+
+    A row at its last position feeds one token while the others feed gamma + 1 (or a new row's
+    8-token catch-up in the batched draft model): its padding lands past the context. That used to
+    fail the whole step, every row ending with an error.
+    """
+    tgt = tiny_llama(vocab_size=64, seed=0, scale=3.0, max_positions=32)
+    def factory():  # drafts every token it may: the most padding
+        return DraftModelProposer(tgt)
+
+    prompts = [list(range(1, 21)), [3, 4], [5, 9, 2, 5, 9, 2, 5], [11, 12, 13, 11, 12, 13, 11]]
+    params = [SamplingParams(max_new_tokens=12), SamplingParams(max_new_tokens=24, temperature=1.0, seed=3),
+              SamplingParams(max_new_tokens=25), SamplingParams(max_new_tokens=25, temperature=0.8, seed=4)]
+    expected = [SpeculativeEngine(tgt, factory(), EngineConfig(num_speculative_tokens=4)).generate(p, sp).token_ids
+                for p, sp in zip(prompts, params)]
+    cfg = BatchConfig(max_batch_size=3, num_speculative_tokens=4, adaptive=False)
+    engine = (BatchEngine(tgt, None, cfg, draft_model=tgt) if kind == "batched-self-draft"
+              else BatchEngine(tgt, factory, cfg))
+    events = _run_events(engine, prompts, params)
+    assert [e[-1].error for e in events] == [None] * 4
+    assert [e[-1].finish_reason for e in events] == ["length"] * 4
+    assert [sum((ev.token_ids for ev in e), []) for e in events] == expected
+    assert [len(p) + len(x) for p, x in zip(prompts, expected)] == [32, 26, 32, 32]  # three rows fill the context
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_batched_draft_with_a_shorter_context_stops_drafting_where_it_ends(target, temperature):
+    """A 16-position draft under a 256-position target: each row drafts only what fits the draft's context,
+    then decodes plainly, exactly like a single-sequence run with the same draft."""
+    short = tiny_llama(vocab_size=64, seed=0, scale=3.0, max_positions=16)  # the target's weights
+    prompts = [[1], [5, 9, 2], list(range(10, 30)), [7, 7, 7, 7]]
+    params = [SamplingParams(max_new_tokens=30, temperature=temperature, seed=i) for i in range(4)]
+    expected = [SpeculativeEngine(target, DraftModelProposer(short), EngineConfig(num_speculative_tokens=4))
+                .generate(p, sp).token_ids for p, sp in zip(prompts, params)]
+    engine = BatchEngine(target, None, BatchConfig(max_batch_size=3, num_speculative_tokens=4, adaptive=False),
+                         draft_model=short)
+    events = _run_events(engine, prompts, params)
+    assert [sum((ev.token_ids for ev in e), []) for e in events] == expected
+    for prompt, evs in zip(prompts, events):
+        length = len(prompt)
+        for ev in evs:
+            assert ev.num_drafted <= max(0, 16 - length + 1)  # drafts and fed tokens fit 16 positions
+            length += len(ev.token_ids)
+        # the 20-token prompt never fits the draft: plain decoding throughout
+        assert evs[-1].num_drafted == 0 and (evs[-1].metrics.num_drafted_tokens > 0) == (len(prompt) < 16)

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from specdecode.cache import CachedModel
-from specdecode.engine import EngineConfig, SpeculativeEngine
-from specdecode.proposers import DraftModelProposer, NgramProposer
+from specdecode.engine import EngineConfig, SpeculativeEngine, apply_stopping_rules
+from specdecode.proposers import DraftModelConfig, DraftModelProposer, NgramProposer
 from specdecode.proposers.ngram import NgramConfig, find_continuation
 from specdecode.types import (
     Draft,
@@ -18,7 +18,7 @@ from specdecode.types import (
     SamplingParams,
     SpecDecodeError,
 )
-from tiny import chi2_pvalue, tiny_llama
+from tiny import assert_cache_is_fresh_prefill, chi2_pvalue, exact_joint3, tiny_llama
 
 PROMPTS = [[1], [5, 9, 2], [3, 4, 5, 3, 4, 5, 3, 4], list(range(10, 30)), [7, 7, 7, 7], [40, 2, 40, 2, 40]]
 
@@ -121,16 +121,6 @@ def test_every_draft_rejected_still_equals_plain(target):
     assert out.metrics.num_drafted_tokens > 0
 
 
-def _assert_cache_is_fresh_prefill(runner: CachedModel):
-    fresh = type(runner)(runner.model)  # the same forward backend, fresh
-    fresh.reset()
-    fresh.forward(runner.cached_ids)
-    for (k1, v1), (k2, v2) in zip(runner.layer_tensors(), fresh.layer_tensors()):
-        assert k1.shape == k2.shape
-        torch.testing.assert_close(k1, k2)
-        torch.testing.assert_close(v1, v2)
-
-
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_caches_equal_fresh_prefill_after_many_steps(target, draft, temperature):
     proposer = DraftModelProposer(draft)
@@ -142,8 +132,8 @@ def test_caches_equal_fresh_prefill_after_many_steps(target, draft, temperature)
         step = engine.step(state)
         rejections += step.num_accepted < step.num_drafted
         assert engine.target.cached_ids == state.ctx.token_ids[:-1]
-        _assert_cache_is_fresh_prefill(engine.target)
-        _assert_cache_is_fresh_prefill(proposer.runner)
+        assert_cache_is_fresh_prefill(engine.target)
+        assert_cache_is_fresh_prefill(proposer.runner)
         assert proposer.runner.cached_ids == state.ctx.token_ids[: proposer.runner.num_cached]
     assert rejections > 3
 
@@ -161,14 +151,7 @@ def test_sampled_output_follows_target_distribution_through_the_engine():
     tgt = tiny_llama(vocab_size=vocab, seed=3, layers=1, hidden=32, scale=4.0)
     drf = tiny_llama(vocab_size=vocab, seed=4, layers=1, hidden=32, scale=4.0)
     prompt = [1, 2]
-    exact = np.zeros(vocab**3)
-    runner = CachedModel(tgt)
-    with torch.inference_mode():
-        for i in range(vocab**3):
-            seq = list(np.unravel_index(i, (vocab,) * 3))
-            runner.reset()
-            probs = torch.softmax(runner.forward(prompt + seq[:2]).double(), -1)[-3:]
-            exact[i] = float(probs[0, seq[0]] * probs[1, seq[1]] * probs[2, seq[2]])
+    exact = exact_joint3(tgt, prompt)
     engine = _engine(tgt, DraftModelProposer(drf), 2)
     counts = np.zeros(vocab**3)
     for s in range(3000):
@@ -222,3 +205,36 @@ def test_metrics_by_position(target):
     d = m.to_dict()
     for key in ("acceptance_rate", "mean_accepted_length", "tokens_per_s", "other_time_s"):
         assert key in d
+
+
+@pytest.mark.parametrize("forward", ["auto", "hf"])
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_draft_with_a_shorter_context_stops_drafting_where_it_ends(target, forward, temperature):
+    """A 16-position draft under a 256-position target: chains shrink to what the draft can hold, then
+    plain decoding steps (no draft tokens in the metrics); greedy output equals plain decoding."""
+    short = tiny_llama(vocab_size=64, seed=0, scale=3.0, max_positions=16)  # the target's weights
+    engine = SpeculativeEngine(target, DraftModelProposer(short, DraftModelConfig(forward=forward)),
+                               EngineConfig(num_speculative_tokens=4, forward=forward))
+    params = _greedy(40, temperature=temperature, seed=5)
+    state = engine.start([1, 2, 3], params)
+    while state.finish_reason is None:
+        room = 16 - len(state.ctx.token_ids) + 1  # the draft feeds the context and every draft token but the last
+        step = engine.step(state)
+        assert step.num_drafted <= max(0, room)
+    out = engine.output(state)
+    assert out.finish_reason == "length" and len(out.token_ids) == 40
+    drafts = out.metrics.draft_lengths
+    assert sum(drafts) > 0 and drafts[-10:] == [0] * 10
+    if temperature == 0.0:
+        assert out.token_ids == _engine(target, None).generate([1, 2, 3], params).token_ids
+
+
+def test_stopping_rules():
+    eos = SamplingParams(max_new_tokens=5, eos_token_ids=(9,))
+    assert apply_stopping_rules([1, 2], eos, 0) == ([1, 2], None)
+    assert apply_stopping_rules([1, 2, 3], eos, 2) == ([1, 2, 3], "length")
+    assert apply_stopping_rules([1, 2, 3, 4], eos, 2) == ([1, 2, 3], "length")
+    assert apply_stopping_rules([1, 9, 3], eos, 0) == ([1, 9], "stop")
+    assert apply_stopping_rules([1, 2, 9], eos, 2) == ([1, 2, 9], "stop")  # EOS as the last allowed token
+    ignored = SamplingParams(max_new_tokens=5, eos_token_ids=(9,), ignore_eos=True)
+    assert apply_stopping_rules([1, 9, 3], ignored, 0) == ([1, 9, 3], None)

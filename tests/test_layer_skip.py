@@ -7,7 +7,6 @@ import json
 import numpy as np
 import pytest
 import torch
-from scipy import stats
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from specdecode import layer_search
@@ -25,7 +24,7 @@ from specdecode.proposers.layer_skip import (
     provisional_skip_layers,
 )
 from specdecode.types import SamplingParams
-from tiny import tiny_llama
+from tiny import assert_cache_is_fresh_prefill, chi2_pvalue, exact_joint3, tiny_llama
 
 PROMPTS = [[1], [5, 9, 2], [3, 4, 5, 3, 4, 5, 3, 4], list(range(10, 30))]
 
@@ -48,16 +47,6 @@ def tiny_qwen2(vocab_size: int = 64, seed: int = 0, layers: int = 4) -> Qwen2For
 
 def _skip(model, layers, min_confidence=0.0):
     return LayerSkipProposer(model, LayerSkipConfig(skip_layers=layers, min_confidence=min_confidence))
-
-
-def _assert_cache_is_fresh_prefill(runner) -> None:
-    fresh = type(runner)(runner.model)
-    fresh.reset()
-    fresh.forward(runner.cached_ids)
-    for (k1, v1), (k2, v2) in zip(runner.layer_tensors(), fresh.layer_tensors()):
-        assert k1.shape == k2.shape
-        torch.testing.assert_close(k1, k2)
-        torch.testing.assert_close(v1, v2)
 
 
 # --------------------------------------------------------------------------- the forward
@@ -128,14 +117,7 @@ def test_sampled_output_follows_target_distribution(forward):
             layer.mlp.down_proj.weight.mul_(6.0)
             layer.self_attn.o_proj.weight.mul_(6.0)
     prompt = [1, 2]
-    exact = np.zeros(vocab**3)
-    runner = CachedModel(tgt)
-    with torch.inference_mode():
-        for i in range(vocab**3):
-            seq = list(np.unravel_index(i, (vocab,) * 3))
-            runner.reset()
-            probs = torch.softmax(runner.forward(prompt + seq[:2]).double(), -1)[-3:]
-            exact[i] = float(probs[0, seq[0]] * probs[1, seq[1]] * probs[2, seq[2]])
+    exact = exact_joint3(tgt, prompt)
     engine = SpeculativeEngine(tgt, _skip(tgt, (0, 1)), EngineConfig(num_speculative_tokens=2, forward=forward))
     counts = np.zeros(vocab**3)
     rejected = 0
@@ -144,11 +126,7 @@ def test_sampled_output_follows_target_distribution(forward):
         counts[np.ravel_multi_index(out.token_ids, (vocab,) * 3)] += 1
         rejected += out.metrics.num_accepted_tokens < out.metrics.num_drafted_tokens
     assert rejected > 250  # the draft really differs from the target (about 16% of runs reject)
-    keep = exact * counts.sum() >= 5
-    obs, exp = counts[keep], exact[keep] * counts.sum()
-    if (~keep).any():  # pool the rare outcomes into one bin
-        obs, exp = np.append(obs, counts[~keep].sum()), np.append(exp, exact[~keep].sum() * counts.sum())
-    assert stats.chisquare(obs, exp * obs.sum() / exp.sum()).pvalue > 1e-3
+    assert chi2_pvalue(counts, exact) > 1e-3
 
 
 # --------------------------------------------------------------------------- the shared cache
@@ -170,7 +148,7 @@ def test_target_cache_equals_fresh_prefill_after_skipped_layer_drafts(target, te
         step = engine.step(state)
         rejections += step.num_accepted < step.num_drafted
         assert engine.target.cached_ids == state.ctx.token_ids[:-1]
-        _assert_cache_is_fresh_prefill(engine.target)
+        assert_cache_is_fresh_prefill(engine.target)
     assert rejections > 3
 
 
@@ -190,7 +168,7 @@ def test_hf_cache_is_restored_when_drafting_fails(target, monkeypatch):
     with pytest.raises(RuntimeError, match="interrupted"):
         proposer.propose(state.ctx, 5)
     assert [k.shape[2] for k, _ in engine.target.layer_tensors()] == [3] * 4
-    _assert_cache_is_fresh_prefill(engine.target)
+    assert_cache_is_fresh_prefill(engine.target)
 
 
 # --------------------------------------------------------------------------- confidence and policies
@@ -251,7 +229,9 @@ def test_owned_draft_leaves_committed_cache_and_ids_alone(target):
     state = engine.start([5, 6, 7, 8], SamplingParams(max_new_tokens=10))
     before = [(k.clone(), v.clone()) for k, v in engine.target.layer_tensors()]
     ids = list(engine.target.cached_ids)
-    _skip(target, (1, 2)).propose(state.ctx, 4)
+    proposer = _skip(target, (1, 2))
+    proposer.start(state.ctx)
+    proposer.propose(state.ctx, 4)
     assert engine.target.cached_ids == ids
     for (k0, v0), (k1, v1) in zip(before, engine.target.layer_tensors()):
         assert torch.equal(k0, k1) and torch.equal(v0, v1)
@@ -261,7 +241,26 @@ def test_engine_without_a_target_runner_is_refused(target):
     proposer = _skip(target, (1,))
     ctx = ProposeContext([1, 2], 2, SamplingParams(), torch.Generator(), 64)
     with pytest.raises(LayerSkipError, match="own KV cache"):
+        proposer.start(ctx)
+    with pytest.raises(LayerSkipError, match="call start"):
         proposer.propose(ctx, 2)
+
+
+@pytest.mark.parametrize("forward", ["hf", "owned"])
+def test_runner_is_checked_once_per_request_not_per_draft(target, forward, monkeypatch):
+    """The draft step is bound in start(): propose does no per-call runner introspection."""
+    import specdecode.proposers.layer_skip as layer_skip
+
+    calls = []
+    real = layer_skip.draft_step
+    monkeypatch.setattr(layer_skip, "draft_step", lambda *a: (calls.append(1), real(*a))[1])
+    proposer = _skip(target, (1,))
+    engine = SpeculativeEngine(target, proposer, EngineConfig(num_speculative_tokens=3, forward=forward))
+    out = engine.generate([1, 2, 3], SamplingParams(max_new_tokens=20))
+    assert out.metrics.num_drafted_tokens > 3  # several draft steps
+    assert calls == [1]
+    proposer.set_skip_layers((2,))  # a new skip set rebinds the step for the running request
+    assert calls == [1, 1] and proposer.kept == (0, 1, 3)
 
 
 # --------------------------------------------------------------------------- search and its cache

@@ -494,3 +494,24 @@ def test_tree_greedy_equals_plain_on_both_forwards(target, draft, backend):
     for prompt in PROMPTS[:3]:
         params = SamplingParams(max_new_tokens=30)
         assert spec.generate(prompt, params).token_ids == plain.generate(prompt, params).token_ids
+
+
+@pytest.mark.parametrize("kind", ["static", "dynamic"])
+@pytest.mark.parametrize("backend", ["hf", "owned"])
+def test_tree_draft_with_a_shorter_context_stops_drafting_where_it_ends(target, kind, backend):
+    """A 16-position tree draft under a 256-position target: no tree once the context passes the draft's,
+    and the output still equals plain decoding."""
+    short = tiny_llama(vocab_size=64, seed=1, layers=1, hidden=32, scale=3.0, max_positions=16)
+    cfg = (TreeDraftConfig(kind="static", num_nodes=10, forward=backend) if kind == "static"
+           else TreeDraftConfig(kind="dynamic", num_nodes=12, top_k=3, forward=backend))
+    config = EngineConfig(num_speculative_tokens=4, forward=backend)
+    engine = SpeculativeEngine(target, TreeDraftProposer(short, cfg), config)
+    params = SamplingParams(max_new_tokens=30)
+    state = engine.start([5, 9, 2], params)
+    while state.finish_reason is None:
+        beyond = len(state.ctx.token_ids) > 16
+        step = engine.step(state)
+        assert not (beyond and step.num_drafted)
+    out = engine.output(state)
+    assert out.metrics.num_tree_steps > 0 and out.metrics.draft_lengths[-5:] == [0] * 5
+    assert out.token_ids == SpeculativeEngine(target, None, config).generate([5, 9, 2], params).token_ids

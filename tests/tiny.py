@@ -31,6 +31,39 @@ def tiny_llama(vocab_size: int = 64, seed: int = 0, layers: int = 2, hidden: int
     return model
 
 
+def assert_cache_is_fresh_prefill(runner) -> None:
+    """Rollback contract: ``runner``'s cache equals a fresh prefill of its ``cached_ids`` (same backend)."""
+    fresh = type(runner)(runner.model)
+    fresh.reset()
+    fresh.forward(runner.cached_ids)
+    for (k1, v1), (k2, v2) in zip(runner.layer_tensors(), fresh.layer_tensors()):
+        assert k1.shape == k2.shape
+        torch.testing.assert_close(k1, k2)
+        torch.testing.assert_close(v1, v2)
+
+
+def exact_joint3(model, prompt: list[int]):
+    """The target's exact probability of every 3-token continuation of ``prompt``.
+
+    Returns:
+        [V**3] float64 numpy array, indexed by ``np.ravel_multi_index(tokens, (V, V, V))``.
+    """
+    import numpy as np
+
+    from specdecode.cache import CachedModel
+
+    vocab = model.config.vocab_size
+    exact = np.zeros(vocab**3)
+    runner = CachedModel(model)
+    with torch.inference_mode():
+        for i in range(vocab**3):
+            seq = list(np.unravel_index(i, (vocab,) * 3))
+            runner.reset()
+            probs = torch.softmax(runner.forward(prompt + seq[:2]).double(), -1)[-3:]
+            exact[i] = float(probs[0, seq[0]] * probs[1, seq[1]] * probs[2, seq[2]])
+    return exact
+
+
 def chi2_pvalue(counts, probs) -> float:
     """Chi-square goodness-of-fit p-value of observed ``counts`` against exact ``probs``.
 

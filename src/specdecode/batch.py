@@ -59,8 +59,10 @@ from dataclasses import dataclass, field
 import torch
 from transformers.cache_utils import Cache
 
+from specdecode.cache import model_context
+from specdecode.engine import apply_stopping_rules
 from specdecode.metrics import RunMetrics
-from specdecode.proposers.base import ProposeContext, Proposer
+from specdecode.proposers.base import ProposeContext, Proposer, draft_room
 from specdecode.sampling import logits_to_probs, next_token, sample
 from specdecode.types import (
     PAD_TOKEN_ID,
@@ -92,7 +94,8 @@ class BatchKVCache(Cache):
     """A KV cache with one contiguous row per slot and per-row lengths (Hugging Face ``Cache`` API).
 
     Buffers: per layer, keys and values ``[num_slots, kv_heads, capacity, head_dim]`` in the model's
-    dtype, allocated on the first forward and grown (doubled) when a row needs more columns.
+    dtype, allocated on the first forward and grown (doubled) when a row needs more columns, up to
+    ``max_capacity`` (the runner's context plus its scratch column).
     ``lengths[s]`` is the number of valid tokens of slot s (columns ``[0, lengths[s])``).
 
     The runner sets ``_rows`` (a slice of slots), ``_write`` ([b, q] int64 columns) and ``_kv_len``
@@ -146,7 +149,7 @@ class BatchKVCache(Cache):
         if columns <= self.capacity:
             return
         if columns > self.max_capacity:
-            raise PromptTooLongError(f"a row needs {columns} cache positions; the context holds {self.max_capacity}")
+            raise PromptTooLongError(f"a row needs {columns} cache columns; the cache holds {self.max_capacity}")
         new = min(self.max_capacity, max(columns, 2 * self.capacity, 64))
         new = min(self.max_capacity, -(-new // 64) * 64)
         for store in (self.keys, self.values):
@@ -181,6 +184,11 @@ class BatchKVCache(Cache):
 class BatchRunner:
     """A Hugging Face causal LM run over rows of a :class:`BatchKVCache`, each at its own length.
 
+    A batched forward pads every row to the longest feed; padding that would land past the context
+    (a row near its end beside rows that draft more) is written to one scratch column at index
+    ``max_context``, which no real token attends to, so a row at the context limit never stops
+    the batch.
+
     Args:
         model: causal LM in eval mode whose forward takes ``attention_mask`` (4-D), ``position_ids``
             and a ``Cache`` (every Llama / Qwen2 / Mistral / Gemma style model in transformers 5).
@@ -188,13 +196,16 @@ class BatchRunner:
         max_context: positions per row.
     """
 
+    #: Cache columns past the context: where padding that would fall beyond it is written.
+    SCRATCH_COLUMNS = 1
+
     def __init__(self, model: torch.nn.Module, num_slots: int, max_context: int) -> None:
         self.model = model
         params = inspect.signature(model.forward).parameters
         self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
         self._keeps_logits = "logits_to_keep" in params
         self.max_context = max_context
-        self.cache = BatchKVCache(num_slots, max_context)
+        self.cache = BatchKVCache(num_slots, max_context + self.SCRATCH_COLUMNS)
         self.dtype = next(model.parameters()).dtype
 
     @property
@@ -207,12 +218,16 @@ class BatchRunner:
 
         Args:
             rows: the slots to run (``slice(0, B)`` for the batch, ``slice(s, s + 1)`` for one row).
-            token_ids: one list of n_i >= 1 new token ids per row.
+            token_ids: one list of n_i new token ids per row, at least one row with n_i >= 1
+                (a row with n_i = 0 only pads: its logits are padding).
             last_only: only the last position's logits (one row only: prefill).
 
         Returns:
             [b, q, V] float32 logits, q = max n_i (positions past n_i are padding: ignore them);
             [b, 1, V] with ``last_only``.
+
+        Raises:
+            PromptTooLongError: a row's own tokens would pass ``max_context``.
         """
         cache = self.cache
         b = len(token_ids)
@@ -220,12 +235,16 @@ class BatchRunner:
             raise ValueError("last_only needs a single row")
         counts = [len(t) for t in token_ids]
         q = max(counts)
-        starts = torch.tensor(cache.lengths[rows], dtype=torch.int64).unsqueeze(1)  # [b, 1]
+        lengths = cache.lengths[rows]
+        need = max(n + c for n, c in zip(lengths, counts))
+        if need > self.max_context:
+            raise PromptTooLongError(f"a row needs {need} positions; the context holds {self.max_context}")
         ids = torch.zeros(b, q, dtype=torch.int64)
         for i, toks in enumerate(token_ids):
             ids[i, : counts[i]] = torch.as_tensor(list(toks), dtype=torch.int64)
-        columns = starts + torch.arange(q)  # [b, q] where each token's keys go
-        kv_len = int(columns.max()) + 1
+        # [b, q] where each token's keys go; padding past the context shares the scratch column
+        columns = (torch.tensor(lengths, dtype=torch.int64).unsqueeze(1) + torch.arange(q)).clamp(max=self.max_context)
+        kv_len = min(max(lengths) + q, self.max_context + 1)
         cache.prepare(rows, columns, kv_len)
         positions = columns.clamp(max=self.max_context - 1)  # padding past the context never reads a position
         visible = torch.arange(kv_len).view(1, 1, kv_len) <= columns.unsqueeze(2)  # [b, q, kv_len]
@@ -403,9 +422,13 @@ class BatchDraftModel:
     temperature / top-k / top-p), and all rows' tokens go through one batched draft forward. A row
     draws exactly the random numbers :class:`~specdecode.proposers.DraftModelProposer` draws alone.
 
+    A draft whose context (``max_position_embeddings``) is shorter than the target's drafts for a row
+    only while the row's tokens and drafts fit it, as ``DraftModelProposer`` does; past that the row
+    decodes plainly (no draft tokens) and its draft cache is no longer fed.
+
     Args:
         model: the draft causal LM (eval mode), sharing the target's tokenizer.
-        num_slots, max_context: as the target's runner.
+        num_slots, max_context: as the target's runner (the draft's own context caps max_context).
         vocab_size: the target's V; drafts never propose ids past it.
     """
 
@@ -413,7 +436,7 @@ class BatchDraftModel:
     SOLO_FEED = 8
 
     def __init__(self, model: torch.nn.Module, num_slots: int, max_context: int, vocab_size: int) -> None:
-        self.runner = BatchRunner(model, num_slots, max_context)
+        self.runner = BatchRunner(model, num_slots, min(max_context, model_context(model)))
         self.cached: list[list[int]] = [[] for _ in range(num_slots)]
         self.vocab_size = vocab_size
 
@@ -436,6 +459,7 @@ class BatchDraftModel:
     def propose(self, rows: Sequence["_Row"], caps: Sequence[int]) -> list[Draft]:
         """Up to ``caps[i]`` draft tokens for row i: chains [1, k_i] int64 (+ [1, k_i, V] float32 q when sampling)."""
         b = len(rows)
+        caps = [min(cap, draft_room(self.runner.max_context, row.ctx)) for row, cap in zip(rows, caps)]
         if max(caps, default=0) <= 0:
             return [Draft.empty() for _ in rows]
         logits = self._sync(rows)  # [b, V_draft] at each row's last committed token
@@ -447,7 +471,7 @@ class BatchDraftModel:
             feed = []
             for i, row in enumerate(rows):
                 if pos >= caps[i]:
-                    feed.append([0])  # a placeholder: written past the row's length, never kept
+                    feed.append([])  # this row's draft is done: padding only
                     continue
                 params = row.ctx.params
                 if params.greedy:
@@ -457,19 +481,25 @@ class BatchDraftModel:
                     tok = int(sample(q, row.ctx.generator))
                     probs[i].append(q)
                 tokens[i].append(tok)
-                feed.append([tok])
+                feed.append([tok] if pos + 1 < caps[i] else [])  # a row's last draft token is never fed
             if pos + 1 < k_max:
-                logits = self._feed(feed, keep=[pos < caps[i] for i in range(b)])[:, -1]
+                logits = self._feed(feed)[:, -1]
         return [Draft.chain(torch.tensor([t], dtype=torch.int64).reshape(1, -1),
                             torch.stack(p).unsqueeze(0) if p else None) if t else Draft.empty()
                 for t, p in zip(tokens, probs)]
 
     def _sync(self, rows: Sequence["_Row"]) -> torch.Tensor:
-        """Cut each row's draft cache to its committed prefix (at least one token left to feed); feed the rest."""
+        """Cut each row's draft cache to its committed prefix (at least one token left to feed); feed the rest.
+
+        A row past the draft's context is not fed (padding only; its logits are padding).
+        """
         cache = self.runner.cache
         feeds = []
         for i, row in enumerate(rows):
             ids = row.ctx.token_ids
+            if len(ids) > self.runner.max_context:
+                feeds.append([])
+                continue
             keep = min(_common_prefix(self.cached[i], ids), len(ids) - 1)
             del self.cached[i][keep:]
             cache.lengths[i] = keep
@@ -479,20 +509,15 @@ class BatchDraftModel:
                 self.cached[i].extend(lacking[:-1])
                 lacking = lacking[-1:]
             feeds.append(lacking)
-        counts = [len(f) for f in feeds]
-        out = self._feed(feeds, keep=[True] * len(rows))  # [b, q, V]
+        counts = [max(1, len(f)) for f in feeds]
+        out = self._feed(feeds)  # [b, q, V]
         return out[torch.arange(len(rows)), torch.tensor(counts) - 1]
 
-    def _feed(self, feeds: list[list[int]], keep: list[bool]) -> torch.Tensor:
-        """One batched draft forward; rows with keep=False had a placeholder and keep their length."""
-        cache = self.runner.cache
-        before = cache.lengths[: len(feeds)]
+    def _feed(self, feeds: list[list[int]]) -> torch.Tensor:
+        """One batched draft forward of each row's new tokens (an empty feed only pads); [b, q, V] logits."""
         out = self.runner.forward(slice(0, len(feeds)), feeds)
-        for i, (f, k) in enumerate(zip(feeds, keep)):
-            if k:
-                self.cached[i].extend(f)
-            else:
-                cache.lengths[i] = before[i]
+        for i, f in enumerate(feeds):
+            self.cached[i].extend(f)
         return out
 
 
@@ -655,7 +680,7 @@ class BatchEngine:
             raise SpecDecodeError("give a proposer factory or a draft model, not both")
         if proposer_factory is not None and getattr(proposer_factory(), "produces_trees", False):
             raise SpecDecodeError("the batched engine verifies chain drafts; this proposer drafts token trees")
-        self.max_context = cfg.max_context or _model_context(target)
+        self.max_context = cfg.max_context or model_context(target)
         self.runner = BatchRunner(target, cfg.max_batch_size, self.max_context)
         self.vocab_size = self.runner.vocab_size
         self.proposer_factory = proposer_factory
@@ -786,9 +811,11 @@ class BatchEngine:
         t0 = time.perf_counter()
         rows = self.rows
         gamma = self.policy.choose(len(rows)) if self.speculates else 0
-        capacity = [min(gamma, row.remaining - 1) for row in rows]  # draft tokens each row may take
+        # Draft tokens each row may take; they fit its context (prompt + max_new_tokens <= max_context).
+        capacity = [min(gamma, row.remaining - 1) for row in rows]
         if self.draft_model is not None:
             drafts = self.draft_model.propose(rows, capacity)
+            capacity = [d.num_tokens for d in drafts]  # all it could draft (less past the draft's context)
         else:
             drafts = [self._propose(row, k) for row, k in zip(rows, capacity)]
         t1 = time.perf_counter()
@@ -850,18 +877,10 @@ class BatchEngine:
 
     def _commit(self, slot: int, row: _Row, tokens: list[int]) -> list[int]:
         """Append ``tokens`` after max_tokens / EOS; set the slot's cache length to the committed tokens but the last."""
-        params = row.ctx.params
-        tokens = tokens[: row.remaining]
-        if not params.ignore_eos and params.eos_token_ids:
-            for i, tok in enumerate(tokens):
-                if tok in params.eos_token_ids:
-                    tokens = tokens[: i + 1]
-                    row.finish_reason = "stop"
-                    break
+        tokens, reason = apply_stopping_rules(tokens, row.ctx.params, len(row.generated))
+        row.finish_reason = row.finish_reason or reason
         row.generated.extend(tokens)
         row.ctx.token_ids.extend(tokens)
-        if row.finish_reason is None and row.remaining <= 0:
-            row.finish_reason = "length"
         self.runner.cache.lengths[slot] = len(row.ctx.token_ids) - 1  # rollback: a length, nothing copied
         row.metrics.num_generated_tokens = len(row.generated)
         row.metrics.wall_time_s = time.perf_counter() - row.started_at
@@ -1010,8 +1029,3 @@ def _row_result(num_accepted: int, new_ids: list[int], k: int) -> VerifyResult:
     kept = torch.full((1, k + 1), -1, dtype=torch.int64)
     kept[0, :num_accepted] = torch.arange(num_accepted)
     return VerifyResult(num_accepted=torch.tensor([num_accepted]), new_token_ids=ids, kept_nodes=kept)
-
-
-def _model_context(model: torch.nn.Module) -> int:
-    cfg = getattr(model, "config", None)
-    return int(getattr(cfg, "max_position_embeddings", None) or 2048)

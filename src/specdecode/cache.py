@@ -16,7 +16,38 @@ from specdecode.tree import additive_mask, as_parent_list, node_depths, tree_att
 from specdecode.types import SpecDecodeError
 
 
-class CachedModel:
+class CachedTokens:
+    """What every runner (:class:`CachedModel`, ``fastforward.OwnedCachedModel``) keeps the same way:
+    the ids whose keys / values are cached, a pending token tree, and rollback to a common prefix.
+
+    A subclass sets ``cached_ids``, ``_tree_start`` (prefix length while tree nodes are pending,
+    else None) and ``_tree_parents``, and implements ``rollback(length)``.
+    """
+
+    cached_ids: list[int]
+    _tree_start: int | None
+    _tree_parents: list[int]
+
+    @property
+    def num_cached(self) -> int:
+        return len(self.cached_ids)
+
+    @property
+    def has_pending_tree(self) -> bool:
+        """True between ``forward_tree`` and ``keep_tree_path`` (or a rollback into the prefix)."""
+        return self._tree_start is not None
+
+    def rollback(self, length: int) -> None:
+        raise NotImplementedError
+
+    def sync(self, token_ids: Sequence[int]) -> None:
+        """Roll back to the longest prefix of the cache that agrees with ``token_ids`` (a pending tree is dropped)."""
+        if self._tree_start is not None:
+            self.rollback(self._tree_start)
+        self.rollback(common_prefix_length(self.cached_ids, token_ids))
+
+
+class CachedModel(CachedTokens):
     """Runs a Hugging Face causal LM incrementally over a growing token sequence.
 
     Attributes:
@@ -34,10 +65,6 @@ class CachedModel:
         self._tree_start: int | None = None  # prefix length while tree nodes are pending (forward_tree)
         self._tree_parents: list[int] = []  # parents of the pending tree nodes, -1 = child of the prefix
         self._tree_support: str | None | bool = False  # False = not checked yet; None = supported
-
-    @property
-    def num_cached(self) -> int:
-        return len(self.cached_ids)
 
     @property
     def vocab_size(self) -> int:
@@ -75,33 +102,18 @@ class CachedModel:
 
     def rollback(self, length: int) -> None:
         """Cut the cache back to its first ``length`` tokens (0 <= length <= num_cached)."""
-        if not 0 <= length <= self.num_cached:
-            raise ValueError(f"cannot roll back to {length} tokens; cache holds {self.num_cached}")
-        if self._tree_start is not None:
-            if length > self._tree_start:
-                raise ValueError("a token tree is pending: keep_tree_path() first, or roll back into the prefix")
-            self._tree_start, self._tree_parents = None, []
+        check_rollback(length, self.num_cached, self._tree_start)
+        self._tree_start, self._tree_parents = None, []  # a pending tree is dropped
         remove = self.num_cached - length
         if remove:
             self.cache.crop(-remove)
             del self.cached_ids[length:]
-
-    def sync(self, token_ids: Sequence[int]) -> None:
-        """Roll back to the longest prefix of the cache that agrees with ``token_ids`` (a pending tree is dropped)."""
-        if self._tree_start is not None:
-            self.rollback(self._tree_start)
-        self.rollback(common_prefix_length(self.cached_ids, token_ids))
 
     def layer_tensors(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """The cache's (keys, values) per layer, each [1, heads, num_cached, head_dim]."""
         return [(layer.keys, layer.values) for layer in self.cache.layers]
 
     # Token trees -------------------------------------------------------------------
-
-    @property
-    def has_pending_tree(self) -> bool:
-        """True between :meth:`forward_tree` and :meth:`keep_tree_path` (or a rollback into the prefix)."""
-        return self._tree_start is not None
 
     def check_tree_support(self) -> None:
         """Check once that the model takes a custom 4-D attention mask and position ids.
@@ -169,12 +181,7 @@ class CachedModel:
         Raises:
             ValueError: no tree pending, or ``nodes`` is not a root path.
         """
-        if self._tree_start is None:
-            raise ValueError("keep_tree_path: no token tree is pending")
-        nodes = [int(i) for i in nodes]
-        for prev, node in zip([-1, *nodes], nodes):
-            if not 0 <= node < len(self._tree_parents) or self._tree_parents[node] != prev:
-                raise ValueError(f"keep_tree_path: {nodes} is not a root path of the pending tree")
+        nodes = checked_tree_path(nodes, self._tree_start, self._tree_parents)
         start, k = self._tree_start, len(nodes)
         if nodes != list(range(k)):  # move the path's entries to the front of the tree region
             src = torch.tensor(nodes, dtype=torch.int64) + start
@@ -188,6 +195,46 @@ class CachedModel:
     def _no_pending_tree(self, what: str) -> None:
         if self._tree_start is not None:
             raise ValueError(f"{what}: a token tree is pending; call keep_tree_path() first")
+
+
+def check_rollback(length: int, num_cached: int, tree_start: int | None) -> None:
+    """Check a rollback to ``length`` tokens: 0 <= length <= num_cached and, while a token tree is
+    pending (``tree_start`` not None), into the prefix; the caller then drops the pending tree.
+
+    Raises:
+        ValueError: ``length`` out of range, or past the prefix of a pending tree.
+    """
+    if not 0 <= length <= num_cached:
+        raise ValueError(f"cannot roll back to {length} tokens; cache holds {num_cached}")
+    if tree_start is not None and length > tree_start:
+        raise ValueError("a token tree is pending: keep_tree_path() first, or roll back into the prefix")
+
+
+def checked_tree_path(nodes: Sequence[int], tree_start: int | None, tree_parents: Sequence[int]) -> list[int]:
+    """``nodes`` as a list of ints, checked to be a root path of the pending tree (``keep_tree_path``).
+
+    Args:
+        nodes: indices among the pending nodes, each the child of the one before (the first a
+            child of the prefix); may be empty.
+        tree_start: the prefix length while a tree is pending, None when none is.
+        tree_parents: each pending node's parent among the pending nodes, -1 = child of the prefix.
+
+    Raises:
+        ValueError: no tree pending, or ``nodes`` is not a root path.
+    """
+    if tree_start is None:
+        raise ValueError("keep_tree_path: no token tree is pending")
+    nodes = [int(i) for i in nodes]
+    for prev, node in zip([-1, *nodes], nodes):
+        if not 0 <= node < len(tree_parents) or tree_parents[node] != prev:
+            raise ValueError(f"keep_tree_path: {nodes} is not a root path of the pending tree")
+    return nodes
+
+
+def model_context(model: torch.nn.Module) -> int:
+    """A model's context in tokens (positions it was built for): config.max_position_embeddings, else 2048."""
+    cfg = getattr(model, "config", None)
+    return int(getattr(cfg, "max_position_embeddings", None) or 2048)
 
 
 def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from specdecode.cache import model_context
 from specdecode.fastforward import FORWARD_BACKENDS, make_runner
 from specdecode.metrics import RunMetrics
 from specdecode.policy import FixedPolicy
@@ -98,7 +99,7 @@ class SpeculativeEngine:
         if self._trees:
             self.target.check_tree_support()
         self.policy = policy or FixedPolicy(self.config.num_speculative_tokens)
-        self.max_context = self.config.max_context or _model_context(target)
+        self.max_context = self.config.max_context or model_context(target)
 
     # Public API ------------------------------------------------------------------
 
@@ -231,18 +232,10 @@ class SpeculativeEngine:
 
         Returns the tokens actually committed (cut at max_new_tokens and at EOS).
         """
-        params = state.ctx.params
-        tokens = tokens[: state.remaining]
-        if not params.ignore_eos and params.eos_token_ids:
-            for i, tok in enumerate(tokens):
-                if tok in params.eos_token_ids:
-                    tokens = tokens[: i + 1]
-                    state.finish_reason = "stop"
-                    break
+        tokens, reason = apply_stopping_rules(tokens, state.ctx.params, len(state.generated))
+        state.finish_reason = state.finish_reason or reason
         state.generated.extend(tokens)
         state.ctx.token_ids.extend(tokens)
-        if state.finish_reason is None and state.remaining <= 0:
-            state.finish_reason = "length"
         # The target cache holds every committed token but the last (the next step feeds it).
         self.target.rollback(min(self.target.num_cached, len(state.ctx.token_ids) - 1))
         return tokens
@@ -281,9 +274,25 @@ class SpeculativeEngine:
         return prompt
 
 
-def _model_context(model: torch.nn.Module) -> int:
-    cfg = getattr(model, "config", None)
-    return int(getattr(cfg, "max_position_embeddings", None) or 2048)
+def apply_stopping_rules(tokens: list[int], params: SamplingParams, num_generated: int) -> tuple[list[int], str | None]:
+    """The stopping rules of one request (single-sequence and batched engines alike).
+
+    Args:
+        tokens: [n] token ids a step would commit, in order.
+        params: the request's SamplingParams (max_new_tokens, eos_token_ids, ignore_eos).
+        num_generated: tokens the request generated before these.
+
+    Returns:
+        (the tokens to commit: cut at max_new_tokens and just after the first EOS, the finish
+        reason: "stop" (EOS committed), "length" (max_new_tokens reached) or None (go on)).
+    """
+    remaining = params.max_new_tokens - num_generated
+    tokens = tokens[:remaining]
+    if not params.ignore_eos and params.eos_token_ids:
+        for i, tok in enumerate(tokens):
+            if tok in params.eos_token_ids:
+                return tokens[: i + 1], "stop"
+    return tokens, "length" if len(tokens) >= remaining else None
 
 
 def _match_vocab(probs: torch.Tensor, vocab: int) -> torch.Tensor:

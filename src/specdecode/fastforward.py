@@ -22,7 +22,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from specdecode.cache import common_prefix_length
+from specdecode.cache import CachedTokens, check_rollback, checked_tree_path, model_context
 from specdecode.kernels import RowwiseInt8Linear
 from specdecode.tree import as_parent_list, node_depths, tree_attention_mask
 from specdecode.types import SpecDecodeError
@@ -164,7 +164,7 @@ def _mm(weight, x: torch.Tensor) -> torch.Tensor:
     return (weight @ x.T).T
 
 
-class OwnedCachedModel:
+class OwnedCachedModel(CachedTokens):
     """Incremental forward of a Llama / Qwen2 model with a preallocated KV cache.
 
     Args:
@@ -208,7 +208,7 @@ class OwnedCachedModel:
         # cache makes that rounding ~1e-16, below what a float32 result can show.
         self.cache_dtype = torch.float64 if any(isinstance(l.qkv, RowwiseInt8Linear) for l in self.layers) \
             else dtype
-        self.max_context = int(getattr(cfg, "max_position_embeddings", 2048))
+        self.max_context = model_context(model)
         self._capacity = min(capacity, self.max_context)
         self.cached_ids: list[int] = []
         self._tree_start: int | None = None  # prefix length while tree nodes are pending (forward_tree)
@@ -229,10 +229,6 @@ class OwnedCachedModel:
         self._capacity = capacity
 
     @property
-    def num_cached(self) -> int:
-        return len(self.cached_ids)
-
-    @property
     def vocab_size(self) -> int:
         return int(self.model.get_output_embeddings().out_features)
 
@@ -242,18 +238,9 @@ class OwnedCachedModel:
 
     def rollback(self, length: int) -> None:
         """Keep the first ``length`` cached tokens (O(1): positions past it are overwritten later)."""
-        if not 0 <= length <= self.num_cached:
-            raise ValueError(f"cannot roll back to {length} tokens; cache holds {self.num_cached}")
-        if self._tree_start is not None:
-            if length > self._tree_start:
-                raise ValueError("a token tree is pending: keep_tree_path() first, or roll back into the prefix")
-            self._tree_start, self._tree_parents = None, []
+        check_rollback(length, self.num_cached, self._tree_start)
+        self._tree_start, self._tree_parents = None, []  # a pending tree is dropped
         del self.cached_ids[length:]
-
-    def sync(self, token_ids: Sequence[int]) -> None:
-        if self._tree_start is not None:
-            self.rollback(self._tree_start)
-        self.rollback(common_prefix_length(self.cached_ids, token_ids))
 
     def layer_tensors(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(keys, values) per layer, each [1, kv_heads, num_cached, head_dim]."""
@@ -278,10 +265,6 @@ class OwnedCachedModel:
         return _mm(self.lm_head, hidden).float()
 
     # Token trees (same contract as CachedModel.forward_tree / keep_tree_path) ----------
-
-    @property
-    def has_pending_tree(self) -> bool:
-        return self._tree_start is not None
 
     def check_tree_support(self) -> None:
         """The owned forward always takes a tree mask (nothing to check)."""
@@ -315,12 +298,7 @@ class OwnedCachedModel:
         Raises:
             ValueError: no tree pending, or ``nodes`` is not a root path.
         """
-        if self._tree_start is None:
-            raise ValueError("keep_tree_path: no token tree is pending")
-        nodes = [int(i) for i in nodes]
-        for prev, node in zip([-1, *nodes], nodes):
-            if not 0 <= node < len(self._tree_parents) or self._tree_parents[node] != prev:
-                raise ValueError(f"keep_tree_path: {nodes} is not a root path of the pending tree")
+        nodes = checked_tree_path(nodes, self._tree_start, self._tree_parents)
         start, k = self._tree_start, len(nodes)
         if nodes != list(range(k)):
             src = torch.tensor(nodes, dtype=torch.int64) + start

@@ -44,6 +44,15 @@ class ProposeContext:
         return self.should_continue is None or bool(self.should_continue(probs))
 
 
+def draft_room(max_context: int, ctx: ProposeContext) -> int:
+    """Most tokens a draft model of ``max_context`` positions can draft after ``ctx.token_ids``.
+
+    It feeds every committed token and every drafted token but the last, so k drafts need
+    ``len(token_ids) + k - 1 <= max_context``; 0 or less: the draft cannot hold the context.
+    """
+    return max_context - len(ctx.token_ids) + 1
+
+
 class Proposer(Protocol):
     """Guesses the next tokens; the engine verifies them against the target.
 

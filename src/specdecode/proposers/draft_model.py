@@ -4,6 +4,11 @@ The draft cache holds a prefix of the committed tokens; each ``propose`` first
 feeds whatever committed tokens the cache lacks (one, or two after a fully
 accepted step), then drafts autoregressively. ``observe`` rolls the cache back
 to the longest prefix that verification kept.
+
+A draft whose context (``max_position_embeddings``) is shorter than the target's
+drafts only as far as it fits: near its end the chains get shorter, and once the
+committed tokens no longer fit it proposes nothing, so the engine decodes plainly
+(lossless, and the metrics count no draft tokens for those steps).
 """
 
 from __future__ import annotations
@@ -12,8 +17,9 @@ from dataclasses import dataclass
 
 import torch
 
+from specdecode.cache import model_context
 from specdecode.fastforward import make_runner
-from specdecode.proposers.base import ProposeContext, register
+from specdecode.proposers.base import ProposeContext, draft_room, register
 from specdecode.sampling import logits_to_probs, sample
 from specdecode.types import Draft, VerifyResult
 
@@ -42,13 +48,20 @@ class DraftModelProposer:
     def __init__(self, model: torch.nn.Module, config: DraftModelConfig | None = None) -> None:
         self.config = config or DraftModelConfig()
         self.runner = make_runner(model, self.config.forward)
+        self.max_context = model_context(model)  # positions the draft can hold
 
     def start(self, ctx: ProposeContext) -> None:
         self.runner.reset()
 
     @torch.inference_mode()
     def propose(self, ctx: ProposeContext, max_tokens: int) -> Draft:
-        """Draft ``max_tokens`` tokens: [1, K] int64 ids and, when sampling, [1, K, V_draft] float32 q."""
+        """Draft up to ``max_tokens`` tokens: [1, K] int64 ids and, when sampling, [1, K, V_draft] float32 q.
+
+        Fewer when the draft's context cannot hold more (none: an empty draft).
+        """
+        max_tokens = min(max_tokens, draft_room(self.max_context, ctx))
+        if max_tokens <= 0:
+            return Draft.empty()
         self.runner.sync(ctx.token_ids)
         if self.runner.num_cached == len(ctx.token_ids):  # never feed nothing: recompute the last token
             self.runner.rollback(len(ctx.token_ids) - 1)

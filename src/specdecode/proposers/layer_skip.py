@@ -220,7 +220,9 @@ def draft_step(runner, skip: SkipForward, kept: Sequence[int]):
             f"layer-skip cannot draft on a {type(runner).__name__}: it needs OwnedCachedModel.forward_skipping "
             "or a Hugging Face DynamicCache"
         )
-    return (lambda tok, pos: skip.forward(tok, pos, kept, cache)), (lambda count: remove_last(cache, kept, count))
+    # runner.cache is read per call: a reset between requests replaces it
+    return ((lambda tok, pos: skip.forward(tok, pos, kept, runner.cache)),
+            (lambda count: remove_last(runner.cache, kept, count)))
 
 
 @dataclass(frozen=True)
@@ -267,6 +269,9 @@ class LayerSkipProposer:
         self.kept: tuple[int, ...] = ()
         self.search_result = None  # a layer_search.SearchResult when this proposer searched or looked up
         self._provisional = False  # running a default set until a prompt long enough to search on
+        # The request's target runner and its one-token draft step, bound by start() (see _bind).
+        self._target = None
+        self._step = self._discard = None
         if self.config.skip_layers is not None:
             self.set_skip_layers(self.config.skip_layers)
 
@@ -274,6 +279,8 @@ class LayerSkipProposer:
         """Use this skip set from now on (validated against the model's layer count)."""
         self.skip_layers = parse_skip_layers(list(layers), self.skip.num_layers)
         self.kept = tuple(i for i in range(self.skip.num_layers) if i not in self.skip_layers)
+        if self._target is not None:
+            self._step, self._discard = draft_step(self._target, self.skip, self.kept)
 
     def calibrate(self, prompts: Sequence[Sequence[int]], refresh: bool = False):
         """Choose the skip set now: the one cached for this model, else a search on ``prompts``.
@@ -295,8 +302,19 @@ class LayerSkipProposer:
         return result
 
     def start(self, ctx: ProposeContext) -> None:
-        """With no skip set yet: use the cached one, or search on this prompt when it is long enough
-        (``MIN_CALIBRATION_TOKENS``); a shorter prompt runs with :func:`provisional_skip_layers`."""
+        """Bind the request's target runner (``ctx.target``) and choose the skip set.
+
+        With no skip set yet: use the cached one, or search on this prompt when it is long enough
+        (``MIN_CALIBRATION_TOKENS``); a shorter prompt runs with :func:`provisional_skip_layers`.
+
+        Raises:
+            LayerSkipError: the engine gives no target runner, one of another model, or one whose
+                cache the draft cannot run on.
+        """
+        self._choose_skip_layers(ctx)
+        self._bind(ctx.target)
+
+    def _choose_skip_layers(self, ctx: ProposeContext) -> None:
         if self.skip_layers is not None and not self._provisional:
             return
         from specdecode.layer_search import load_cached
@@ -323,11 +341,18 @@ class LayerSkipProposer:
             [1, k, V] float32 q.
 
         Raises:
-            LayerSkipError: the engine gave no target runner (``ctx.target``), or its cache
+            LayerSkipError: :meth:`start` was not called for this request, or the target cache
                 does not hold every committed token but the last.
         """
-        runner, step, discard = self._runner(ctx)
-        base = runner.num_cached
+        runner, base = self._target, len(ctx.token_ids) - 1
+        if runner is None:
+            raise LayerSkipError("layer-skip: call start(ctx) for the request before propose (it binds the target)")
+        if runner.num_cached != base:
+            raise LayerSkipError(
+                f"the target cache holds {runner.num_cached} tokens; layer-skip expects every committed token but "
+                f"the last ({base})"
+            )
+        step, discard = self._step, self._discard
         vocab = ctx.vocab_size
         greedy = ctx.params.greedy
         tok = torch.tensor([ctx.token_ids[-1]], dtype=torch.int64)
@@ -358,15 +383,14 @@ class LayerSkipProposer:
             return False
         return ctx.keep_drafting(dist)
 
-    def _runner(self, ctx: ProposeContext):
-        """The target runner, a one-token draft step ``(token [1], position) -> [1, V] logits`` on its
-        cache, and ``discard(count)`` that removes what the steps wrote.
+    def _bind(self, runner) -> None:
+        """Check the target runner once per request and keep its one-token draft step
+        ``(token [1], position) -> [1, V] logits`` and ``discard(count)`` (see :func:`draft_step`).
 
         The project's own forward (``OwnedCachedModel.forward_skipping``) writes cache slots past the
         committed length, which verification rewrites before reading: nothing to discard. On a
         Hugging Face cache the kept layers' last entries are cropped.
         """
-        runner = ctx.target
         if runner is None:
             raise LayerSkipError(
                 "layer-skip drafts on the target's own KV cache, and this engine does not offer it (ctx.target). "
@@ -374,13 +398,8 @@ class LayerSkipProposer:
             )
         if getattr(runner, "model", None) is not self.model:
             raise LayerSkipError("the layer-skip proposer was built for a different model than the engine's target")
-        if runner.num_cached != len(ctx.token_ids) - 1:
-            raise LayerSkipError(
-                f"the target cache holds {runner.num_cached} tokens; layer-skip expects every committed token but "
-                f"the last ({len(ctx.token_ids) - 1})"
-            )
-        step, discard = draft_step(runner, self.skip, self.kept)
-        return runner, step, discard
+        self._step, self._discard = draft_step(runner, self.skip, self.kept)
+        self._target = runner
 
     def observe(self, ctx: ProposeContext, result: VerifyResult) -> None:
         """Nothing to roll back: the draft left no state in the target cache."""

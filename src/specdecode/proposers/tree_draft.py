@@ -42,8 +42,9 @@ from dataclasses import dataclass
 
 import torch
 
+from specdecode.cache import model_context
 from specdecode.fastforward import FORWARD_BACKENDS, make_runner
-from specdecode.proposers.base import ProposeContext, register
+from specdecode.proposers.base import ProposeContext, draft_room, register
 from specdecode.sampling import logits_to_probs
 from specdecode.types import Draft, SpecDecodeError, VerifyResult
 
@@ -129,6 +130,7 @@ class TreeDraftProposer:
         self.config = config or TreeDraftConfig()
         self.runner = make_runner(model, self.config.forward)
         self.runner.check_tree_support()
+        self.max_context = model_context(model)  # positions the draft can hold
         self._region: list[int] = []  # draft node -> index among the runner's pending tree nodes (-1: not fed)
         self._shape = static_shape(self.config.branching, self.config.num_nodes)
 
@@ -137,12 +139,17 @@ class TreeDraftProposer:
 
     @torch.inference_mode()
     def propose(self, ctx: ProposeContext, max_tokens: int) -> Draft:
-        """A tree of at most ``num_nodes`` nodes and depth ``max_tokens``.
+        """A tree of at most ``num_nodes`` nodes and depth ``max_tokens`` (shallower where the draft's
+        context cannot hold that depth: the deepest level is never fed; empty when nothing fits).
 
         Returns:
             Draft with token_ids / parents [1, N] int64 (breadth-first) and draft_probs
             [1, N, V] float32 for sampled candidates, else None (deterministic candidates).
         """
+        max_tokens = min(max_tokens, draft_room(self.max_context, ctx))
+        if max_tokens <= 0:
+            self._region = []
+            return Draft.empty()
         self.runner.sync(ctx.token_ids)
         if self.runner.num_cached == len(ctx.token_ids):  # never feed nothing: recompute the last token
             self.runner.rollback(len(ctx.token_ids) - 1)
