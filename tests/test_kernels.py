@@ -120,17 +120,21 @@ def test_small_row_matmul_matches_linear():
     torch.testing.assert_close(got.forward([1, 2, 3, 4]), expected)
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2"])
-def test_owned_forward_matches_hugging_face_logits_and_rollback(family):
+def _tiny_family(family: str) -> torch.nn.Module:
+    """A tiny float32 Llama, or a tiny Qwen2 (q/k/v biases), random weights, eval mode."""
+    if family == "llama":
+        return tiny_llama(seed=0, dtype=torch.float32)
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    if family == "llama":
-        model = tiny_llama(seed=0, dtype=torch.float32)
-    else:
-        torch.manual_seed(0)
-        cfg = Qwen2Config(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
-                          num_key_value_heads=2, vocab_size=50, max_position_embeddings=256)
-        model = Qwen2ForCausalLM(cfg).eval()
+    torch.manual_seed(0)
+    cfg = Qwen2Config(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=50, max_position_embeddings=256)
+    return Qwen2ForCausalLM(cfg).eval()
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_owned_forward_matches_hugging_face_logits_and_rollback(family):
+    model = _tiny_family(family)
     hf, owned = CachedModel(model), OwnedCachedModel(model, capacity=4)  # capacity 4: growth is exercised
     hf.reset()
     for chunk in ([1, 2, 3, 4, 5], [6], [7, 8, 9]):
@@ -145,16 +149,7 @@ def test_owned_forward_matches_hugging_face_logits_and_rollback(family):
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 def test_owned_forward_runs_an_int8_model_like_the_hf_forward(family):
-    if family == "llama":
-        model = tiny_llama(seed=0, dtype=torch.float32)
-    else:
-        from transformers import Qwen2Config, Qwen2ForCausalLM
-
-        torch.manual_seed(0)
-        cfg = Qwen2Config(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
-                          num_key_value_heads=2, vocab_size=50, max_position_embeddings=256)
-        model = Qwen2ForCausalLM(cfg).eval()  # q/k/v biases ride inside the int8 modules
-    model = set_weight_precision(model, "int8")
+    model = set_weight_precision(_tiny_family(family), "int8")  # Qwen2: q/k/v biases ride inside the int8 modules
     hf, owned = CachedModel(model), OwnedCachedModel(model)  # owned fuses q/k/v and gate/up (shared with hf)
     hf.reset()
     for chunk in ([1, 2, 3, 4], [5], [6, 7]):
