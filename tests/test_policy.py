@@ -314,3 +314,42 @@ def test_cost_model_counts_per_step_overhead():
     heavy.overhead.seconds = 4 * PLAIN_S
     assert lean.next_length() == 0
     assert heavy.next_length() > 0
+
+
+def test_draft_model_catch_up_is_not_learned_as_per_token_draft_cost():
+    """A draft model's first proposal prefills the prompt, and one after plain steps feeds the
+    skipped tokens: that one-off time is reported as catch_up_s and kept out of the draft cost a
+    policy learns (else one long prefill makes the cost model decode plainly for a long while)."""
+    from specdecode.policy import FixedPolicy
+
+    class Recording(FixedPolicy):
+        def __init__(self):
+            super().__init__(3)
+            self.plan = [3, 0, 0, 0, 0, 3, 3]  # speculate, 4 plain steps, speculate again
+            self.draft_times = []
+
+        def next_length(self) -> int:
+            return self.plan.pop(0) if self.plan else 3
+
+        def update(self, num_drafted, num_accepted, *, draft_time_s=None, verify_time_s=None) -> None:
+            if num_drafted:
+                self.draft_times.append(draft_time_s)
+
+    target = tiny_llama(seed=0)
+    proposer = DraftModelProposer(tiny_llama(seed=1))
+    catch_ups = []
+    real_propose = proposer.propose
+
+    def propose(ctx, k):
+        d = real_propose(ctx, k)
+        catch_ups.append(d.catch_up_s)
+        return d
+
+    proposer.propose = propose
+    policy = Recording()
+    engine = SpeculativeEngine(target, proposer, EngineConfig(num_speculative_tokens=3), policy=policy)
+    engine.generate([i % 60 + 1 for i in range(120)], SamplingParams(max_new_tokens=20, ignore_eos=True))
+    assert catch_ups[0] > 0  # the prompt's prefill in the draft
+    assert catch_ups[1] > 0  # after four plain steps: five tokens to feed
+    assert all(c == 0 for c in catch_ups[2:])  # normal steps feed one or two tokens
+    assert len(policy.draft_times) == len(catch_ups)

@@ -249,6 +249,8 @@ class SpeculativeEngine:
             self.proposer.observe(state.ctx, result)
         # Policies reason in draft depth (gamma): a tree's depth, not its node count.
         drafted = depth if depth is not None else draft.num_tokens
+        if draft_time_s is not None and draft.catch_up_s:
+            draft_time_s = max(0.0, draft_time_s - draft.catch_up_s)  # a one-off cost, not per drafted token
         self.policy.update(drafted, n_acc, draft_time_s=draft_time_s, verify_time_s=verify_time_s)
 
     def _finish_timing(self, state: RequestState) -> None:

@@ -92,11 +92,16 @@ class Draft:
         draft_probs: [B, N, V] float32 distribution q each token was drawn from,
             after the request's temperature / top-k / top-p; None for a
             deterministic drafter (q is then one-hot on the token).
+        catch_up_s: seconds of this proposal spent bringing the drafter's own cache up to
+            tokens committed earlier (a draft model's prompt prefill, or the tokens of plain
+            decoding steps it skipped). A one-off cost, not a per-token one: draft-length
+            policies learn the draft cost without it.
     """
 
     token_ids: torch.Tensor
     parents: torch.Tensor
     draft_probs: torch.Tensor | None = None
+    catch_up_s: float = 0.0
 
     @property
     def num_tokens(self) -> int:

@@ -13,6 +13,9 @@ committed tokens no longer fit it proposes nothing, so the engine decodes plainl
 
 from __future__ import annotations
 
+import dataclasses
+import time
+
 from dataclasses import dataclass
 
 import torch
@@ -66,7 +69,11 @@ class DraftModelProposer:
         if self.runner.num_cached == len(ctx.token_ids):  # never feed nothing: recompute the last token
             self.runner.rollback(len(ctx.token_ids) - 1)
         vocab = ctx.vocab_size  # a draft with extra embedding rows never proposes past the target's
+        gap = len(ctx.token_ids) - self.runner.num_cached
+        t0 = time.perf_counter()
         logits = self.runner.forward(ctx.token_ids[self.runner.num_cached :], last_only=True)[-1, :vocab]
+        # Feeding more than the usual 1-2 tokens is catching up (prompt prefill, skipped plain steps).
+        catch_up_s = (time.perf_counter() - t0) * (gap - 1) / gap if gap > 2 else 0.0
         tokens, probs = [], []
         for i in range(max_tokens):
             if ctx.params.greedy:
@@ -85,7 +92,7 @@ class DraftModelProposer:
             logits = self.runner.forward(tok.reshape(1))[-1, :vocab]
         token_ids = torch.stack(tokens).reshape(1, -1)
         draft_probs = torch.stack(probs).unsqueeze(0) if probs else None
-        return Draft.chain(token_ids, draft_probs)
+        return dataclasses.replace(Draft.chain(token_ids, draft_probs), catch_up_s=catch_up_s)
 
     def observe(self, ctx: ProposeContext, result: VerifyResult) -> None:
         """Roll the draft cache back to what was committed."""
