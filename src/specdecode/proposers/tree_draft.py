@@ -37,6 +37,9 @@ Which candidates, and why verification stays lossless (``specdecode.tree``):
 
 from __future__ import annotations
 
+import dataclasses
+import time
+
 import heapq
 from dataclasses import dataclass
 
@@ -153,10 +156,15 @@ class TreeDraftProposer:
         self.runner.sync(ctx.token_ids)
         if self.runner.num_cached == len(ctx.token_ids):  # never feed nothing: recompute the last token
             self.runner.rollback(len(ctx.token_ids) - 1)
+        gap = len(ctx.token_ids) - self.runner.num_cached
+        t0 = time.perf_counter()
         root = self.runner.forward(ctx.token_ids[self.runner.num_cached :], last_only=True)[-1, : ctx.vocab_size]
+        catch_up_s = (time.perf_counter() - t0) * (gap - 1) / gap if gap > 2 else 0.0  # see Draft.catch_up_s
         if self.config.kind == "static":
-            return self._static(ctx, root, max_tokens)
-        return self._dynamic(ctx, root, max_tokens)
+            draft = self._static(ctx, root, max_tokens)
+        else:
+            draft = self._dynamic(ctx, root, max_tokens)
+        return dataclasses.replace(draft, catch_up_s=catch_up_s)
 
     def observe(self, ctx: ProposeContext, result: VerifyResult) -> None:
         """Keep the accepted path's draft-cache entries (those that were fed), drop the other nodes."""
