@@ -38,9 +38,8 @@ Which candidates, and why verification stays lossless (``specdecode.tree``):
 from __future__ import annotations
 
 import dataclasses
-import time
-
 import heapq
+import time
 from dataclasses import dataclass
 
 import torch
