@@ -33,6 +33,8 @@ def available() -> bool:
 
 @dataclass
 class LlamaCppResult:
+    """One llama.cpp generation: new token ids, wall seconds around it (prefill included), finish reason."""
+
     token_ids: list[int]
     wall_s: float
     finish_reason: str
@@ -46,7 +48,7 @@ class LlamaCppRunner:
         method: "plain" or "prompt-lookup".
         gamma: draft tokens per step of prompt lookup (``num_pred_tokens``).
         max_ngram: longest n-gram prompt lookup matches.
-        n_ctx: context length in tokens.
+        n_ctx: initial context length in tokens (grown, untimed, when a prompt needs more).
         n_threads: CPU threads (default: torch's thread count, so both engines use the same cores).
 
     Raises:
@@ -54,7 +56,7 @@ class LlamaCppRunner:
     """
 
     def __init__(self, gguf: str, method: str = "plain", *, gamma: int = 10, max_ngram: int = 2,
-                 n_ctx: int = 2048, n_threads: int | None = None) -> None:
+                 n_ctx: int = 512, n_threads: int | None = None) -> None:
         import torch
 
         if method not in ("plain", "prompt-lookup"):
