@@ -34,6 +34,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--json")
     args = ap.parse_args()
+    unknown = [x for x in args.precisions.split(",") if x not in DTYPE_OF]
+    if unknown:
+        ap.error(f"unknown precision(s) {unknown}; choose from {', '.join(DTYPE_OF)}, e.g. --precisions fp32,bf16,int8")
     if not args.precisions.startswith("fp32"):
         ap.error("--precisions must start with fp32 (the reference)")
     if args.threads:
@@ -81,4 +84,9 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from specdecode.types import SpecDecodeError
+
+    try:
+        main()
+    except SpecDecodeError as exc:  # a wrong model name or path: one line, like the CLI
+        raise SystemExit(f"error: {exc}") from None

@@ -74,14 +74,18 @@ def measure(runner, context: list[int], ks: list[int], repeats: int) -> dict[int
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--target", default="smollm2-135m")
-    ap.add_argument("--precisions", default="fp32,bf16,int8")
-    ap.add_argument("--backend", default="owned", choices=("owned", "hf"))
-    ap.add_argument("--context", type=int, default=200)
-    ap.add_argument("--repeats", type=int, default=7)
-    ap.add_argument("--threads", type=int, default=None)
-    ap.add_argument("--json")
+    ap.add_argument("--target", default="smollm2-135m", help="model spec (default: %(default)s)")
+    ap.add_argument("--precisions", default="fp32,bf16,int8", help="comma-separated (default: %(default)s)")
+    ap.add_argument("--backend", default="owned", choices=("owned", "hf"),
+                    help="forward: the project's own or Hugging Face's (default: %(default)s)")
+    ap.add_argument("--context", type=int, default=200, help="tokens cached before timing (default: %(default)s)")
+    ap.add_argument("--repeats", type=int, default=7, help="timings per k; the least counts (default: %(default)s)")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    ap.add_argument("--json", help="also write every figure to this JSON file")
     args = ap.parse_args()
+    unknown = [x for x in args.precisions.split(",") if x not in DTYPE_OF]
+    if unknown:
+        ap.error(f"unknown precision(s) {unknown}; choose from {', '.join(DTYPE_OF)}, e.g. --precisions fp32,bf16,int8")
     if args.threads:
         torch.set_num_threads(args.threads)
     bw = copy_bandwidth()
@@ -115,4 +119,9 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from specdecode.types import SpecDecodeError
+
+    try:
+        main()
+    except SpecDecodeError as exc:  # a wrong model name or path: one line, like the CLI
+        raise SystemExit(f"error: {exc}") from None
