@@ -1,12 +1,23 @@
-"""The speculative-decoding loop: propose -> verify in one target pass -> accept / reject -> commit -> adapt.
+"""The one engine: batched speculative decoding, propose -> verify in one target pass -> commit -> adapt.
 
-Token ids in, token ids out; the engine never sees text. With no proposer
-(or a draft length of 0) a step is one plain decoding step through the same
-model, cache and sampling code, so the baseline compares like with like.
+Token ids in, token ids out; the engine never sees text. Requests join (:meth:`SpeculativeEngine.add`,
+which prefills them) and leave (finish, :meth:`SpeculativeEngine.abort`) between steps: continuous
+batching, with batch size 1 as a case, not a second path. Row i of the batch lives in slot i of the
+target's KV cache (``kv.SlotRunner``); a leaving row's slot is filled by the last row, so the active
+rows' cache is always a view. With no proposer, or a draft length of 0, a step is one plain decoding
+step through the same model, cache and sampling code, so the baseline compares like with like.
+
+A request's output does not depend on the rest of the batch: its tokens, positions, mask row, draft
+and random draws are its own (a row consumes k + 1 uniforms of its own generator per step whatever
+the batch is); only floating-point summation order can differ between batch shapes (exact with
+int8 weights and float64 models; a float32 greedy near-tie can flip).
+
+Scheduling (queue, admission, the server's thread, cancellation) lives in ``scheduler.py``.
 """
 
 from __future__ import annotations
 
+import itertools
 import random
 import time
 from collections.abc import Iterator, Sequence
@@ -14,38 +25,42 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specdecode.cache import model_context
-from specdecode.fastforward import FORWARD_BACKENDS, make_runner
+from specdecode.kv import FORWARD_BACKENDS, SlotRunner, make_runner
 from specdecode.metrics import RunMetrics
 from specdecode.policy import FixedPolicy
 from specdecode.proposers.base import ProposeContext, Proposer
-from specdecode.sampling import logits_to_probs, next_token
+from specdecode.sampling import logits_to_probs
+from specdecode.tree import tree_depth, verify_tree_greedy, verify_tree_sampling
 from specdecode.types import (
+    PAD_TOKEN_ID,
     Draft,
     EmptyPromptError,
+    EngineFullError,
     GenerationOutput,
     PromptTooLongError,
+    ProposerContractError,
     SamplingParams,
     SpecDecodeError,
     StepOutput,
     VerifyResult,
 )
-from specdecode.tree import tree_depth, tree_inputs, verify_tree_greedy, verify_tree_sampling
-from specdecode.verify import verify_greedy, verify_sampling
+from specdecode.verify import verify_chains
 
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """Engine settings.
+    """Engine settings: the one copy of the engine's limits and defaults.
 
     Attributes:
-        num_speculative_tokens: gamma, draft tokens per step (>= 1) for the fixed policy.
-        max_context: context length in tokens; None reads the target's config.
-        forward: target forward backend: "auto" (the project's own Llama / Qwen2
-            forward when the model is supported, else Hugging Face), "hf", or "owned".
+        num_speculative_tokens: gamma, draft tokens per step (1..64) for the fixed policy.
+        max_batch_size: rows decoded together (KV cache slots), 1..256.
+        max_context: positions per row; None reads the target's config.
+        forward: target forward backend: "auto" (the project's own Llama / Qwen2 forward when the
+            model is supported, else Hugging Face), "hf", or "owned".
     """
 
     num_speculative_tokens: int = 5
+    max_batch_size: int = 1
     max_context: int | None = None
     forward: str = "auto"
 
@@ -54,19 +69,38 @@ class EngineConfig:
             raise SpecDecodeError(f"forward must be one of {FORWARD_BACKENDS}, got {self.forward!r}")
         if not isinstance(self.num_speculative_tokens, int) or not 1 <= self.num_speculative_tokens <= 64:
             raise SpecDecodeError(
-                f"num_speculative_tokens must be an integer in [1, 64], got {self.num_speculative_tokens!r}"
-            )
+                f"num_speculative_tokens must be an integer in [1, 64], got {self.num_speculative_tokens!r}")
+        if not isinstance(self.max_batch_size, int) or not 1 <= self.max_batch_size <= 256:
+            raise SpecDecodeError(f"max_batch_size must be an integer in [1, 256], got {self.max_batch_size!r}")
+
+
+_request_ids = itertools.count()
 
 
 @dataclass
-class RequestState:
-    """One request in flight: its context, randomness, counters and progress."""
+class Request:
+    """One request in the batch: its context, randomness, counters and progress.
+
+    Attributes:
+        ctx: what the proposer sees (``ctx.slot`` = its row); metrics: RunMetrics.
+        logprobs: None, or n >= 0: report each committed token's logprob and the top n.
+        generated: committed output tokens; finish_reason: None while running.
+        tag: anything the caller attaches (the scheduler's event sink).
+    """
 
     ctx: ProposeContext
     metrics: RunMetrics
     started_at: float
-    finish_reason: str | None = None
+    logprobs: int | None = None
     generated: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    error: str | None = None
+    tag: object = None
+    id: int = field(default_factory=_request_ids.__next__)
+
+    @property
+    def params(self) -> SamplingParams:
+        return self.ctx.params
 
     @property
     def remaining(self) -> int:
@@ -74,210 +108,390 @@ class RequestState:
 
 
 class SpeculativeEngine:
-    """Lossless speculative decoding of one target with one proposer (batch size 1).
+    """Lossless speculative decoding of a batch of requests with one target and one proposer.
 
     Args:
-        target: Hugging Face causal LM (eval mode) whose distribution is preserved.
+        target: a causal LM (eval mode) whose distribution is preserved, or a ``kv.SlotRunner``.
         proposer: a :class:`~specdecode.proposers.base.Proposer`, or None for plain decoding.
         config: EngineConfig.
-        policy: draft-length policy (``next_length()``, ``update(drafted, accepted)``);
-            default fixed gamma = ``config.num_speculative_tokens``.
+        policy: draft-length policy (``specdecode.policy``); default fixed gamma.
+
+    Raises:
+        SpecDecodeError: a bad config; UnsupportedCacheError / TreeAttentionUnsupported for a
+            model whose cache cannot roll back or cannot take the masks (before any generation).
     """
 
-    def __init__(
-        self,
-        target: torch.nn.Module,
-        proposer: Proposer | None = None,
-        config: EngineConfig | None = None,
-        policy=None,
-    ) -> None:
-        self.config = config or EngineConfig()
-        self.target = make_runner(target, self.config.forward)
+    def __init__(self, target, proposer: Proposer | None = None, config: EngineConfig | None = None,
+                 policy=None) -> None:
+        self.config = cfg = config or EngineConfig()
+        self.runner: SlotRunner = target if isinstance(target, SlotRunner) else make_runner(
+            target, cfg.forward, cfg.max_batch_size, cfg.max_context)
+        self.max_context = self.runner.max_context
+        self.vocab_size = self.runner.vocab_size
         self.proposer = proposer
-        # Token-tree drafts (proposer.produces_trees) take the ancestor-mask path; decided once, here.
-        self._trees = bool(getattr(proposer, "produces_trees", False))
-        if self._trees:
-            self.target.check_tree_support()
-        self.policy = policy or FixedPolicy(self.config.num_speculative_tokens)
-        self.max_context = self.config.max_context or model_context(target)
+        self.trees = bool(proposer is not None and proposer.produces_trees)
+        if self.trees:
+            self.runner.check_tree_support()
+        if proposer is not None:
+            proposer.bind(self.runner, self.runner.num_slots)
+        self.policy = policy or FixedPolicy(cfg.num_speculative_tokens)
+        self.rows: list[Request] = []  # row i lives in cache slot i
+        self.last_output: GenerationOutput | None = None
 
-    # Public API ------------------------------------------------------------------
+    @property
+    def target(self) -> SlotRunner:
+        return self.runner
+
+    @property
+    def max_batch_size(self) -> int:
+        return self.runner.num_slots
+
+    # Requests ----------------------------------------------------------------------
+
+    def check_prompt(self, prompt_ids: Sequence[int], params: SamplingParams) -> list[int]:
+        """The prompt as ints, checked: non-empty, ids in [0, V), prompt + max_new_tokens within the context.
+
+        Raises:
+            EmptyPromptError, SpecDecodeError (ids out of range), PromptTooLongError.
+        """
+        return check_prompt(prompt_ids, params, self.vocab_size, self.max_context)
+
+    def add(self, prompt_ids: Sequence[int], params: SamplingParams, logprobs: int | None = None,
+            tag: object = None) -> tuple[Request, StepOutput]:
+        """Admit a request: validate, prefill the target in a free slot, sample the first token, start
+        the proposer. A request that finishes at once (EOS, max_new_tokens = 1) leaves at once.
+
+        Returns:
+            (the Request, the StepOutput of its first token).
+
+        Raises:
+            EmptyPromptError, PromptTooLongError, SpecDecodeError, EngineFullError (no free slot).
+        """
+        prompt = self.check_prompt(prompt_ids, params)
+        if len(self.rows) >= self.runner.num_slots:
+            raise EngineFullError(f"all {self.runner.num_slots} slots are taken; wait for a request to finish")
+        slot = len(self.rows)
+        seed = params.seed if params.seed is not None else random.randrange(2**63)
+        ctx = ProposeContext(prompt, len(prompt), params, torch.Generator().manual_seed(seed), self.vocab_size,
+                             should_continue=getattr(self.policy, "should_continue", None), slot=slot)
+        req = Request(ctx, RunMetrics(num_prompt_tokens=len(prompt)), time.perf_counter(), logprobs, tag=tag)
+        self.runner.clear(slot)
+        logits = self.runner.forward(slice(slot, slot + 1), [prompt], last_only=True)[:, -1:]  # [1, 1, V]
+        self.rows.append(req)
+        first = self._verify_chains([req], [Draft.empty()], logits)[0]
+        m = req.metrics
+        m.num_target_forwards += 1
+        m.prefill_time_s = m.time_to_first_token_s = time.perf_counter() - req.started_at
+        out = self._commit(req, Draft.empty(), first, logits[0], prefill=True)
+        if req.finish_reason is None and self.proposer is not None:
+            self.proposer.start(ctx)
+        if req.finish_reason is not None:
+            self._remove(slot, started=False)
+        return req, out
+
+    def abort(self, request: Request, reason: str = "cancelled") -> None:
+        """Remove a running request at a step boundary (its slot is freed now)."""
+        if request.finish_reason is None:
+            request.finish_reason = reason
+        for i, row in enumerate(self.rows):
+            if row is request:
+                self._remove(i)
+                return
+
+    def release(self) -> None:
+        """Free the KV cache buffers (no rows): memory goes back to the allocator."""
+        if not self.rows:
+            self.runner.release()
+            if self.proposer is not None and getattr(self.proposer, "runner", None) is not None:
+                self.proposer.runner.release()
+
+    # The loop ------------------------------------------------------------------------
+
+    def step(self) -> list[tuple[Request, StepOutput]]:
+        """One iteration over every row: propose, verify in one target pass, commit, adapt.
+
+        Returns:
+            per row (Request, StepOutput) in batch order; finished rows have left the batch.
+        """
+        rows = list(self.rows)
+        if not rows:
+            return []
+        t0 = time.perf_counter()
+        drafts = self._propose(rows)  # 1. propose: every row drafts at once
+        t1 = time.perf_counter()
+        results, logits = self._verify(rows, drafts)  # 2. verify: one target forward over every row
+        t2 = time.perf_counter()
+        outputs = [self._commit(r, d, v, logits[i]) for i, (r, d, v) in enumerate(zip(rows, drafts, results))]  # 3.
+        self._adapt(rows, drafts, results, outputs, t1 - t0, t2 - t1)  # 4. adapt: proposer and policy learn
+        for i in range(len(rows) - 1, -1, -1):  # 5. finished rows leave the batch
+            if rows[i].finish_reason is not None:
+                self._remove(i)
+        return list(zip(rows, outputs))
+
+    def _propose(self, rows: list[Request]) -> list[Draft]:
+        gamma = self.policy.next_length(len(rows)) if self.proposer is not None else 0
+        caps = [max(0, min(gamma, row.remaining - 1)) for row in rows]
+        if max(caps, default=0) <= 0:
+            return [Draft.empty() for _ in rows]
+        drafts = self.proposer.propose([row.ctx for row in rows], caps)
+        return self._check_drafts(rows, drafts, caps)
+
+    def _verify(self, rows: list[Request], drafts: list[Draft]) -> tuple[list[VerifyResult], torch.Tensor]:
+        """Score ``[last committed token, draft...]`` of every row in ONE target forward; verify."""
+        feeds = [[row.ctx.token_ids[-1], *d.token_ids[0].tolist()] for row, d in zip(rows, drafts)]
+        every = slice(0, len(rows))
+        if self.trees:
+            parents = [[-1, *(d.parents[0] + 1).tolist()] for d in drafts]
+            logits = self.runner.forward_tree(every, feeds, parents)  # [B, N+1, V]
+        else:
+            logits = self.runner.forward(every, feeds)  # [B, K+1, V]
+        results: list[VerifyResult | None] = [None] * len(rows)
+        tree_rows = [i for i, d in enumerate(drafts) if self.trees and d.num_tokens]
+        for i in tree_rows:
+            results[i] = self._verify_tree(rows[i], drafts[i], logits[i : i + 1, : drafts[i].num_tokens + 1])
+        chain_rows = [i for i in range(len(rows)) if results[i] is None]
+        if chain_rows:
+            chained = self._verify_chains([rows[i] for i in chain_rows], [drafts[i] for i in chain_rows],
+                                          logits[chain_rows])
+            for i, res in zip(chain_rows, chained):
+                results[i] = res
+        return results, logits  # type: ignore[return-value]
+
+    def _verify_chains(self, rows: list[Request], drafts: list[Draft], logits: torch.Tensor) -> list[VerifyResult]:
+        """Greedy and sampled chain rows together (``verify.verify_chains``); per-row results [1, ...]."""
+        b = len(rows)
+        k = max(d.num_tokens for d in drafts)
+        v = logits.shape[-1]
+        ids = torch.full((b, k), PAD_TOKEN_ID, dtype=torch.int64)
+        counts = torch.tensor([d.num_tokens for d in drafts], dtype=torch.int64)
+        greedy = torch.tensor([r.params.greedy for r in rows])
+        target = logits[:, : k + 1]  # [b, k+1, V]; greedy rows verify on raw logits
+        q = None
+        uniforms = torch.zeros(b, k + 1, dtype=torch.float64)
+        if not bool(greedy.all()):
+            target = target.clone()
+        for i, (row, d) in enumerate(zip(rows, drafts)):
+            n = d.num_tokens
+            ids[i, :n] = d.token_ids[0]
+            if row.params.greedy:
+                continue
+            target[i, : n + 1] = logits_to_probs(logits[i, : n + 1], row.params)
+            uniforms[i, : n + 1] = torch.rand(n + 1, generator=row.ctx.generator, dtype=torch.float64)
+            if d.draft_probs is not None and n:
+                if q is None:
+                    q = torch.zeros(b, k, v)
+                q[i, :n, : d.draft_probs.shape[-1]] = d.draft_probs[0]
+        res = verify_chains(ids, counts, q, target, greedy, uniforms)
+        return [VerifyResult(res.num_accepted[i : i + 1], res.new_token_ids[i : i + 1, : drafts[i].num_tokens + 1],
+                             res.kept_nodes[i : i + 1, : drafts[i].num_tokens + 1]) for i in range(b)]
+
+    def _verify_tree(self, row: Request, draft: Draft, logits: torch.Tensor) -> VerifyResult:
+        """Multi-candidate verification of one row's token tree (``specdecode.tree``)."""
+        if row.params.greedy:
+            return verify_tree_greedy(draft.token_ids, draft.parents, logits)
+        target_probs = logits_to_probs(logits, row.params)  # [1, N+1, V]
+        q = draft.draft_probs
+        if q is not None and q.shape[-1] != target_probs.shape[-1]:
+            q = torch.nn.functional.pad(q, (0, target_probs.shape[-1] - q.shape[-1]))
+        return verify_tree_sampling(draft.token_ids, draft.parents, q, target_probs, [row.ctx.generator])
+
+    def _commit(self, row: Request, draft: Draft, result: VerifyResult, logits: torch.Tensor,
+                prefill: bool = False) -> StepOutput:
+        """Append the kept tokens after the stopping rules; cut the row's cache back to them.
+
+        The target cache holds every committed token but the last (the next step feeds it); a tree
+        keeps only the accepted path. Counters count only draft tokens that could be committed.
+        """
+        n_acc = int(result.num_accepted[0])
+        proposed = result.new_token_ids[0, : n_acc + 1].tolist()
+        kept = result.kept_nodes[0, :n_acc].tolist()
+        tokens, reason = apply_stopping_rules(proposed, row.params, len(row.generated))
+        row.finish_reason = row.finish_reason or reason
+        row.generated.extend(tokens)
+        row.ctx.token_ids.extend(tokens)
+        slot = row.ctx.slot
+        if self.runner.has_pending_tree(slot):
+            self.runner.keep_tree_path(slot, [0, *(i + 1 for i in kept)])
+        self.runner.rollback(slot, min(len(self.runner.ids[slot]), len(row.ctx.token_ids) - 1))
+        c = len(tokens)
+        depth = tree_depth(draft.parents[0]) if self.trees and draft.num_tokens else None
+        nodes, drafted, accepted = draft.num_tokens, (depth if depth is not None else draft.num_tokens), n_acc
+        if c <= n_acc:  # an EOS or the token cap inside the accepted block: later drafts could not commit
+            nodes = drafted = accepted = c
+        if not prefill:
+            row.metrics.record_step(nodes, accepted, c, depth=None if depth is None else drafted)
+        row.metrics.num_generated_tokens = len(row.generated)
+        row.metrics.wall_time_s = time.perf_counter() - row.started_at
+        lp, top = self._logprobs(row, logits, tokens, kept)
+        return StepOutput(tokens, drafted, accepted, row.finish_reason is not None, row.finish_reason, lp, top)
+
+    def _adapt(self, rows, drafts, results, outputs, draft_s: float, verify_s: float) -> None:
+        b = len(rows)
+        for row in rows:
+            row.metrics.draft_time_s += draft_s / b
+            row.metrics.verify_time_s += verify_s / b
+        if self.proposer is not None and any(d.num_tokens for d in drafts):
+            self.proposer.observe([r.ctx for r in rows], results)
+        catch_up = sum(d.catch_up_s for d in drafts)
+        self.policy.update([o.num_drafted for o in outputs], [o.num_accepted for o in outputs],
+                           draft_time_s=max(0.0, draft_s - catch_up), verify_time_s=verify_s)
+
+    def _logprobs(self, row: Request, logits: torch.Tensor, tokens: list[int], kept: list[int]):
+        """log_softmax of the target's raw logits at the committed tokens (and the top n), when asked."""
+        n_top = row.logprobs
+        if n_top is None or not tokens:
+            return None, None
+        at = [0, *(i + 1 for i in kept)][: len(tokens)] if self.trees else list(range(len(tokens)))
+        lsm = torch.log_softmax(logits[at].float(), dim=-1)  # [n, V]
+        chosen = lsm.gather(1, torch.tensor(tokens).unsqueeze(1)).squeeze(1).tolist()
+        if n_top <= 0:
+            return chosen, [[] for _ in tokens]
+        vals, idx = lsm.topk(n_top, dim=-1)
+        return chosen, [list(zip(i, v)) for i, v in zip(idx.tolist(), vals.tolist())]
+
+    def _check_drafts(self, rows: list[Request], drafts: list[Draft], caps: list[int]) -> list[Draft]:
+        """The proposer contract, at the engine's door: one draft per row, [1, N] int64 ids in [0, V),
+        parents of a tree (or a chain when the proposer makes no trees), depth within the cap. A row
+        whose draft breaks it fails alone with a message naming the proposer; the others go on."""
+        name = getattr(self.proposer, "name", type(self.proposer).__name__)
+        if not isinstance(drafts, (list, tuple)) or len(drafts) != len(rows):
+            raise ProposerContractError(f"proposer {name!r} returned {type(drafts).__name__} of "
+                                        f"{len(drafts) if hasattr(drafts, '__len__') else '?'} drafts for {len(rows)} rows")
+        out = []
+        for row, d, cap in zip(rows, drafts, caps):
+            problem = _draft_problem(d, cap, self.vocab_size, self.trees)
+            if problem is not None:
+                row.finish_reason, row.error = "error", f"proposer {name!r} broke its contract: {problem}"
+                d = Draft.empty()
+            out.append(d)
+        return out
+
+    def _remove(self, index: int, started: bool = True) -> None:
+        """Free row ``index``'s slot; the last row moves into it, so rows stay in slots 0..B-1."""
+        row = self.rows[index]
+        if started and self.proposer is not None:
+            self.proposer.finish(row.ctx)
+        last = len(self.rows) - 1
+        if index != last:
+            self.runner.move(last, index)
+            if self.proposer is not None:
+                self.proposer.move(last, index)
+            self.rows[index] = self.rows[last]
+            self.rows[index].ctx.slot = index
+        else:
+            self.runner.clear(last)
+        self.rows.pop()
+
+    # Convenience: one request at a time ----------------------------------------------------
 
     def generate(self, prompt_ids: Sequence[int], params: SamplingParams) -> GenerationOutput:
-        """Generate for one prompt.
+        """Generate for one prompt (other rows in the batch, if any, step along).
 
         Args:
-            prompt_ids: [L] int64 token ids, L >= 1.
-            params: SamplingParams (greedy when temperature is 0).
+            prompt_ids: [L] int64 token ids, L >= 1. params: SamplingParams.
 
         Returns:
             GenerationOutput with the generated ids, finish reason and RunMetrics.
 
         Raises:
-            EmptyPromptError, PromptTooLongError.
+            EmptyPromptError, PromptTooLongError, SpecDecodeError, EngineFullError.
         """
-        state = self.start(prompt_ids, params)
-        while state.finish_reason is None:
-            self.step(state)
-        return self.output(state)
+        req, _ = self.add(prompt_ids, params)
+        while req.finish_reason is None:
+            self.step()
+        return self.output(req)
 
     def stream(self, prompt_ids: Sequence[int], params: SamplingParams) -> Iterator[StepOutput]:
-        """Like :meth:`generate`, yielding each step's committed tokens as they come.
-
-        The first item carries the token sampled from the prefill. The final
-        GenerationOutput is available as ``engine.last_output`` afterwards, also
-        when the caller stops iterating early (a stop string): its finish reason
-        is then "stop".
-        """
-        state = self.start(prompt_ids, params)
+        """Like :meth:`generate`, yielding each step's committed tokens. The final GenerationOutput is
+        ``engine.last_output`` afterwards, also when the caller stops early (finish reason "stop")."""
+        req, first = self.add(prompt_ids, params)
         try:
-            yield StepOutput(list(state.generated), 0, 0, state.finish_reason is not None, state.finish_reason)
-            while state.finish_reason is None:
-                yield self.step(state)
+            yield first
+            while req.finish_reason is None:
+                for r, out in self.step():
+                    if r is req:
+                        yield out
         finally:
-            state.finish_reason = state.finish_reason or "stop"
-            self.last_output = self.output(state)
+            if req.finish_reason is None:
+                self.abort(req, "stop")
+            self.last_output = self.output(req)
 
-    # The loop --------------------------------------------------------------------
+    def generate_batch(self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams]
+                       ) -> list[GenerationOutput]:
+        """Generate for many prompts, up to ``max_batch_size`` at once (continuous batching).
 
-    def start(self, prompt_ids: Sequence[int], params: SamplingParams) -> RequestState:
-        """Validate, prefill the target, sample the first token, start the proposer."""
-        prompt = self._check_prompt(prompt_ids, params)
-        seed = params.seed if params.seed is not None else random.randrange(2**63)
-        ctx = ProposeContext(
-            list(prompt), len(prompt), params, torch.Generator().manual_seed(seed), self.target.vocab_size,
-            should_continue=getattr(self.policy, "should_continue", None), target=self.target,
-        )
-        state = RequestState(ctx=ctx, metrics=RunMetrics(num_prompt_tokens=len(prompt)), started_at=time.perf_counter())
-        self.target.reset()
-        logits = self.target.forward(prompt, last_only=True)[-1]
-        first = int(next_token(logits, params, ctx.generator))
-        state.metrics.num_target_forwards += 1
-        state.metrics.prefill_time_s = time.perf_counter() - state.started_at
-        state.metrics.time_to_first_token_s = state.metrics.prefill_time_s
-        self._commit(state, [first])
-        if self.proposer is not None:
-            self.proposer.start(ctx)
-        self._finish_timing(state)
-        return state
-
-    def step(self, state: RequestState) -> StepOutput:
-        """One iteration: propose, verify in one target pass, commit, adapt."""
-        t0 = time.perf_counter()
-        draft = self._propose(state)
-        t1 = time.perf_counter()
-        result = self._verify(state, draft)
-        t2 = time.perf_counter()
-        committed = self._commit(state, result.new_token_ids[0, : int(result.num_accepted[0]) + 1].tolist())
-        self._observe(state, draft, result, committed, t1 - t0, t2 - t1)
-        m = state.metrics
-        m.draft_time_s += t1 - t0
-        m.verify_time_s += t2 - t1
-        self._finish_timing(state)
-        return StepOutput(committed, draft.num_tokens, int(result.num_accepted[0]),
-                          state.finish_reason is not None, state.finish_reason)
-
-    def output(self, state: RequestState) -> GenerationOutput:
-        return GenerationOutput(
-            token_ids=list(state.generated),
-            finish_reason=state.finish_reason or "length",
-            metrics=state.metrics,
-            prompt_token_ids=state.ctx.token_ids[: state.ctx.num_prompt_tokens],
-        )
-
-    # Parts -----------------------------------------------------------------------
-
-    def _propose(self, state: RequestState) -> Draft:
-        k = min(self.policy.next_length(), state.remaining - 1) if self.proposer is not None else 0
-        if k <= 0:
-            return Draft.empty()
-        return self.proposer.propose(state.ctx, k)
-
-    def _verify(self, state: RequestState, draft: Draft) -> VerifyResult:
-        """Score the last committed token plus every draft token in one target forward."""
-        if self._trees and draft.num_tokens:
-            return self._verify_tree(state, draft)
-        ctx = state.ctx
-        draft_ids = draft.token_ids  # [1, K]
-        logits = self.target.forward([ctx.token_ids[-1], *draft_ids[0].tolist()])  # [K+1, V]
-        if ctx.params.greedy:
-            return verify_greedy(draft_ids, logits.unsqueeze(0))
-        target_probs = logits_to_probs(logits, ctx.params).unsqueeze(0)  # [1, K+1, V]
-        draft_probs = draft.draft_probs
-        if draft_probs is not None:
-            draft_probs = _match_vocab(draft_probs, target_probs.shape[-1])
-        return verify_sampling(draft_ids, draft_probs, target_probs, [ctx.generator])
-
-    def _verify_tree(self, state: RequestState, draft: Draft) -> VerifyResult:
-        """Score the root (last committed token) and every tree node in one forward with an
-        ancestor mask; verify (greedy / multi-candidate sampling, ``specdecode.tree``); keep only
-        the accepted path in the target cache."""
-        ctx = state.ctx
-        parents, _ = tree_inputs(draft.parents[0])
-        logits = self.target.forward_tree([ctx.token_ids[-1], *draft.token_ids[0].tolist()], parents)  # [N+1, V]
-        if ctx.params.greedy:
-            result = verify_tree_greedy(draft.token_ids, draft.parents, logits.unsqueeze(0))
-        else:
-            target_probs = logits_to_probs(logits, ctx.params).unsqueeze(0)  # [1, N+1, V]
-            draft_probs = draft.draft_probs
-            if draft_probs is not None:
-                draft_probs = _match_vocab(draft_probs, target_probs.shape[-1])
-            result = verify_tree_sampling(draft.token_ids, draft.parents, draft_probs, target_probs, [ctx.generator])
-        n = int(result.num_accepted[0])
-        self.target.keep_tree_path([0, *(result.kept_nodes[0, :n] + 1).tolist()])
-        return result
-
-    def _commit(self, state: RequestState, tokens: list[int]) -> list[int]:
-        """Append ``tokens`` after the stopping rules; cut the target cache back to them.
-
-        Returns the tokens actually committed (cut at max_new_tokens and at EOS).
+        Raises:
+            as :meth:`add`, before anything runs (every prompt is checked first).
         """
-        tokens, reason = apply_stopping_rules(tokens, state.ctx.params, len(state.generated))
-        state.finish_reason = state.finish_reason or reason
-        state.generated.extend(tokens)
-        state.ctx.token_ids.extend(tokens)
-        # The target cache holds every committed token but the last (the next step feeds it).
-        self.target.rollback(min(self.target.num_cached, len(state.ctx.token_ids) - 1))
-        return tokens
+        params_list = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
+        for p, sp in zip(prompts, params_list):
+            self.check_prompt(p, sp)
+        waiting = list(range(len(prompts)))
+        requests: dict[int, Request] = {}
+        while waiting or any(r.finish_reason is None for r in requests.values()):
+            while waiting and len(self.rows) < self.runner.num_slots:
+                i = waiting.pop(0)
+                requests[i], _ = self.add(prompts[i], params_list[i])
+            self.step()
+        return [self.output(requests[i]) for i in range(len(prompts))]
 
-    def _observe(self, state: RequestState, draft: Draft, result: VerifyResult, committed: list[int],
-                 draft_time_s: float | None = None, verify_time_s: float | None = None) -> None:
-        n_acc = int(result.num_accepted[0])
-        depth = tree_depth(draft.parents[0]) if self._trees and draft.num_tokens else None
-        state.metrics.record_step(draft.num_tokens, n_acc, len(committed), depth=depth)
-        if self.proposer is not None and draft.num_tokens:
-            self.proposer.observe(state.ctx, result)
-        # Policies reason in draft depth (gamma): a tree's depth, not its node count.
-        drafted = depth if depth is not None else draft.num_tokens
-        if draft_time_s is not None and draft.catch_up_s:
-            draft_time_s = max(0.0, draft_time_s - draft.catch_up_s)  # a one-off cost, not per drafted token
-        self.policy.update(drafted, n_acc, draft_time_s=draft_time_s, verify_time_s=verify_time_s)
+    def output(self, req: Request) -> GenerationOutput:
+        return GenerationOutput(token_ids=list(req.generated), finish_reason=req.finish_reason or "length",
+                                metrics=req.metrics, prompt_token_ids=req.ctx.token_ids[: req.ctx.num_prompt_tokens])
 
-    def _finish_timing(self, state: RequestState) -> None:
-        state.metrics.num_generated_tokens = len(state.generated)
-        state.metrics.wall_time_s = time.perf_counter() - state.started_at
 
-    def _check_prompt(self, prompt_ids: Sequence[int], params: SamplingParams) -> list[int]:
-        prompt = [int(t) for t in prompt_ids]
-        if not prompt:
-            raise EmptyPromptError(
-                "the prompt is empty: give at least one token (text callers: the tokenizer's BOS token is used "
-                "when it has one)"
-            )
-        vocab = self.target.vocab_size
-        bad = [t for t in prompt if not 0 <= t < vocab]
-        if bad:
-            raise SpecDecodeError(f"prompt token ids must be in [0, {vocab}); got {bad[:5]}")
-        if len(prompt) + params.max_new_tokens > self.max_context:
-            raise PromptTooLongError(
-                f"prompt of {len(prompt)} tokens + max_new_tokens {params.max_new_tokens} exceeds the model's "
-                f"context of {self.max_context} tokens: shorten the prompt or lower max_new_tokens"
-            )
-        return prompt
+def _draft_problem(d: Draft, cap: int, vocab: int, trees: bool) -> str | None:
+    """Why a row's draft breaks the proposer contract, or None."""
+    if not isinstance(d, Draft) or not isinstance(d.token_ids, torch.Tensor):
+        return f"expected a Draft with a token_ids tensor, got {type(d).__name__}"
+    ids = d.token_ids
+    if ids.ndim != 2 or ids.shape[0] != 1 or ids.dtype != torch.int64:
+        return f"token_ids must be [1, N] int64, got {list(ids.shape)} {ids.dtype}"
+    n = ids.shape[1]
+    if d.parents.shape != ids.shape:
+        return f"parents {list(d.parents.shape)} must match token_ids {list(ids.shape)}"
+    if n == 0:
+        return None
+    lo, hi = int(ids.min()), int(ids.max())
+    if lo < 0 or hi >= vocab:
+        return f"draft token ids must be in [0, {vocab}); got {lo if lo < 0 else hi}"
+    if d.draft_probs is not None and (d.draft_probs.ndim != 3 or d.draft_probs.shape[:2] != ids.shape
+                                      or d.draft_probs.shape[2] > vocab):
+        return f"draft_probs must be [1, {n}, <= {vocab}], got {list(d.draft_probs.shape)}"
+    parents = d.parents[0]
+    if trees:
+        ok = bool(((parents >= -1) & (parents < torch.arange(n))).all())
+        if not ok:
+            return "parents must satisfy -1 <= parents[i] < i (breadth-first token tree)"
+        depth = tree_depth(parents)
+    else:
+        if not torch.equal(parents, torch.arange(-1, n - 1)):
+            return "a proposer without produces_trees must return chains (parents -1, 0, 1, ...)"
+        depth = n
+    if depth > cap:
+        return f"drafted {depth} levels; at most {cap} were asked for"
+    return None
+
+
+def check_prompt(prompt_ids: Sequence[int], params: SamplingParams, vocab_size: int, max_context: int) -> list[int]:
+    """The prompt checks every front end shares (see :meth:`SpeculativeEngine.check_prompt`)."""
+    prompt = [int(t) for t in prompt_ids]
+    if not prompt:
+        raise EmptyPromptError("the prompt is empty: give at least one token (text callers: the tokenizer's BOS "
+                               "token is used when it has one)")
+    bad = [t for t in prompt if not 0 <= t < vocab_size]
+    if bad:
+        raise SpecDecodeError(f"prompt token ids must be in [0, {vocab_size}); got {bad[:5]}")
+    if len(prompt) + params.max_new_tokens > max_context:
+        raise PromptTooLongError(
+            f"prompt of {len(prompt)} tokens + max_new_tokens {params.max_new_tokens} exceeds the model's context "
+            f"of {max_context} tokens: shorten the prompt or lower max_new_tokens to at most "
+            f"{max(0, max_context - len(prompt))}")
+    return prompt
 
 
 def apply_stopping_rules(tokens: list[int], params: SamplingParams, num_generated: int) -> tuple[list[int], str | None]:
-    """The stopping rules of one request (single-sequence and batched engines alike).
+    """The stopping rules of one request.
 
     Args:
         tokens: [n] token ids a step would commit, in order.
@@ -285,8 +499,8 @@ def apply_stopping_rules(tokens: list[int], params: SamplingParams, num_generate
         num_generated: tokens the request generated before these.
 
     Returns:
-        (the tokens to commit: cut at max_new_tokens and just after the first EOS, the finish
-        reason: "stop" (EOS committed), "length" (max_new_tokens reached) or None (go on)).
+        (the tokens to commit: cut at max_new_tokens and just after the first EOS, the finish reason:
+        "stop" (EOS committed), "length" (max_new_tokens reached) or None (go on)).
     """
     remaining = params.max_new_tokens - num_generated
     tokens = tokens[:remaining]
@@ -295,9 +509,3 @@ def apply_stopping_rules(tokens: list[int], params: SamplingParams, num_generate
             if tok in params.eos_token_ids:
                 return tokens[: i + 1], "stop"
     return tokens, "length" if len(tokens) >= remaining else None
-
-
-def _match_vocab(probs: torch.Tensor, vocab: int) -> torch.Tensor:
-    """Zero-pad [..., V_draft] q up to the target's V (drafters never exceed V: see ProposeContext)."""
-    v = probs.shape[-1]
-    return probs if v == vocab else torch.nn.functional.pad(probs, (0, vocab - v))

@@ -36,19 +36,25 @@ changes speed); sampled outputs keep the target's distribution whatever it is.
 from __future__ import annotations
 
 import hashlib
+import inspect
 import json
 import os
 import random
 import statistics
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 
-from specdecode.proposers.layer_skip import LayerSkipConfig, LayerSkipProposer, SkipForward, draft_step, remove_last
+from transformers import DynamicCache
+
+from specdecode.engine import EngineConfig, SpeculativeEngine
+from specdecode.kv import make_runner
+from specdecode.proposers.layer_skip import KNOWN_FAMILIES, LayerSkipConfig, LayerSkipError, LayerSkipProposer, decoder_layers
+from specdecode.types import SamplingParams
 
 CACHE_FILE = "layer_skip.json"
 CACHE_FORMAT = 1
@@ -185,14 +191,14 @@ def store(model: torch.nn.Module, result: SearchResult, cache_dir: str | Path | 
     return path
 
 
-def choose_skip_layers(model: torch.nn.Module, prompts: Sequence[Sequence[int]], config: SearchConfig | None = None,
-                       *, cache_dir: str | Path | None = None, refresh: bool = False) -> SearchResult:
+def choose_skip_layers(model: torch.nn.Module, prompts: Sequence[Sequence[int]],
+                       config: SearchConfig | float | None = None, *, cache_dir: str | Path | None = None, refresh: bool = False) -> SearchResult:
     """The cached skip set for ``model``, or a fresh search on ``prompts`` (stored for next time).
 
     Args:
         model: the target (Llama / Qwen2 family), eval mode.
         prompts: calibration prompts as token id lists (at least one, each non-empty).
-        config: SearchConfig.
+        config: SearchConfig, or a time budget in seconds.
         cache_dir: where ``layer_skip.json`` lives (default ``models.default_cache_dir()``).
         refresh: search even if a cached choice exists.
 
@@ -203,6 +209,8 @@ def choose_skip_layers(model: torch.nn.Module, prompts: Sequence[Sequence[int]],
         cached = load_cached(model, cache_dir)
         if cached is not None:
             return cached
+    if isinstance(config, (int, float)):
+        config = SearchConfig(time_budget_s=float(config))
     result = search_skip_layers(model, prompts, config)
     store(model, result, cache_dir)
     return result
@@ -296,9 +304,6 @@ def _mutate(best: tuple[int, ...], space: list[int], ratios: Sequence[float], rn
 
 def _contexts(model: torch.nn.Module, prompts: list[list[int]], new_tokens: int) -> tuple[list[list[int]], float]:
     """Greedy plain continuations of each prompt (the target's own text) and plain decoding tokens/s."""
-    from specdecode.engine import SpeculativeEngine
-    from specdecode.types import SamplingParams
-
     engine = SpeculativeEngine(model, None)
     contexts, tokens, seconds = [], 0, 0.0
     for p in prompts:
@@ -334,10 +339,7 @@ def _measure_round_robin(model: torch.nn.Module, prompts: list[list[int]], rows:
 def _measure(model: torch.nn.Module, prompts: list[list[int]], skip_layers: tuple[int, ...] | None, gamma: int,
              new_tokens: int) -> float:
     """Measured greedy decoding tokens/s (prefill excluded) on the prompts: layer-skip, or plain (None)."""
-    from specdecode.engine import EngineConfig, SpeculativeEngine
-    from specdecode.types import SamplingParams
-
-    proposer = None if skip_layers is None else LayerSkipProposer(model, LayerSkipConfig(skip_layers=skip_layers))
+    proposer = None if skip_layers is None else LayerSkipProposer(model, LayerSkipConfig(skip_layers=skip_layers))  # noqa: E501
     engine = SpeculativeEngine(model, proposer, EngineConfig(num_speculative_tokens=gamma))
     tokens, seconds = 0, 0.0
     for p in prompts:
@@ -345,6 +347,104 @@ def _measure(model: torch.nn.Module, prompts: list[list[int]], skip_layers: tupl
         tokens += len(out.token_ids) - 1
         seconds += out.metrics.wall_time_s - out.metrics.prefill_time_s
     return tokens / seconds if seconds > 0 else 0.0
+
+
+class SkipForward:
+    """The target's forward with a subset of decoder layers, on a Hugging Face cache or none.
+
+    Calls the model's own modules (embedding, decoder layers, final norm, LM head),
+    so weights are shared and the result with nothing skipped equals the model's
+    forward (tested).
+
+    Args:
+        model: a Llama / Qwen2 ``*ForCausalLM`` in eval mode.
+
+    Raises:
+        LayerSkipError: the layout is not found, or (for an unknown family) the
+            forward with nothing skipped does not reproduce the model's logits.
+    """
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+        self.layers = decoder_layers(model)
+        self.inner = model.model
+        self.lm_head = model.get_output_embeddings()
+        params = inspect.signature(self.layers[0].forward).parameters
+        self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
+        self.num_layers = len(self.layers)
+        if getattr(model.config, "model_type", None) not in KNOWN_FAMILIES:
+            self._self_check()
+
+    def forward(self, ids: torch.Tensor, start: int, kept: Sequence[int], cache=None,
+                last_only: bool = False, positions: torch.Tensor | None = None,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Run ``ids`` through the kept layers.
+
+        Args:
+            ids: [n] int64 tokens at positions start..start+n-1.
+            start: position of the first token (= tokens already in ``cache``'s kept layers).
+            kept: indices of the layers to run, ascending.
+            cache: a Hugging Face ``Cache`` whose kept layers hold ``start`` tokens (they gain n),
+                or None (no cache: ``start`` must be 0).
+            last_only: LM head for the last position only.
+            positions, mask: override the positions ([n] int64) and the causal mask
+                ([1, 1, n, start + n] additive, model dtype) for queries that are not a plain
+                continuation (the search scores many one-token drafts in one pass).
+
+        Returns:
+            [n, V] float32 logits ([1, V] with ``last_only``).
+        """
+        n = ids.numel()
+        hidden = self.inner.embed_tokens(ids.reshape(1, n))
+        positions = (torch.arange(start, start + n) if positions is None else positions).reshape(1, n)
+        rope = self.inner.rotary_emb(hidden, positions)
+        if mask is None and n > 1:
+            mask = _causal_mask(n, start, hidden.dtype)
+        extra = {self._cache_kwarg: cache, "use_cache": cache is not None}
+        for i in kept:
+            hidden = self.layers[i](hidden, attention_mask=mask, position_embeddings=rope,
+                                    position_ids=positions, **extra)
+            if isinstance(hidden, tuple):  # older transformers return (hidden, ...)
+                hidden = hidden[0]
+        if last_only:
+            hidden = hidden[:, -1:]
+        return self.lm_head(self.inner.norm(hidden))[0].float()
+
+    def _self_check(self) -> None:
+        ids = torch.tensor([1, 2, 3, 4]) % max(2, self.lm_head.weight.shape[0])
+        with torch.inference_mode():
+            ours = self.forward(ids, 0, range(self.num_layers))
+            theirs = self.model(input_ids=ids.reshape(1, -1), use_cache=False).logits[0].float()
+        if not torch.allclose(ours, theirs, rtol=1e-3, atol=1e-3):
+            kind = getattr(self.model.config, "model_type", type(self.model).__name__)
+            raise LayerSkipError(
+                f"layer-skip drafting supports {KNOWN_FAMILIES}; the {kind!r} forward is not embed -> layers -> norm "
+                f"-> head (a layer-by-layer run does not reproduce its logits). Use another proposer"
+            )
+
+
+def _causal_mask(n: int, start: int, dtype: torch.dtype) -> torch.Tensor:
+    """[1, 1, n, start + n] additive mask: query i sees keys 0..start+i."""
+    mask = torch.full((n, start + n), float("-inf"), dtype=dtype).triu(start + 1)
+    return mask.reshape(1, 1, n, start + n)
+
+
+def remove_last(cache, layers: Iterable[int], count: int) -> None:
+    """Drop the last ``count`` entries of the given layers of a Hugging Face ``DynamicCache``."""
+    if count > 0:
+        for i in layers:
+            cache.layers[i].crop(-count)
+
+
+class _HFPrefix:
+    """A context prefilled once through the Hugging Face forward, on a ``DynamicCache`` (the search's
+    proxy scoring adds many one-token drafts with a custom mask, then removes them)."""
+
+    def __init__(self, model: torch.nn.Module, ids: list[int]) -> None:
+        self.cache = DynamicCache(config=model.config)
+        out = model(input_ids=torch.tensor([ids]), past_key_values=self.cache, use_cache=True)
+        self.logits = out.logits[0].float()
+        self.num_cached = len(ids)
 
 
 class _ProxyScorer:
@@ -358,16 +458,13 @@ class _ProxyScorer:
     """
 
     def __init__(self, skip: SkipForward, contexts: list[list[int]], prompt_lengths: list[int], max_gamma: int) -> None:
-        from specdecode.cache import CachedModel
-
         self.skip = skip
         self.max_gamma = max_gamma
         self.items = []
         with torch.inference_mode():
             for ctx, n_prompt in zip(contexts, prompt_lengths):
-                runner = CachedModel(skip.model)
-                runner.reset()
-                full_argmax = runner.forward(ctx).argmax(-1)  # [P]
+                runner = _HFPrefix(skip.model, ctx)
+                full_argmax = runner.logits.argmax(-1)  # [P]
                 rows = torch.arange(max(1, n_prompt - 32), len(ctx) - 1)  # the generated text and a bit before
                 p, n = len(ctx), len(rows)
                 sees_prefix = torch.arange(p)[None, :] < rows[:, None]  # [n, P]: query i sees tokens < j_i
@@ -404,23 +501,21 @@ class _ProxyScorer:
 
 def _time_model(skip: SkipForward, context: list[int], max_gamma: int, reps: int = 5):
     """Measure, on the forward the engine uses, T_draft(kept layers) = a + b * kept and T_verify(k), k = 0..max_gamma."""
-    from specdecode.fastforward import make_runner
-
-    runner = make_runner(skip.model)
-    runner.reset()
+    runner = make_runner(skip.model).row(0)
     with torch.inference_mode():
         runner.forward(context[:-1])
         n = runner.num_cached
-        tok = torch.tensor(context[-1:], dtype=torch.int64)
+        tok = context[-1:]
 
         def draft_time(kept: list[int]) -> float:
-            step, discard = draft_step(runner, skip, kept)
             times = []
             for _ in range(reps):
                 t0 = time.perf_counter()
-                step(tok, n)
+                if getattr(runner.runner, "skips_layers", False):
+                    runner.forward_skipping(tok, n, kept)
+                else:
+                    skip.forward(torch.tensor(tok), 0, kept)
                 times.append(time.perf_counter() - t0)
-                discard(1)
             return statistics.median(times)
 
         def verify_time(k: int) -> float:

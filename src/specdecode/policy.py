@@ -2,11 +2,13 @@
 
 Every policy answers three questions for the engine:
 
-- ``next_length() -> int``: gamma for the next step; 0 means a plain decoding step.
+- ``next_length(batch_size=1) -> int``: gamma for the next step of a batch of that many
+  rows; 0 means a plain decoding step.
 - ``update(num_drafted, num_accepted, *, draft_time_s=None, verify_time_s=None)``:
-  feedback after each verification (``num_drafted`` is what the proposer actually
-  drafted, which may be less than asked; the times are the step's measured
-  seconds of drafting and of the target's verification forward).
+  feedback after each verification, per row (``[B]`` lists, or ints for one row):
+  what each row's proposer actually drafted (which may be less than asked) and what
+  verification kept; the times are the step's measured seconds of drafting and of
+  the target's verification forward for the whole batch.
 - ``should_continue``: None, or a callable ``probs [V] float32 -> bool`` that a
   model-based proposer (draft-model, layer-skip) consults after each drafted
   token, with the distribution that token came from (greedy requests: the
@@ -33,7 +35,8 @@ decoding while speculation loses, so neither policy runs much slower than
 plain decoding when acceptance collapses.
 
 All policies are per engine: their state (gamma, estimates) carries over from
-one request to the next, as Hugging Face's heuristic does.
+one request to the next, as Hugging Face's heuristic does. The costs they learn
+(``specdecode.costmodel``) are tables over the batch size and the draft length.
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from specdecode.costmodel import AcceptanceEstimate, StepOverhead, TimeTable, as_rows, best_gamma
 from specdecode.types import SpecDecodeError
 
 #: Largest gamma any policy may choose (the engine's own limit).
@@ -67,13 +71,13 @@ class DraftLengthPolicy:
     #: None, or ``probs [V] float32 -> bool`` consulted by model-based drafters after each token.
     should_continue: Callable[[torch.Tensor], bool] | None = None
 
-    def next_length(self) -> int:
+    def next_length(self, batch_size: int = 1) -> int:
         raise NotImplementedError
 
     def update(
         self,
-        num_drafted: int,
-        num_accepted: int,
+        num_drafted,
+        num_accepted,
         *,
         draft_time_s: float | None = None,
         verify_time_s: float | None = None,
@@ -91,7 +95,7 @@ class FixedPolicy(DraftLengthPolicy):
     def __init__(self, num_speculative_tokens: int) -> None:
         self.num_speculative_tokens = _check_gamma("num_speculative_tokens", num_speculative_tokens)
 
-    def next_length(self) -> int:
+    def next_length(self, batch_size: int = 1) -> int:
         return self.num_speculative_tokens
 
     def __repr__(self) -> str:
@@ -103,28 +107,6 @@ class FixedPolicy(DraftLengthPolicy):
 
 def _ema(old: float | None, new: float, weight: float) -> float:
     return new if old is None else (1.0 - weight) * old + weight * new
-
-
-@dataclass
-class _StepOverhead:
-    """Per-step seconds outside drafting and verification (commit, bookkeeping, the caller's own work).
-
-    Measured as the time between consecutive ``update`` calls minus the step's draft and verify
-    seconds; every step pays it once, so speculation amortises it over its tokens and a policy
-    that left it out would favour plain decoding. A gap much longer than the step itself (between
-    requests) is not counted.
-    """
-
-    seconds: float = 0.0
-    _last: float | None = field(default=None, repr=False)
-
-    def observe(self, busy_s: float | None) -> None:
-        now = time.perf_counter()
-        if self._last is not None and busy_s is not None:
-            other = now - self._last - busy_s
-            if 0.0 <= other <= 2.0 * busy_s:
-                self.seconds = 0.8 * self.seconds + 0.2 * other
-        self._last = now
 
 
 @dataclass
@@ -147,7 +129,8 @@ class PlainFallback:
         backoff, max_backoff: plain steps before the next probe (doubles on failure).
         refresh_every: steps between plain-step measurements while speculating.
         smoothing: EMA weight of a new observation.
-        probe_gamma: the most tokens drafted while speculation is on trial.
+        probe_gamma: the most tokens drafted while speculation is on trial; None = the gamma the
+            policy would use (so a probe measures what speculation really does).
     """
 
     window: int = 2
@@ -156,7 +139,7 @@ class PlainFallback:
     max_backoff: int = 256
     refresh_every: int = 64
     smoothing: float = 0.25
-    probe_gamma: int = 1
+    probe_gamma: int | None = None
     spec_rate: float | None = field(default=None, init=False)  # committed tokens / s of speculative steps
     plain_step_s: float | None = field(default=None, init=False)  # seconds of one plain step
     _hold: int = field(default=0, init=False, repr=False)
@@ -165,7 +148,7 @@ class PlainFallback:
     _since_plain: int = field(default=0, init=False, repr=False)
     _steps: int = field(default=0, init=False, repr=False)
     _probing: bool = field(default=True, init=False, repr=False)
-    _overhead: _StepOverhead = field(default_factory=_StepOverhead, init=False, repr=False)
+    _overhead: StepOverhead = field(default_factory=StepOverhead, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self._current_backoff = self.backoff
@@ -174,7 +157,7 @@ class PlainFallback:
         """The gamma to use next: 0 while holding, at most ``probe_gamma`` while on trial."""
         if self.holds():
             return 0
-        return min(gamma, self.probe_gamma) if self._probing else gamma
+        return min(gamma, self.probe_gamma) if self._probing and self.probe_gamma is not None else gamma
 
     def holds(self) -> bool:
         """True when the next step must be plain (held back, or a plain measurement is due)."""
@@ -183,21 +166,24 @@ class PlainFallback:
         due = self.plain_step_s is None and self._steps >= 1
         return due or self._since_plain >= self.refresh_every
 
-    def update(self, num_drafted: int, num_accepted: int, draft_time_s: float | None,
+    def update(self, num_drafted, num_accepted, draft_time_s: float | None,
                verify_time_s: float | None) -> None:
-        """Record one step; decide whether to hold plain decoding."""
+        """Record one step (per-row counts); decide whether to hold plain decoding."""
+        drafted, accepted = as_rows(num_drafted), as_rows(num_accepted)
         self._steps += 1
         if verify_time_s is None:
             return
         busy = (draft_time_s or 0.0) + verify_time_s
         self._overhead.observe(busy)
-        if num_drafted == 0:
+        rows = max(1, len(drafted))
+        if sum(drafted) == 0:
+            verify_time_s = verify_time_s / rows  # seconds per committed token of a plain step
             self.plain_step_s = _ema(self.plain_step_s, verify_time_s, self.smoothing)
             self._since_plain = 0
             self._hold = max(0, self._hold - 1)
             return
         self._since_plain += 1
-        rate = (num_accepted + 1) / max(1e-9, busy + self._overhead.seconds)
+        rate = (sum(accepted) + rows) / max(1e-9, busy + self._overhead.seconds)
         self.spec_rate = _ema(self.spec_rate, rate, self.smoothing)
         self._since_decision += 1
         if self._since_decision < self.window or self.plain_step_s is None:
@@ -236,15 +222,16 @@ class HeuristicPolicy(DraftLengthPolicy):
         self.gamma = min(self.gamma, self.max_tokens)
         self.guard = PlainFallback() if guard else None
 
-    def next_length(self) -> int:
+    def next_length(self, batch_size: int = 1) -> int:
         return self.gamma if self.guard is None else self.guard.limit(self.gamma)
 
     def update(self, num_drafted, num_accepted, *, draft_time_s=None, verify_time_s=None) -> None:
         if self.guard is not None:
             self.guard.update(num_drafted, num_accepted, draft_time_s, verify_time_s)
-        if num_drafted <= 0:
+        pairs = [(d, a) for d, a in zip(as_rows(num_drafted), as_rows(num_accepted)) if d > 0]
+        if not pairs:
             return
-        if num_accepted >= num_drafted:
+        if all(a >= d for d, a in pairs):
             self.gamma = min(self.max_tokens, self.gamma + 2)
         else:
             self.gamma = max(1, self.gamma - 1)
@@ -297,7 +284,7 @@ class ConfidencePolicy(DraftLengthPolicy):
                 return False
         return True
 
-    def next_length(self) -> int:
+    def next_length(self, batch_size: int = 1) -> int:
         return self.max_tokens if self.guard is None else self.guard.limit(self.max_tokens)
 
     def update(self, num_drafted, num_accepted, *, draft_time_s=None, verify_time_s=None) -> None:
@@ -312,79 +299,21 @@ class ConfidencePolicy(DraftLengthPolicy):
 # --------------------------------------------------------------------------- cost model
 
 
-@dataclass
-class _TimeTable:
-    """Seconds as a function of k (tokens drafted), from EMAs of measured points.
-
-    Unmeasured k, with two or more points: linear interpolation between the
-    measured neighbours, linear extrapolation (slope of the two nearest points,
-    never negative) outside them: an affine cost, e.g. a draft whose first
-    forward also catches up on the tokens committed since. With one point:
-    ``proportional`` scales it by k / k0 (drafting: no cost at k = 0), else it
-    assumes each extra token adds ``default_slope`` of a one-token step
-    (verification, near flat on this project's kernels).
-    """
-
-    smoothing: float = 0.3
-    default_slope: float = 0.05
-    proportional: bool = False
-    points: dict[int, float] = field(default_factory=dict)
-
-    def add(self, k: int, seconds: float) -> None:
-        self.points[k] = _ema(self.points.get(k), seconds, self.smoothing)
-
-    def __call__(self, k: int) -> float | None:
-        if k in self.points:
-            return self.points[k]
-        if not self.points:
-            return None
-        ks = sorted(self.points)
-        if len(ks) == 1:
-            (k0,) = ks
-            if self.proportional:
-                return self.points[k0] * k / k0 if k0 else self.points[k0]
-            per_step = self.points[k0] / (1.0 + self.default_slope * k0)
-            return per_step * (1.0 + self.default_slope * k)
-        below = [x for x in ks if x < k]
-        above = [x for x in ks if x > k]
-        if below and above:
-            a, b = below[-1], above[0]
-        elif below:
-            a, b = ks[-2], ks[-1]
-        else:
-            a, b = ks[0], ks[1]
-        slope = max(0.0, (self.points[b] - self.points[a]) / (b - a))
-        return max(0.0, self.points[a] + slope * (k - a))
-
-
 class CostModelPolicy(DraftLengthPolicy):
     """Choose gamma maximising expected committed tokens per second, from online measurements.
 
-    The model (Leviathan et al. 2023, section 3.4, with measured rather than
-    assumed costs and per-position rather than one acceptance rate)::
+    The model is :mod:`specdecode.costmodel` (Leviathan et al. 2023, section 3.4, with measured
+    costs over the batch size and per-position acceptance): gamma = argmax over 0..max_tokens of
+    B * E(g) / (T_draft(B, g) + T_verify(B, g) + T_other), 0 being plain decoding.
 
-        E(g)    = 1 + sum_{j=1..g} prod_{i<j} c_i          expected tokens committed by a step
-        rate(g) = E(g) / (T_draft(g) + T_verify(g) + T_other)   committed tokens per second
-        gamma   = argmax_{g in 0..max_tokens} rate(g)      (g = 0: plain decoding, E = 1)
-
-    c_i = P(draft token i accepted | tokens 0..i-1 accepted), estimated from
-    exponentially decayed counts (each position decays when it is judged),
-    shrunk towards the estimate of position i-1; positions never drafted
-    inherit the estimate of the deepest observed one. T_draft(k) and T_verify(k)
-    are EMAs of the measured seconds per number of tokens drafted, interpolated
-    for unmeasured k (:class:`_TimeTable`); T_other is the per-step time outside
-    both (:class:`_StepOverhead`), which every step pays once.
-
-    Exploration: the first ``warmup`` steps draft min(``num_speculative_tokens``, 2)
-    tokens (cheap when speculation turns out to lose), then one plain step
-    measures T_verify(0); from then on the model decides. While the model picks 0, after
-    ``probe_interval`` plain steps it probes: the acceptance evidence is
-    discounted (x ``probe_discount``, old news) and ``probe_steps`` steps draft the
-    best positive gamma; if speculation still loses, the interval doubles (up to
-    ``max_probe_interval``), else it resets. While speculating, a plain step every
-    ``refresh_every`` steps keeps T_verify(0) current on a machine whose load changes,
-    and every ``explore_every``-th speculative step drafts one token more than the
-    model's choice, so the costs of longer drafts are measured, not only extrapolated.
+    Exploration: the first ``warmup`` steps draft min(``num_speculative_tokens``, 2) tokens, then
+    one plain step measures T_verify(B, 0); from then on the model decides. While the model picks 0,
+    after ``probe_interval`` plain steps it probes: the acceptance evidence is discounted
+    (x ``probe_discount``) and ``probe_steps`` steps draft the best positive gamma; if speculation
+    still loses, the interval doubles (up to ``max_probe_interval``), else it resets. While
+    speculating, a plain step every ``refresh_every`` steps keeps T_verify(B, 0) current, and every
+    ``explore_every``-th speculative step drafts one token more than the model's choice. A batch
+    size not measured yet gets one plain step first.
 
     Args:
         num_speculative_tokens: gamma before anything is measured.
@@ -404,7 +333,6 @@ class CostModelPolicy(DraftLengthPolicy):
         if not 0.0 < decay <= 1.0:
             raise SpecDecodeError(f"decay must be in (0, 1], got {decay!r}")
         self.decay = decay
-        self.shrink = 2.0
         self.warmup = warmup
         self.probe_interval = probe_interval
         self.max_probe_interval = max_probe_interval
@@ -412,61 +340,47 @@ class CostModelPolicy(DraftLengthPolicy):
         self.probe_discount = probe_discount
         self.refresh_every = refresh_every
         self.explore_every = explore_every
-        self.hits = [0.0] * self.max_tokens  # decayed accepted counts per position
-        self.trials = [0.0] * self.max_tokens  # decayed judged counts per position
-        self.t_draft = _TimeTable(proportional=True)
-        self.t_verify = _TimeTable()
-        self.overhead = _StepOverhead()
+        self.accept = AcceptanceEstimate(self.max_tokens, decay)
+        self.t_draft = TimeTable(proportional=True)
+        self.t_verify = TimeTable()
+        self.overhead = StepOverhead()
         self._steps = 0
-        self._plain_run = 0  # consecutive plain steps chosen by the model
+        self._plain_run = 0
         self._interval = probe_interval
         self._probe_left = 0
         self._since_plain = 0
         self._spec_steps = 0
+        self._batch = 1
 
     # Model -----------------------------------------------------------------------
 
     def acceptance(self) -> list[float]:
-        """Estimated c_i for positions 0..max_tokens-1 (conditional on reaching i).
-
-        Each position's decayed counts are shrunk towards the previous position's
-        estimate (``shrink`` pseudo-observations), position 0 towards the pooled rate
-        of all positions; a position never reached inherits the one before it.
-        """
-        pooled = (sum(self.hits) + 1.0) / (sum(self.trials) + 2.0)
-        out, prev = [], pooled
-        for h, t in zip(self.hits, self.trials):
-            prev = (h + self.shrink * prev) / (t + self.shrink)
-            out.append(prev)
-        return out
+        """Estimated c_i for positions 0..max_tokens-1 (conditional on reaching i)."""
+        return self.accept.rates()
 
     def expected_tokens(self, gamma: int) -> float:
-        """E(gamma): expected tokens committed by one step drafting gamma tokens."""
-        total, reach = 1.0, 1.0
-        for c in self.acceptance()[:gamma]:
-            reach *= c
-            total += reach
-        return total
+        """E(gamma): expected tokens committed by one row's step drafting gamma tokens."""
+        return self.accept.expected_tokens(gamma)
 
-    def rates(self) -> list[float] | None:
-        """Predicted committed tokens per second for gamma = 0..max_tokens; None until a plain
-        step and a drafting step have both been timed."""
-        if 0 not in self.t_verify.points or not self.t_draft.points:
-            return None
-        out = []
-        for g in range(self.max_tokens + 1):
-            cost = self.t_verify(g) + (self.t_draft(g) if g else 0.0) + self.overhead.seconds
-            out.append(self.expected_tokens(g) / max(cost, 1e-9))
-        return out
+    def rates(self, batch_size: int = 1) -> list[float] | None:
+        """Predicted committed tokens per second for gamma = 0..max_tokens at ``batch_size`` rows;
+        None until a plain step and a drafting step have both been timed."""
+        found = best_gamma(self.accept, self.t_draft, self.t_verify, self.overhead.seconds, batch_size,
+                           self.max_tokens)
+        return None if found is None else found[1]
 
     # Policy ----------------------------------------------------------------------
 
-    def next_length(self) -> int:
+    def next_length(self, batch_size: int = 1) -> int:
+        self._batch = batch_size
         if self._steps < self.warmup:
             return min(self.initial, 2)
-        rates = self.rates()
+        if not self.t_verify.has(batch_size, 0) and self.t_verify.points and self._plain_run == 0 \
+                and self._since_plain >= 1:
+            return 0  # a batch size not measured yet: one plain step first
+        rates = self.rates(batch_size)
         if rates is None:
-            return 0 if 0 not in self.t_verify.points else self.initial
+            return 0 if self.t_verify(batch_size, 0) is None else self.initial
         best_spec = max(range(1, len(rates)), key=rates.__getitem__)
         if self._probe_left > 0:
             return best_spec
@@ -478,45 +392,39 @@ class CostModelPolicy(DraftLengthPolicy):
                 return best_spec + 1  # keep measuring the next length up: its cost may be overestimated
             return best_spec
         if self._plain_run >= self._interval:  # re-probe: acceptance may have changed
-            self._start_probe()
-            return max(range(1, len(rates)), key=self.rates().__getitem__)
+            self._probe_left = self.probe_steps
+            self.accept.discount(self.probe_discount)
+            return max(range(1, len(rates)), key=self.rates(batch_size).__getitem__)
         return 0
 
-    def _start_probe(self) -> None:
-        self._probe_left = self.probe_steps
-        self.hits = [h * self.probe_discount for h in self.hits]
-        self.trials = [t * self.probe_discount for t in self.trials]
-
     def update(self, num_drafted, num_accepted, *, draft_time_s=None, verify_time_s=None) -> None:
+        drafted, accepted = as_rows(num_drafted), as_rows(num_accepted)
+        b = max(1, len(drafted))
+        g = max(drafted, default=0)
         self._steps += 1
         if verify_time_s is not None:
             self.overhead.observe((draft_time_s or 0.0) + verify_time_s)
-        if num_drafted <= 0:
+        if g <= 0:
             if verify_time_s is not None:
-                self.t_verify.add(0, verify_time_s)
+                self.t_verify.add(b, 0, verify_time_s)
             self._since_plain = 0
             self._plain_run += 1
             return
         self._since_plain += 1
         self._plain_run = 0
-        self._observe_acceptance(num_drafted, num_accepted)
+        for d, a in zip(drafted, accepted):
+            if d > 0:
+                self.accept.observe(d, a)
         if verify_time_s is not None:
-            self.t_verify.add(num_drafted, verify_time_s)
+            self.t_verify.add(b, g, verify_time_s)
         if draft_time_s is not None:
-            self.t_draft.add(num_drafted, draft_time_s)
+            self.t_draft.add(b, g, draft_time_s)
         if self._probe_left > 0:
             self._probe_left -= 1
             if self._probe_left == 0:
-                rates = self.rates()
+                rates = self.rates(b)
                 wins = rates is not None and max(rates[1:]) > rates[0]
                 self._interval = self.probe_interval if wins else min(self.max_probe_interval, 2 * self._interval)
-
-    def _observe_acceptance(self, num_drafted: int, num_accepted: int) -> None:
-        """Positions 0..min(accepted, drafted - 1) were judged; decay only what was judged."""
-        reached = min(num_accepted + 1, num_drafted, self.max_tokens)
-        for i in range(reached):
-            self.hits[i] = self.decay * self.hits[i] + (1.0 if i < num_accepted else 0.0)
-            self.trials[i] = self.decay * self.trials[i] + 1.0
 
     def __repr__(self) -> str:
         return f"CostModelPolicy(start={self.initial}, max={self.max_tokens}, decay={self.decay})"

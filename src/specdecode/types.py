@@ -20,6 +20,14 @@ class InvalidSamplingParams(SpecDecodeError):
     """A sampling value is out of range (negative temperature, top_p outside (0, 1], ...)."""
 
 
+class ProposerContractError(SpecDecodeError):
+    """A proposer returned drafts that break the contract (ids outside [0, V), wrong shapes)."""
+
+
+class EngineFullError(SpecDecodeError):
+    """Every slot of the engine's batch is taken; wait for a request to finish (the scheduler queues)."""
+
+
 class PromptTooLongError(SpecDecodeError):
     """The prompt plus the requested new tokens does not fit the model's context."""
 
@@ -83,7 +91,7 @@ class SamplingParams:
 
 @dataclass
 class Draft:
-    """A proposer's guess.
+    """A proposer's guess for one row of the batch (proposers return one per row, B = 1 each).
 
     Attributes:
         token_ids: [B, N] int64 draft tokens.
@@ -108,11 +116,11 @@ class Draft:
         return int(self.token_ids.shape[1])
 
     @staticmethod
-    def chain(token_ids: torch.Tensor, draft_probs: torch.Tensor | None = None) -> "Draft":
+    def chain(token_ids: torch.Tensor, draft_probs: torch.Tensor | None = None, catch_up_s: float = 0.0) -> "Draft":
         """Build a chain draft from [B, K] int64 tokens (and optional [B, K, V] float32 q)."""
         b, k = token_ids.shape
         parents = torch.arange(-1, k - 1, dtype=torch.int64).expand(b, k)
-        return Draft(token_ids=token_ids, parents=parents, draft_probs=draft_probs)
+        return Draft(token_ids=token_ids, parents=parents, draft_probs=draft_probs, catch_up_s=catch_up_s)
 
     @staticmethod
     def empty(batch_size: int = 1) -> "Draft":
@@ -144,13 +152,26 @@ PAD_TOKEN_ID = -1
 
 @dataclass
 class StepOutput:
-    """One engine step, as streamed: the tokens it committed (after stopping rules)."""
+    """One engine step of one request, as streamed: the tokens it committed (after stopping rules).
+
+    Attributes:
+        token_ids: tokens committed this step (the prefill's first token for the request's first output).
+        num_drafted, num_accepted: draft tokens verified / kept that could be committed (counted
+            up to an EOS or the token cap inside the block).
+        finished, finish_reason: "length" | "stop" (EOS) | "cancelled" | "error" | None.
+        logprobs: log p_target (raw logits, temperature 1) of each committed token, when asked.
+        top_logprobs: per committed token, the n most likely (token id, logprob), when asked.
+        error: a message when the request failed (finish_reason "error").
+    """
 
     token_ids: list[int]
-    num_drafted: int
-    num_accepted: int
-    finished: bool
-    finish_reason: str | None = None  # "length" | "stop" (EOS) | None
+    num_drafted: int = 0
+    num_accepted: int = 0
+    finished: bool = False
+    finish_reason: str | None = None
+    logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    error: str | None = None
 
 
 @dataclass

@@ -1,10 +1,21 @@
-"""The proposer protocol and the registry that builds proposers by name."""
+"""The proposer contract (batched) and the registry that builds proposers by name.
+
+A proposer drafts for every row of the engine's batch at once::
+
+    propose(batch: [ProposeContext] * B, max_tokens: [int] * B) -> [Draft] * B
+
+Row i's draft is a chain or a token tree of at most ``max_tokens[i]`` levels, [1, N_i] int64
+ids in [0, V) (checked by the engine, which names the proposer on a violation). Per-row work stays
+inside the proposer (vLLM's ``batch_propose``): a draft model runs one batched forward per draft
+position; model-free drafters loop over rows. Per-request state lives in ``ctx.state``; slot state
+(a draft model's own KV cache rows) follows ``ctx.slot``, and :meth:`Proposer.move` is called when
+the engine compacts its rows.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Protocol
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 
 import torch
 
@@ -13,7 +24,7 @@ from specdecode.types import Draft, SamplingParams, VerifyResult
 
 @dataclass
 class ProposeContext:
-    """What a proposer may look at for one request (batch size 1).
+    """What a proposer may look at for one request (one row of the batch).
 
     Attributes:
         token_ids: every committed token, prompt first (a list the engine appends to).
@@ -23,12 +34,9 @@ class ProposeContext:
         vocab_size: the target's output vocabulary V; drafts must stay below it.
         should_continue: the draft-length policy's per-token hook, or None. Model-based
             drafters call it after each drafted token with the [V] float32 distribution
-            the token came from (greedy: softmax of the raw logits); False ends the chain
-            after that token. Deterministic drafters ignore it.
-        target: the engine's target runner (``CachedModel`` or ``OwnedCachedModel``), for
-            self-speculative drafters that draft on the target's own cache; they must leave
-            its committed tokens' cache exactly as they found it. None where an engine does
-            not offer it.
+            the token came from (greedy: softmax of the raw logits); False ends the chain.
+        slot: the row's slot in the engine's KV cache (rows occupy slots 0..B-1, in batch order).
+        state: per-request state owned by the proposer (lookup indexes, tree regions).
     """
 
     token_ids: list[int]
@@ -37,7 +45,8 @@ class ProposeContext:
     generator: torch.Generator
     vocab_size: int
     should_continue: Callable[[torch.Tensor], bool] | None = None
-    target: object | None = None
+    slot: int = 0
+    state: dict = field(default_factory=dict)
 
     def keep_drafting(self, probs: torch.Tensor) -> bool:
         """Ask the policy hook whether to draft another token after one drawn from ``probs`` [V]."""
@@ -53,18 +62,45 @@ def draft_room(max_context: int, ctx: ProposeContext) -> int:
     return max_context - len(ctx.token_ids) + 1
 
 
-class Proposer(Protocol):
-    """Guesses the next tokens; the engine verifies them against the target.
+class Proposer:
+    """Base class of every proposer: the engine's calls, with do-nothing defaults.
 
-    ``start`` is called once per request before the first ``propose``;
-    ``observe`` after every verification (learn, or roll back own state).
+    Lifecycle: ``bind`` once when the engine is built; per request ``start`` (joins the batch),
+    then per step ``propose`` / ``observe`` for the whole batch, ``finish`` when it leaves.
     """
 
-    def start(self, ctx: ProposeContext) -> None: ...
+    #: True when drafts may be token trees (the engine then verifies with the tree verifier).
+    produces_trees: bool = False
+    #: Name used in error messages and metrics.
+    name: str = "proposer"
 
-    def propose(self, ctx: ProposeContext, max_tokens: int) -> Draft: ...
+    def bind(self, target, num_slots: int) -> None:
+        """The engine's target runner (a ``kv.SlotRunner``) and its number of slots."""
 
-    def observe(self, ctx: ProposeContext, result: VerifyResult) -> None: ...
+    def start(self, ctx: ProposeContext) -> None:
+        """A request joined the batch at ``ctx.slot``."""
+
+    def propose(self, batch: Sequence[ProposeContext], max_tokens: Sequence[int]) -> list[Draft]:
+        raise NotImplementedError
+
+    def observe(self, batch: Sequence[ProposeContext], results: Sequence[VerifyResult]) -> None:
+        """After verification (the rows' ``token_ids`` already hold what was committed)."""
+
+    def finish(self, ctx: ProposeContext) -> None:
+        """A request left the batch (finished or cancelled)."""
+
+    def move(self, src: int, dst: int) -> None:
+        """The engine moved the row in slot ``src`` to slot ``dst`` (compaction)."""
+
+
+class RowProposer(Proposer):
+    """A proposer whose work is per row: ``propose_row(ctx, k) -> Draft [1, N]``; rows loop here."""
+
+    def propose(self, batch: Sequence[ProposeContext], max_tokens: Sequence[int]) -> list[Draft]:
+        return [self.propose_row(ctx, k) if k > 0 else Draft.empty() for ctx, k in zip(batch, max_tokens)]
+
+    def propose_row(self, ctx: ProposeContext, max_tokens: int) -> Draft:
+        raise NotImplementedError
 
 
 ProposerFactory = Callable[..., Proposer]
@@ -76,6 +112,8 @@ def register(name: str) -> Callable[[ProposerFactory], ProposerFactory]:
 
     def deco(factory: ProposerFactory) -> ProposerFactory:
         PROPOSERS[name] = factory
+        if isinstance(factory, type):
+            factory.name = name
         return factory
 
     return deco

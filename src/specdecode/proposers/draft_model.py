@@ -1,30 +1,28 @@
-"""Draft-model proposer: a smaller causal LM with its own KV cache (Leviathan et al. 2023).
+"""Draft-model proposer: a smaller causal LM drafting for every row at once (Leviathan et al. 2023).
 
-The draft cache holds a prefix of the committed tokens; each ``propose`` first
-feeds whatever committed tokens the cache lacks (one, or two after a fully
-accepted step), then drafts autoregressively. ``observe`` rolls the cache back
-to the longest prefix that verification kept.
+The draft has its own slot KV cache whose rows mirror the engine's (row i in slot i). Each step:
+cut every row back to the longest prefix verification kept (a length change), feed what it lacks
+(one or two tokens; a prompt is fed alone first so the batch is not padded to it), then draft: per
+position each row picks its token with its own parameters and generator (argmax, or a sample from
+q after the same temperature / top-k / top-p), and all rows' tokens go through ONE batched draft
+forward.
 
-A draft whose context (``max_position_embeddings``) is shorter than the target's
-drafts only as far as it fits: near its end the chains get shorter, and once the
-committed tokens no longer fit it proposes nothing, so the engine decodes plainly
-(lossless, and the metrics count no draft tokens for those steps).
+A draft whose context (``max_position_embeddings``) is shorter than the target's drafts for a row
+only while its tokens fit: near the end the chains get shorter, past it the row decodes plainly.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import time
-
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-from specdecode.cache import model_context
-from specdecode.fastforward import make_runner
-from specdecode.proposers.base import ProposeContext, draft_room, register
+from specdecode.kv import make_runner, model_context
+from specdecode.proposers.base import ProposeContext, Proposer, draft_room, register
 from specdecode.sampling import logits_to_probs, sample
-from specdecode.types import Draft, VerifyResult
+from specdecode.types import Draft, SpecDecodeError
 
 
 @dataclass(frozen=True)
@@ -32,68 +30,107 @@ class DraftModelConfig:
     """Config of the draft-model proposer.
 
     Attributes:
-        forward: the draft's forward backend ("auto", "hf", "owned"; see
-            :func:`specdecode.fastforward.make_runner`).
+        forward: the draft's forward backend ("auto", "hf", "owned"; see :func:`specdecode.kv.make_runner`).
     """
 
     forward: str = "auto"
 
 
 @register("draft-model")
-class DraftModelProposer:
-    """Drafts with a small LM sharing the target's tokenizer.
+class DraftModelProposer(Proposer):
+    """Drafts with a small LM sharing the target's tokenizer, all rows in one forward per position.
 
     Args:
         model: a Hugging Face causal LM (eval mode) whose vocabulary ids match the target's.
         config: DraftModelConfig.
     """
 
+    #: Rows lacking more tokens than this (a new prompt) are fed alone before the batched forward.
+    SOLO_FEED = 8
+
     def __init__(self, model: torch.nn.Module, config: DraftModelConfig | None = None) -> None:
         self.config = config or DraftModelConfig()
-        self.runner = make_runner(model, self.config.forward)
-        self.max_context = model_context(model)  # positions the draft can hold
+        self.model = model
+        self.max_context = model_context(model)
+        self.runner = None
+
+    def bind(self, target, num_slots: int) -> None:
+        self.runner = make_runner(self.model, self.config.forward, num_slots,
+                                  min(self.max_context, target.max_context))
+        self.max_context = self.runner.max_context
 
     def start(self, ctx: ProposeContext) -> None:
-        self.runner.reset()
+        self._runner().clear(ctx.slot)
+
+    def finish(self, ctx: ProposeContext) -> None:
+        self._runner().clear(ctx.slot)
+
+    def move(self, src: int, dst: int) -> None:
+        self._runner().move(src, dst)
+
+    def _runner(self):
+        if self.runner is None:
+            raise SpecDecodeError("the draft-model proposer is not bound to an engine (SpeculativeEngine binds it)")
+        return self.runner
 
     @torch.inference_mode()
-    def propose(self, ctx: ProposeContext, max_tokens: int) -> Draft:
-        """Draft up to ``max_tokens`` tokens: [1, K] int64 ids and, when sampling, [1, K, V_draft] float32 q.
-
-        Fewer when the draft's context cannot hold more (none: an empty draft).
-        """
-        max_tokens = min(max_tokens, draft_room(self.max_context, ctx))
-        if max_tokens <= 0:
-            return Draft.empty()
-        self.runner.sync(ctx.token_ids)
-        if self.runner.num_cached == len(ctx.token_ids):  # never feed nothing: recompute the last token
-            self.runner.rollback(len(ctx.token_ids) - 1)
-        vocab = ctx.vocab_size  # a draft with extra embedding rows never proposes past the target's
-        gap = len(ctx.token_ids) - self.runner.num_cached
-        t0 = time.perf_counter()
-        logits = self.runner.forward(ctx.token_ids[self.runner.num_cached :], last_only=True)[-1, :vocab]
-        # Feeding more than the usual 1-2 tokens is catching up (prompt prefill, skipped plain steps).
-        catch_up_s = (time.perf_counter() - t0) * (gap - 1) / gap if gap > 2 else 0.0
-        tokens, probs = [], []
-        for i in range(max_tokens):
-            if ctx.params.greedy:
-                tok = logits.argmax(-1)
-                q = None
-            else:
-                q = logits_to_probs(logits, ctx.params)
-                tok = sample(q, ctx.generator)
-                probs.append(q)
-            tokens.append(tok)
-            if i + 1 >= max_tokens:
+    def propose(self, batch: Sequence[ProposeContext], max_tokens: Sequence[int]) -> list[Draft]:
+        """Up to ``max_tokens[i]`` tokens for row i: chains [1, k_i] int64 (+ [1, k_i, V] float32 q when sampling)."""
+        runner = self._runner()
+        caps = [min(k, draft_room(self.max_context, ctx)) for ctx, k in zip(batch, max_tokens)]
+        if max(caps, default=0) <= 0:
+            return [Draft.empty() for _ in batch]
+        rows = slice(0, len(batch))
+        logits, catch_up = self._sync(batch, caps)  # [b, V_draft] at each row's last committed token
+        tokens: list[list[int]] = [[] for _ in batch]
+        probs: list[list[torch.Tensor]] = [[] for _ in batch]
+        live = [c > 0 for c in caps]
+        for pos in range(max(caps)):
+            feed = []
+            for i, ctx in enumerate(batch):
+                if not live[i]:
+                    feed.append([])  # done: padding only
+                    continue
+                row_logits = logits[i, : ctx.vocab_size]
+                if ctx.params.greedy:
+                    tok, q = int(row_logits.argmax()), None
+                else:
+                    q = logits_to_probs(row_logits, ctx.params)
+                    tok = int(sample(q, ctx.generator))
+                    probs[i].append(q)
+                tokens[i].append(tok)
+                live[i] = pos + 1 < caps[i] and (ctx.should_continue is None or ctx.keep_drafting(
+                    q if q is not None else torch.softmax(row_logits.float(), -1)))
+                feed.append([tok] if live[i] else [])  # a row's last draft token is never fed
+            if not any(live):
                 break
-            if ctx.should_continue is not None:  # the policy's confidence hook (policy.py)
-                if not ctx.keep_drafting(q if q is not None else torch.softmax(logits.float(), -1)):
-                    break
-            logits = self.runner.forward(tok.reshape(1))[-1, :vocab]
-        token_ids = torch.stack(tokens).reshape(1, -1)
-        draft_probs = torch.stack(probs).unsqueeze(0) if probs else None
-        return dataclasses.replace(Draft.chain(token_ids, draft_probs), catch_up_s=catch_up_s)
+            logits = runner.forward(rows, feed, last_only=True)[:, -1]
+        return [Draft.chain(torch.tensor([t], dtype=torch.int64), torch.stack(p).unsqueeze(0) if p else None,
+                            catch_up_s=c) if t else Draft.empty()
+                for t, p, c in zip(tokens, probs, catch_up)]
 
-    def observe(self, ctx: ProposeContext, result: VerifyResult) -> None:
-        """Roll the draft cache back to what was committed."""
-        self.runner.sync(ctx.token_ids)
+    def _sync(self, batch: Sequence[ProposeContext], caps: Sequence[int]) -> tuple[torch.Tensor, list[float]]:
+        """Cut each row's draft cache to its committed prefix (>= 1 token left to feed), feed the rest.
+
+        Returns [b, V_draft] logits at each row's last committed token and per-row catch-up seconds
+        (a prompt fed alone; see ``Draft.catch_up_s``).
+        """
+        runner = self.runner
+        feeds, catch_up = [], [0.0] * len(batch)
+        for i, ctx in enumerate(batch):
+            ids = ctx.token_ids
+            if caps[i] <= 0:
+                feeds.append([])
+                continue
+            runner.sync(i, ids)
+            if runner.length(i) == len(ids):  # never feed nothing: recompute the last token
+                runner.rollback(i, len(ids) - 1)
+            lacking = ids[runner.length(i):]
+            if len(lacking) > self.SOLO_FEED:  # a prompt: alone, so the batch is not padded to its length
+                t0 = time.perf_counter()
+                runner.forward(slice(i, i + 1), [lacking[:-1]], last_only=True)
+                catch_up[i] = time.perf_counter() - t0
+                lacking = lacking[-1:]
+            feeds.append(lacking)
+        out = runner.forward(slice(0, len(batch)), feeds, last_only=True)  # [b, 1, V]
+        return out[:, -1], catch_up

@@ -39,15 +39,14 @@ accepted if a forward with no layer skipped reproduces the model's own logits
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
 
-from specdecode.proposers.base import ProposeContext, register
+from specdecode.proposers.base import ProposeContext, Proposer, register
 from specdecode.sampling import logits_to_probs, sample
-from specdecode.types import Draft, SpecDecodeError, VerifyResult
+from specdecode.types import Draft, SpecDecodeError
 
 #: Families whose decoder layer is (norm, attention with RoPE, residual, norm, MLP, residual)
 #: and whose model forward is exactly embed -> layers -> norm -> LM head.
@@ -103,80 +102,6 @@ def parse_skip_layers(spec: str | Iterable[int] | None, num_layers: int | None =
     return layers
 
 
-class SkipForward:
-    """The target's forward with a subset of decoder layers, on a Hugging Face cache or none.
-
-    Calls the model's own modules (embedding, decoder layers, final norm, LM head),
-    so weights are shared and the result with nothing skipped equals the model's
-    forward (tested).
-
-    Args:
-        model: a Llama / Qwen2 ``*ForCausalLM`` in eval mode.
-
-    Raises:
-        LayerSkipError: the layout is not found, or (for an unknown family) the
-            forward with nothing skipped does not reproduce the model's logits.
-    """
-
-    def __init__(self, model: torch.nn.Module) -> None:
-        self.model = model
-        self.layers = decoder_layers(model)
-        self.inner = model.model
-        self.lm_head = model.get_output_embeddings()
-        params = inspect.signature(self.layers[0].forward).parameters
-        self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
-        self.num_layers = len(self.layers)
-        if getattr(model.config, "model_type", None) not in KNOWN_FAMILIES:
-            self._self_check()
-
-    def forward(self, ids: torch.Tensor, start: int, kept: Sequence[int], cache=None,
-                last_only: bool = False, positions: torch.Tensor | None = None,
-                mask: torch.Tensor | None = None) -> torch.Tensor:
-        """Run ``ids`` through the kept layers.
-
-        Args:
-            ids: [n] int64 tokens at positions start..start+n-1.
-            start: position of the first token (= tokens already in ``cache``'s kept layers).
-            kept: indices of the layers to run, ascending.
-            cache: a Hugging Face ``Cache`` whose kept layers hold ``start`` tokens (they gain n),
-                or None (no cache: ``start`` must be 0).
-            last_only: LM head for the last position only.
-            positions, mask: override the positions ([n] int64) and the causal mask
-                ([1, 1, n, start + n] additive, model dtype) for queries that are not a plain
-                continuation (the search scores many one-token drafts in one pass).
-
-        Returns:
-            [n, V] float32 logits ([1, V] with ``last_only``).
-        """
-        n = ids.numel()
-        hidden = self.inner.embed_tokens(ids.reshape(1, n))
-        positions = (torch.arange(start, start + n) if positions is None else positions).reshape(1, n)
-        rope = self.inner.rotary_emb(hidden, positions)
-        if mask is None and n > 1:
-            mask = _causal_mask(n, start, hidden.dtype)
-        extra = {self._cache_kwarg: cache, "use_cache": cache is not None}
-        for i in kept:
-            hidden = self.layers[i](hidden, attention_mask=mask, position_embeddings=rope,
-                                    position_ids=positions, **extra)
-            if isinstance(hidden, tuple):  # older transformers return (hidden, ...)
-                hidden = hidden[0]
-        if last_only:
-            hidden = hidden[:, -1:]
-        return self.lm_head(self.inner.norm(hidden))[0].float()
-
-    def _self_check(self) -> None:
-        ids = torch.tensor([1, 2, 3, 4]) % max(2, self.lm_head.weight.shape[0])
-        with torch.inference_mode():
-            ours = self.forward(ids, 0, range(self.num_layers))
-            theirs = self.model(input_ids=ids.reshape(1, -1), use_cache=False).logits[0].float()
-        if not torch.allclose(ours, theirs, rtol=1e-3, atol=1e-3):
-            kind = getattr(self.model.config, "model_type", type(self.model).__name__)
-            raise LayerSkipError(
-                f"layer-skip drafting supports {KNOWN_FAMILIES}; the {kind!r} forward is not embed -> layers -> norm "
-                f"-> head (a layer-by-layer run does not reproduce its logits). Use another proposer"
-            )
-
-
 #: Shortest prompt the automatic mode searches on; shorter ones run with the provisional set.
 MIN_CALIBRATION_TOKENS = 32
 
@@ -186,43 +111,6 @@ def provisional_skip_layers(num_layers: int, ratio: float = 0.4) -> tuple[int, .
     inner = list(range(1, num_layers - 1))
     m = round(ratio * len(inner))
     return tuple(sorted({inner[int((i + 0.5) * len(inner) / m)] for i in range(m)})) if m else ()
-
-
-def _causal_mask(n: int, start: int, dtype: torch.dtype) -> torch.Tensor:
-    """[1, 1, n, start + n] additive mask: query i sees keys 0..start+i."""
-    mask = torch.full((n, start + n), float("-inf"), dtype=dtype).triu(start + 1)
-    return mask.reshape(1, 1, n, start + n)
-
-
-def remove_last(cache, layers: Iterable[int], count: int) -> None:
-    """Drop the last ``count`` entries of the given layers of a Hugging Face ``DynamicCache``."""
-    if count > 0:
-        for i in layers:
-            cache.layers[i].crop(-count)
-
-
-def draft_step(runner, skip: SkipForward, kept: Sequence[int]):
-    """One-token layer-skip drafting on a target runner's cache.
-
-    Returns ``(step, discard)``: ``step(token [1] int64, position) -> [1, V]`` float32 logits,
-    writing the kept layers' cache entries at ``position``; ``discard(count)`` removes the
-    entries of the last ``count`` steps (a no-op on the owned forward, whose slots past the
-    committed length are rewritten by verification before they are read).
-
-    Raises:
-        LayerSkipError: the runner offers neither ``forward_skipping`` nor a Hugging Face cache.
-    """
-    if hasattr(runner, "forward_skipping"):
-        return (lambda tok, pos: runner.forward_skipping(tok, pos, kept)), (lambda count: None)
-    cache = getattr(runner, "cache", None)
-    if cache is None or not hasattr(cache, "layers"):
-        raise LayerSkipError(
-            f"layer-skip cannot draft on a {type(runner).__name__}: it needs OwnedCachedModel.forward_skipping "
-            "or a Hugging Face DynamicCache"
-        )
-    # runner.cache is read per call: a reset between requests replaces it
-    return ((lambda tok, pos: skip.forward(tok, pos, kept, runner.cache)),
-            (lambda count: remove_last(runner.cache, kept, count)))
 
 
 @dataclass(frozen=True)
@@ -250,129 +138,134 @@ class LayerSkipConfig:
 
 
 @register("layer-skip")
-class LayerSkipProposer:
-    """Drafts with the target itself, some decoder layers skipped, on the target's own cache.
+class LayerSkipProposer(Proposer):
+    """Drafts with the target itself, some decoder layers skipped, on the target's own cache, all rows at once.
+
+    Per draft position ONE forward of the kept layers over every row still drafting
+    (``OwnedRunner.forward_skipping``): row i's token j goes to column / position
+    ``len(committed_i) - 1 + j``, past its committed length, where verification rewrites it.
 
     Args:
         model: the target (the same module the engine runs), Llama / Qwen2 family.
         config: LayerSkipConfig.
+        searcher: chooses skip sets when ``config.skip_layers`` is None: an object with
+            ``load_cached(model, cache_dir) -> result | None`` and
+            ``choose_skip_layers(model, prompts, budget_s, cache_dir=, refresh=) -> result`` (results
+            carry ``skip_layers``); :mod:`specdecode.layer_search` is the one the factory passes.
+            None: the provisional set until :meth:`set_skip_layers`.
 
     Raises:
         LayerSkipError: unsupported model, or a skip index outside the model's layers.
     """
 
-    def __init__(self, model: torch.nn.Module, config: LayerSkipConfig | None = None) -> None:
+    def __init__(self, model: torch.nn.Module, config: LayerSkipConfig | None = None, searcher=None) -> None:
         self.config = config or LayerSkipConfig()
         self.model = model
-        self.skip = SkipForward(model)
+        self.num_layers = len(decoder_layers(model))
+        self.searcher = searcher
         self.skip_layers: tuple[int, ...] | None = None
         self.kept: tuple[int, ...] = ()
         self.search_result = None  # a layer_search.SearchResult when this proposer searched or looked up
         self._provisional = False  # running a default set until a prompt long enough to search on
-        # The request's target runner and its one-token draft step, bound by start() (see _bind).
         self._target = None
-        self._step = self._discard = None
         if self.config.skip_layers is not None:
             self.set_skip_layers(self.config.skip_layers)
 
     def set_skip_layers(self, layers: Iterable[int]) -> None:
         """Use this skip set from now on (validated against the model's layer count)."""
-        self.skip_layers = parse_skip_layers(list(layers), self.skip.num_layers)
-        self.kept = tuple(i for i in range(self.skip.num_layers) if i not in self.skip_layers)
-        if self._target is not None:
-            self._step, self._discard = draft_step(self._target, self.skip, self.kept)
+        self.skip_layers = parse_skip_layers(list(layers), self.num_layers)
+        self.kept = tuple(i for i in range(self.num_layers) if i not in self.skip_layers)
 
     def calibrate(self, prompts: Sequence[Sequence[int]], refresh: bool = False):
         """Choose the skip set now: the one cached for this model, else a search on ``prompts``.
 
-        Args:
-            prompts: calibration prompts, token id lists.
-            refresh: search even when a cached set exists.
-
         Returns:
-            the :class:`specdecode.layer_search.SearchResult` (also kept as ``search_result``).
-        """
-        from specdecode.layer_search import SearchConfig, choose_skip_layers
+            the search result (also kept as ``search_result``).
 
-        result = choose_skip_layers(self.model, prompts, SearchConfig(time_budget_s=self.config.search_budget_s),
-                                    cache_dir=self.config.cache_dir, refresh=refresh)
+        Raises:
+            LayerSkipError: no searcher was given.
+        """
+        if self.searcher is None:
+            raise LayerSkipError("layer-skip: no skip-set searcher given; pass searcher=specdecode.layer_search")
+        result = self.searcher.choose_skip_layers(self.model, prompts, self.config.search_budget_s,
+                                                  cache_dir=self.config.cache_dir, refresh=refresh)
         self.search_result = result
         self.set_skip_layers(result.skip_layers)
         self._provisional = False
         return result
 
-    def start(self, ctx: ProposeContext) -> None:
-        """Bind the request's target runner (``ctx.target``) and choose the skip set.
-
-        With no skip set yet: use the cached one, or search on this prompt when it is long enough
-        (``MIN_CALIBRATION_TOKENS``); a shorter prompt runs with :func:`provisional_skip_layers`.
+    def bind(self, target, num_slots: int) -> None:
+        """Check that the engine's target runner is this model on a forward that can skip layers.
 
         Raises:
-            LayerSkipError: the engine gives no target runner, one of another model, or one whose
-                cache the draft cannot run on.
+            LayerSkipError: another model, or the Hugging Face forward (no layer skipping).
         """
-        self._choose_skip_layers(ctx)
-        self._bind(ctx.target)
+        if getattr(target, "model", None) is not self.model:
+            raise LayerSkipError("the layer-skip proposer was built for a different model than the engine's target")
+        if not getattr(target, "skips_layers", False):
+            raise LayerSkipError(
+                "layer-skip drafts on the target's own cache through the project's Llama / Qwen2 forward; this "
+                "target runs on the Hugging Face forward. Use --forward auto/owned, or another drafter")
+        self._target = target
 
-    def _choose_skip_layers(self, ctx: ProposeContext) -> None:
+    def start(self, ctx: ProposeContext) -> None:
+        """Choose the skip set: the cached one, or a search on this prompt when it is long enough
+        (``MIN_CALIBRATION_TOKENS``); a shorter prompt runs with :func:`provisional_skip_layers`."""
         if self.skip_layers is not None and not self._provisional:
             return
-        from specdecode.layer_search import load_cached
-
-        cached = load_cached(self.model, self.config.cache_dir)
+        cached = self.searcher.load_cached(self.model, self.config.cache_dir) if self.searcher else None
         prompt = ctx.token_ids[: ctx.num_prompt_tokens]
-        if cached is not None or len(prompt) >= MIN_CALIBRATION_TOKENS:
+        if cached is not None:
             self._provisional = False
-            if cached is not None:
-                self.search_result = cached
-                self.set_skip_layers(cached.skip_layers)
-            else:
-                self.calibrate([prompt])
+            self.search_result = cached
+            self.set_skip_layers(cached.skip_layers)
+        elif self.searcher is not None and len(prompt) >= MIN_CALIBRATION_TOKENS:
+            self.calibrate([prompt])
         elif self.skip_layers is None:
             self._provisional = True
-            self.set_skip_layers(provisional_skip_layers(self.skip.num_layers))
+            self.set_skip_layers(provisional_skip_layers(self.num_layers))
 
     @torch.inference_mode()
-    def propose(self, ctx: ProposeContext, max_tokens: int) -> Draft:
-        """Draft up to ``max_tokens`` tokens on the target's cache, then remove the draft's entries.
+    def propose(self, batch: Sequence[ProposeContext], max_tokens: Sequence[int]) -> list[Draft]:
+        """Draft up to ``max_tokens[i]`` tokens per row on the target's cache.
 
         Returns:
-            Draft chain: [1, k] int64 tokens (1 <= k <= max_tokens) and, when sampling,
-            [1, k, V] float32 q.
+            per row a chain [1, k] int64 (k <= max_tokens[i]) and, when sampling, [1, k, V] float32 q.
 
         Raises:
-            LayerSkipError: :meth:`start` was not called for this request, or the target cache
-                does not hold every committed token but the last.
+            LayerSkipError: not bound, or a row's cache does not hold every committed token but the last.
         """
-        runner, base = self._target, len(ctx.token_ids) - 1
+        runner = self._target
         if runner is None:
-            raise LayerSkipError("layer-skip: call start(ctx) for the request before propose (it binds the target)")
-        if runner.num_cached != base:
-            raise LayerSkipError(
-                f"the target cache holds {runner.num_cached} tokens; layer-skip expects every committed token but "
-                f"the last ({base})"
-            )
-        step, discard = self._step, self._discard
-        vocab = ctx.vocab_size
-        greedy = ctx.params.greedy
-        tok = torch.tensor([ctx.token_ids[-1]], dtype=torch.int64)
-        tokens, probs, fed = [], [], 0
-        try:
-            for i in range(max_tokens):
-                logits = step(tok, base + i)[-1, :vocab]  # [V]
-                fed += 1
-                q = logits_to_probs(logits, ctx.params) if not greedy else None
-                tok = logits.argmax(-1, keepdim=True) if greedy else sample(q, ctx.generator).reshape(1)
-                tokens.append(tok)
+            raise LayerSkipError("layer-skip: the proposer is not bound to an engine (SpeculativeEngine binds it)")
+        bases = [len(ctx.token_ids) - 1 for ctx in batch]
+        for i, base in enumerate(bases):
+            if max_tokens[i] > 0 and runner.length(i) != base:
+                raise LayerSkipError(f"row {i}: the target cache holds {runner.length(i)} tokens; layer-skip "
+                                     f"expects every committed token but the last ({base})")
+        tokens: list[list[int]] = [[] for _ in batch]
+        probs: list[list[torch.Tensor]] = [[] for _ in batch]
+        live = [k > 0 for k in max_tokens]
+        last = [ctx.token_ids[-1] for ctx in batch]
+        rows = slice(0, len(batch))
+        for pos in range(max(max_tokens, default=0)):
+            if not any(live):
+                break
+            feeds = [[last[i]] if live[i] else [] for i in range(len(batch))]
+            logits = runner.forward_skipping(rows, feeds, [b + pos for b in bases], self.kept, last_only=True)[:, -1]
+            for i, ctx in enumerate(batch):
+                if not live[i]:
+                    continue
+                row_logits = logits[i, : ctx.vocab_size]
+                q = logits_to_probs(row_logits, ctx.params) if not ctx.params.greedy else None
+                tok = int(row_logits.argmax()) if q is None else int(sample(q, ctx.generator))
+                tokens[i].append(tok)
                 if q is not None:
-                    probs.append(q)
-                if i + 1 < max_tokens and not self._keep_going(ctx, logits, q):
-                    break
-        finally:
-            discard(fed)
-        token_ids = torch.cat(tokens).reshape(1, -1)
-        draft_probs = torch.stack(probs).unsqueeze(0) if probs else None
-        return Draft.chain(token_ids, draft_probs)
+                    probs[i].append(q)
+                last[i] = tok
+                live[i] = pos + 1 < max_tokens[i] and self._keep_going(ctx, row_logits, q)
+        return [Draft.chain(torch.tensor([t], dtype=torch.int64), torch.stack(p).unsqueeze(0) if p else None)
+                if t else Draft.empty() for t, p in zip(tokens, probs)]
 
     def _keep_going(self, ctx: ProposeContext, logits: torch.Tensor, q: torch.Tensor | None) -> bool:
         """Confidence stop (own threshold) and the policy's hook, on the token just drafted."""
@@ -382,25 +275,3 @@ class LayerSkipProposer:
         if self.config.min_confidence > 0.0 and float(dist.max()) < self.config.min_confidence:
             return False
         return ctx.keep_drafting(dist)
-
-    def _bind(self, runner) -> None:
-        """Check the target runner once per request and keep its one-token draft step
-        ``(token [1], position) -> [1, V] logits`` and ``discard(count)`` (see :func:`draft_step`).
-
-        The project's own forward (``OwnedCachedModel.forward_skipping``) writes cache slots past the
-        committed length, which verification rewrites before reading: nothing to discard. On a
-        Hugging Face cache the kept layers' last entries are cropped.
-        """
-        if runner is None:
-            raise LayerSkipError(
-                "layer-skip drafts on the target's own KV cache, and this engine does not offer it (ctx.target). "
-                "Use SpeculativeEngine, or another proposer"
-            )
-        if getattr(runner, "model", None) is not self.model:
-            raise LayerSkipError("the layer-skip proposer was built for a different model than the engine's target")
-        self._step, self._discard = draft_step(runner, self.skip, self.kept)
-        self._target = runner
-
-    def observe(self, ctx: ProposeContext, result: VerifyResult) -> None:
-        """Nothing to roll back: the draft left no state in the target cache."""
-        return None

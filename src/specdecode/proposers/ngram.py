@@ -13,8 +13,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from specdecode.proposers.base import ProposeContext, register
-from specdecode.types import Draft, SpecDecodeError, VerifyResult
+from specdecode.proposers.base import ProposeContext, RowProposer, register
+from specdecode.types import Draft, SpecDecodeError
 
 
 @dataclass(frozen=True)
@@ -54,26 +54,35 @@ def find_continuation(tokens: np.ndarray, n: int, max_tokens: int) -> np.ndarray
 
 
 @register("ngram")
-class NgramProposer:
-    """Prompt lookup: proposes continuations copied from the context itself."""
+class NgramProposer(RowProposer):
+    """Prompt lookup: proposes continuations copied from the context itself (per row).
+
+    Each request's tokens are mirrored in a numpy array in ``ctx.state``; it is extended by what
+    was committed since, and rebuilt when the context it describes was replaced or cut.
+    """
 
     def __init__(self, config: NgramConfig | None = None) -> None:
         self.config = config or NgramConfig()
-        self._tokens = np.zeros(0, dtype=np.int64)
 
     def start(self, ctx: ProposeContext) -> None:
-        self._tokens = np.asarray(ctx.token_ids, dtype=np.int64)
+        ctx.state["ngram"] = (ctx.token_ids, np.asarray(ctx.token_ids, dtype=np.int64))
 
-    def propose(self, ctx: ProposeContext, max_tokens: int) -> Draft:
-        """Return a chain of up to ``max_tokens`` copied tokens, [1, k] int64 (k may be 0)."""
-        if len(self._tokens) != len(ctx.token_ids):  # append what was committed since
-            new = np.asarray(ctx.token_ids[len(self._tokens) :], dtype=np.int64)
-            self._tokens = np.concatenate([self._tokens[: len(ctx.token_ids) - len(new)], new])
+    def _tokens(self, ctx: ProposeContext) -> np.ndarray:
+        source, arr = ctx.state.get("ngram", (None, None))
+        ids = ctx.token_ids
+        n = 0 if arr is None else len(arr)
+        if source is not ids or n > len(ids) or (n and arr[n - 1] != ids[n - 1]):
+            arr = np.asarray(ids, dtype=np.int64)  # a new or cut context: rebuild, never append
+        elif n < len(ids):
+            arr = np.concatenate([arr, np.asarray(ids[n:], dtype=np.int64)])
+        ctx.state["ngram"] = (ids, arr)
+        return arr
+
+    def propose_row(self, ctx: ProposeContext, max_tokens: int) -> Draft:
+        """A chain of up to ``max_tokens`` copied tokens, [1, k] int64 (k may be 0)."""
+        tokens = self._tokens(ctx)
         for n in range(self.config.max_ngram, self.config.min_ngram - 1, -1):
-            cont = find_continuation(self._tokens, n, max_tokens)
+            cont = find_continuation(tokens, n, max_tokens)
             if cont.size:
                 return Draft.chain(torch.from_numpy(cont.copy()).reshape(1, -1))
         return Draft.empty()
-
-    def observe(self, ctx: ProposeContext, result: VerifyResult) -> None:
-        return None

@@ -301,19 +301,31 @@ class SuffixStats:
         return 1e3 * self.propose_time_s / self.steps if self.steps else 0.0
 
 
+@dataclass
+class _SuffixRow:
+    """One request's suffix-decoding state: its own trie and the matched suffixes."""
+
+    source: list[int]  # the token list this state indexes (a replaced context is re-indexed)
+    trie: SuffixTrie
+    active: list[int]
+    indexed: int
+    global_active: list[int]
+    global_version: int = -1
+    last_fallback: bool = False
+
+
 @register("suffix")
-class SuffixProposer:
-    """Suffix decoding, optionally hybrid with a fallback drafter.
+class SuffixProposer(Proposer):
+    """Suffix decoding over every row, optionally hybrid with a fallback drafter.
 
     Args:
         config: SuffixConfig.
         global_tree: a :class:`GlobalSuffixTree` shared with other proposers; by default
-            the proposer makes its own (so consecutive requests of one decoder share it).
-        fallback: a proposer used when the suffix tree's score is below ``min_score``
-            (hybrid mode); None = propose nothing then.
+            the proposer makes its own, shared by every request it serves.
+        fallback: a proposer used for the rows whose suffix tree scores below ``min_score``
+            (hybrid mode), called once per step for all of them; None = propose nothing then.
 
-    The global tree learns a request's output when the next request starts, or at
-    :meth:`finish`.
+    The global tree learns a request's output when it leaves the batch (:meth:`finish`).
     """
 
     produces_trees = True
@@ -329,92 +341,112 @@ class SuffixProposer:
         self.global_tree = global_tree if self.config.use_global else None
         self.fallback = fallback
         self.stats = SuffixStats()
-        self._ctx: ProposeContext | None = None
-        self._last_fallback = False
 
     # Request lifecycle -------------------------------------------------------------
 
+    def bind(self, target, num_slots: int) -> None:
+        if self.fallback is not None:
+            self.fallback.bind(target, num_slots)
+
     def start(self, ctx: ProposeContext) -> None:
-        """Index the prompt (and first token) of a new request; flush the previous output globally."""
-        t0 = time.perf_counter()
-        self.finish()
-        self._ctx = ctx
-        self._trie = SuffixTrie(self.config.max_depth)
-        self._active = [0]
-        skip = max(0, len(ctx.token_ids) - self.config.max_request_tokens)
-        self._indexed = skip
-        self._global_active = [0]
-        self._global_version = -1
-        self._sync(ctx)
-        self.stats.index_time_s += time.perf_counter() - t0
+        """Index the prompt (and first token) of a new request."""
+        self._index(ctx)
         if self.fallback is not None:
             self.fallback.start(ctx)
 
-    def finish(self) -> None:
-        """Add the current request's output to the global tree (idempotent)."""
-        ctx, self._ctx = self._ctx, None
-        if ctx is not None and self.global_tree is not None:
+    def finish(self, ctx: ProposeContext) -> None:
+        """Add the request's output to the global tree (once)."""
+        row = ctx.state.pop("suffix", None)
+        if row is not None and self.global_tree is not None:
             self.global_tree.add(ctx.token_ids[ctx.num_prompt_tokens :])
+        if self.fallback is not None:
+            self.fallback.finish(ctx)
+
+    def move(self, src: int, dst: int) -> None:
+        if self.fallback is not None:
+            self.fallback.move(src, dst)
 
     # Proposing -------------------------------------------------------------------
 
-    def propose(self, ctx: ProposeContext, max_tokens: int) -> Draft:
-        """A suffix-tree draft of depth <= ``max_tokens`` (or the fallback's draft, or empty).
+    def propose(self, batch: Sequence[ProposeContext], max_tokens: Sequence[int]) -> list[Draft]:
+        """Per row a suffix-tree draft of depth <= ``max_tokens[i]`` (or the fallback's draft, or empty).
 
         Returns:
-            Draft [1, N] token_ids / parents, draft_probs None (deterministic candidates).
+            per row Draft [1, N] token_ids / parents, draft_probs None (deterministic candidates).
         """
-        t0 = time.perf_counter()
-        if ctx is not self._ctx:
-            self.start(ctx)
-        self._sync(ctx)
-        best = self._best_tree(max_tokens)
-        self.stats.steps += 1
-        self.stats.propose_time_s += time.perf_counter() - t0
-        self._last_fallback = False
-        if best is None or (self.fallback is not None and best.score < self.config.min_score):
-            if self.fallback is not None:
-                self.stats.fallback_steps += 1
-                self._last_fallback = True
-                return self.fallback.propose(ctx, max_tokens)
-            self.stats.empty_steps += 1
-            return Draft.empty()
-        self.stats.suffix_steps += 1
-        return Draft(
-            token_ids=torch.tensor([best.tokens], dtype=torch.int64),
-            parents=torch.tensor([best.parents], dtype=torch.int64),
-        )
+        drafts: list[Draft] = [Draft.empty() for _ in batch]
+        need: list[int] = []
+        for i, (ctx, k) in enumerate(zip(batch, max_tokens)):
+            if k <= 0:
+                continue
+            t0 = time.perf_counter()
+            row = self._sync(ctx)
+            best = self._best_tree(row, k)
+            self.stats.steps += 1
+            self.stats.propose_time_s += time.perf_counter() - t0
+            row.last_fallback = False
+            if best is None or (self.fallback is not None and best.score < self.config.min_score):
+                if self.fallback is not None:
+                    self.stats.fallback_steps += 1
+                    row.last_fallback = True
+                    need.append(i)
+                else:
+                    self.stats.empty_steps += 1
+                continue
+            self.stats.suffix_steps += 1
+            drafts[i] = Draft(token_ids=torch.tensor([best.tokens], dtype=torch.int64),
+                              parents=torch.tensor([best.parents], dtype=torch.int64))
+        if need:
+            # the fallback sees every row (batched drafters keep slot order), asked for tokens only where needed
+            wanted = set(need)
+            out = self.fallback.propose(batch, [k if i in wanted else 0 for i, k in enumerate(max_tokens)])
+            for i in need:
+                drafts[i] = out[i]
+        return drafts
 
-    def observe(self, ctx: ProposeContext, result: VerifyResult) -> None:
-        if self._last_fallback:
-            self.fallback.observe(ctx, result)
+    def observe(self, batch: Sequence[ProposeContext], results: Sequence[VerifyResult]) -> None:
+        if self.fallback is not None:
+            self.fallback.observe(batch, results)
 
     # Parts -----------------------------------------------------------------------
 
-    def _sync(self, ctx: ProposeContext) -> None:
-        """Index committed tokens not yet in the per-request trie; advance the global match."""
+    def _index(self, ctx: ProposeContext) -> _SuffixRow:
+        t0 = time.perf_counter()
+        skip = max(0, len(ctx.token_ids) - self.config.max_request_tokens)
+        row = _SuffixRow(ctx.token_ids, SuffixTrie(self.config.max_depth), [0], skip, [0])
+        ctx.state["suffix"] = row
+        self._sync(ctx)
+        self.stats.index_time_s += time.perf_counter() - t0
+        return row
+
+    def _sync(self, ctx: ProposeContext) -> _SuffixRow:
+        """Index committed tokens not yet in the row's trie; advance the global match. A context that
+        was replaced or cut is indexed afresh (never appended to)."""
+        row = ctx.state.get("suffix")
         tokens = ctx.token_ids
-        new = tokens[self._indexed :]
+        if row is None or row.source is not tokens or row.indexed > len(tokens):
+            return self._index(ctx)
+        new = tokens[row.indexed :]
         for tok in new:
-            self._active = self._trie.append(self._active, tok)
-        self._indexed = len(tokens)
+            row.active = row.trie.append(row.active, tok)
+        row.indexed = len(tokens)
         g = self.global_tree
         if g is None:
-            return
+            return row
         with g.lock:
-            if g.version != self._global_version:  # the global trie changed: re-match from scratch
-                self._global_version = g.version
-                self._global_active = _suffix_nodes(g.trie, tokens, self.config.max_match)
+            if g.version != row.global_version:  # the global trie changed: re-match from scratch
+                row.global_version = g.version
+                row.global_active = _suffix_nodes(g.trie, tokens, self.config.max_match)
             else:
                 for tok in new:
-                    self._global_active = _advance(g.trie, self._global_active, tok, self.config.max_match)
+                    row.global_active = _advance(g.trie, row.global_active, tok, self.config.max_match)
+        return row
 
-    def _best_tree(self, max_tokens: int) -> CandidateTree | None:
-        cfg = self.config
-        found = [self._grow(self._trie, self._active, max_tokens, "request")]
+    def _best_tree(self, row: _SuffixRow, max_tokens: int) -> CandidateTree | None:
+        found = [self._grow(row.trie, row.active, max_tokens, "request")]
         if self.global_tree is not None:
             with self.global_tree.lock:
-                found.append(self._grow(self.global_tree.trie, self._global_active, max_tokens, "global"))
+                found.append(self._grow(self.global_tree.trie, row.global_active, max_tokens, "global"))
         found = [t for t in found if t is not None and t.tokens]
         return max(found, key=lambda t: t.score, default=None) if found else None
 

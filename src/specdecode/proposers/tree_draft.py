@@ -44,9 +44,9 @@ from dataclasses import dataclass
 
 import torch
 
-from specdecode.cache import model_context
-from specdecode.fastforward import FORWARD_BACKENDS, make_runner
-from specdecode.proposers.base import ProposeContext, draft_room, register
+from specdecode.kv import model_context
+from specdecode.kv import FORWARD_BACKENDS, make_runner
+from specdecode.proposers.base import RowProposer, ProposeContext, draft_room, register
 from specdecode.sampling import logits_to_probs
 from specdecode.types import Draft, SpecDecodeError, VerifyResult
 
@@ -68,7 +68,7 @@ class TreeDraftConfig:
         sampled_candidates: static, temperature > 0: draw children without replacement
             from q (Gumbel-top-k) instead of taking q's top-k.
         forward: the draft's forward backend ("auto", "hf", "owned"; see
-            :func:`specdecode.fastforward.make_runner`).
+            :func:`specdecode.kv.make_runner`).
 
     Raises:
         SpecDecodeError: a value out of range.
@@ -115,7 +115,7 @@ def static_shape(branching: tuple[int, ...], num_nodes: int) -> list[tuple[int, 
 
 
 @register("tree-draft")
-class TreeDraftProposer:
+class TreeDraftProposer(RowProposer):
     """A draft model that proposes token trees (static shape or EAGLE-2 dynamic).
 
     Args:
@@ -130,17 +130,34 @@ class TreeDraftProposer:
 
     def __init__(self, model: torch.nn.Module, config: TreeDraftConfig | None = None) -> None:
         self.config = config or TreeDraftConfig()
-        self.runner = make_runner(model, self.config.forward)
-        self.runner.check_tree_support()
+        self.model = model
         self.max_context = model_context(model)  # positions the draft can hold
-        self._region: list[int] = []  # draft node -> index among the runner's pending tree nodes (-1: not fed)
+        self.runner = None
+        self._view = None  # the row being drafted (a kv.RowView of the draft's slot cache)
+        self._region: list[int] = []  # draft node -> index among the row's pending draft nodes (-1: not fed)
         self._shape = static_shape(self.config.branching, self.config.num_nodes)
 
+    def bind(self, target, num_slots: int) -> None:
+        self.runner = make_runner(self.model, self.config.forward, num_slots, min(self.max_context, target.max_context))
+        self.runner.check_tree_support()
+        self.max_context = self.runner.max_context
+
     def start(self, ctx: ProposeContext) -> None:
-        self.runner.reset()
+        self._bound().clear(ctx.slot)
+
+    def finish(self, ctx: ProposeContext) -> None:
+        self._bound().clear(ctx.slot)
+
+    def move(self, src: int, dst: int) -> None:
+        self._bound().move(src, dst)
+
+    def _bound(self):
+        if self.runner is None:
+            raise SpecDecodeError("the tree-draft proposer is not bound to an engine (SpeculativeEngine binds it)")
+        return self.runner
 
     @torch.inference_mode()
-    def propose(self, ctx: ProposeContext, max_tokens: int) -> Draft:
+    def propose_row(self, ctx: ProposeContext, max_tokens: int) -> Draft:
         """A tree of at most ``num_nodes`` nodes and depth ``max_tokens`` (shallower where the draft's
         context cannot hold that depth: the deepest level is never fed; empty when nothing fits).
 
@@ -149,33 +166,38 @@ class TreeDraftProposer:
             [1, N, V] float32 for sampled candidates, else None (deterministic candidates).
         """
         max_tokens = min(max_tokens, draft_room(self.max_context, ctx))
+        ctx.state["tree_region"] = []
         if max_tokens <= 0:
-            self._region = []
             return Draft.empty()
-        self.runner.sync(ctx.token_ids)
-        if self.runner.num_cached == len(ctx.token_ids):  # never feed nothing: recompute the last token
-            self.runner.rollback(len(ctx.token_ids) - 1)
-        gap = len(ctx.token_ids) - self.runner.num_cached
+        self._view = view = self._bound().row(ctx.slot)
+        view.sync(ctx.token_ids)
+        if view.num_cached == len(ctx.token_ids):  # never feed nothing: recompute the last token
+            view.rollback(len(ctx.token_ids) - 1)
+        gap = len(ctx.token_ids) - view.num_cached
         t0 = time.perf_counter()
-        root = self.runner.forward(ctx.token_ids[self.runner.num_cached :], last_only=True)[-1, : ctx.vocab_size]
+        root = view.forward(ctx.token_ids[view.num_cached :], last_only=True)[-1, : ctx.vocab_size]
         catch_up_s = (time.perf_counter() - t0) * (gap - 1) / gap if gap > 2 else 0.0  # see Draft.catch_up_s
         if self.config.kind == "static":
             draft = self._static(ctx, root, max_tokens)
         else:
             draft = self._dynamic(ctx, root, max_tokens)
+        ctx.state["tree_region"], self._view = self._region, None
         return dataclasses.replace(draft, catch_up_s=catch_up_s)
 
-    def observe(self, ctx: ProposeContext, result: VerifyResult) -> None:
+    def observe(self, batch, results) -> None:
         """Keep the accepted path's draft-cache entries (those that were fed), drop the other nodes."""
-        n = int(result.num_accepted[0])
-        fed = []
-        for node in result.kept_nodes[0, :n].tolist():
-            if self._region[node] < 0:
-                break
-            fed.append(self._region[node])
-        if self.runner.has_pending_tree:
-            self.runner.keep_tree_path(fed)
-        self.runner.sync(ctx.token_ids)
+        for ctx, result in zip(batch, results):
+            region = ctx.state.get("tree_region") or []
+            view = self._bound().row(ctx.slot)
+            n = int(result.num_accepted[0])
+            fed = []
+            for node in result.kept_nodes[0, :n].tolist():
+                if node >= len(region) or region[node] < 0:
+                    break
+                fed.append(region[node])
+            if view.has_pending_tree:
+                view.keep_tree_path(fed)
+            view.sync(ctx.token_ids)
 
     # Scoring ---------------------------------------------------------------------
 
@@ -187,7 +209,7 @@ class TreeDraftProposer:
 
     def _feed(self, tokens: list[int], region_parents: list[int], ctx: ProposeContext) -> torch.Tensor:
         """Run the draft on nodes (parents among the fed nodes); [n, V] candidate distributions."""
-        logits = self.runner.forward_tree(tokens, region_parents)[:, : ctx.vocab_size]
+        logits = self._view.forward_tree(tokens, region_parents)[:, : ctx.vocab_size]
         return self._dist(logits, ctx)
 
     # Static ----------------------------------------------------------------------

@@ -1,0 +1,286 @@
+"""The project's own forward for the Llama and Qwen2 families, over the slot KV cache.
+
+Why (DESIGN.md, "Model execution"): on a 2-core CPU the Hugging Face forward
+spends much of a decoding step outside the matrix products (Python, masks,
+cache concatenation), and torch's few-row ``F.linear`` is several times slower
+than the one-row product. This forward
+
+- loads the same weights (fused q/k/v and gate/up *views*: no second copy),
+- keeps keys/values in preallocated slot buffers ``[layers, slots, kv_heads, columns, head_dim]``
+  (:class:`specdecode.kv.base.SlotRunner`): rollback is a length change, tree and
+  ragged-batch masks are boolean masks, the active rows' buffers are views (no copy);
+- computes every projection as ``W @ x.T`` (near one-row cost for 1..16 rows),
+- runs a subset of the layers for layer-skip drafting.
+
+A test checks its logits against the Hugging Face forward (``tests/test_kv.py``).
+"""
+
+from __future__ import annotations
+
+
+import torch
+import torch.nn.functional as F
+
+from specdecode.kernels import RowwiseInt8Linear
+from specdecode.kv.base import SlotRunner
+from specdecode.types import SpecDecodeError
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
+
+
+def supports(model: torch.nn.Module) -> bool:
+    """True if :class:`OwnedRunner` can run ``model`` (Llama / Qwen2, default RoPE, full attention)."""
+    cfg = getattr(model, "config", None)
+    if cfg is None or getattr(cfg, "model_type", None) not in SUPPORTED_MODEL_TYPES:
+        return False
+    rope = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
+    if rope.get("rope_type", "default") != "default":
+        return False
+    if getattr(cfg, "sliding_window", None) and getattr(cfg, "use_sliding_window", False):
+        return False
+    if getattr(cfg, "attention_bias", False) or getattr(cfg, "mlp_bias", False):
+        return False  # o_proj / MLP biases are not carried by the owned forward (q/k/v biases are)
+    linears_ok = all(
+        _is_linear(getattr(layer.self_attn, "q_proj", None)) and _is_linear(getattr(layer.mlp, "down_proj", None))
+        for layer in getattr(getattr(model, "model", None), "layers", [])
+    ) and _is_linear(model.get_output_embeddings())
+    return linears_ok and getattr(cfg, "hidden_act", "silu") == "silu"
+
+
+def _is_linear(module) -> bool:
+    """nn.Linear, or an int8 linear (``kernels.set_weight_precision(model, "int8")``)."""
+    return type(module) in (torch.nn.Linear, RowwiseInt8Linear, _OutputSlice)
+
+
+class _Layer:
+    """One decoder layer's weights: fused views of the model's own parameters (float), or fused int8 modules
+    whose slices replace the model's own q/k/v and gate/up modules (one copy of the int8 weights)."""
+
+    def __init__(self, layer: torch.nn.Module) -> None:
+        attn, mlp = layer.self_attn, layer.mlp
+        self.ln1 = layer.input_layernorm.weight
+        self.ln2 = layer.post_attention_layernorm.weight
+        self.qkv_bias = None
+        if type(attn.q_proj) is not torch.nn.Linear:  # int8 modules (bias inside)
+            self.qkv = _fuse_int8(attn, ("q_proj", "k_proj", "v_proj"))
+            self.gate_up = _fuse_int8(mlp, ("gate_proj", "up_proj"))
+            self.o, self.down = attn.o_proj, mlp.down_proj
+            return
+        self.qkv = _fuse([attn.q_proj, attn.k_proj, attn.v_proj])
+        if attn.q_proj.bias is not None:
+            self.qkv_bias = torch.cat([attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias])
+        self.o = attn.o_proj.weight
+        self.gate_up = _fuse([mlp.gate_proj, mlp.up_proj])
+        self.down = mlp.down_proj.weight
+
+
+class _OutputSlice(torch.nn.Module):
+    """Columns [start, end) of a fused int8 module's output: what the model's own q/k/v (gate/up)
+    modules become once fused, so the Hugging Face forward still runs (at the fused cost) and the
+    int8 weights exist once."""
+
+    def __init__(self, fused: RowwiseInt8Linear, start: int, end: int) -> None:
+        super().__init__()
+        self.fused, self.start, self.end = fused, start, end
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # q/k/v (gate/up) are called one after another on the same input: compute the fused product once
+        memo = self.fused.__dict__.get("_memo")
+        if memo is not None and memo[0] is x:
+            out = memo[1]
+        else:
+            out = self.fused(x)
+            self.fused.__dict__["_memo"] = (x, out)
+        if self.end == self.fused.out_features:  # the last slice: drop the memo (no activations kept alive)
+            self.fused.__dict__.pop("_memo", None)
+        return out[..., self.start : self.end]
+
+
+def _fuse_int8(parent: torch.nn.Module, names: tuple[str, ...]) -> RowwiseInt8Linear:
+    """Fuse ``parent``'s int8 modules ``names`` into one product; re-point them at slices of it."""
+    parts = [getattr(parent, n) for n in names]
+    if all(isinstance(p, _OutputSlice) for p in parts) and len({id(p.fused) for p in parts}) == 1:
+        return parts[0].fused  # fused already (another runner of this model)
+    if not all(isinstance(p, RowwiseInt8Linear) for p in parts):
+        raise SpecDecodeError(f"cannot fuse {[type(p).__name__ for p in parts]}: expected int8 linear modules")
+    fused = RowwiseInt8Linear.concat(parts)
+    start = 0
+    for name, part in zip(names, parts):
+        setattr(parent, name, _OutputSlice(fused, start, start + part.out_features))
+        start += part.out_features
+    return fused
+
+
+def _fuse(linears: list[torch.nn.Linear]) -> torch.Tensor:
+    """Concatenate the weights of ``linears`` along the output axis and re-point each layer at a view.
+
+    Afterwards the model's own parameters live inside the fused tensor, so the
+    Hugging Face forward and this one share one copy of the weights.
+    """
+    fused = torch.cat([lin.weight.detach() for lin in linears], dim=0)
+    start = 0
+    for lin in linears:
+        rows = lin.weight.shape[0]
+        lin.weight = torch.nn.Parameter(fused[start : start + rows], requires_grad=False)
+        start += rows
+    return fused
+
+
+def _mm(weight, x: torch.Tensor) -> torch.Tensor:
+    """x [n, in] -> [n, out].
+
+    float32 weights with few rows: ``(W @ x.T).T`` (torch's few-row ``F.linear``
+    takes a slow path on these CPUs); bfloat16 / float16 and many rows:
+    ``F.linear``; a quantized module: the module itself.
+    """
+    if not isinstance(weight, torch.Tensor):
+        return weight(x)
+    if x.shape[0] > 16 or weight.dtype != torch.float32:
+        return F.linear(x, weight)
+    return (weight @ x.T).T
+
+
+class OwnedRunner(SlotRunner):
+    """Batched incremental forward of a Llama / Qwen2 model over a slot KV cache.
+
+    Args:
+        model: a ``LlamaForCausalLM`` / ``Qwen2ForCausalLM`` (eval mode); its q/k/v and gate/up
+            weights are re-pointed at fused tensors (shared storage), int8 modules are fused.
+        num_slots, max_context: as :class:`~specdecode.kv.base.SlotRunner`.
+
+    Numerics: int8 weights (``kernels.RowwiseInt8Linear``) give integer products that do not depend
+    on the other rows of a call; attention is then run in float64 on a float64 cache, so its
+    rounding (which depends on the query count) is ~1e-16, below what a float32 result shows:
+    a verified row equals a decoded row, whatever the batch.
+
+    Raises:
+        SpecDecodeError: the model family / RoPE variant is not supported (use the Hugging Face forward).
+    """
+
+    def __init__(self, model: torch.nn.Module, num_slots: int = 1, max_context: int | None = None) -> None:
+        if not supports(model):
+            raise SpecDecodeError(
+                f"the owned forward supports {SUPPORTED_MODEL_TYPES} with default RoPE and full attention; "
+                f"got {getattr(model.config, 'model_type', type(model).__name__)}: use the Hugging Face forward"
+            )
+        super().__init__(model, num_slots, max_context)
+        cfg = model.config
+        inner = model.model
+        self.embed = inner.embed_tokens.weight
+        self.norm = inner.norm.weight
+        head = model.get_output_embeddings()
+        self.lm_head = head.weight if type(head) is torch.nn.Linear else head
+        # Fused once per model and shared by every runner of it (target, self-draft, plain engine).
+        self.layers = model.__dict__.get("_specdecode_fused_layers") or [_Layer(layer) for layer in inner.layers]
+        model.__dict__["_specdecode_fused_layers"] = self.layers
+        self.num_layers = len(self.layers)
+        self.eps = float(cfg.rms_norm_eps)
+        self.num_heads = int(cfg.num_attention_heads)
+        self.num_kv_heads = int(cfg.num_key_value_heads)
+        self.head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
+        rope = getattr(cfg, "rope_parameters", None) or {}
+        theta = float(rope.get("rope_theta", getattr(cfg, "rope_theta", 10000.0)))
+        self.dtype = self.embed.dtype
+        # float32 like the Hugging Face rotary embedding, so both forwards rotate identically
+        self.inv_freq = 1.0 / (theta ** (torch.arange(0, self.head_dim, 2, dtype=torch.int64).float() / self.head_dim))
+        self.cache_dtype = torch.float64 if any(isinstance(l.qkv, RowwiseInt8Linear) for l in self.layers) \
+            else self.dtype
+        self.k_cache = self.v_cache = None
+
+    #: This forward can run a subset of the layers (layer-skip drafting).
+    skips_layers = True
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.model.get_output_embeddings().out_features)
+
+    @property
+    def nbytes(self) -> int:
+        if self.k_cache is None:
+            return 0
+        return 2 * self.k_cache.numel() * self.k_cache.element_size()
+
+    def layer_tensors(self, slot: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(keys, values) per layer of ``slot``, each [1, kv_heads, length, head_dim]."""
+        n = len(self.ids[slot])
+        return [(self.k_cache[i, slot : slot + 1, :, :n], self.v_cache[i, slot : slot + 1, :, :n])
+                for i in range(self.num_layers)]
+
+    # Storage -----------------------------------------------------------------------
+
+    def _grow(self, capacity: int) -> None:
+        shape = (self.num_layers, self.num_slots, self.num_kv_heads, capacity, self.head_dim)
+        old_k, old_v = self.k_cache, self.v_cache
+        self.k_cache = torch.zeros(shape, dtype=self.cache_dtype)
+        self.v_cache = torch.zeros(shape, dtype=self.cache_dtype)
+        if old_k is not None:
+            n = old_k.shape[3]
+            self.k_cache[:, :, :, :n] = old_k
+            self.v_cache[:, :, :, :n] = old_v
+
+    def _copy_columns(self, slot: int, src: torch.Tensor, dst: torch.Tensor) -> None:
+        for cache in (self.k_cache, self.v_cache):
+            cache[:, slot, :, dst] = cache[:, slot, :, src]
+
+    def _move_slot(self, src: int, dst: int, n: int) -> None:
+        for cache in (self.k_cache, self.v_cache):
+            cache[:, dst, :, :n] = cache[:, src, :, :n]
+
+    def _free(self) -> None:
+        self.k_cache = self.v_cache = None
+
+    # Forward -----------------------------------------------------------------------
+
+    def _run(self, rows, ids, positions, columns, mask, kv_len, layers, last):
+        b, q = ids.shape
+        n = b * q
+        h, kvh, d = self.num_heads, self.num_kv_heads, self.head_dim
+        cos, sin = self._rope(positions.reshape(-1))  # [n, d]
+        x = self.embed[ids.reshape(-1)]  # [n, hidden]
+        attn_mask = None if mask is None else mask.unsqueeze(1)  # [b, 1, q, kv_len]
+        row_index = torch.arange(b).unsqueeze(1)  # [b, 1]
+        for i in range(self.num_layers) if layers is None else layers:
+            layer = self.layers[i]
+            qkv = _mm(layer.qkv, _rms_norm(x, layer.ln1, self.eps))
+            if layer.qkv_bias is not None:
+                qkv = qkv + layer.qkv_bias
+            qs, ks, vs = qkv.split([h * d, kvh * d, kvh * d], dim=-1)
+            qs = _apply_rope(qs.view(n, h, d).transpose(0, 1), cos, sin)  # [h, n, d]
+            ks = _apply_rope(ks.view(n, kvh, d).transpose(0, 1), cos, sin)  # [kvh, n, d]
+            k_rows = self.k_cache[i, rows]  # [b, kvh, columns, d] view of the active slots
+            v_rows = self.v_cache[i, rows]
+            k_rows[row_index, :, columns] = ks.reshape(kvh, b, q, d).permute(1, 2, 0, 3).to(self.cache_dtype)
+            v_rows[row_index, :, columns] = vs.reshape(b, q, kvh, d).to(self.cache_dtype)
+            attn = F.scaled_dot_product_attention(
+                qs.reshape(h, b, q, d).transpose(0, 1).to(self.cache_dtype),  # [b, h, q, d]
+                k_rows[:, :, :kv_len],
+                v_rows[:, :, :kv_len],
+                attn_mask=attn_mask,
+                enable_gqa=h != kvh,
+            ).to(x.dtype)
+            x = x + _mm(layer.o, attn.transpose(1, 2).reshape(n, h * d))
+            gate, up = _mm(layer.gate_up, _rms_norm(x, layer.ln2, self.eps)).chunk(2, dim=-1)
+            x = x + _mm(layer.down, F.silu(gate) * up)
+        x = x.view(b, q, -1)
+        if last is not None:
+            x = x[torch.arange(b), last].unsqueeze(1)  # [b, 1, hidden]
+        hidden = _rms_norm(x.reshape(-1, x.shape[-1]), self.norm, self.eps)
+        return _mm(self.lm_head, hidden).float().view(b, x.shape[1], -1)
+
+    def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [n, d/2] float32
+        emb = torch.cat([freqs, freqs], dim=-1)
+        return emb.cos().to(self.dtype), emb.sin().to(self.dtype)
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()  # float32 statistics, as the Hugging Face RMSNorm (also for float64 models)
+    out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * out.to(x.dtype)
+
+
+def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate [heads, n, d] by position (the rotate-half convention of Llama / Qwen2)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
