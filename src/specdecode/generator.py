@@ -275,17 +275,18 @@ class SpecDecoder:
         )
         prompt_ids = self.encode(prompt, chat=chat) if isinstance(prompt, str) else [int(t) for t in prompt]
         tracker = TextTracker(self.decode, stops)
-        # engine.stream() cannot be abandoned mid-way and still report metrics, so drive
-        # its public start / step / output directly: the same loop, stoppable at a stop string.
-        state = self.engine.start(prompt_ids, params)
-        committed = list(state.generated)
+        # The engine's add / step / abort: the same loop as every front end, stoppable at a stop string.
+        state, first = self.engine.add(prompt_ids, params)
+        committed = first.token_ids
         while True:
             piece = tracker.add(committed)
             if piece and on_text is not None:
                 on_text(piece)
             if tracker.stop_string is not None or state.finish_reason is not None:
                 break
-            committed = self.engine.step(state).token_ids
+            committed = next((out.token_ids for r, out in self.engine.step() if r is state), [])
+        if state.finish_reason is None:
+            self.engine.abort(state, "stop")
         result = self.engine.output(state)
         piece = tracker.finish()
         if piece and on_text is not None:

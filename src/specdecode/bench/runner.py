@@ -585,10 +585,9 @@ def probe_forward_times(model: torch.nn.Module, context: list[int], ks: Iterable
         ks: draft lengths to time.
         reps: timed repetitions per k (after one untimed warm-up pass).
     """
-    from specdecode.cache import CachedModel
+    from specdecode.kv import make_runner
 
-    runner = CachedModel(model)
-    runner.reset()
+    runner = make_runner(model).row(0)
     runner.forward(context, last_only=True)
     base = len(context)
     ks = sorted(set(ks))

@@ -32,6 +32,7 @@ import typing
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from specdecode import layer_search
 from specdecode.proposers.base import PROPOSERS, Proposer
 from specdecode.proposers.layer_skip import LayerSkipConfig, parse_skip_layers
 from specdecode.proposers.ngram import NgramConfig
@@ -261,7 +262,7 @@ def proposer_factory(choice: DraftChoice, options: DrafterOptions, *, target=Non
                                                               max_ngram=options.ngram_max))
     if choice.kind == LAYER_SKIP_DRAFT:
         config = LayerSkipConfig(skip_layers=parse_skip_layers(options.skip_layers), cache_dir=options.cache_dir)
-        return registered_factory("layer-skip", target=target, config=config)
+        return registered_factory("layer-skip", target=target, config=config, searcher=layer_search)
     if draft is None:
         raise SpecDecodeError(f"--draft {choice.text!r} names a draft model, but none was loaded")
     tree = tree_config(options.tree, options.tree_nodes)
