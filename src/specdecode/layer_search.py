@@ -53,6 +53,7 @@ from transformers import DynamicCache
 
 from specdecode.engine import EngineConfig, SpeculativeEngine
 from specdecode.kv import make_runner
+from specdecode.models import default_cache_dir
 from specdecode.proposers.layer_skip import KNOWN_FAMILIES, LayerSkipConfig, LayerSkipError, LayerSkipProposer, decoder_layers
 from specdecode.types import SamplingParams
 
@@ -144,8 +145,6 @@ def model_key(model: torch.nn.Module) -> str:
 def cache_path(cache_dir: str | Path | None = None) -> Path:
     """``<cache_dir or models.default_cache_dir()>/layer_skip.json``."""
     if cache_dir is None:
-        from specdecode.models import default_cache_dir
-
         cache_dir = default_cache_dir()
     return Path(cache_dir).expanduser() / CACHE_FILE
 

@@ -33,6 +33,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from specdecode import layer_search
+from specdecode.kernels import set_weight_precision
+from specdecode.models import check_compatible, load_model
 from specdecode.proposers.base import PROPOSERS, Proposer
 from specdecode.proposers.layer_skip import LayerSkipConfig, parse_skip_layers
 from specdecode.proposers.ngram import NgramConfig
@@ -221,9 +223,6 @@ def load_draft_model(choice: DraftChoice, target, target_spec: str, *, weights: 
     Raises:
         ModelLoadError, IncompatibleTokenizerError.
     """
-    from specdecode.kernels import set_weight_precision
-    from specdecode.models import check_compatible, load_model
-
     spec = choice.model_spec
     if spec is None:
         return None
