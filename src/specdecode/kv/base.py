@@ -64,26 +64,54 @@ def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
     return lo
 
 
+def sliding_window(model: torch.nn.Module) -> int | None:
+    """The attention window of a model's sliding-window layers (tokens), or None when every layer attends
+    to the whole context (no window, or one at least as long as the context)."""
+    cfg = getattr(model, "config", None)
+    window = getattr(cfg, "sliding_window", None)
+    uses = getattr(cfg, "use_sliding_window", None)
+    kinds = set(getattr(cfg, "layer_types", None) or ())
+    if not window or (uses is not None and not uses) or (kinds and "sliding_attention" not in kinds):
+        return None
+    return int(window) if int(window) < model_context(model) else None
+
+
+def takes_mask_per_layer_type(model: torch.nn.Module) -> bool:
+    """True when the model's decoder forward takes a dict {layer type: 4-D mask} (transformers 5 hybrids)."""
+    inner = getattr(model, "model", model)
+    for module in (inner, getattr(inner, "language_model", None)):
+        if module is None:
+            continue
+        try:
+            src = inspect.getsource(type(module).forward)
+        except (OSError, TypeError):
+            continue
+        if "attention_mask, dict)" in src:
+            return True
+    return False
+
+
 def rollback_problem(model: torch.nn.Module) -> str | None:
     """Why a model's cache cannot be cut back to any prefix (a length change), or None if it can.
 
-    Sliding-window attention (Mistral, Gemma 3, Qwen2 with ``use_sliding_window``) and recurrent or
-    hybrid layers (Mamba, Jamba, RecurrentGemma) keep state that a length change does not undo.
+    Recurrent or state-space layers (Mamba, Jamba, RecurrentGemma) keep a state that a length change
+    does not undo. Sliding-window attention (Mistral, Gemma 3, Qwen2 with ``use_sliding_window``) is
+    supported: the slot cache keeps every entry and the mask applies the window, so rollback stays a
+    length change; a model mixing sliding and full layers needs a forward that takes one mask per
+    layer type.
     """
     cfg = getattr(model, "config", None)
     if cfg is None:
         return None
     kinds = set(getattr(cfg, "layer_types", None) or ())
-    other = sorted(kinds - {"full_attention"})
+    other = sorted(kinds - {"full_attention", "sliding_attention"})
     if other:
         return f"it has {other} layers"
-    window = getattr(cfg, "sliding_window", None)
-    uses = getattr(cfg, "use_sliding_window", None)
-    if window and (uses if uses is not None else True) and int(window) < model_context(model):
-        return f"it uses sliding-window attention (window {window})"
     for attr in ("ssm_cfg", "state_size", "mamba_d_state", "attn_layer_period", "lru_width"):
         if getattr(cfg, attr, None):
             return f"it has recurrent (state-space) layers ({attr})"
+    if len(kinds) > 1 and sliding_window(model) is not None and not takes_mask_per_layer_type(model):
+        return "it mixes sliding-window and full-attention layers and its forward takes one mask for all of them"
     return None
 
 
@@ -98,7 +126,7 @@ def check_rollback_support(model: torch.nn.Module) -> None:
         kind = getattr(getattr(model, "config", None), "model_type", type(model).__name__)
         raise UnsupportedCacheError(
             f"{kind!r} cannot run speculative decoding here: {problem}, whose cache cannot be cut back to the "
-            "tokens verification kept. Use a model with full attention in every layer"
+            "tokens verification kept. Use a model whose layers are (sliding-window or full) attention"
         )
 
 
@@ -116,9 +144,9 @@ def tree_support_problem(model: torch.nn.Module) -> str | None:
     if impl not in ("eager", "sdpa"):
         return f"attention implementation {impl!r} does not take a custom 4-D mask (load it with 'sdpa' or 'eager')"
     kinds = set(getattr(cfg, "layer_types", None) or ())
-    if kinds - {"full_attention"}:
-        return f"it has {sorted(kinds - {'full_attention'})} layers, whose masks a custom mask would replace"
-    return None
+    if kinds - {"full_attention", "sliding_attention"}:
+        return f"it has {sorted(kinds - {'full_attention', 'sliding_attention'})} layers, whose masks a custom mask would replace"
+    return rollback_problem(model)
 
 
 def checked_tree_path(nodes: Sequence[int], tree_start: int | None, tree_parents: Sequence[int]) -> list[int]:

@@ -14,7 +14,7 @@ import inspect
 import torch
 from transformers.cache_utils import Cache
 
-from specdecode.kv.base import SlotRunner, TreeAttentionUnsupported, tree_support_problem
+from specdecode.kv.base import SlotRunner, TreeAttentionUnsupported, sliding_window, tree_support_problem
 from specdecode.types import SpecDecodeError
 
 
@@ -93,6 +93,11 @@ class HFRunner(SlotRunner):
         self._keeps_logits = "logits_to_keep" in params
         self.cache = SlotCache(num_slots)
         self.dtype = next(model.parameters()).dtype
+        # Sliding-window layers: the cache keeps every entry, the mask applies the window (keys at
+        # positions > query position - window); hybrids get one mask per layer type.
+        self.window = sliding_window(model)
+        kinds = set(getattr(model.config, "layer_types", None) or ())
+        self._per_type = self.window is not None and len(kinds) > 1
 
     @property
     def nbytes(self) -> int:
@@ -101,6 +106,11 @@ class HFRunner(SlotRunner):
     def layer_tensors(self, slot: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         n = len(self.ids[slot])
         return [(k[slot : slot + 1, :, :n], v[slot : slot + 1, :, :n]) for k, v in zip(self.cache.keys, self.cache.values)]
+
+    def _additive(self, mask: torch.Tensor) -> torch.Tensor:
+        """[b, q, kv] bool -> [b, 1, q, kv] additive mask in the model's dtype (0 = attend)."""
+        out = torch.zeros(mask.shape[0], 1, *mask.shape[1:], dtype=self.dtype)
+        return out.masked_fill_(~mask.unsqueeze(1), torch.finfo(self.dtype).min)
 
     def _grow(self, capacity: int) -> None:
         if not self.cache.keys:
@@ -130,8 +140,12 @@ class HFRunner(SlotRunner):
         self.cache.prepare(rows, columns, kv_len)
         if mask is None:
             mask = torch.ones(b, q, kv_len, dtype=torch.bool)
-        additive = torch.zeros(b, 1, q, kv_len, dtype=self.dtype)
-        additive.masked_fill_(~mask.unsqueeze(1), torch.finfo(self.dtype).min)
+        additive = self._additive(mask)
+        if self.window is not None:
+            # prefix columns hold positions = column; tree nodes sit inside any window longer than a tree
+            inside = torch.arange(kv_len).view(1, 1, kv_len) > positions.unsqueeze(2) - self.window
+            sliding = self._additive(mask & inside)
+            additive = {"full_attention": additive, "sliding_attention": sliding} if self._per_type else sliding
         kwargs = {self._cache_kwarg: self.cache, "use_cache": True}
         if self._keeps_logits:
             kwargs["logits_to_keep"] = 0
