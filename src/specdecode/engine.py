@@ -302,6 +302,12 @@ class SpeculativeEngine:
         The target cache holds every committed token but the last (the next step feeds it); a tree
         keeps only the accepted path. Counters count only draft tokens that could be committed.
         """
+        slot = row.ctx.slot
+        if row.finish_reason is not None:  # failed before verification (a broken draft): commit nothing
+            if self.runner.has_pending_tree(slot):
+                self.runner.keep_tree_path(slot, [])
+            self.runner.rollback(slot, min(len(self.runner.ids[slot]), len(row.ctx.token_ids) - 1))
+            return StepOutput([], 0, 0, True, row.finish_reason, error=row.error)
         n_acc = int(result.num_accepted[0])
         proposed = result.new_token_ids[0, : n_acc + 1].tolist()
         kept = result.kept_nodes[0, :n_acc].tolist()
@@ -309,7 +315,6 @@ class SpeculativeEngine:
         row.finish_reason = row.finish_reason or reason
         row.generated.extend(tokens)
         row.ctx.token_ids.extend(tokens)
-        slot = row.ctx.slot
         if self.runner.has_pending_tree(slot):
             self.runner.keep_tree_path(slot, [0, *(i + 1 for i in kept)])
         self.runner.rollback(slot, min(len(self.runner.ids[slot]), len(row.ctx.token_ids) - 1))

@@ -147,9 +147,10 @@ class HFRunner(SlotRunner):
             sliding = self._additive(mask & inside)
             additive = {"full_attention": additive, "sliding_attention": sliding} if self._per_type else sliding
         kwargs = {self._cache_kwarg: self.cache, "use_cache": True}
+        one_row_last = last is not None and b == 1 and int(last[0]) == q - 1
         if self._keeps_logits:
-            kwargs["logits_to_keep"] = 0
+            kwargs["logits_to_keep"] = 1 if one_row_last else 0  # a prefill: the LM head at the last token only
         logits = self.model(input_ids=ids, attention_mask=additive, position_ids=positions, **kwargs).logits
-        if last is not None:
+        if last is not None and not (one_row_last and logits.shape[1] == 1):
             logits = logits[torch.arange(b), last].unsqueeze(1)
         return logits.float()
