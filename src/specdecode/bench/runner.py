@@ -116,20 +116,6 @@ class BuildContext:
     default_draft: str | None
 
 
-Builder = Callable[[MethodSpec, BuildContext], object]
-BUILDERS: dict[str, Builder] = {}
-
-
-def method_builder(name: str) -> Callable[[Builder], Builder]:
-    """Decorator: a custom way to build the proposer registered as ``name`` from a MethodSpec."""
-
-    def deco(fn: Builder) -> Builder:
-        BUILDERS[name] = fn
-        return fn
-
-    return deco
-
-
 def registered_methods() -> list[str]:
     """Every proposer the project registers (``specdecode.proposers.PROPOSERS``), in registration order."""
     from specdecode.proposers import PROPOSERS
@@ -152,7 +138,7 @@ def draft_model_of(spec: MethodSpec, default: str | None) -> str | None:
 
 
 def build_proposer_for(spec: MethodSpec, ctx: BuildContext):
-    """Build the proposer a MethodSpec names: a custom builder, else through the registered factory.
+    """Build the proposer a MethodSpec names, through the registered factory.
 
     The generic path (:func:`specdecode.proposers.factory.registered_factory`) passes ``config=``
     (the factory's config dataclass, built from the options with each field's type), ``model=``
@@ -169,8 +155,6 @@ def build_proposer_for(spec: MethodSpec, ctx: BuildContext):
 
     if spec.name not in PROPOSERS:
         raise SpecDecodeError(f"unknown method {spec.name!r}; registered proposers: {', '.join(PROPOSERS)}")
-    if spec.name in BUILDERS:
-        return BUILDERS[spec.name](spec, ctx)
     options = dict(spec.options)
     draft = None
     if takes_draft_model(spec.name):

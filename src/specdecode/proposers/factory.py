@@ -109,6 +109,8 @@ def registered_factory(name: str, *, target=None, draft=None, config=None, **kwa
         kwargs["model"] = target if name in SELF_SPECULATIVE else draft
     if "target" in params:
         kwargs["target"] = target
+    if "searcher" in params:  # layer-skip: the SWIFT-style search of its skip set
+        kwargs.setdefault("searcher", layer_search)
     if config is not None:
         kwargs["config"] = config
     return functools.partial(factory, **kwargs)
@@ -261,7 +263,7 @@ def proposer_factory(choice: DraftChoice, options: DrafterOptions, *, target=Non
                                                               max_ngram=options.ngram_max))
     if choice.kind == LAYER_SKIP_DRAFT:
         config = LayerSkipConfig(skip_layers=parse_skip_layers(options.skip_layers), cache_dir=options.cache_dir)
-        return registered_factory("layer-skip", target=target, config=config, searcher=layer_search)
+        return registered_factory("layer-skip", target=target, config=config)
     if draft is None:
         raise SpecDecodeError(f"--draft {choice.text!r} names a draft model, but none was loaded")
     tree = tree_config(options.tree, options.tree_nodes)
