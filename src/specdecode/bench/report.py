@@ -7,12 +7,15 @@ also rebuild the reports of an output directory from its ``records.jsonl`` alone
 
 from __future__ import annotations
 
+import dataclasses
+
 import json
 import math
 from collections.abc import Sequence
 from pathlib import Path
 
 from specdecode.bench import summary as S
+from specdecode.bench.records import RecordStore
 
 REPORT_MD = "report.md"
 REPORT_JSON = "report.json"
@@ -372,27 +375,26 @@ def _plot_sweep(plt, summary, path: Path) -> None:
 # --------------------------------------------------------------------------- files
 
 
-def build_meta(*, config, env: dict, models: dict, variants: list[dict], prompts: list[dict]) -> dict:
-    """Everything about the run but its records: config, environment, models, variants, prompts."""
-    import dataclasses
-
-    from specdecode.bench.runner import expand_methods, main_gamma_of
-
+def build_meta(*, config, env: dict, models: dict, variants: list[dict], prompts: list[dict],
+               main_gammas: dict | None = None) -> dict:
+    """Everything about the run but its records: config, environment, models, variants, prompts, and per
+    method family the gamma of its leaderboard row (``runner.main_gamma_of``)."""
     cfg = dataclasses.asdict(config) if dataclasses.is_dataclass(config) else dict(config)
-    main = main_gamma_of(expand_methods(config)) if dataclasses.is_dataclass(config) else {}
+    main = main_gammas or {}
     return {"config": {**cfg, "batch_size": 1, "settings_id": config.settings_id()}, "environment": env,
             "models": models, "variants": variants, "prompts": prompts, "main_gammas": main}
 
 
 def write_reports(out: Path, *, config, env: dict, models: dict, variants: list[dict], prompts: list[dict],
-                  records: list[dict], probes: list[dict]) -> dict:
+                  records: list[dict], probes: list[dict], main_gammas: dict | None = None) -> dict:
     """Summarize and write report.md, report.json, run.json and the PNG plots into ``out``.
 
     Returns:
         The report.json content: {"environment", "config", "models", "variants", "prompts", "summary",
         "probes", "records"}.
     """
-    meta = build_meta(config=config, env=env, models=models, variants=variants, prompts=prompts)
+    meta = build_meta(config=config, env=env, models=models, variants=variants, prompts=prompts,
+                      main_gammas=main_gammas)
     return write_from_meta(Path(out), meta, records, probes)
 
 
@@ -414,8 +416,6 @@ def rebuild(out: Path) -> dict:
     Raises:
         FileNotFoundError: the directory has no run.json (no run was ever reported there).
     """
-    from specdecode.bench.runner import RecordStore
-
     out = Path(out)
     meta = json.loads((out / META_JSON).read_text(encoding="utf-8"))
     store = RecordStore(out, meta["config"]["settings_id"])

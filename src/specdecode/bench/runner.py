@@ -35,11 +35,13 @@ from pathlib import Path
 
 import torch
 
+from specdecode.bench import report
+from specdecode.bench.env import environment
+from specdecode.bench.records import RECORDS_FILE, RecordStore  # noqa: F401 - re-exported
 from specdecode.types import SpecDecodeError
 
 logger = logging.getLogger(__name__)
 
-RECORDS_FILE = "records.jsonl"
 KERNELS = ("default", "small-row")
 #: Timed forwards per k in the cost probe (the least counts).
 PROBE_REPS = 5
@@ -502,55 +504,6 @@ def main_gamma_of(specs: Sequence[MethodSpec]) -> dict[str, int]:
 # --------------------------------------------------------------------------- records (resume)
 
 
-class RecordStore:
-    """``records.jsonl`` in the output directory: one JSON object per finished run, appended as it ends.
-
-    Records carry the run's settings id; a rerun with equal settings skips what is there.
-    """
-
-    def __init__(self, directory: Path, settings_id: str) -> None:
-        self.path = directory / RECORDS_FILE
-        self.settings_id = settings_id
-        self.records: list[dict] = []
-        self.ignored = 0
-        if self.path.exists():
-            text = self.path.read_text(encoding="utf-8")
-            if text and not text.endswith("\n"):  # a run killed mid-write: drop its partial last line
-                text = text[: text.rfind("\n") + 1]
-                self.path.write_text(text, encoding="utf-8")
-            for line in text.splitlines():
-                if not line.strip():
-                    continue
-                try:
-                    rec = json.loads(line)
-                except json.JSONDecodeError:  # a corrupt line: skip it (its run is redone)
-                    continue
-                if rec.get("settings_id") == settings_id:
-                    self.records.append(rec)
-                else:
-                    self.ignored += 1
-        self._done = {self._key(r) for r in self.records}
-
-    @staticmethod
-    def _key(r: dict) -> tuple:
-        return r["kind"], r.get("variant"), r.get("prompt"), r.get("model"), r.get("rep", 0)
-
-    def has(self, kind: str, variant: str | None = None, prompt: str | None = None, model: str | None = None,
-            rep: int = 0) -> bool:
-        return (kind, variant, prompt, model, rep) in self._done
-
-    def add(self, record: dict) -> None:
-        record = {"settings_id": self.settings_id, **record}
-        with self.path.open("a", encoding="utf-8") as f:
-            f.write(json.dumps(record, ensure_ascii=False) + "\n")
-            f.flush()
-        self.records.append(record)
-        self._done.add(self._key(record))
-
-    def of_kind(self, kind: str) -> list[dict]:
-        return [r for r in self.records if r["kind"] == kind]
-
-
 # --------------------------------------------------------------------------- cost probe
 
 
@@ -724,8 +677,6 @@ def run_bench(config: BenchConfig, *, progress: bool = True, log: Callable[[str]
     Raises:
         SpecDecodeError: bad config, unknown method / dataset, incompatible draft, model load failure.
     """
-    from specdecode.bench import report
-    from specdecode.bench.env import environment
 
     status = log or (lambda msg: print(f"specdecode bench: {msg}", file=sys.stderr, flush=True))
     out = Path(config.output)
@@ -769,7 +720,8 @@ def run_bench(config: BenchConfig, *, progress: bool = True, log: Callable[[str]
                                       prompts=[{"key": p.key, "dataset": p.dataset, "category": p.category,
                                                 "prompt_tokens": len(encoded[p.key][0]),
                                                 "chat_template": encoded[p.key][1]} for p in runnable],
-                                      records=store.of_kind("run"), probes=store.of_kind("probe"))
+                                      records=store.of_kind("run"), probes=store.of_kind("probe"),
+                                      main_gammas=main_gamma_of(expand_methods(config)))
         status(f"reports written to {out}/ (report.md, report.json, *.png)")
     return result
 
