@@ -171,6 +171,9 @@ def verify_chains(
     ok = torch.where(greedy.unsqueeze(1), greedy_ok, sampled_ok) & live
     num_accepted = ok.to(torch.int64).cumprod(1).sum(1)  # [B]
     n = num_accepted.unsqueeze(1)
+    greedy_tok = argmax.gather(1, n).squeeze(1)
+    if bool(greedy.all()):  # no sampled row: no residual to draw from
+        return _result(num_accepted, draft_ids, greedy_tok)
     # The final distribution of each sampled row: p at its stop position, minus q (or the draft token) on a rejection.
     p_stop = target_probs.gather(1, n.unsqueeze(2).expand(b, 1, v)).squeeze(1)  # [B, V]
     rejected = num_accepted < num_drafted
@@ -192,6 +195,5 @@ def verify_chains(
     cdf = residual.double().cumsum(-1)
     u_final = uniforms.gather(1, num_drafted.unsqueeze(1)).squeeze(1)  # [B]: each row's (k_i + 1)-th uniform
     sampled_tok = torch.searchsorted(cdf, (u_final * cdf[:, -1]).unsqueeze(1), right=True).squeeze(1).clamp(max=v - 1)
-    greedy_tok = argmax.gather(1, n).squeeze(1)
     next_ids = torch.where(greedy, greedy_tok, sampled_tok)
     return _result(num_accepted, draft_ids, next_ids)
