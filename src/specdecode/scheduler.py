@@ -34,27 +34,13 @@ class EngineStoppedError(SpecDecodeError):
 
 
 @dataclass
-class RowEvent:
-    """What one step did for one request (delivered on the scheduler thread).
+class RowEvent(StepOutput):
+    """What one step did for one request, as delivered on the scheduler thread: the engine's
+    :class:`~specdecode.types.StepOutput` plus the request's RunMetrics (totals so far; final when
+    finished). A request that never ran (cancelled while waiting, failed at admission) gets one
+    event with no tokens."""
 
-    Attributes:
-        token_ids: tokens committed this step (after max_tokens / EOS), possibly empty on error.
-        num_drafted, num_accepted: draft tokens verified / kept this step (0 for the prefill).
-        finished: last event of the request; finish_reason: "length", "stop", "cancelled", "error".
-        metrics: the request's RunMetrics (totals so far; final when finished).
-        logprobs, top_logprobs: as :class:`~specdecode.types.StepOutput`, when asked.
-        error: a message when the request failed.
-    """
-
-    token_ids: list[int]
-    num_drafted: int = 0
-    num_accepted: int = 0
-    finished: bool = False
-    finish_reason: str | None = None
     metrics: RunMetrics | None = None
-    logprobs: list[float] | None = None
-    top_logprobs: list[list[tuple[int, float]]] | None = None
-    error: str | None = None
 
 
 @dataclass
@@ -244,7 +230,7 @@ class Scheduler:
     def _emit(self, row: Request, out: StepOutput) -> None:
         request: BatchRequest = row.tag
         event = RowEvent(out.token_ids, out.num_drafted, out.num_accepted, out.finished, out.finish_reason,
-                         row.metrics, out.logprobs, out.top_logprobs, row.error)
+                         out.logprobs, out.top_logprobs, out.error or row.error, metrics=row.metrics)
         try:
             request.on_event(event)
         except Exception:  # noqa: BLE001 - a broken listener cancels its own request, not the engine

@@ -19,7 +19,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specdecode.types import Draft, SamplingParams, VerifyResult
+from specdecode.kv import make_runner
+from specdecode.types import Draft, SamplingParams, SpecDecodeError, VerifyResult
 
 
 @dataclass
@@ -101,6 +102,37 @@ class RowProposer(Proposer):
 
     def propose_row(self, ctx: ProposeContext, max_tokens: int) -> Draft:
         raise NotImplementedError
+
+
+class DraftModelSlots(Proposer):
+    """A proposer running its own model on a slot KV cache that mirrors the engine's rows (row i in slot i).
+
+    Subclasses set ``self.model`` and ``self.forward`` (a ``kv`` backend name); :meth:`bind` builds the
+    runner with the engine's number of slots and the shorter of both contexts.
+    """
+
+    model: torch.nn.Module
+    forward: str = "auto"
+    runner = None
+
+    def bind(self, target, num_slots: int) -> None:
+        from_ctx = min(getattr(self, "max_context", target.max_context), target.max_context)
+        self.runner = make_runner(self.model, self.forward, num_slots, from_ctx)
+        self.max_context = self.runner.max_context
+
+    def start(self, ctx: ProposeContext) -> None:
+        self._bound().clear(ctx.slot)
+
+    def finish(self, ctx: ProposeContext) -> None:
+        self._bound().clear(ctx.slot)
+
+    def move(self, src: int, dst: int) -> None:
+        self._bound().move(src, dst)
+
+    def _bound(self):
+        if self.runner is None:
+            raise SpecDecodeError(f"the {self.name} proposer is not bound to an engine (SpeculativeEngine binds it)")
+        return self.runner
 
 
 ProposerFactory = Callable[..., Proposer]

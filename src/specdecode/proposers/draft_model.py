@@ -19,10 +19,10 @@ from dataclasses import dataclass
 
 import torch
 
-from specdecode.kv import make_runner, model_context
-from specdecode.proposers.base import ProposeContext, Proposer, draft_room, register
+from specdecode.kv import model_context
+from specdecode.proposers.base import DraftModelSlots, ProposeContext, draft_room, register
 from specdecode.sampling import logits_to_probs, sample
-from specdecode.types import Draft, SpecDecodeError
+from specdecode.types import Draft
 
 
 @dataclass(frozen=True)
@@ -37,7 +37,7 @@ class DraftModelConfig:
 
 
 @register("draft-model")
-class DraftModelProposer(Proposer):
+class DraftModelProposer(DraftModelSlots):
     """Drafts with a small LM sharing the target's tokenizer, all rows in one forward per position.
 
     Args:
@@ -51,32 +51,14 @@ class DraftModelProposer(Proposer):
     def __init__(self, model: torch.nn.Module, config: DraftModelConfig | None = None) -> None:
         self.config = config or DraftModelConfig()
         self.model = model
+        self.forward = self.config.forward
         self.max_context = model_context(model)
         self.runner = None
-
-    def bind(self, target, num_slots: int) -> None:
-        self.runner = make_runner(self.model, self.config.forward, num_slots,
-                                  min(self.max_context, target.max_context))
-        self.max_context = self.runner.max_context
-
-    def start(self, ctx: ProposeContext) -> None:
-        self._runner().clear(ctx.slot)
-
-    def finish(self, ctx: ProposeContext) -> None:
-        self._runner().clear(ctx.slot)
-
-    def move(self, src: int, dst: int) -> None:
-        self._runner().move(src, dst)
-
-    def _runner(self):
-        if self.runner is None:
-            raise SpecDecodeError("the draft-model proposer is not bound to an engine (SpeculativeEngine binds it)")
-        return self.runner
 
     @torch.inference_mode()
     def propose(self, batch: Sequence[ProposeContext], max_tokens: Sequence[int]) -> list[Draft]:
         """Up to ``max_tokens[i]`` tokens for row i: chains [1, k_i] int64 (+ [1, k_i, V] float32 q when sampling)."""
-        runner = self._runner()
+        runner = self._bound()
         caps = [min(k, draft_room(self.max_context, ctx)) for ctx, k in zip(batch, max_tokens)]
         if max(caps, default=0) <= 0:
             return [Draft.empty() for _ in batch]

@@ -45,8 +45,8 @@ from dataclasses import dataclass
 import torch
 
 from specdecode.kv import model_context
-from specdecode.kv import FORWARD_BACKENDS, make_runner
-from specdecode.proposers.base import RowProposer, ProposeContext, draft_room, register
+from specdecode.kv import FORWARD_BACKENDS
+from specdecode.proposers.base import DraftModelSlots, RowProposer, ProposeContext, draft_room, register
 from specdecode.sampling import logits_to_probs
 from specdecode.types import Draft, SpecDecodeError, VerifyResult
 
@@ -115,7 +115,7 @@ def static_shape(branching: tuple[int, ...], num_nodes: int) -> list[tuple[int, 
 
 
 @register("tree-draft")
-class TreeDraftProposer(RowProposer):
+class TreeDraftProposer(DraftModelSlots, RowProposer):
     """A draft model that proposes token trees (static shape or EAGLE-2 dynamic).
 
     Args:
@@ -131,6 +131,7 @@ class TreeDraftProposer(RowProposer):
     def __init__(self, model: torch.nn.Module, config: TreeDraftConfig | None = None) -> None:
         self.config = config or TreeDraftConfig()
         self.model = model
+        self.forward = self.config.forward
         self.max_context = model_context(model)  # positions the draft can hold
         self.runner = None
         self._view = None  # the row being drafted (a kv.RowView of the draft's slot cache)
@@ -138,23 +139,8 @@ class TreeDraftProposer(RowProposer):
         self._shape = static_shape(self.config.branching, self.config.num_nodes)
 
     def bind(self, target, num_slots: int) -> None:
-        self.runner = make_runner(self.model, self.config.forward, num_slots, min(self.max_context, target.max_context))
+        super().bind(target, num_slots)
         self.runner.check_tree_support()
-        self.max_context = self.runner.max_context
-
-    def start(self, ctx: ProposeContext) -> None:
-        self._bound().clear(ctx.slot)
-
-    def finish(self, ctx: ProposeContext) -> None:
-        self._bound().clear(ctx.slot)
-
-    def move(self, src: int, dst: int) -> None:
-        self._bound().move(src, dst)
-
-    def _bound(self):
-        if self.runner is None:
-            raise SpecDecodeError("the tree-draft proposer is not bound to an engine (SpeculativeEngine binds it)")
-        return self.runner
 
     @torch.inference_mode()
     def propose_row(self, ctx: ProposeContext, max_tokens: int) -> Draft:
