@@ -16,8 +16,8 @@ Two phases, each against a server started here as a subprocess on 127.0.0.1
    after warm-up, at the end, and its peak.
 2. **throughput**: greedy chat requests (default: Spec-Bench summarization articles,
    where prompt lookup has text to copy) at concurrency 1, 4 and 8, against a server
-   with speculation (``--draft``, adaptive gamma), with a fixed gamma, and without
-   speculation (``--draft none``); tokens/s = generated tokens / wall time of the
+   with speculation (``--draft``, draft-length ``--policy``, default the cost model), with a
+   fixed gamma, and without speculation (``--draft none``); tokens/s = generated tokens / wall time of the
    level, prefill included. Greedy decoding is lossless, so all three generate the
    same tokens.
 
@@ -55,7 +55,7 @@ HOST = "127.0.0.1"
 class ServerProcess:
     """``python -m specdecode.server`` on a free loopback port."""
 
-    def __init__(self, target: str, draft: str, gamma: int, batch: int, queue: int, adaptive: bool,
+    def __init__(self, target: str, draft: str, gamma: int, batch: int, queue: int, policy: str,
                  extra: list[str] | None = None) -> None:
         with socket.socket() as s:
             s.bind((HOST, 0))
@@ -63,8 +63,8 @@ class ServerProcess:
         self.args = [sys.executable, "-m", "specdecode.server", "--target", target, "--draft", draft,
                      "-k", str(gamma), "--max-batch-size", str(batch), "--max-queue", str(queue),
                      "--host", HOST, "--port", str(self.port), "--log-level", "warning",
-                     "--served-model-name", "model", "--adaptive" if adaptive else "--no-adaptive", *(extra or [])]
-        self.desc = f"draft={draft} gamma={gamma} adaptive={adaptive} batch={batch}"
+                     "--served-model-name", "model", "--policy", policy, *(extra or [])]
+        self.desc = f"draft={draft} gamma={gamma} policy={policy} batch={batch}"
         self.proc: subprocess.Popen | None = None
 
     @property
@@ -276,7 +276,8 @@ def throughput_jobs(n: int, prompts: list[str], max_tokens: int, ignore_eos: boo
 
 def phase_stress(args, chat, code) -> dict:
     jobs = stress_jobs(args.requests, chat, code, args.seed)
-    with ServerProcess(args.target, args.draft, args.gamma, args.max_batch_size, args.max_queue, True) as srv:
+    with ServerProcess(args.target, args.draft, args.gamma, args.max_batch_size, args.max_queue, args.policy,
+                       args.server_args) as srv:
         warm = [Job(j.endpoint, {**j.body, "max_tokens": 4}) for j in jobs[:4]]
         asyncio.run(run_jobs(srv.url, warm, 4, 300, 300))
         rss_start = srv.rss_mb()
@@ -332,14 +333,15 @@ def phase_throughput(args) -> list[dict]:
     from specdecode.data import load_prompts
 
     prompts = [p.turns[0][: args.throughput_chars] for p in load_prompts(args.throughput_prompts)]
-    configs = [("ngram, adaptive gamma", args.draft, True), (f"ngram, fixed gamma {args.gamma}", args.draft, False),
-               ("none (plain decoding)", "none", False)]
+    configs = [(f"{args.draft}, policy {args.policy}", args.draft, args.policy),
+               (f"{args.draft}, fixed gamma {args.gamma}", args.draft, "fixed"),
+               ("none (plain decoding)", "none", "fixed")]
     runs: dict[tuple[str, int], list[dict]] = {}
     with contextlib.ExitStack() as stack:
         servers = []
-        for name, draft, adaptive in configs:
+        for name, draft, policy in configs:
             srv = stack.enter_context(ServerProcess(args.target, draft, args.gamma, max(args.levels), args.max_queue,
-                                                    adaptive))
+                                                    policy, args.server_args))
             asyncio.run(run_jobs(srv.url, throughput_jobs(2, prompts[-2:], 8, False), 2, 300, 300))  # warm-up
             servers.append((name, srv))
         for rep in range(args.repeats):
@@ -404,8 +406,13 @@ def print_report(result: dict) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--target", default="smollm2-135m")
-    ap.add_argument("--draft", default="ngram")
+    ap.add_argument("--draft", default="ngram",
+                    help="--draft of the server: ngram, suffix, suffix:ngram, layer-skip, a draft model spec, ...")
     ap.add_argument("-k", "--gamma", type=int, default=5)
+    ap.add_argument("--policy", default="cost-model", choices=("fixed", "heuristic", "confidence", "cost-model"),
+                    help="draft-length policy of the speculative server (default %(default)s)")
+    ap.add_argument("--server-args", type=lambda s: s.split(), default=[],
+                    help="more flags for every server, as one string: --server-args='--weights int8 --tree-nodes 8'")
     ap.add_argument("--requests", type=int, default=500, help="stress requests (default %(default)s)")
     ap.add_argument("--concurrency", type=int, default=8, help="stress clients (default %(default)s)")
     ap.add_argument("--max-batch-size", type=int, default=8)

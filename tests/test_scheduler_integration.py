@@ -1,4 +1,5 @@
-"""Batch isolation on real weights: SmolLM2-135M-Instruct (float32), greedy, batched vs alone.
+"""Batch isolation on real weights: SmolLM2-135M-Instruct (float32), greedy, batched vs alone, through
+the scheduler over the one engine.
 
 A float32 model can flip a greedy near-tie between batch shapes (the batched
 forward sums in another order than the one-row forward). The test accepts a
@@ -10,10 +11,11 @@ from __future__ import annotations
 
 import pytest
 
-from specdecode.batch import BatchConfig, BatchEngine, BatchRequest
-from specdecode.cache import CachedModel
 from specdecode.data import load_prompts
+from specdecode.engine import EngineConfig, SpeculativeEngine
+from specdecode.kv import make_runner
 from specdecode.proposers import NgramProposer
+from specdecode.scheduler import BatchRequest, Scheduler
 from specdecode.types import SamplingParams
 
 NEAR_TIE = 1e-3
@@ -29,20 +31,19 @@ def smollm2():
 
 
 def _run(model, prompts, params, batch):
-    engine = BatchEngine(model, NgramProposer, BatchConfig(max_batch_size=batch, num_speculative_tokens=4,
-                                                           adaptive=False))
+    engine = SpeculativeEngine(model, NgramProposer(), EngineConfig(num_speculative_tokens=4, max_batch_size=batch))
+    scheduler = Scheduler(engine)
     outs = [[] for _ in prompts]
     for i, p in enumerate(prompts):
-        engine.submit(BatchRequest(p, params[i], lambda ev, i=i: outs[i].extend(ev.token_ids)))
-    while engine.step() is not None or engine.num_pending:
+        scheduler.submit(BatchRequest(p, params[i], lambda ev, i=i: outs[i].extend(ev.token_ids)))
+    while scheduler.step() is not None or scheduler.num_pending:
         pass
     return outs
 
 
 def _margin(model, prefix: list[int]) -> float:
-    runner = CachedModel(model)
-    runner.reset()
-    top2 = runner.forward(prefix, last_only=True)[-1].topk(2).values
+    runner = make_runner(model, "auto", 1)
+    top2 = runner.forward(slice(0, 1), [prefix], last_only=True)[0, -1].topk(2).values
     return float(top2[0] - top2[1])
 
 

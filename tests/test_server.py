@@ -1,8 +1,10 @@
 """The real server on loopback: official ``openai`` client, raw HTTP errors, batching, cancellation, metrics.
 
-The server runs in a thread (uvicorn on a free port) over the tiny random
-Llama with its character tokenizer and chat template (tests/conftest.py), cast
-to float64 so greedy outputs cannot flip between batch shapes.
+The server (the scheduler over the one engine) runs in a thread (uvicorn on a
+free port) over the tiny random Llama with its character tokenizer and chat
+template (tests/conftest.py), cast to float64 so greedy outputs cannot flip
+between batch shapes. Every drafter ``specdecode generate`` takes is served
+and checked against plain decoding.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from specdecode.engine import EngineConfig, SpeculativeEngine
 from specdecode.models import load_model
-from specdecode.server import build_state, create_app
+from specdecode.server import ServeOptions, build_state, create_app, load_state
 from specdecode.types import SamplingParams
 
 MODEL = "tiny"
@@ -75,24 +77,38 @@ class LiveServer:
         return out
 
 
-@pytest.fixture(scope="module")
-def tiny64(tiny_model_dir):
-    loaded = load_model(str(tiny_model_dir), progress=False)
+def _load64(path) -> object:
+    loaded = load_model(str(path), progress=False)
     loaded.model.to(torch.float64)
     return loaded
+
+
+@pytest.fixture(scope="module")
+def tiny64(tiny_model_dir):
+    return _load64(tiny_model_dir)
+
+
+@pytest.fixture(scope="module")
+def noisy_draft(tiny_model_dir):
+    """The target's weights with noise on the LM head: a draft that agrees often, not always."""
+    draft = _load64(tiny_model_dir)
+    gen = torch.Generator().manual_seed(0)
+    head = draft.model.lm_head.weight
+    head.add_(torch.randn(head.shape, generator=gen, dtype=head.dtype) * 0.6 * head.std())
+    return draft
 
 
 @contextlib.contextmanager
 def serving(loaded, **kw) -> Iterator[LiveServer]:
     kw.setdefault("model_name", MODEL)
-    kw.setdefault("adaptive", False)  # fixed gamma: seeded sampling is also batch-independent
+    kw.setdefault("policy", "fixed")  # fixed gamma: seeded sampling is also batch-independent
     with LiveServer(build_state(loaded, kw.pop("draft", "ngram"), **kw)) as live:
         yield live
 
 
 @pytest.fixture(scope="module")
 def live(tiny64):
-    with serving(tiny64, max_batch_size=4, max_queue=16, num_speculative_tokens=4) as server:
+    with serving(tiny64, max_batch_size=4, max_queue=64, num_speculative_tokens=4) as server:
         yield server
 
 
@@ -182,8 +198,7 @@ def test_seed_stop_n_and_logprobs(live, tiny64):
 
 def test_draft_model_server_is_lossless(tiny64, tiny_model_dir):
     """A draft model (here the target's own weights in a second copy) drafts for the batch in batched forwards."""
-    draft = load_model(str(tiny_model_dir), progress=False)
-    draft.model.to(torch.float64)
+    draft = _load64(tiny_model_dir)
     with serving(tiny64, draft=draft, max_batch_size=2, num_speculative_tokens=3) as server:
         out = server.client().completions.create(model=MODEL, prompt=PROMPT, max_tokens=30, temperature=0)
         prompt_ids = tiny64.tokenizer(PROMPT)["input_ids"]
@@ -191,6 +206,53 @@ def test_draft_model_server_is_lossless(tiny64, tiny_model_dir):
         spec = out.usage.speculative
         assert spec["acceptance_rate"] == 1.0 and spec["mean_accepted_length"] > 3  # draft == target
         assert httpx.get(f"{server.url}/v1/models").json()["data"][0]["draft"] == str(tiny_model_dir)
+
+
+#: Every drafter ``specdecode generate`` takes: (--draft, build_state options); "MODEL" = the noisy draft.
+DRAFTERS = {
+    "ngram": ("ngram", {}),
+    "suffix": ("suffix", {}),
+    "suffix:ngram": ("suffix:ngram", {}),
+    "layer-skip": ("layer-skip", {"skip_layers": "1"}),
+    "draft-model": ("MODEL", {}),
+    "tree-dynamic": ("MODEL", {"tree": "dynamic", "tree_nodes": 8}),
+}
+
+
+@pytest.mark.parametrize("kind", list(DRAFTERS))
+def test_each_drafter_serves_losslessly(tiny64, noisy_draft, kind):
+    """Each drafter through the app and the official client: greedy tokens equal plain decoding
+    (``SpeculativeEngine.generate``), streamed deltas concatenate to the non-streamed text, and
+    concurrent requests (batched together) give the same tokens as alone."""
+    draft, kw = DRAFTERS[kind]
+    if draft == "MODEL":
+        draft = noisy_draft
+    with serving(tiny64, draft=draft, max_batch_size=4, num_speculative_tokens=4, **kw) as server:
+        client = server.client()
+        prompts = [PROMPT, "and the dog and the cat and", "hello hello hello"]
+        outs = [client.completions.create(model=MODEL, prompt=p, max_tokens=40, temperature=0) for p in prompts]
+        for p, out in zip(prompts, outs):
+            ids = tiny64.tokenizer(p)["input_ids"]
+            assert out.choices[0].token_ids == _plain_greedy(tiny64, ids, 40), p
+            assert out.choices[0].text == tiny64.tokenizer.decode(out.choices[0].token_ids, skip_special_tokens=True)
+        assert sum(o.usage.speculative["drafted_tokens"] for o in outs) > 0
+        assert sum(o.usage.speculative["accepted_tokens"] for o in outs) > 0
+
+        chunks = list(client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=40, temperature=0,
+                                                stream=True))
+        assert "".join(c.choices[0].text for c in chunks) == outs[0].choices[0].text
+        assert [t for c in chunks for t in c.choices[0].token_ids] == outs[0].choices[0].token_ids
+
+        messages = [{"role": "user", "content": "the cat and the cat and the"}]
+        chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=30, temperature=0)
+        streamed = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=30, temperature=0,
+                                                  stream=True)
+        assert "".join(c.choices[0].delta.content or "" for c in streamed) == chat.choices[0].message.content
+
+        with ThreadPoolExecutor(3) as pool:  # decoded together
+            together = list(pool.map(lambda p: client.completions.create(model=MODEL, prompt=p, max_tokens=40,
+                                                                         temperature=0), prompts))
+        assert [o.choices[0].token_ids for o in together] == [o.choices[0].token_ids for o in outs]
 
 
 def test_several_prompts_and_choices_stream_per_index(live, tiny64):
@@ -218,13 +280,18 @@ def test_batch_isolation_through_the_server(live):
     alone = client.completions.create(**probe).choices[0].token_ids
     alone_sampled = client.completions.create(**sampled).choices[0].token_ids
     seen: list[int] = []
-    live.state.engine.on_step = _chain(live.state.engine.on_step, lambda s: seen.append(s.batch_size))
+    scheduler = live.state.scheduler
+    previous = scheduler.on_step
+    scheduler.on_step = _chain(previous, lambda s: seen.append(s.batch_size))
     others = [dict(model=MODEL, prompt=p, max_tokens=m, temperature=t, top_p=tp, seed=i)
               for i, (p, m, t, tp) in enumerate([("hello", 50, 1.2, 0.9), ("the the the", 30, 0.0, 1.0),
                                                  ("dog", 70, 0.5, 1.0)])]
-    with ThreadPoolExecutor(5) as pool:
-        futures = [pool.submit(client.completions.create, **kw) for kw in (probe, sampled, *others)]
-        results = [f.result() for f in futures]
+    try:
+        with ThreadPoolExecutor(5) as pool:
+            futures = [pool.submit(client.completions.create, **kw) for kw in (probe, sampled, *others)]
+            results = [f.result() for f in futures]
+    finally:
+        scheduler.on_step = previous
     assert max(seen) >= 3  # they really were decoded together
     assert results[0].choices[0].token_ids == alone
     assert results[1].choices[0].token_ids == alone_sampled  # fixed gamma: same random draws as alone
@@ -237,55 +304,166 @@ def _chain(first, second):
     return both
 
 
+def _cancelled(live, endpoint: str = "completions") -> float:
+    return live.metrics().get(f"specdecode_requests_total{{endpoint={endpoint},outcome=cancelled}}", 0.0)
+
+
 def test_client_disconnect_cancels_and_frees_the_cache(live):
-    engine = live.state.engine
-    before = live.metrics().get('specdecode_requests_total{endpoint=completions,outcome=cancelled}', 0.0)
+    scheduler, engine = live.state.scheduler, live.state.engine
+    before = _cancelled(live)
     body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 200, "temperature": 0, "stream": True, "ignore_eos": True}
-    slow = _slow_engine(engine, 0.02)
-    try:
+    with _slow_steps(scheduler, 0.02):
         with httpx.stream("POST", f"{live.url}/v1/completions", json=body, timeout=30) as resp:
             assert resp.status_code == 200
             lines = resp.iter_lines()
             got = [next(lines) for _ in range(4)]
             assert any(line.startswith("data: {") for line in got)
-            assert engine.num_active == 1 and engine.runner.cache.nbytes > 0
-        # the connection is closed here, mid-generation
-        _wait(lambda: engine.num_active == 0 and engine.runner.cache.nbytes == 0)
-    finally:
-        slow()
-    _wait(lambda: live.metrics().get('specdecode_requests_total{endpoint=completions,outcome=cancelled}', 0) > before)
+            assert scheduler.num_active == 1 and engine.runner.nbytes > 0
+        # the connection is closed here, mid-generation: dropped within a step or two
+        _wait(lambda: scheduler.num_active == 0 and engine.runner.nbytes == 0, timeout=2.0)
+    _wait(lambda: _cancelled(live) > before)
 
 
-def _slow_engine(engine, seconds: float):
-    """Make every engine step take at least ``seconds`` (so a client can leave mid-generation); returns undo."""
-    real = engine.step
+def test_non_streaming_disconnect_cancels_within_a_step(live):
+    scheduler = live.state.scheduler
+    before = _cancelled(live)
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 200, "temperature": 0, "ignore_eos": True}
+    with _slow_steps(scheduler, 0.02):
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(f"{live.url}/v1/completions", json=body, timeout=httpx.Timeout(5.0, read=0.3))
+        left = time.perf_counter()
+        _wait(lambda: scheduler.num_active == 0, timeout=2.0)
+        assert time.perf_counter() - left < 1.0
+    _wait(lambda: _cancelled(live) > before)
+
+
+def test_many_clients_disconnecting_leave_nothing_running(live):
+    """30 streaming and 10 non-streaming clients leave mid-generation (most while still queued)."""
+    scheduler, engine = live.state.scheduler, live.state.engine
+    before = {e: _cancelled(live, e) for e in ("completions", "chat_completions")}
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 200,
+            "temperature": 0.8, "ignore_eos": True, "stream": True}
+    plain = {"model": MODEL, "prompt": PROMPT, "max_tokens": 200, "temperature": 0, "ignore_eos": True}
+
+    def streaming(i):
+        seen = 0
+        try:
+            with httpx.stream("POST", f"{live.url}/v1/chat/completions", json={**chat, "seed": i},
+                              timeout=httpx.Timeout(10.0, read=1.0)) as resp:
+                for line in resp.iter_lines():
+                    seen += line.startswith("data: ")
+                    if seen >= 2 + i % 3:
+                        break
+        except httpx.ReadTimeout:
+            pass
+        return seen
+
+    def non_streaming(i):
+        with contextlib.suppress(httpx.ReadTimeout):
+            httpx.post(f"{live.url}/v1/completions", json=plain, timeout=httpx.Timeout(10.0, read=0.3 + 0.1 * i))
+
+    with _slow_steps(scheduler, 0.01):
+        with ThreadPoolExecutor(40) as pool:
+            futures = [pool.submit(streaming, i) for i in range(30)] + [pool.submit(non_streaming, i)
+                                                                        for i in range(10)]
+            seen = [f.result() for f in futures]
+        assert all(n >= 1 for n in seen[:30])  # every stream had started (the role chunk comes first)
+        _wait(lambda: scheduler.num_active == 0 and scheduler.num_pending == 0, timeout=10.0)
+    _wait(lambda: engine.runner.nbytes == 0)
+    _wait(lambda: _cancelled(live, "chat_completions") - before["chat_completions"] == 30
+          and _cancelled(live, "completions") - before["completions"] == 10)
+    ok = live.client().completions.create(model=MODEL, prompt="x", max_tokens=3)
+    assert ok.choices[0].finish_reason in ("length", "stop")
+
+
+def test_oversized_body_gets_413_while_another_stream_flows(live):
+    """413 from Content-Length and from a chunked upload; a big allowed body is parsed and tokenized off
+    the event loop; a running stream keeps its pace meanwhile."""
+    limit = live.state.config.max_request_bytes
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 150, "temperature": 0, "stream": True, "ignore_eos": True}
+    stamps: list[float] = []
+    started = threading.Event()
+
+    def stream():
+        with httpx.stream("POST", f"{live.url}/v1/completions", json=body, timeout=60) as resp:
+            for line in resp.iter_lines():
+                if line.startswith("data: {"):
+                    stamps.append(time.perf_counter())
+                    started.set()
+
+    with _slow_steps(live.state.scheduler, 0.01):
+        with ThreadPoolExecutor(1) as pool:
+            flowing = pool.submit(stream)
+            assert started.wait(30)
+            t0 = time.perf_counter()
+            huge = json.dumps({"model": MODEL, "prompt": "a" * (limit + 10)})
+            resp = httpx.post(f"{live.url}/v1/completions", content=huge, headers={"content-type": "application/json"})
+            assert resp.status_code == 413, resp.text
+            err = resp.json()["error"]
+            assert err["code"] == "request_too_large" and str(limit) in err["message"] and "max-request-bytes" in \
+                err["message"]
+
+            def chunks():  # no Content-Length: counted while reading
+                yield b'{"model": "tiny", "prompt": "'
+                for _ in range(limit // 65536 + 2):
+                    yield b"a" * 65536
+                yield b'"}'
+
+            resp = httpx.post(f"{live.url}/v1/completions", content=chunks(),
+                              headers={"content-type": "application/json"})
+            assert resp.status_code == 413 and resp.json()["error"]["code"] == "request_too_large"
+            # under the limit: parsed and tokenized in the thread pool (then too long for the context)
+            big = json.dumps({"model": MODEL, "prompt": "the cat and the dog " * (limit // 25)})
+            with ThreadPoolExecutor(3) as senders:
+                replies = list(senders.map(lambda _: httpx.post(
+                    f"{live.url}/v1/completions", content=big, headers={"content-type": "application/json"},
+                    timeout=60), range(3)))
+            assert [r.status_code for r in replies] == [400] * 3
+            assert all(r.json()["error"]["code"] == "context_length_exceeded" for r in replies)
+            t1 = time.perf_counter()
+            flowing.result(60)
+    during = [s for s in stamps if t0 <= s <= t1]
+    gaps = [b - a for a, b in zip(stamps, stamps[1:]) if t0 <= b <= t1 + 0.5]
+    assert len(during) >= 3 and max(gaps) < 0.3, (len(during), max(gaps, default=None))
+    assert len(stamps) >= 50  # the stream went on to its end
+    assert httpx.post(f"{live.url}/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2}).status_code \
+        == 200
+
+
+@contextlib.contextmanager
+def _slow_steps(scheduler, seconds: float):
+    """Make every scheduler step take at least ``seconds`` (so a client can leave mid-generation)."""
+    real = scheduler.step
 
     def slow():
         out = real()
         time.sleep(seconds)
         return out
 
-    engine.step = slow
-    return lambda: setattr(engine, "step", real)
+    scheduler.step = slow
+    try:
+        yield
+    finally:
+        scheduler.step = real
 
 
 def _wait(cond, timeout: float = 15.0) -> None:
     deadline = time.time() + timeout
     while not cond():
         assert time.time() < deadline, "condition not reached"
-        time.sleep(0.05)
+        time.sleep(0.02)
 
 
 def test_full_queue_answers_429_and_recovers(tiny64):
     with serving(tiny64, max_batch_size=1, max_queue=1) as server:
         gate = threading.Event()
-        engine = server.state.engine
-        real = engine.step
-        engine.step = lambda: (gate.wait(30), real())[1]
+        scheduler = server.state.scheduler
+        real = scheduler.step
+        scheduler.step = lambda: (gate.wait(30), real())[1]
         body = {"model": MODEL, "prompt": "hello", "max_tokens": 5, "temperature": 0}
         with ThreadPoolExecutor(2) as pool:
             waiting = [pool.submit(httpx.post, f"{server.url}/v1/completions", json=body, timeout=30) for _ in range(2)]
-            _wait(lambda: engine.num_pending == 2)
+            _wait(lambda: scheduler.num_pending == 2)
             rejected = httpx.post(f"{server.url}/v1/completions", json=body)
             gate.set()
             assert [f.result().status_code for f in waiting] == [200, 200]
@@ -391,7 +569,7 @@ def test_metrics_parse_and_move(live):
 
     assert moved("specdecode_requests_total{endpoint=completions,outcome=ok}") == 1
     assert moved("specdecode_requests_total{endpoint=chat_completions,outcome=ok}") == 1
-    assert moved("specdecode_generation_tokens_total") >= 31
+    assert moved("specdecode_generation_tokens_total") >= 11
     assert moved("specdecode_prompt_tokens_total") > 0
     assert moved("specdecode_draft_tokens_total") > 0
     assert moved("specdecode_accepted_tokens_total") >= 0
@@ -402,6 +580,90 @@ def test_metrics_parse_and_move(live):
     assert moved("specdecode_batch_size_count") > 0
     for gauge in ("specdecode_queue_length", "specdecode_running_requests", "specdecode_kv_cache_bytes"):
         assert gauge in after
+
+
+def test_metrics_totals_equal_the_summed_usage(tiny64):
+    """Prompt, completion, drafted and accepted totals are the sums of the usage bodies served: n > 1,
+    several prompts, a stop string (its tail is not counted), streams with usage, chat."""
+    with serving(tiny64, max_batch_size=3, num_speculative_tokens=4) as server:
+        client = server.client()
+        usages = []
+        usages.append(client.completions.create(model=MODEL, prompt=["the cat", "and the dog and the"], n=2,
+                                                max_tokens=20, temperature=0.9, seed=1).usage)
+        full = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=40, temperature=0)
+        usages.append(full.usage)
+        stop = full.choices[0].text[6:8]
+        cut = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=40, temperature=0, stop=[stop])
+        assert cut.choices[0].finish_reason == "stop" and cut.usage.completion_tokens < full.usage.completion_tokens
+        usages.append(cut.usage)
+        for stream in (client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=30, temperature=0,
+                                                 stop=[stop], stream=True, stream_options={"include_usage": True}),
+                       client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                                      max_tokens=25, temperature=0, stream=True,
+                                                      stream_options={"include_usage": True})):
+            usages.append(list(stream)[-1].usage)
+        with ThreadPoolExecutor(4) as pool:  # batched together
+            usages += [r.usage for r in pool.map(lambda i: client.completions.create(
+                model=MODEL, prompt=PROMPT[i:], max_tokens=15 + i, temperature=0.5 * (i % 2), seed=i), range(4))]
+        m = server.metrics()
+    assert m["specdecode_prompt_tokens_total"] == sum(u.prompt_tokens for u in usages)
+    assert m["specdecode_generation_tokens_total"] == sum(u.completion_tokens for u in usages)
+    assert m["specdecode_draft_tokens_total"] == sum(u.speculative["drafted_tokens"] for u in usages)
+    assert m["specdecode_accepted_tokens_total"] == sum(u.speculative["accepted_tokens"] for u in usages)
+    assert m["specdecode_draft_tokens_total"] > 0
+    assert m["specdecode_requests_total{endpoint=completions,outcome=ok}"] == len(usages) - 1
+
+
+# --------------------------------------------------------------------------- building the server
+
+
+@pytest.mark.parametrize("draft,extra", [
+    ("suffix:ngram", {}),
+    ("suffix:TARGET", {"tree_nodes": 8}),
+    ("TARGET", {"tree": "dynamic", "tree_nodes": 8, "draft_weights": "int8"}),
+    ("layer-skip", {"skip_layers": "1", "policy": "heuristic"}),
+    ("ngram", {"weights": "int8", "policy": "confidence"}),
+    ("none", {"forward": "hf"}),
+])
+def test_load_state_builds_every_drafter(tiny_model_dir, draft, extra):
+    """``load_state`` (what ``specdecode serve`` runs) builds each drafter and precision through the factory
+    path of ``specdecode generate``, and the app serves it."""
+    from fastapi.testclient import TestClient
+
+    spec = str(tiny_model_dir)
+    opts = ServeOptions(target=spec, draft=draft.replace("TARGET", spec), served_model_name=MODEL,
+                        max_batch_size=2, **extra)
+    state = load_state(opts, progress=False)
+    engine = state.engine
+    assert (engine.proposer is None) == (draft == "none")
+    assert engine.trees == (draft.startswith("suffix") or "tree" in extra)
+    assert engine.max_batch_size == 2
+    if "forward" in extra:
+        assert type(engine.runner).__name__ == "HFRunner"
+    with TestClient(create_app(state)) as client:
+        out = client.post("/v1/completions", json={"model": MODEL, "prompt": PROMPT, "max_tokens": 12,
+                                                   "temperature": 0})
+        assert out.status_code == 200, out.text
+        assert len(out.json()["choices"][0]["token_ids"]) <= 12
+        assert client.get("/health").json()["policy"] == ("none" if draft == "none" else opts.policy)
+
+
+def test_adaptive_flags_map_to_policies():
+    import argparse
+
+    from specdecode.server.launch import add_serve_arguments, options_from_args
+
+    parser = argparse.ArgumentParser()
+    add_serve_arguments(parser)
+    assert options_from_args(parser.parse_args([])).policy == "cost-model"
+    assert options_from_args(parser.parse_args(["--no-adaptive"])).policy == "fixed"
+    assert options_from_args(parser.parse_args(["--policy", "heuristic"])).policy == "heuristic"
+    assert options_from_args(parser.parse_args(["--policy", "fixed", "--adaptive"])).policy == "cost-model"
+    args = parser.parse_args(["--draft", "suffix:ngram", "--tree-nodes", "12", "--weights", "int8",
+                              "--forward", "owned", "--max-request-bytes", "4096"])
+    opts = options_from_args(args)
+    assert (opts.draft, opts.tree_nodes, opts.weights, opts.forward, opts.max_request_bytes) == \
+        ("suffix:ngram", 12, "int8", "owned", 4096)
 
 
 # --------------------------------------------------------------------------- command line
@@ -436,9 +698,21 @@ def test_specdecode_serve_command_serves(tiny_model_dir):
         proc.wait(20)
 
 
-def test_serve_rejects_bad_flags_before_loading():
+@pytest.mark.parametrize("flags", [
+    ["--num-speculative-tokens", "0"],
+    ["--ngram-min", "3", "--ngram-max", "1"],
+    ["--draft", "ngram", "--tree", "dynamic"],  # trees need a draft model
+    ["--tree-nodes", "0", "--draft", "suffix"],
+    ["--draft", "layer-skip", "--skip-layers", "x,y"],
+    ["--draft", "layer-skip", "--forward", "hf"],
+    ["--max-batch-size", "0"],
+    ["--max-request-bytes", "10"],
+    ["--policy", "nope"],
+    ["--weights", "int4"],
+])
+def test_serve_rejects_bad_flags_before_loading(flags, monkeypatch):
     from specdecode.cli import main
+    from specdecode.server import launch
 
-    assert main(["serve", "--num-speculative-tokens", "0"]) == 2
-    assert main(["serve", "--ngram-min", "3", "--ngram-max", "1"]) == 2
-    assert main(["serve", "--draft", "suffix"]) == 2  # token trees: not in the batched engine yet
+    monkeypatch.setattr(launch, "load_model", lambda *a, **k: pytest.fail("loaded a model"))
+    assert main(["serve", "--target", "no-such-model-dir", *flags]) == 2

@@ -3,9 +3,10 @@
 - :mod:`specdecode.server.app`: the FastAPI app, routes, streaming, errors.
 - :mod:`specdecode.server.schemas`: pydantic wire schemas.
 - :mod:`specdecode.server.metrics`: Prometheus metrics.
-- :mod:`specdecode.server.launch`: load models, calibrate, run uvicorn; the CLI flags.
+- :mod:`specdecode.server.launch`: load models, build the engine and its scheduler, run uvicorn; the CLI flags.
 
-The batched engine itself is :mod:`specdecode.batch`.
+The engine is :mod:`specdecode.engine` (one, batched); the queue, admission and the
+background thread are :mod:`specdecode.scheduler`.
 """
 
 from specdecode.server.app import ServerConfig, ServingState, create_app

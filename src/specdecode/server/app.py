@@ -1,13 +1,16 @@
-"""The OpenAI-compatible HTTP API over a :class:`~specdecode.batch.BatchEngine`.
+"""The OpenAI-compatible HTTP API over the one engine (:class:`~specdecode.engine.SpeculativeEngine`)
+and its :class:`~specdecode.scheduler.Scheduler`.
 
 Endpoints: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions``
 (both with ``stream: true`` as server-sent events), ``GET /health``, ``GET /metrics``.
 
-Threads: the engine loop runs in its own thread (one model forward at a time);
-the asyncio side encodes prompts, submits one engine request per choice and
+Threads: the scheduler runs the engine in its own thread (one model forward at a time);
+the asyncio side reads and parses bodies, encodes prompts (both in the thread pool, so a
+big body never stalls the event loop), submits one engine request per choice and
 receives that request's events through an ``asyncio.Queue`` fed with
-``loop.call_soon_threadsafe``. Text lives here (tokenize, detokenize, stop
-strings); the engine sees token ids only.
+``loop.call_soon_threadsafe``. Text lives here (tokenize, detokenize, stop strings);
+the engine sees token ids only. A client that leaves (streaming or not) has its
+requests cancelled at once; the scheduler drops them at its next step.
 
 Every error is an OpenAI-style body ``{"error": {"message", "type", "param", "code"}}``
 with a 4xx status (5xx only for the server's own failures), and the server keeps serving.
@@ -28,12 +31,15 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
+from starlette.concurrency import run_in_threadpool
+from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from specdecode import __version__
-from specdecode.batch import BatchEngine, BatchRequest, EngineStoppedError, QueueFullError, RowEvent
+from specdecode.engine import SpeculativeEngine
 from specdecode.generator import SpecDecoder, TextTracker
 from specdecode.models import LoadedModel
+from specdecode.scheduler import BatchRequest, EngineStoppedError, QueueFullError, RowEvent, Scheduler, StepStats
 from specdecode.server.metrics import CONTENT_TYPE_LATEST, ServerMetrics
 from specdecode.server.schemas import (
     ChatCompletionRequest,
@@ -43,8 +49,8 @@ from specdecode.server.schemas import (
 )
 from specdecode.types import SamplingParams, SpecDecodeError
 
-#: How often a non-streaming request checks whether its client went away (seconds).
-DISCONNECT_POLL_S = 0.5
+#: Largest request body by default (bytes); ``--max-request-bytes``.
+DEFAULT_MAX_REQUEST_BYTES = 1 << 20
 
 
 # --------------------------------------------------------------------------- errors
@@ -99,15 +105,48 @@ _FIELD_NAMES = set(CompletionRequest.model_fields) | set(ChatCompletionRequest.m
     "role", "content", "name", "type", "text", "include_usage"}
 
 
-async def _parse(request: Request, model_cls, state: ServingState):
-    """The request body as ``model_cls``, for the model this server serves (400 / 404 otherwise)."""
-    body = await request.body()
+def _too_large(size: int, limit: int, declared: bool) -> APIError:
+    what = f"declares {size} bytes" if declared else f"is over {limit} bytes"
+    return APIError(413, f"the request body {what}; this server takes at most {limit} bytes per request "
+                         f"(--max-request-bytes): send a shorter prompt", code="request_too_large",
+                    headers={"Connection": "close"})
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    """The request body, at most ``limit`` bytes: 413 from Content-Length before reading, or as soon as
+    the bytes read pass the limit (chunked uploads, or a Content-Length that lies)."""
+    declared = request.headers.get("content-length")
+    if declared is not None:
+        try:
+            size = int(declared)
+        except ValueError:
+            raise APIError(400, f"Content-Length must be an integer, got {declared[:40]!r}",
+                           code="invalid_request") from None
+        if size > limit:
+            raise _too_large(size, limit, declared=True)
+    chunks, total = [], 0
+    async for chunk in request.stream():
+        total += len(chunk)
+        if total > limit:
+            raise _too_large(total, limit, declared=False)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _validate(body: bytes, model_cls):
+    """Parse and validate ``body`` as ``model_cls`` (thread pool: a big body takes milliseconds)."""
     if not body.strip():
         raise APIError(400, "the request body is empty; send a JSON object", code="invalid_json")
     try:
-        parsed = model_cls.model_validate_json(body)
+        return model_cls.model_validate_json(body)
     except ValidationError as exc:
         raise _validation_error(exc) from None
+
+
+async def _parse(request: Request, model_cls, state: ServingState):
+    """The request body as ``model_cls``, for the model this server serves (400 / 404 / 413 otherwise)."""
+    body = await _read_body(request, state.config.max_request_bytes)
+    parsed = await run_in_threadpool(_validate, body, model_cls)
     _served(state, parsed.model)
     return parsed
 
@@ -121,39 +160,74 @@ class ServerConfig:
 
     Attributes:
         model_name: the id clients send as ``model`` (``GET /v1/models`` lists it).
-        draft: a description of the proposer (``ngram``, ``none`` or the draft model spec).
+        draft: a description of the proposer (``ngram``, ``none``, the draft model spec, ...).
         num_speculative_tokens: gamma (for /v1/models and the metric buckets).
+        policy: the draft-length policy's name ("none" without a proposer).
         api_key: when set, every endpoint but /health needs ``Authorization: Bearer <api_key>``.
         default_max_tokens: ``max_tokens`` of a chat request that does not say (capped by the context);
             completions default to 16 like OpenAI's.
+        max_request_bytes: largest request body; larger ones get HTTP 413.
     """
 
     model_name: str
     draft: str = "none"
     num_speculative_tokens: int = 5
+    policy: str = "fixed"
     api_key: str | None = None
     default_max_tokens: int = 256
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
 
 
 class ServingState:
-    """The engine, the target's tokenizer and the metrics, shared by the routes."""
+    """The scheduler (and its engine), the target's tokenizer and the metrics, shared by the routes.
 
-    def __init__(self, engine: BatchEngine, target: LoadedModel, config: ServerConfig,
+    Attributes:
+        scheduler: the Scheduler the routes submit to; engine: its SpeculativeEngine.
+    """
+
+    def __init__(self, scheduler: Scheduler, target: LoadedModel, config: ServerConfig,
                  metrics: ServerMetrics | None = None) -> None:
-        self.engine = engine
+        self.scheduler = scheduler
+        self.engine: SpeculativeEngine = scheduler.engine
         self.target = target
         self.config = config
         self.text = SpecDecoder(target, None)  # encode / encode_chat / decode, no engine use
-        self.metrics = metrics or ServerMetrics(config.num_speculative_tokens)
+        policy = self.engine.policy if self.engine.proposer is not None else None
+        max_gamma = max(config.num_speculative_tokens, getattr(policy, "max_tokens", 0) or 0)
+        self.metrics = metrics or ServerMetrics(max_gamma)
         self.created = int(time.time())
-        previous = engine.on_step
+        self.last_gamma = 0
+        previous = scheduler.on_step
 
-        def on_step(stats):
-            self.metrics.observe_step(stats, engine.runner.cache.nbytes)
+        def on_step(stats: StepStats) -> None:  # scheduler thread
+            self.last_gamma = stats.gamma
+            self.metrics.observe_step(stats, self.kv_cache_bytes())
             if previous is not None:
                 previous(stats)
 
-        engine.on_step = on_step
+        scheduler.on_step = on_step
+
+    def kv_cache_bytes(self) -> int:
+        """Bytes held by the target's KV cache and the drafters' own caches (a suffix fallback's included)."""
+        total = self.engine.runner.nbytes
+        proposer = self.engine.proposer
+        while proposer is not None:
+            runner = getattr(proposer, "runner", None)
+            total += runner.nbytes if runner is not None else 0
+            proposer = getattr(proposer, "fallback", None)
+        return total
+
+    def stats(self) -> dict:
+        """Rows running, requests waiting, KV cache bytes, the last step's gamma, the policy's acceptance
+        estimate. (Not ``Scheduler.stats``: that asks the policy for a draft length, which moves its state.)"""
+        policy = self.engine.policy
+        estimate = None
+        if self.engine.proposer is not None and hasattr(policy, "acceptance"):
+            rates = policy.acceptance()
+            estimate = rates[0] if rates else None
+        return {"active": self.scheduler.num_active, "pending": self.scheduler.num_pending,
+                "kv_cache_bytes": self.kv_cache_bytes(), "gamma": self.last_gamma, "policy": self.config.policy,
+                "acceptance_estimate": estimate}
 
 
 # --------------------------------------------------------------------------- one request's choices
@@ -161,7 +235,7 @@ class ServingState:
 
 @dataclass
 class _Snapshot:
-    """Counters of an engine request, copied on the engine thread when an event is emitted."""
+    """Counters of an engine request, copied on the scheduler thread when an event is emitted."""
 
     drafted: int = 0
     accepted: int = 0
@@ -239,8 +313,20 @@ def _snapshot(ev: RowEvent) -> _Snapshot:
                      m.num_target_forwards)
 
 
+class _ClientGone(Exception):
+    """The client of a non-streaming request disconnected."""
+
+
+#: Queued in a job's event queue when its client disconnects.
+_GONE = object()
+
+
 class _Job:
-    """The engine requests of one HTTP request (prompts x n choices) and their event queue."""
+    """The engine requests of one HTTP request (prompts x n choices) and their event queue.
+
+    :meth:`close` ends its accounting once: the outcome counter, and the token counters from
+    :meth:`usage`, so /metrics totals are the sums of the usage the requests report.
+    """
 
     def __init__(self, state: ServingState, endpoint: str, choices: list[_Choice], n: int = 1) -> None:
         self.state = state
@@ -251,69 +337,74 @@ class _Job:
         self.arrived = time.perf_counter()
         self._last: dict[int, float] = {}
         self.first_token_at: float | None = None
+        self.closed = False
 
     def submit(self) -> None:
         loop = asyncio.get_running_loop()
-        engine = self.state.engine
+        scheduler = self.state.scheduler
         for choice in self.choices:
-            def on_event(ev: RowEvent, i=choice.index) -> None:  # engine thread
+            def on_event(ev: RowEvent, i=choice.index) -> None:  # scheduler thread
                 loop.call_soon_threadsafe(self.queue.put_nowait, (i, ev, _snapshot(ev)))
 
             req = BatchRequest(choice.prompt_ids, choice.params, on_event, logprobs=choice.logprobs_n)
             try:
-                engine.submit(req)
+                scheduler.submit(req)
             except (QueueFullError, EngineStoppedError) as exc:
                 self.cancel()
+                self.closed = True  # refused: nothing was served
                 self.state.metrics.requests.labels(self.endpoint, "queue_full").inc()
                 if isinstance(exc, QueueFullError):
                     raise APIError(429, str(exc), type="rate_limit_error", code="queue_full",
                                    headers={"Retry-After": "1"}) from None
                 raise APIError(503, str(exc), type="server_error", code="shutting_down") from None
+            except SpecDecodeError as exc:  # the prompt checks of the engine (already made here; kept as a guard)
+                self.cancel()
+                raise APIError(400, str(exc), param="prompt", code="invalid_value") from None
             choice.request = req
-        self.state.metrics.prompt_tokens.inc(sum(len(c.prompt_ids) for c in self.choices))
 
     def cancel(self) -> None:
         """Stop every unfinished choice (client gone, stop string, error)."""
         for c in self.choices:
-            if c.request is not None and not c.request.cancelled:
-                self.state.engine.cancel(c.request)
+            if c.request is not None and not c.request.cancelled and not c.done:
+                self.state.scheduler.cancel(c.request)
+
+    def client_gone(self) -> None:
+        """The client disconnected: cancel now, and wake :meth:`events`."""
+        self.cancel()
+        self.queue.put_nowait(_GONE)
 
     @property
     def done(self) -> bool:
         return all(c.done for c in self.choices)
 
-    async def events(self, request: Request | None = None) -> AsyncIterator[tuple[_Choice, str, list[int], int]]:
+    async def events(self) -> AsyncIterator[tuple[_Choice, str, list[int], int]]:
         """Yield (choice, new text, ids, first id index) until every choice has finished.
 
-        With ``request`` (non-streaming), checks every DISCONNECT_POLL_S whether the client left,
-        and then cancels and stops.
+        Raises:
+            _ClientGone: :meth:`client_gone` was called.
         """
         while not self.done:
-            try:
-                if request is None:
-                    i, ev, snap = await self.queue.get()
-                else:
-                    i, ev, snap = await asyncio.wait_for(self.queue.get(), DISCONNECT_POLL_S)
-            except TimeoutError:
-                if await request.is_disconnected():
-                    raise _ClientGone from None
-                continue
+            item = await self.queue.get()
+            if item is _GONE:
+                raise _ClientGone
+            i, ev, snap = item
             choice = self.choices[i]
             if choice.done:
-                continue  # events after a stop string (before the engine saw the cancel)
+                continue  # events after a stop string (before the scheduler saw the cancel)
             choice.snapshot = snap
             self._observe(choice, ev)
             piece, ids, start = choice.feed(ev)
             if choice.done and choice.finish_reason == "stop" and not ev.finished and choice.request is not None:
-                self.state.engine.cancel(choice.request)  # a stop string ended it
+                self.state.scheduler.cancel(choice.request)  # a stop string ended it
             yield choice, piece, ids, start
 
     def _observe(self, choice: _Choice, ev: RowEvent) -> None:
+        """Latency histograms and acceptance by position, per engine event."""
         m = self.state.metrics
         now = time.perf_counter()
         n = len(ev.token_ids)
-        is_step = choice.events > 0 and (n > 0 or ev.num_drafted > 0)
-        m.observe_tokens(n, ev.num_drafted, ev.num_accepted, is_step)
+        if choice.events > 0 and ev.num_drafted > 0:  # a decoding step (event 0 is the prefill)
+            m.observe_positions(ev.num_drafted, ev.num_accepted)
         if n:
             last = self._last.get(choice.index)
             if last is None:
@@ -325,9 +416,16 @@ class _Job:
                     m.itl.observe((now - last) / n)
             self._last[choice.index] = now
 
-    def finish_metrics(self, outcome: str) -> None:
+    def close(self, outcome: str) -> None:
+        """Count the request once: its outcome, and what it committed (the figures of :meth:`usage`;
+        a cancelled or failed request adds what it had committed)."""
+        if self.closed:
+            return
+        self.closed = True
+        self.cancel()
         m = self.state.metrics
         m.requests.labels(self.endpoint, outcome).inc()
+        m.observe_usage(self.usage(), sum(c.snapshot.verify_steps for c in self.choices))
         if outcome == "ok":
             m.e2e.observe(time.perf_counter() - self.arrived)
             for c in self.choices:
@@ -367,18 +465,33 @@ def _served(state: ServingState, model: str) -> None:
                             f"(see GET /v1/models)", param="model", code="model_not_found")
 
 
-def _encode_prompt(state: ServingState, prompt: str | list[int], index: int) -> list[int]:
-    if isinstance(prompt, str):
-        try:
-            return state.text.encode(prompt)
-        except SpecDecodeError as exc:
-            raise APIError(400, str(exc), param="prompt") from None
+def _encode_prompts(state: ServingState, prompts: list[str | list[int]]) -> list[list[int]]:
+    """Text prompts through the tokenizer, id prompts checked against the vocabulary (thread pool)."""
+    out = []
     vocab = state.engine.vocab_size
-    bad = [t for t in prompt if not 0 <= t < vocab]
-    if bad:
-        raise APIError(400, f"prompt token ids must be in [0, {vocab}); got {bad[:5]}", param="prompt",
-                       code="invalid_value")
-    return list(prompt)
+    for prompt in prompts:
+        if isinstance(prompt, str):
+            try:
+                out.append(state.text.encode(prompt))
+            except SpecDecodeError as exc:
+                raise APIError(400, str(exc), param="prompt") from None
+            continue
+        bad = [t for t in prompt if not 0 <= t < vocab]
+        if bad:
+            raise APIError(400, f"prompt token ids must be in [0, {vocab}); got {bad[:5]}", param="prompt",
+                           code="invalid_value")
+        out.append(list(prompt))
+    return out
+
+
+def _encode_chat(state: ServingState, messages: list[dict]) -> list[int]:
+    """Chat messages through the chat template (thread pool)."""
+    try:
+        return state.text.encode_chat(messages)
+    except SpecDecodeError as exc:
+        raise APIError(400, str(exc), param="messages") from None
+    except Exception as exc:  # noqa: BLE001 - a chat template may refuse a message order
+        raise APIError(400, f"the chat template rejected the messages: {exc}", param="messages") from None
 
 
 def _params(state: ServingState, body, prompt_ids: list[int], max_new: int | None, default: int,
@@ -488,20 +601,41 @@ def _finish_reason(c: _Choice) -> str | None:
 # --------------------------------------------------------------------------- the app
 
 
+class _APIKeyMiddleware:
+    """Pure ASGI: every path but /health needs ``Authorization: Bearer <key>`` (401 otherwise)."""
+
+    def __init__(self, app, key: str) -> None:
+        self.app = app
+        self.key = key.encode()
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["path"] != "/health":
+            scheme, _, given = Headers(scope=scope).get("authorization", "").partition(" ")
+            if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), self.key):
+                response = APIError(401, "missing or wrong API key: send the header 'Authorization: Bearer <key>' "
+                                         "with the key the server was started with (--api-key)",
+                                    type="authentication_error", code="invalid_api_key").response()
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
 def create_app(state: ServingState) -> FastAPI:
-    """The FastAPI app; its lifespan starts and stops the engine thread."""
+    """The FastAPI app; its lifespan starts and stops the scheduler thread."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        state.engine.start()
+        state.scheduler.start()
         try:
             yield
         finally:
-            state.engine.close()
+            await run_in_threadpool(state.scheduler.close)
 
     app = FastAPI(title="specdecode", version=__version__, lifespan=lifespan,
                   description="OpenAI-compatible server with lossless speculative decoding")
     app.state.serving = state
+    if state.config.api_key:
+        app.add_middleware(_APIKeyMiddleware, key=state.config.api_key)
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError):
@@ -526,27 +660,15 @@ def create_app(state: ServingState) -> FastAPI:
     async def _internal(request: Request, exc: Exception):
         return APIError(500, f"internal error: {type(exc).__name__}: {exc}", type="server_error").response()
 
-    @app.middleware("http")
-    async def _auth(request: Request, call_next):
-        key = state.config.api_key
-        if key and request.url.path != "/health":
-            header = request.headers.get("authorization", "")
-            scheme, _, given = header.partition(" ")
-            if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), key.encode()):
-                return APIError(401, "missing or wrong API key: send the header 'Authorization: Bearer <key>' "
-                                     "with the key the server was started with (--api-key)",
-                                type="authentication_error", code="invalid_api_key").response()
-        return await call_next(request)
-
     @app.get("/health")
     async def health():
-        if not state.engine.alive:
-            return JSONResponse({"status": "engine stopped", **state.engine.stats()}, status_code=503)
-        return {"status": "ok", **state.engine.stats()}
+        if not state.scheduler.alive:
+            return JSONResponse({"status": "engine stopped", **state.stats()}, status_code=503)
+        return {"status": "ok", **state.stats()}
 
     @app.get("/metrics")
     async def metrics():
-        s = state.engine.stats()
+        s = state.stats()
         state.metrics.queue_length.set(s["pending"])
         state.metrics.running.set(s["active"])
         state.metrics.kv_cache_bytes.set(s["kv_cache_bytes"])
@@ -569,14 +691,15 @@ def create_app(state: ServingState) -> FastAPI:
         endpoint = "completions"
         with _counted_if_invalid(state, endpoint):
             body: CompletionRequest = await _parse(request, CompletionRequest, state)
-            prompts = [_encode_prompt(state, p, i) for i, p in enumerate(body.prompts())]
+            prompts = await run_in_threadpool(_encode_prompts, state, body.prompts())
             job = _job(state, endpoint, body, prompts, body.max_tokens, 16, body.logprobs)
             job.submit()
         base = _response_base(state, "cmpl", "text_completion")
         if body.stream:
-            return _sse(job, body, request, lambda c, piece, ids, start, fin: {
+            return _sse(job, body, lambda c, piece, ids, start, fin: {
                 **base, "choices": [{"index": c.index, "text": piece, "token_ids": ids,
-                                     "logprobs": _completion_logprobs(state, c, start, ids, len(c.tracker.shown) - len(piece)),
+                                     "logprobs": _completion_logprobs(state, c, start, ids,
+                                                                      len(c.tracker.shown) - len(piece)),
                                      "finish_reason": fin}]}, base, None)
         await _collect(job, request)
         choices = [{"index": c.index, "text": c.tracker.text, "token_ids": list(c.tracker.ids),
@@ -589,12 +712,7 @@ def create_app(state: ServingState) -> FastAPI:
         endpoint = "chat_completions"
         with _counted_if_invalid(state, endpoint):
             body: ChatCompletionRequest = await _parse(request, ChatCompletionRequest, state)
-            try:
-                ids = state.text.encode_chat(body.chat_messages())
-            except SpecDecodeError as exc:
-                raise APIError(400, str(exc), param="messages") from None
-            except Exception as exc:  # noqa: BLE001 - a chat template may refuse a message order
-                raise APIError(400, f"the chat template rejected the messages: {exc}", param="messages") from None
+            ids = await run_in_threadpool(_encode_chat, state, body.chat_messages())
             logprobs = (body.top_logprobs or 0) if body.logprobs else None
             job = _job(state, endpoint, body, [ids], body.max_new_tokens, state.config.default_max_tokens, logprobs)
             job.submit()
@@ -602,7 +720,7 @@ def create_app(state: ServingState) -> FastAPI:
         if body.stream:
             first = {**base, "choices": [{"index": c.index, "delta": {"role": "assistant", "content": ""},
                                           "logprobs": None, "finish_reason": None} for c in job.choices]}
-            return _sse(job, body, request, lambda c, piece, ids, start, fin: {
+            return _sse(job, body, lambda c, piece, ids, start, fin: {
                 **base, "choices": [{"index": c.index, "delta": {"content": piece} if piece or not fin else {},
                                      "token_ids": ids, "logprobs": _chat_logprobs(state, c, start, ids),
                                      "finish_reason": fin}]}, base, first)
@@ -616,55 +734,72 @@ def create_app(state: ServingState) -> FastAPI:
     return app
 
 
-class _ClientGone(Exception):
-    """The client of a non-streaming request disconnected."""
+async def _watch_disconnect(request: Request, job: _Job) -> None:
+    """Wait for the client to leave (the body is read, so the next ASGI message is the disconnect)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            job.client_gone()
+            return
 
 
 async def _collect(job: _Job, request: Request) -> None:
-    """Run a non-streaming job to the end; cancel it if the client leaves."""
+    """Run a non-streaming job to the end; cancel it as soon as the client leaves."""
+    watcher = asyncio.create_task(_watch_disconnect(request, job))
     try:
-        async for _ in job.events(request):
+        async for _ in job.events():
             pass
     except BaseException as exc:
-        job.cancel()
-        job.finish_metrics("cancelled")
+        job.close("cancelled")
         if isinstance(exc, _ClientGone):
             raise APIError(499, "the client closed the request", code="client_closed") from None
         raise
-    job.finish_metrics(job.outcome())
+    finally:
+        watcher.cancel()
+    job.close(job.outcome())
     errors = [c.error for c in job.choices if c.finish_reason == "error"]
     if errors:
         raise APIError(500, f"the engine failed: {errors[0]}", type="server_error", code="engine_error")
 
 
-def _sse(job: _Job, body, request: Request, chunk, base: dict, first: dict | None) -> StreamingResponse:
+class _JobStream(StreamingResponse):
+    """A StreamingResponse that cancels its job however the response ends: the client leaving before
+    the first chunk (when the body generator never started, so its own ``finally`` never runs), a
+    failed send, or a cancelled task."""
+
+    def __init__(self, job: _Job, content) -> None:
+        super().__init__(content, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self.job = job
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.job.close("cancelled")  # no-op when the stream finished and counted itself
+
+
+def _sse(job: _Job, body, chunk, base: dict, first: dict | None) -> StreamingResponse:
     """Server-sent events: one chunk per engine step per choice, then usage (if asked) and [DONE]."""
 
     async def stream():
-        outcome = "cancelled"
-        try:
-            if first is not None:
-                yield _event(first)
-            async for c, piece, ids, start in job.events():
-                if c.finish_reason == "error":
-                    err = {"message": f"the engine failed: {c.error}", "type": "server_error", "param": None,
-                           "code": "engine_error"}
-                    yield _event({"error": err})
-                    continue
-                fin = _finish_reason(c) if c.done else None
-                if piece or ids or fin:
-                    yield _event(chunk(c, piece, ids, start, fin))
-            if body.include_usage:
-                yield _event({**base, "choices": [], "usage": job.usage()})
-            yield "data: [DONE]\n\n"
-            outcome = job.outcome()
-        finally:
-            if outcome == "cancelled":
-                job.cancel()
-            job.finish_metrics(outcome)
+        if first is not None:
+            yield _event(first)
+        async for c, piece, ids, start in job.events():
+            if c.finish_reason == "error":
+                err = {"message": f"the engine failed: {c.error}", "type": "server_error", "param": None,
+                       "code": "engine_error"}
+                yield _event({"error": err})
+                continue
+            fin = _finish_reason(c) if c.done else None
+            if piece or ids or fin:
+                yield _event(chunk(c, piece, ids, start, fin))
+        job.close(job.outcome())  # before the last bytes: a client that reads [DONE] sees the metrics moved
+        if body.include_usage:
+            yield _event({**base, "choices": [], "usage": job.usage()})
+        yield "data: [DONE]\n\n"
 
-    return StreamingResponse(stream(), media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    return _JobStream(job, stream())
 
 
 def _event(obj: dict) -> str:

@@ -1,8 +1,16 @@
-"""Build and run the server: load the target (and draft), calibrate the cost model, start uvicorn.
+"""Build and run the server: load the target (and draft), build the one engine and its scheduler, start uvicorn.
 
 ``specdecode serve`` (cli.py) and ``python -m specdecode.server`` both land in
 :func:`run_from_args`; tests and scripts use :func:`build_state` with models
 they already hold.
+
+The drafter is built the way ``specdecode generate`` builds it, through
+``specdecode.proposers.factory`` (``parse_draft`` -> ``check_drafter`` ->
+``load_draft_model`` -> ``proposer_factory``): every drafter generate takes,
+the server takes. One proposer serves the whole batch (proposers are batched),
+so the factory is called once. The draft length comes from a
+``specdecode.policy`` policy; the cost model (the default) learns T_draft /
+T_verify and acceptance online, so there is no start-up calibration.
 """
 
 from __future__ import annotations
@@ -10,24 +18,33 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-import time
 from dataclasses import dataclass
 
 import torch
 
-from specdecode.batch import BatchConfig, BatchEngine, BatchRunner, calibrate_forward_cost
+from specdecode.engine import EngineConfig, SpeculativeEngine
+from specdecode.kernels import WEIGHT_PRECISIONS, set_weight_precision
+from specdecode.kv import FORWARD_BACKENDS
 from specdecode.models import LoadedModel, check_compatible, load_model
-from specdecode.proposers import NgramConfig
-from specdecode.proposers.factory import NO_DRAFT  # noqa: F401 - re-exported
-from specdecode.proposers.factory import DraftChoice, DrafterOptions, load_draft_model, parse_draft
-from specdecode.proposers.factory import proposer_factory as drafter_factory
-from specdecode.server.app import ServerConfig, ServingState, create_app
+from specdecode.policy import POLICIES, build_policy
+from specdecode.proposers.factory import (
+    DraftChoice,
+    DrafterOptions,
+    check_drafter,
+    load_draft_model,
+    parse_draft,
+    proposer_factory,
+)
+from specdecode.proposers.layer_skip import parse_skip_layers
+from specdecode.scheduler import Scheduler
+from specdecode.server.app import DEFAULT_MAX_REQUEST_BYTES, ServerConfig, ServingState, create_app
 from specdecode.types import SpecDecodeError
 
 logger = logging.getLogger("specdecode.server")
 
-#: Drafters of ``specdecode generate`` that draft token trees or draft on the target's own cache.
-CHAIN_ONLY_REFUSED = ("suffix", "layer-skip", "layerskip")
+#: Prompts a layer-skip server without --skip-layers searches its skip set on at start-up (when no set is
+#: cached for the model): chat questions, like a server's traffic.
+LAYER_SKIP_CALIBRATION = "mt-bench:3"
 
 
 @dataclass(frozen=True)
@@ -39,119 +56,185 @@ class ServeOptions:
     num_speculative_tokens: int = 5
     ngram_min: int = 1
     ngram_max: int = 3
+    skip_layers: str | None = None
+    tree: str = "none"
+    tree_nodes: int = 16
+    policy: str = "cost-model"
     dtype: str = "float32"
+    weights: str = "fp32"
+    draft_weights: str | None = None
+    forward: str = "auto"
     cache_dir: str | None = None
     host: str = "127.0.0.1"
     port: int = 8000
     max_batch_size: int = 8
     max_queue: int = 64
-    adaptive: bool = True
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     api_key: str | None = None
     served_model_name: str | None = None
     default_max_tokens: int = 256
-    kernel: str = "small-row"
     log_level: str = "info"
 
+    def drafter_options(self) -> DrafterOptions:
+        return DrafterOptions(ngram_min=self.ngram_min, ngram_max=self.ngram_max, tree=self.tree,
+                              tree_nodes=self.tree_nodes, skip_layers=parse_skip_layers(self.skip_layers),
+                              cache_dir=self.cache_dir)
 
-def proposer_factory(draft: str | LoadedModel | None, target: LoadedModel, ngram_min: int = 1, ngram_max: int = 3):
-    """A factory building one proposer per request: None (plain), n-gram, or a draft model (its own cache).
+
+def check_options(opts: ServeOptions) -> DraftChoice:
+    """Every check that needs no model, so a bad flag fails before a slow load.
+
+    Returns:
+        the parsed ``--draft``.
 
     Raises:
-        SpecDecodeError (bad n-gram sizes), IncompatibleTokenizerError.
+        SpecDecodeError: a value out of range, an unknown policy / precision / forward, a drafter
+            whose options do not fit it.
     """
-    options = DrafterOptions(ngram_min=ngram_min, ngram_max=ngram_max)
-    if isinstance(draft, LoadedModel):
-        if draft is not target:
-            check_compatible(target, draft)
-        return drafter_factory(DraftChoice(draft.name, "model"), options, target=target.model, draft=draft.model)
-    choice = parse_draft(draft)
-    if choice.kind == "none":
-        return None
-    _refuse_tree_drafters(choice.text)
-    if choice.kind == "ngram":
-        return drafter_factory(choice, options)
-    raise SpecDecodeError(f"unknown draft {draft!r}: use 'ngram', 'none' or a loaded draft model")
+    EngineConfig(num_speculative_tokens=opts.num_speculative_tokens, max_batch_size=opts.max_batch_size,
+                 forward=opts.forward)
+    build_policy(opts.policy, opts.num_speculative_tokens)
+    choice = parse_draft(opts.draft)
+    check_drafter(choice, opts.drafter_options())
+    for flag, precision in (("--weights", opts.weights), ("--draft-weights", opts.draft_weights or opts.weights)):
+        if precision not in WEIGHT_PRECISIONS:
+            raise SpecDecodeError(f"{flag}: unknown precision {precision!r}; choose one of {WEIGHT_PRECISIONS}")
+    if choice.kind == "layer-skip" and opts.forward == "hf":
+        raise SpecDecodeError("--draft layer-skip drafts through the project's own Llama / Qwen2 forward; "
+                              "use --forward auto or owned")
+    _check_server_limits(opts.max_queue, opts.max_request_bytes, opts.default_max_tokens)
+    return choice
 
 
-def _refuse_tree_drafters(kind: str) -> None:
-    if kind.strip().lower().partition(":")[0] in CHAIN_ONLY_REFUSED:
-        raise SpecDecodeError(f"--draft {kind!r} is not available in the server yet: its batched engine verifies "
-                              f"chain drafts; use 'ngram', 'none' or a draft model")
+def _check_server_limits(max_queue: int, max_request_bytes: int, default_max_tokens: int) -> None:
+    if not isinstance(max_queue, int) or max_queue < 0:
+        raise SpecDecodeError(f"--max-queue must be an integer >= 0, got {max_queue!r}")
+    if not isinstance(max_request_bytes, int) or max_request_bytes < 1024:
+        raise SpecDecodeError(f"--max-request-bytes must be an integer >= 1024, got {max_request_bytes!r}")
+    if not isinstance(default_max_tokens, int) or default_max_tokens < 1:
+        raise SpecDecodeError(f"--default-max-tokens must be an integer >= 1, got {default_max_tokens!r}")
 
 
 def build_state(
     target: LoadedModel,
     draft: str | LoadedModel | None = "ngram",
     *,
+    draft_model: LoadedModel | None = None,
     model_name: str | None = None,
     num_speculative_tokens: int = 5,
     max_batch_size: int = 8,
     max_queue: int = 64,
-    adaptive: bool = True,
-    calibrate: bool = True,
-    api_key: str | None = None,
-    default_max_tokens: int = 256,
+    policy: str = "cost-model",
+    forward: str = "auto",
     ngram_min: int = 1,
     ngram_max: int = 3,
+    skip_layers: str | list[int] | None = None,
+    tree: str | None = None,
+    tree_nodes: int = 16,
+    cache_dir: str | None = None,
+    api_key: str | None = None,
+    default_max_tokens: int = 256,
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
 ) -> ServingState:
-    """Engine + HTTP state over an already loaded target (and draft).
+    """The engine, its scheduler and the HTTP state over an already loaded target (and draft).
 
     Args:
-        target: the LoadedModel served.
-        draft: "ngram", "none" / None, or a draft LoadedModel sharing the target's tokenizer.
-        adaptive, calibrate: cost-model draft length; calibration times target forwards of
-            1 .. max_batch_size * (gamma + 1) tokens (a few seconds on a 135M model).
+        target: the LoadedModel served (its weights already in the precision they run in).
+        draft: a drafter choice as ``--draft`` takes it ("ngram", "suffix", "suffix:ngram",
+            "suffix:MODEL", "layer-skip", "none" / None, a draft-model spec), or a draft LoadedModel.
+        draft_model: the loaded model a draft-model (or ``suffix:MODEL``) choice names, e.g. from
+            ``proposers.factory.load_draft_model``; must share the target's tokenizer.
+        num_speculative_tokens: gamma of the fixed policy, the starting gamma of the others.
+        max_batch_size: rows decoded together (KV cache slots); max_queue: requests waiting for one.
+        policy: draft-length policy name (``specdecode.policy.build_policy``).
+        forward: target forward backend ("auto", "hf", "owned").
+        ngram_min, ngram_max, skip_layers, tree, tree_nodes, cache_dir: the drafter's settings
+            (``proposers.factory.DrafterOptions``).
+        api_key, default_max_tokens, max_request_bytes: see :class:`~specdecode.server.app.ServerConfig`.
+
+    Raises:
+        SpecDecodeError: bad settings, a draft-model choice without its loaded model;
+        IncompatibleTokenizerError: a draft whose tokenizer differs from the target's.
     """
-    config = BatchConfig(max_batch_size=max_batch_size, max_queue=max_queue,
-                         num_speculative_tokens=num_speculative_tokens, adaptive=adaptive,
-                         max_context=target.max_context)
-    draft_model = None
-    if isinstance(draft, LoadedModel):  # drafts for the whole batch in batched forwards
-        if draft is not target:
-            check_compatible(target, draft)
-        draft_model, factory = draft.model, None
+    _check_server_limits(max_queue, max_request_bytes, default_max_tokens)
+    if isinstance(draft, LoadedModel):
+        draft_model, choice = draft, DraftChoice(draft.name, "model")
     else:
-        factory = proposer_factory(draft, target, ngram_min, ngram_max)
-    forward_cost = draft_cost = None
-    if adaptive and calibrate and (factory is not None or draft_model is not None):
-        t0 = time.perf_counter()
-        runner = BatchRunner(target.model, 1, target.max_context)
-        forward_cost = calibrate_forward_cost(runner, max_batch_size * (num_speculative_tokens + 1))
-        if draft_model is not None:
-            draft_cost = calibrate_forward_cost(BatchRunner(draft_model, 1, draft.max_context), max_batch_size)
-        logger.info("cost model calibrated in %.1f s: %s", time.perf_counter() - t0,
-                    ", ".join(f"{n} tok {s * 1e3:.0f} ms" for n, s in forward_cost))
-    engine = BatchEngine(target.model, factory, config, draft_model=draft_model, forward_cost=forward_cost,
-                         draft_forward_cost=draft_cost)
-    draft_name = draft.name if isinstance(draft, LoadedModel) else (draft or "none")
-    server_config = ServerConfig(model_name=model_name or target.name, draft=draft_name,
-                                 num_speculative_tokens=num_speculative_tokens, api_key=api_key,
-                                 default_max_tokens=default_max_tokens)
-    return ServingState(engine, target, server_config)
+        choice = parse_draft(draft)
+    options = DrafterOptions(ngram_min=ngram_min, ngram_max=ngram_max, tree=tree, tree_nodes=tree_nodes,
+                             skip_layers=parse_skip_layers(skip_layers), cache_dir=cache_dir)
+    if choice.model_spec is not None and draft_model is None:
+        raise SpecDecodeError(f"--draft {choice.text!r} names a draft model: load it first (load_draft_model) and "
+                              f"pass it as draft_model")
+    if draft_model is not None and draft_model is not target:
+        check_compatible(target, draft_model)
+    factory = proposer_factory(choice, options, target=target.model,
+                               draft=None if draft_model is None else draft_model.model)
+    proposer = factory() if factory is not None else None  # batched: one proposer for the whole engine
+    draft_policy = build_policy(policy, num_speculative_tokens) if proposer is not None else None
+    config = EngineConfig(num_speculative_tokens=num_speculative_tokens, max_batch_size=max_batch_size,
+                          max_context=target.max_context, forward=forward)
+    engine = SpeculativeEngine(target.model, proposer, config, policy=draft_policy)
+    scheduler = Scheduler(engine, max_queue=max_queue)
+    server_config = ServerConfig(model_name=model_name or target.name, draft=_describe(choice, options),
+                                 num_speculative_tokens=num_speculative_tokens,
+                                 policy=policy if proposer is not None else "none", api_key=api_key,
+                                 default_max_tokens=default_max_tokens, max_request_bytes=max_request_bytes)
+    return ServingState(scheduler, target, server_config)
+
+
+def _describe(choice: DraftChoice, options: DrafterOptions) -> str:
+    """The drafter as /v1/models shows it: the --draft value, plus its tree / skip settings."""
+    text = choice.text or "none"
+    if options.tree not in (None, "none") and choice.model_spec is not None:
+        text += f" ({options.tree} trees of {options.tree_nodes} nodes)"
+    if choice.kind == "layer-skip" and options.skip_layers is not None:
+        text += f" (skip {','.join(map(str, options.skip_layers))})"
+    return text
 
 
 def load_state(opts: ServeOptions, progress: bool = True) -> ServingState:
-    """Load the models named in ``opts`` and build the serving state."""
-    if not 1 <= opts.num_speculative_tokens <= 64:
-        raise SpecDecodeError(f"--num-speculative-tokens must be in [1, 64], got {opts.num_speculative_tokens}")
-    NgramConfig(min_ngram=opts.ngram_min, max_ngram=opts.ngram_max)  # fail before slow loads
-    choice = parse_draft(opts.draft)
-    _refuse_tree_drafters(choice.text)
+    """Load the models named in ``opts`` (as ``specdecode generate`` does) and build the serving state."""
+    choice = check_options(opts)
     target = load_model(opts.target, dtype=opts.dtype, cache_dir=opts.cache_dir, progress=progress)
-    draft: str | LoadedModel = load_draft_model(choice, target, opts.target, dtype=opts.dtype,
-                                                cache_dir=opts.cache_dir, progress=progress) or choice.text
-    if opts.kernel == "small-row":
-        from specdecode.kernels import use_small_row_matmul
-
-        for loaded in {id(target): target, id(draft): draft}.values():
-            if isinstance(loaded, LoadedModel):
-                use_small_row_matmul(loaded.model)
-    return build_state(
-        target, draft, model_name=opts.served_model_name or opts.target,
+    set_weight_precision(target.model, opts.weights)
+    draft_model = load_draft_model(choice, target, opts.target, weights=opts.weights,
+                                   draft_weights=opts.draft_weights, dtype=opts.dtype, cache_dir=opts.cache_dir,
+                                   progress=progress)
+    state = build_state(
+        target, opts.draft, draft_model=draft_model, model_name=opts.served_model_name or opts.target,
         num_speculative_tokens=opts.num_speculative_tokens, max_batch_size=opts.max_batch_size,
-        max_queue=opts.max_queue, adaptive=opts.adaptive, api_key=opts.api_key,
-        default_max_tokens=opts.default_max_tokens, ngram_min=opts.ngram_min, ngram_max=opts.ngram_max,
+        max_queue=opts.max_queue, policy=opts.policy, forward=opts.forward, ngram_min=opts.ngram_min,
+        ngram_max=opts.ngram_max, skip_layers=opts.skip_layers, tree=opts.tree, tree_nodes=opts.tree_nodes,
+        cache_dir=opts.cache_dir, api_key=opts.api_key, default_max_tokens=opts.default_max_tokens,
+        max_request_bytes=opts.max_request_bytes,
     )
+    _choose_skip_layers(state)
+    return state
+
+
+def _choose_skip_layers(state: ServingState) -> None:
+    """``--draft layer-skip`` without ``--skip-layers``: the set cached for the model, else a search now, on
+    :data:`LAYER_SKIP_CALIBRATION` (otherwise the first long prompt would search while every request waits)."""
+    from specdecode.proposers import LayerSkipProposer
+
+    proposer = state.engine.proposer
+    if not isinstance(proposer, LayerSkipProposer) or proposer.config.skip_layers is not None:
+        return
+    try:
+        from specdecode.data import load_prompts
+
+        texts = [p.turns[0] for p in load_prompts(LAYER_SKIP_CALIBRATION)]
+        chat = state.text.has_chat_template
+        prompts = [state.text.encode(t, chat=chat) for t in texts]
+    except Exception as exc:  # noqa: BLE001 - no prompts: the proposer searches on the first long request
+        logger.warning("layer-skip: no calibration prompts (%s); the first request of %d+ tokens chooses the "
+                       "skip set", exc, 32)
+        return
+    logger.warning("layer-skip: choosing the layers to skip (cached per model; a first search takes a minute or two)")
+    r = proposer.calibrate(prompts)
+    logger.warning("layer-skip: skipping layers %s of %d (%s)", ",".join(map(str, r.skip_layers)), r.num_layers,
+                   "cached" if r.from_cache else f"searched in {r.seconds:.0f} s")
 
 
 def run(opts: ServeOptions) -> int:
@@ -164,7 +247,8 @@ def run(opts: ServeOptions) -> int:
     app = create_app(state)
     auth = "on" if opts.api_key else "off"
     print(f"specdecode: serving {state.config.model_name!r} (draft {state.config.draft}, gamma "
-          f"{opts.num_speculative_tokens}, batch {opts.max_batch_size}, queue {opts.max_queue}, api key {auth}) "
+          f"{opts.num_speculative_tokens}, policy {state.config.policy}, forward {type(state.engine.runner).__name__}, "
+          f"batch {opts.max_batch_size}, queue {opts.max_queue}, api key {auth}) "
           f"at http://{opts.host}:{opts.port}/v1", file=sys.stderr, flush=True)
     uvicorn.run(app, host=opts.host, port=opts.port, log_level=opts.log_level.lower())
     return 0
@@ -172,53 +256,85 @@ def run(opts: ServeOptions) -> int:
 
 # --------------------------------------------------------------------------- command line
 
+_DRAFT_HELP = ("'ngram' (prompt lookup, no model), 'none' (plain decoding), 'layer-skip' (self-speculation: the "
+               "target drafts with some decoder layers skipped), 'suffix' (suffix decoding, token trees, no model), "
+               "'suffix:ngram' or 'suffix:MODEL' (suffix decoding falling back to that drafter), or a draft model "
+               "spec sharing the target's tokenizer")
+
 
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
-    """The flags of ``specdecode serve`` (also ``python -m specdecode.server``)."""
-    models = p.add_argument_group("models")
-    models.add_argument("--target", default=ServeOptions.target, metavar="SPEC",
+    """The flags of ``specdecode serve`` (also ``python -m specdecode.server``); the drafter and precision
+    flags are those of ``specdecode generate``."""
+    d = ServeOptions
+    models = p.add_argument_group("models and drafting")
+    models.add_argument("--target", default=d.target, metavar="SPEC",
                         help="the model served; its output distribution is preserved (default: %(default)s)")
-    models.add_argument("--draft", default=ServeOptions.draft, metavar="SPEC",
-                        help="'ngram' (prompt lookup), 'none' (plain decoding) or a draft model spec sharing the "
-                             "target's tokenizer (default: %(default)s)")
-    models.add_argument("-k", "--num-speculative-tokens", type=int, default=5, metavar="N",
-                        help="gamma: most tokens drafted per request per step, 1..64 (default: %(default)s)")
-    models.add_argument("--ngram-min", type=int, default=1, metavar="N", help="default: %(default)s")
-    models.add_argument("--ngram-max", type=int, default=3, metavar="N", help="default: %(default)s")
-    models.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
-                        help="weight dtype (default: %(default)s)")
-    models.add_argument("--cache-dir", metavar="DIR", help="where converted GGUF models are cached")
+    models.add_argument("--draft", default=d.draft, metavar="SPEC", help=f"the proposer: {_DRAFT_HELP} "
+                                                                        "(default: %(default)s)")
+    models.add_argument("-k", "--num-speculative-tokens", type=int, default=d.num_speculative_tokens, metavar="N",
+                        help="gamma: tokens drafted per request per step with --policy fixed, the starting gamma "
+                             "of the others, 1..64 (default: %(default)s)")
+    models.add_argument("--ngram-min", type=int, default=d.ngram_min, metavar="N",
+                        help="shortest n-gram the ngram drafter matches (default: %(default)s)")
+    models.add_argument("--ngram-max", type=int, default=d.ngram_max, metavar="N",
+                        help="longest n-gram the ngram drafter matches (default: %(default)s)")
+    models.add_argument("--skip-layers", default=None, metavar="LIST",
+                        help="with --draft layer-skip: decoder layers to skip, e.g. 3,5,7 (default: the set cached "
+                             "for the model, else a search at start-up)")
+    models.add_argument("--tree", default=d.tree, choices=("none", "static", "dynamic"),
+                        help="token trees from the draft model, verified in one target pass: 'static' (top-k "
+                             "branching per depth) or 'dynamic' (EAGLE-2) (default: %(default)s = chains)")
+    models.add_argument("--tree-nodes", type=int, default=d.tree_nodes, metavar="N",
+                        help="node budget of --tree and of suffix decoding, 1..64 (default: %(default)s)")
+    models.add_argument("--policy", default=d.policy, choices=tuple(POLICIES),
+                        help="draft-length policy: fixed gamma (-k); heuristic; confidence; cost-model (gamma "
+                             "maximising tokens/s measured online per batch size, 0 = plain decoding when "
+                             "speculation loses) (default: %(default)s)")
+    models.add_argument("--adaptive", dest="policy", action="store_const", const="cost-model",
+                        help="the same as --policy cost-model")
+    models.add_argument("--no-adaptive", dest="policy", action="store_const", const="fixed",
+                        help="the same as --policy fixed")
+    models.add_argument("--dtype", default=d.dtype, choices=("float32", "bfloat16", "float16"),
+                        help="dtype the weights are loaded in (default: %(default)s)")
+    models.add_argument("--weights", default=d.weights, choices=WEIGHT_PRECISIONS,
+                        help="precision the target's weights execute in; plain decoding of the same target is what "
+                             "the output stays lossless to (default: %(default)s)")
+    models.add_argument("--draft-weights", default=None, choices=WEIGHT_PRECISIONS,
+                        help="precision of the draft model's weights (default: same as --weights); changes speed "
+                             "only, never the output distribution")
+    models.add_argument("--forward", default=d.forward, choices=FORWARD_BACKENDS,
+                        help="target forward: the project's own Llama / Qwen2 forward where supported (auto, "
+                             "owned) or Hugging Face's (hf) (default: %(default)s)")
+    models.add_argument("--cache-dir", metavar="DIR", help="where converted GGUF models (and layer-skip sets) are "
+                                                           "cached")
     models.add_argument("--served-model-name", metavar="NAME",
                         help="the model id clients send (default: the --target spec)")
     srv = p.add_argument_group("server")
-    srv.add_argument("--host", default="127.0.0.1",
+    srv.add_argument("--host", default=d.host,
                      help="address to bind (default: %(default)s, loopback only; 0.0.0.0 exposes it)")
-    srv.add_argument("--port", type=int, default=8000, help="default: %(default)s")
+    srv.add_argument("--port", type=int, default=d.port, help="default: %(default)s")
     srv.add_argument("--api-key", metavar="KEY",
                      help="require 'Authorization: Bearer KEY' on every endpoint but /health")
-    srv.add_argument("--max-batch-size", type=int, default=8, metavar="N",
-                     help="requests decoded together in one batched forward (default: %(default)s)")
-    srv.add_argument("--max-queue", type=int, default=64, metavar="N",
+    srv.add_argument("--max-batch-size", type=int, default=d.max_batch_size, metavar="N",
+                     help="requests decoded together in one batched forward, 1..256 (default: %(default)s)")
+    srv.add_argument("--max-queue", type=int, default=d.max_queue, metavar="N",
                      help="requests waiting for a batch slot; more get HTTP 429 (default: %(default)s)")
-    srv.add_argument("--adaptive", action=argparse.BooleanOptionalAction, default=True,
-                     help="choose the draft length per step from a cost model measured at start-up, shortening "
-                          "or switching off speculation when the batch is large (default: on)")
-    srv.add_argument("--default-max-tokens", type=int, default=256, metavar="N",
+    srv.add_argument("--max-request-bytes", type=int, default=d.max_request_bytes, metavar="N",
+                     help="largest request body; larger ones get HTTP 413 (default: %(default)s = 1 MiB)")
+    srv.add_argument("--default-max-tokens", type=int, default=d.default_max_tokens, metavar="N",
                      help="max_tokens of a chat request that gives none (default: %(default)s)")
-    srv.add_argument("--kernel", default="small-row", choices=("small-row", "default"),
-                     help="linear layers with at most 16 rows as W @ x.T (small-row: a batch of few rows or a short "
-                          "verification costs about one decoding step on CPUs where torch's few-row GEMM is slow), "
-                          "or torch's own F.linear (default) (default: %(default)s)")
-    srv.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    srv.add_argument("--log-level", default=d.log_level, choices=("debug", "info", "warning", "error"))
 
 
 def options_from_args(args: argparse.Namespace) -> ServeOptions:
     return ServeOptions(
         target=args.target, draft=args.draft, num_speculative_tokens=args.num_speculative_tokens,
-        ngram_min=args.ngram_min, ngram_max=args.ngram_max, dtype=args.dtype, cache_dir=args.cache_dir,
-        host=args.host, port=args.port, max_batch_size=args.max_batch_size, max_queue=args.max_queue,
-        adaptive=args.adaptive, api_key=args.api_key, served_model_name=args.served_model_name,
-        default_max_tokens=args.default_max_tokens, kernel=args.kernel, log_level=args.log_level,
+        ngram_min=args.ngram_min, ngram_max=args.ngram_max, skip_layers=args.skip_layers, tree=args.tree,
+        tree_nodes=args.tree_nodes, policy=args.policy, dtype=args.dtype, weights=args.weights,
+        draft_weights=args.draft_weights, forward=args.forward, cache_dir=args.cache_dir, host=args.host,
+        port=args.port, max_batch_size=args.max_batch_size, max_queue=args.max_queue,
+        max_request_bytes=args.max_request_bytes, api_key=args.api_key, served_model_name=args.served_model_name,
+        default_max_tokens=args.default_max_tokens, log_level=args.log_level,
     )
 
 

@@ -3,6 +3,11 @@
 Counters count work; rates (acceptance rate, acceptance by position, tokens/s)
 are derived in PromQL, e.g. ``rate(specdecode_accepted_tokens_total[1m]) /
 rate(specdecode_draft_tokens_total[1m])``.
+
+The token counters (prompt, generation, draft, accepted, verify steps) move once per
+request, when it ends, by the figures of its ``usage``: their totals are the sums of the
+usage the server reported (a cancelled or failed request adds what it had committed).
+Completion tokens are the committed tokens the client got (a stop string's tail excluded).
 """
 
 from __future__ import annotations
@@ -10,7 +15,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client import CONTENT_TYPE_LATEST  # noqa: F401 - re-exported for the app
 
-from specdecode.batch import StepStats
+from specdecode.scheduler import StepStats
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.5, 5.0, 10.0, 30.0)
 _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0, 20.0, 60.0)
@@ -28,12 +33,16 @@ class ServerMetrics:
         self.registry = r = registry or CollectorRegistry()
         self.requests = Counter("specdecode_requests", "Requests answered, by endpoint and outcome "
                                 "(ok, cancelled, error, invalid, queue_full)", ["endpoint", "outcome"], registry=r)
-        self.prompt_tokens = Counter("specdecode_prompt_tokens", "Prompt tokens prefilled", registry=r)
-        self.generation_tokens = Counter("specdecode_generation_tokens", "Tokens generated (committed)", registry=r)
-        self.drafted = Counter("specdecode_draft_tokens", "Draft tokens verified by the target", registry=r)
-        self.accepted = Counter("specdecode_accepted_tokens", "Draft tokens kept by verification", registry=r)
-        self.verify_steps = Counter("specdecode_verify_steps", "Target forwards after the prefill, per request "
-                                    "(tau = generation steps' tokens / this)", registry=r)
+        self.prompt_tokens = Counter("specdecode_prompt_tokens", "Prompt tokens of ended requests (usage."
+                                     "prompt_tokens: each prompt once)", registry=r)
+        self.generation_tokens = Counter("specdecode_generation_tokens", "Committed tokens of ended requests "
+                                         "(usage.completion_tokens)", registry=r)
+        self.drafted = Counter("specdecode_draft_tokens", "Draft tokens verified by the target, of ended requests "
+                               "(usage.speculative.drafted_tokens)", registry=r)
+        self.accepted = Counter("specdecode_accepted_tokens", "Draft tokens kept by verification, of ended requests "
+                                "(usage.speculative.accepted_tokens)", registry=r)
+        self.verify_steps = Counter("specdecode_verify_steps", "Target forwards after the prefill, per request, of "
+                                    "ended requests", registry=r)
         self.drafted_at = Counter("specdecode_draft_tokens_by_position", "Steps whose draft reached this position "
                                   "(0-based)", ["position"], registry=r)
         self.accepted_at = Counter("specdecode_accepted_tokens_by_position", "Steps that kept the draft token at "
@@ -70,20 +79,21 @@ class ServerMetrics:
         self.running.set(stats.batch_size)
         self.kv_cache_bytes.set(kv_cache_bytes)
 
-    def observe_tokens(self, num_tokens: int, drafted: int, accepted: int, is_step: bool) -> None:
-        """One engine event of a request: committed tokens and the draft figures of its step."""
-        self.generation_tokens.inc(num_tokens)
-        if not is_step:
-            return
-        self.verify_steps.inc()
-        if drafted:
-            self.drafted.inc(drafted)
-            self.accepted.inc(accepted)
-            self._grow(drafted)
-            for i in range(drafted):
-                self._positions_d[i].inc()
-            for i in range(accepted):
-                self._positions_a[i].inc()
+    def observe_positions(self, drafted: int, accepted: int) -> None:
+        """One decoding step of a request: how far its draft reached and how much of it was kept."""
+        self._grow(drafted)
+        for i in range(drafted):
+            self._positions_d[i].inc()
+        for i in range(accepted):
+            self._positions_a[i].inc()
+
+    def observe_usage(self, usage: dict, verify_steps: int) -> None:
+        """An ended request: the figures of its ``usage`` body (and its target forwards after the prefill)."""
+        self.prompt_tokens.inc(usage["prompt_tokens"])
+        self.generation_tokens.inc(usage["completion_tokens"])
+        self.drafted.inc(usage["speculative"]["drafted_tokens"])
+        self.accepted.inc(usage["speculative"]["accepted_tokens"])
+        self.verify_steps.inc(verify_steps)
 
     def _grow(self, n: int) -> None:
         while len(self._positions_d) < n:
