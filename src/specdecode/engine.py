@@ -136,6 +136,7 @@ class SpeculativeEngine:
             proposer.bind(self.runner, self.runner.num_slots)
         self.policy = policy or FixedPolicy(cfg.num_speculative_tokens)
         self.rows: list[Request] = []  # row i lives in cache slot i
+        self.last_gamma = 0  # the draft length the policy chose for the last step
         self.last_output: GenerationOutput | None = None
 
     @property
@@ -202,8 +203,8 @@ class SpeculativeEngine:
         """Free the KV cache buffers (no rows): memory goes back to the allocator."""
         if not self.rows:
             self.runner.release()
-            if self.proposer is not None and getattr(self.proposer, "runner", None) is not None:
-                self.proposer.runner.release()
+            if self.proposer is not None:
+                self.proposer.release()
 
     # The loop ------------------------------------------------------------------------
 
@@ -230,6 +231,7 @@ class SpeculativeEngine:
 
     def _propose(self, rows: list[Request]) -> list[Draft]:
         gamma = self.policy.next_length(len(rows)) if self.proposer is not None else 0
+        self.last_gamma = gamma
         caps = [max(0, min(gamma, row.remaining - 1)) for row in rows]
         if max(caps, default=0) <= 0:
             return [Draft.empty() for _ in rows]

@@ -117,7 +117,8 @@ class Scheduler:
             if self._closed:
                 raise EngineStoppedError("the engine is shutting down; no new requests are taken")
             free = self.engine.max_batch_size - len(self.engine.rows)
-            if len(self._pending) >= self.max_queue + max(0, free):
+            waiting = sum(not r.cancelled for r in self._pending)  # cancelled ones leave at the next step
+            if waiting >= self.max_queue + max(0, free):
                 raise QueueFullError(
                     f"the server is busy: {len(self.engine.rows)} requests running and {len(self._pending)} waiting "
                     f"(--max-queue {self.max_queue}); retry later")
@@ -203,7 +204,7 @@ class Scheduler:
             accepted += out.num_accepted
             committed += len(out.token_ids)
         self._maybe_release()
-        stats = StepStats(batch, max((o.num_drafted for _, o in outputs), default=0), time.perf_counter() - t0,
+        stats = StepStats(batch, self.engine.last_gamma, time.perf_counter() - t0,
                           committed, drafted, accepted, len(self._pending))
         if self.on_step is not None:
             self.on_step(stats)
@@ -264,17 +265,15 @@ class Scheduler:
     def stats(self) -> dict:
         """Rows running, requests waiting, bytes held by the KV caches, the policy's acceptance estimate."""
         engine = self.engine
-        draft_runner = getattr(engine.proposer, "runner", None)
-        policy = engine.policy
         estimate = None
-        if hasattr(policy, "acceptance"):
-            rates = policy.acceptance()
+        if hasattr(engine.policy, "acceptance"):  # read-only: never asks the policy for a length
+            rates = engine.policy.acceptance()
             estimate = rates[0] if rates else None
         return {
             "active": len(engine.rows),
-            "pending": len(self._pending),
-            "kv_cache_bytes": engine.runner.nbytes + (draft_runner.nbytes if draft_runner is not None else 0),
-            "gamma": policy.next_length(max(1, len(engine.rows))) if engine.proposer is not None else 0,
+            "pending": sum(not r.cancelled for r in self._pending),
+            "kv_cache_bytes": engine.runner.nbytes + (engine.proposer.nbytes if engine.proposer is not None else 0),
+            "gamma": engine.last_gamma,
             "acceptance_estimate": estimate,
         }
 

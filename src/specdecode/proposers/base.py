@@ -93,6 +93,14 @@ class Proposer:
     def move(self, src: int, dst: int) -> None:
         """The engine moved the row in slot ``src`` to slot ``dst`` (compaction)."""
 
+    def release(self) -> None:
+        """No rows left: free whatever memory the proposer holds (its own KV cache)."""
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the proposer's own KV cache holds (0 for model-free drafters)."""
+        return 0
+
 
 class RowProposer(Proposer):
     """A proposer whose work is per row: ``propose_row(ctx, k) -> Draft [1, N]``; rows loop here."""
@@ -128,6 +136,14 @@ class DraftModelSlots(Proposer):
 
     def move(self, src: int, dst: int) -> None:
         self._bound().move(src, dst)
+
+    def release(self) -> None:
+        if self.runner is not None:
+            self.runner.release()
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.runner is None else self.runner.nbytes
 
     def _bound(self):
         if self.runner is None:

@@ -366,6 +366,14 @@ class SuffixProposer(Proposer):
         if self.fallback is not None:
             self.fallback.move(src, dst)
 
+    def release(self) -> None:
+        if self.fallback is not None:
+            self.fallback.release()
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.fallback is None else self.fallback.nbytes
+
     # Proposing -------------------------------------------------------------------
 
     def propose(self, batch: Sequence[ProposeContext], max_tokens: Sequence[int]) -> list[Draft]:

@@ -196,11 +196,9 @@ class ServingState:
         max_gamma = max(config.num_speculative_tokens, getattr(policy, "max_tokens", 0) or 0)
         self.metrics = metrics or ServerMetrics(max_gamma)
         self.created = int(time.time())
-        self.last_gamma = 0
         previous = scheduler.on_step
 
         def on_step(stats: StepStats) -> None:  # scheduler thread
-            self.last_gamma = stats.gamma
             self.metrics.observe_step(stats, self.kv_cache_bytes())
             if previous is not None:
                 previous(stats)
@@ -209,25 +207,12 @@ class ServingState:
 
     def kv_cache_bytes(self) -> int:
         """Bytes held by the target's KV cache and the drafters' own caches (a suffix fallback's included)."""
-        total = self.engine.runner.nbytes
-        proposer = self.engine.proposer
-        while proposer is not None:
-            runner = getattr(proposer, "runner", None)
-            total += runner.nbytes if runner is not None else 0
-            proposer = getattr(proposer, "fallback", None)
-        return total
+        return self.scheduler.stats()["kv_cache_bytes"]
 
     def stats(self) -> dict:
-        """Rows running, requests waiting, KV cache bytes, the last step's gamma, the policy's acceptance
-        estimate. (Not ``Scheduler.stats``: that asks the policy for a draft length, which moves its state.)"""
-        policy = self.engine.policy
-        estimate = None
-        if self.engine.proposer is not None and hasattr(policy, "acceptance"):
-            rates = policy.acceptance()
-            estimate = rates[0] if rates else None
-        return {"active": self.scheduler.num_active, "pending": self.scheduler.num_pending,
-                "kv_cache_bytes": self.kv_cache_bytes(), "gamma": self.last_gamma, "policy": self.config.policy,
-                "acceptance_estimate": estimate}
+        """Rows running, requests waiting, KV cache bytes, the last step's gamma, the policy and its
+        acceptance estimate (read-only: nothing here moves the policy's state)."""
+        return {**self.scheduler.stats(), "policy": self.config.policy}
 
 
 # --------------------------------------------------------------------------- one request's choices
