@@ -227,7 +227,8 @@ def _add_serve(commands) -> None:
             "Serve --target over an OpenAI-compatible API on 127.0.0.1 (GET /v1/models, POST /v1/completions,\n"
             "POST /v1/chat/completions with stream: true, GET /health, GET /metrics for Prometheus).\n"
             "Concurrent requests are decoded together in one batched target forward per step, each with\n"
-            "its own sampling parameters and seed; the draft length follows a cost model measured at start."
+            "its own sampling parameters and seed, through the same engine as generate (every drafter and\n"
+            "precision); the draft length follows --policy (default: a cost model measured online per batch size)."
         ),
         epilog=(
             "examples:\n"
