@@ -33,7 +33,7 @@ import torch
 from specdecode.bench.env import cpu_model, git_commit
 from specdecode.data import load_prompts
 from specdecode.engine import EngineConfig, SpeculativeEngine
-from specdecode.fastforward import make_runner
+from specdecode.kv import make_runner
 from specdecode.kernels import use_small_row_matmul
 from specdecode.models import load_model
 from specdecode.proposers import DraftModelProposer, NgramProposer
@@ -147,7 +147,7 @@ def table(title: str, summary: dict[str, dict]) -> str:
 def verify_cost(model, context: list[int], sizes: list[int], reps: int = 3) -> dict:
     """Least seconds of one target forward of n new tokens: a causal chain vs a tree (ancestor mask),
     through the engine's default forward (``make_runner``: the owned forward for Llama / Qwen2)."""
-    runner = make_runner(model, "auto")
+    runner = make_runner(model, "auto").row(0)  # one slot, the single-sequence API
     runner.reset()
     runner.forward(context, last_only=True)
     out = {}

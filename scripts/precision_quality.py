@@ -18,7 +18,7 @@ import math
 import torch
 
 from specdecode.data import load_prompts
-from specdecode.fastforward import make_runner
+from specdecode.kv import make_runner
 from specdecode.kernels import set_weight_precision
 from specdecode.models import load_model
 
@@ -57,7 +57,7 @@ def main() -> None:
                                                         add_generation_prompt=True) if lm.tokenizer.chat_template \
                     else p.turns[0]
                 texts.append((p.category, lm.tokenizer(chat, add_special_tokens=False)["input_ids"][: args.max_tokens]))
-        runner = make_runner(lm.model)
+        runner = make_runner(lm.model).row(0)
         nll, n, agree = 0.0, 0, 0
         for i, (_, ids) in enumerate(texts):
             runner.reset()

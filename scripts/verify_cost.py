@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from specdecode.fastforward import make_runner
+from specdecode.kv import make_runner
 from specdecode.kernels import RowwiseInt8Linear, set_weight_precision
 from specdecode.models import load_model
 
@@ -96,7 +96,7 @@ def main() -> None:
         lm = load_model(args.target, dtype=DTYPE_OF[precision], progress=False)
         if precision == "int8":
             set_weight_precision(lm.model, "int8")
-        runner = make_runner(lm.model, args.backend)
+        runner = make_runner(lm.model, args.backend).row(0)
         times = measure(runner, context, ks, args.repeats)
         nbytes = step_bytes(lm.model)
         rows[precision] = {"times_s": times, "step_bytes": nbytes, "floor_s": nbytes / bw}

@@ -7,6 +7,7 @@ seconds without pretrained weights.
 
 from __future__ import annotations
 
+import os
 import string
 from pathlib import Path
 
@@ -95,8 +96,15 @@ def _shared_data_available() -> bool:
     return True
 
 
+#: Torch threads for the tests (``SPECDECODE_TEST_THREADS`` overrides). One: the tiny models gain nothing
+#: from a second thread, and two OpenMP threads on a busy 2-core machine can make a test 20x slower.
+TEST_THREADS = int(os.environ.get("SPECDECODE_TEST_THREADS", "1"))
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "shared_data: reads ../shared/data (Spec-Bench, GSM8K)")
+    os.environ.setdefault("OMP_NUM_THREADS", str(TEST_THREADS))  # subprocesses (the CLI tests) too
+    torch.set_num_threads(TEST_THREADS)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -10,19 +10,11 @@ import pytest
 import torch
 
 from specdecode.engine import EngineConfig, SpeculativeEngine
-from specdecode.proposers.base import ProposeContext
+from specdecode.proposers.base import ProposeContext, RowProposer
 from specdecode.proposers.suffix import GlobalSuffixTree, SuffixConfig, SuffixProposer, SuffixTrie, grow_tree
 from specdecode.tree import as_parent_list
 from specdecode.types import Draft, SamplingParams, SpecDecodeError
 from tiny import tiny_llama
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def _substring_counts(docs, depth):
@@ -121,18 +113,23 @@ def _ctx(tokens, num_prompt=None):
                           torch.Generator().manual_seed(0), 100)
 
 
+def _propose(prop, ctx, k) -> Draft:
+    """One row's draft through the batched contract."""
+    return prop.propose([ctx], [k])[0]
+
+
 def test_proposer_matches_the_prompt_and_adapts_to_match_length():
     prop = SuffixProposer(SuffixConfig(spec_factor=1.0, min_token_prob=0.0, use_global=False))
     text = [10, 11, 12, 13, 14, 15, 16, 17, 20, 21, 22, 23, 10, 11]
     ctx = _ctx(text)
     prop.start(ctx)
-    d = prop.propose(ctx, 8)
+    d = _propose(prop, ctx, 8)
     assert d.token_ids[0].tolist() == [12, 13]  # 2-token match -> 2-node budget
     ctx.token_ids.extend([12, 13, 14])
-    d = prop.propose(ctx, 8)
+    d = _propose(prop, ctx, 8)
     assert d.token_ids[0].tolist() == [15, 16, 17, 20, 21]  # 5-token match -> 5 nodes
-    assert prop.propose(ctx, 2).token_ids[0].tolist() == [15, 16]  # the engine's depth cap
-    assert prop.propose(_ctx([1, 2, 3]), 4).num_tokens == 0  # nothing matches
+    assert _propose(prop, ctx, 2).token_ids[0].tolist() == [15, 16]  # the engine's depth cap
+    assert _propose(prop, _ctx([1, 2, 3]), 4).num_tokens == 0  # nothing matches
 
 
 def test_global_tree_serves_a_repeated_request():
@@ -141,27 +138,35 @@ def test_global_tree_serves_a_repeated_request():
     first = _ctx([1, 2, 3], num_prompt=3)
     prop.start(first)
     first.token_ids.extend(answer)  # as if generated
-    second = _ctx([1, 2, 3], num_prompt=3)
-    prop.start(second)  # flushes the first output into the global tree
+    prop.finish(first)  # the request leaves: its output goes into the global tree
     assert prop.global_tree.num_documents == 1
+    prop.finish(first)  # once only
+    assert prop.global_tree.num_documents == 1
+    second = _ctx([1, 2, 3], num_prompt=3)
+    prop.start(second)
     second.token_ids.extend(answer[:3])
-    d = prop.propose(second, 8)
+    d = _propose(prop, second, 8)
     assert d.token_ids[0].tolist() == answer[3:]
 
 
-class _Fixed:
+class _Fixed(RowProposer):
     """A fallback that always proposes one token."""
 
     def __init__(self):
         self.started = self.observed = 0
+        self.asked = []
 
     def start(self, ctx):
         self.started += 1
 
-    def propose(self, ctx, k):
+    def propose(self, batch, max_tokens):
+        self.asked.append(list(max_tokens))
+        return super().propose(batch, max_tokens)
+
+    def propose_row(self, ctx, k):
         return Draft.chain(torch.tensor([[7]]))
 
-    def observe(self, ctx, result):
+    def observe(self, batch, results):
         self.observed += 1
 
 
@@ -171,11 +176,14 @@ def test_hybrid_falls_back_when_the_suffix_score_is_low():
     ctx = _ctx([5, 6, 7, 8, 5, 6])
     prop.start(ctx)
     assert fb.started == 1
-    assert prop.propose(ctx, 4).token_ids[0].tolist() == [7, 8, 5, 6]  # score 4 >= 1.5: the suffix tree
+    assert _propose(prop, ctx, 4).token_ids[0].tolist() == [7, 8, 5, 6]  # score 4 >= 1.5: the suffix tree
     low = _ctx([1, 2, 3])
     prop.start(low)
-    assert prop.propose(low, 4).token_ids[0].tolist() == [7]  # no match: the fallback
+    assert _propose(prop, low, 4).token_ids[0].tolist() == [7]  # no match: the fallback
     assert prop.stats.fallback_steps == 1 and prop.stats.suffix_steps == 1
+    drafts = prop.propose([ctx, low], [4, 3])  # one fallback call for the rows that need it, in slot order
+    assert [d.token_ids[0].tolist() for d in drafts] == [[7, 8, 5, 6], [7]]
+    assert fb.asked[-1] == [0, 3]
 
 
 def test_proposal_cost_is_small_on_a_long_prompt():
@@ -189,7 +197,7 @@ def test_proposal_cost_is_small_on_a_long_prompt():
     index_s = time.perf_counter() - t0
     t0 = time.perf_counter()
     for i in range(50):
-        d = prop.propose(ctx, 8)
+        d = _propose(prop, ctx, 8)
         ctx.token_ids.extend(d.token_ids[0, :3].tolist() or [1])
     per_step = (time.perf_counter() - t0) / 50
     assert d.num_tokens > 0

@@ -5,6 +5,9 @@ context-dependent target and draft distributions (a small vocabulary, every
 sequence enumerable), and compare the empirical distribution of generated
 sequences with the target's exact one by a chi-square test at fixed seeds.
 A negative control shows the same test rejects a verifier with a wrong residual.
+
+``verify_chains`` (the engine's verifier: greedy, sampled and lookup rows of a batch in one call) is
+simulated for 150,000 rows at once, which also makes its chi-square tests sharp.
 """
 
 from __future__ import annotations
@@ -187,3 +190,150 @@ def test_distribution_test_catches_broken_verifiers(broken):
     target, draft = _table(1, 1.5), _table(2, 1.5)
     counts = _simulate(target, draft, params, 3, samples=6000, seed=13, verifier=broken)
     assert _chi2_pvalue(counts, _exact(target, params)) < 1e-3
+
+
+# --- the engine's verifier: verify_chains, every row of a batch in one call ----------------------
+
+N4 = 4  # generated tokens per sample here: V**4 = 256 outcomes
+
+
+class _Tables:
+    """The synthetic target / draft tables as [prefixes, V] tensors indexed by a prefix code."""
+
+    def __init__(self, target, draft, params: SamplingParams, n: int) -> None:
+        self.offsets = [sum(V**m for m in range(length)) for length in range(n + 1)]
+        prefixes = [p for length in range(n) for p in itertools.product(range(V), repeat=length)]
+        self.logits = torch.stack([target[p] for p in prefixes])  # raw: greedy rows verify on these
+        self.p = logits_to_probs(self.logits, params)
+        self.q = logits_to_probs(torch.stack([draft[p] for p in prefixes]), params)
+
+    def code(self, seqs: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        """[B] prefix codes of each row's first ``lengths[i]`` tokens of ``seqs`` [B, T]."""
+        t = torch.arange(seqs.shape[1])
+        power = (lengths.unsqueeze(1) - 1 - t).clamp_min(0)
+        digits = torch.where(t < lengths.unsqueeze(1), seqs * V**power, 0)
+        return torch.tensor(self.offsets)[lengths] + digits.sum(1)
+
+
+def _simulate_chains(target, draft, params, gamma, kinds: torch.Tensor, seed: int, claimed_q=None) -> torch.Tensor:
+    """The speculative loop for every row at once through ``verify.verify_chains``.
+
+    ``kinds`` [B]: 0 = sampled draft with q, 1 = deterministic draft (q's argmax, one-hot), 2 = greedy row.
+    ``claimed_q``: a broken caller's q (a function of the true [b, V] q), handed to the verifier instead
+    of the one the tokens were drawn from.
+
+    Returns:
+        [B, N4] int64 generated sequences.
+    """
+    tables = _Tables(target, draft, params, N4)
+    g = torch.Generator().manual_seed(seed)
+    b = kinds.shape[0]
+    seqs = torch.zeros(b, N4 + gamma + 1, dtype=torch.int64)
+    lengths = torch.zeros(b, dtype=torch.int64)
+    greedy = kinds == 2
+    while bool((lengths < N4).any()):
+        rows = torch.nonzero(lengths < N4).squeeze(1)
+        n, seq, kind = lengths[rows], seqs[rows], kinds[rows]
+        k = (N4 - n - 1).clamp(max=gamma)  # as the engine: the bonus token lands inside N4
+        big_k = int(k.max())
+        ids = torch.full((len(rows), big_k), -1, dtype=torch.int64)
+        q = torch.zeros(len(rows), big_k, V)
+        p = torch.zeros(len(rows), big_k + 1, V)
+        for j in range(big_k + 1):
+            live = j <= k
+            codes = tables.code(seq, (n + j).clamp(max=N4 - 1))  # rows past their k_i: any valid prefix
+            p[:, j] = torch.where(greedy[rows].unsqueeze(1), tables.logits[codes], tables.p[codes]) * live.unsqueeze(1)
+            if j == big_k:
+                break
+            drafting = j < k
+            qj = tables.q[codes]
+            tok = torch.where(kind == 0, torch.multinomial(qj, 1, generator=g).squeeze(1), qj.argmax(-1))
+            tok = torch.where(drafting, tok, -1)
+            ids[:, j] = tok
+            seq[torch.arange(len(rows)), n + j] = tok.clamp_min(0)
+            used = qj if claimed_q is None else claimed_q(qj)
+            q[:, j] = torch.where((drafting & (kind == 0)).unsqueeze(1), used, 0.0)
+        uniforms = torch.rand(len(rows), big_k + 1, generator=g, dtype=torch.float64)
+        r = verify.verify_chains(ids, k, q, p, greedy[rows], uniforms)
+        new = r.new_token_ids  # [b, K+1], PAD after num_accepted + 1
+        cols = n.unsqueeze(1) + torch.arange(new.shape[1])
+        keep = new >= 0
+        seq[torch.arange(len(rows)).unsqueeze(1).expand_as(new)[keep], cols[keep]] = new[keep]
+        seqs[rows] = seq
+        lengths[rows] = n + r.num_accepted + 1
+    return seqs[:, :N4]
+
+
+def _exact_n(table, params: SamplingParams, n: int) -> np.ndarray:
+    probs = np.zeros(V**n)
+    for i, seq in enumerate(itertools.product(range(V), repeat=n)):
+        pr = 1.0
+        for t in range(n):
+            pr *= float(logits_to_probs(table[seq[:t]], params)[seq[t]])
+        probs[i] = pr
+    return probs
+
+
+def _counts(seqs: torch.Tensor) -> np.ndarray:
+    flat = np.ravel_multi_index(seqs.T.numpy(), (V,) * N4)
+    return np.bincount(flat, minlength=V**N4).astype(float)
+
+
+@pytest.mark.parametrize("name", ["t1", "topk2", "topp0.8"])
+@pytest.mark.parametrize("gamma", [1, 3])
+def test_verify_chains_matches_the_target_distribution_on_100k_rows(name, gamma):
+    """100,000 sampled rows with q, 50,000 with a deterministic draft and 1,000 greedy rows, all in the same
+    verify_chains calls: each sampled kind follows the target's exact 4-token joint (chi-square), and
+    every greedy row is the target's greedy sequence."""
+    params = PARAMS[name]
+    target, draft = _table(1, 1.5), _table(2, 1.5)
+    kinds = torch.cat([torch.zeros(100_000), torch.ones(50_000), torch.full((1_000,), 2)]).long()
+    kinds = kinds[torch.randperm(len(kinds), generator=torch.Generator().manual_seed(0))]  # interleaved rows
+    seqs = _simulate_chains(target, draft, params, gamma, kinds, seed=20 + gamma)
+    exact = _exact_n(target, params, N4)
+    assert _chi2_pvalue(_counts(seqs[kinds == 0]), exact) > 1e-3
+    assert _chi2_pvalue(_counts(seqs[kinds == 1]), exact) > 1e-3
+    greedy_seq = []
+    for _ in range(N4):
+        greedy_seq.append(int(target[tuple(greedy_seq)].argmax()))
+    assert (seqs[kinds == 2] == torch.tensor(greedy_seq)).all()
+
+
+CLAIMS = {
+    "uniform-q": lambda q: torch.full_like(q, 1.0 / V),
+    "sharpened-q": lambda q: q**2 / (q**2).sum(-1, keepdim=True),
+}
+
+
+@pytest.mark.parametrize("broken", list(CLAIMS))
+def test_verify_chains_distribution_test_catches_a_wrong_q(broken):
+    """Negative controls at the same size: the verifier told a q other than the one the tokens came from
+    (uniform, or sharpened) gives a detectably wrong joint. (A sampled token verified as a lookup's,
+    q one-hot, is *not* wrong: that rule is exact for any draft drawn independently of the verifier.)"""
+    params = PARAMS["t1"]
+    target, draft = _table(1, 1.5), _table(2, 1.5)
+    kinds = torch.zeros(100_000, dtype=torch.int64)
+    seqs = _simulate_chains(target, draft, params, 3, kinds, seed=7, claimed_q=CLAIMS[broken])
+    assert _chi2_pvalue(_counts(seqs), _exact_n(target, params, N4)) < 1e-3
+
+
+def test_verify_chains_consumes_k_plus_one_uniforms_per_row():
+    """A row's result depends on its own first k_i + 1 uniforms only (not on the batch around it)."""
+    g = torch.Generator().manual_seed(0)
+    b, k = 6, 4
+    p = torch.softmax(torch.randn(b, k + 1, V, generator=g), -1)
+    q = torch.softmax(torch.randn(b, k, V, generator=g), -1)
+    ids = torch.multinomial(q.reshape(-1, V), 1, generator=g).reshape(b, k)
+    counts = torch.tensor([0, 1, 2, 3, 4, 2])
+    ids = torch.where(torch.arange(k) < counts.unsqueeze(1), ids, -1)
+    greedy = torch.tensor([False, False, True, False, False, False])
+    u = torch.rand(b, k + 1, generator=g, dtype=torch.float64)
+    together = verify.verify_chains(ids, counts, q, p, greedy, u)
+    for i in range(b):
+        c = int(counts[i])
+        noisy = u[i : i + 1].clone()
+        noisy[0, c + 1 :] = 0.999  # uniforms past the row's k_i + 1 are never read
+        alone = verify.verify_chains(ids[i : i + 1, :c], counts[i : i + 1], q[i : i + 1, :c], p[i : i + 1, : c + 1],
+                                     greedy[i : i + 1], noisy[:, : c + 1])
+        assert alone.num_accepted.item() == together.num_accepted[i].item()
+        assert alone.new_token_ids[0].tolist() == together.new_token_ids[i, : c + 1].tolist()

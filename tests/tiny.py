@@ -31,37 +31,71 @@ def tiny_llama(vocab_size: int = 64, seed: int = 0, layers: int = 2, hidden: int
     return model
 
 
-def assert_cache_is_fresh_prefill(runner) -> None:
-    """Rollback contract: ``runner``'s cache equals a fresh prefill of its ``cached_ids`` (same backend)."""
-    fresh = type(runner)(runner.model)
-    fresh.reset()
-    fresh.forward(runner.cached_ids)
-    for (k1, v1), (k2, v2) in zip(runner.layer_tensors(), fresh.layer_tensors()):
-        assert k1.shape == k2.shape
-        torch.testing.assert_close(k1, k2)
-        torch.testing.assert_close(v1, v2)
+def fresh_prefill(runner, ids: list[int]):
+    """A one-slot runner of the same kind (owned / Hugging Face) and model, prefilled with ``ids``."""
+    fresh = type(runner)(runner.model, 1, runner.max_context)
+    if ids:
+        fresh.forward(slice(0, 1), [list(ids)])
+    return fresh
+
+
+def assert_cache_is_fresh_prefill(runner, slot: int = 0, atol: float = 1e-10) -> None:
+    """Rollback contract (DESIGN.md rule 8): slot ``slot`` of ``runner`` (a ``kv.SlotRunner``, or a
+    ``RowView`` of one) holds exactly the keys / values a fresh prefill of its ``ids`` gives."""
+    if hasattr(runner, "runner"):  # a RowView
+        runner, slot = runner.runner, runner.slot
+    ids = list(runner.ids[slot])
+    assert not runner.has_pending_tree(slot)
+    got = runner.layer_tensors(slot) if ids else []
+    want = fresh_prefill(runner, ids).layer_tensors(0) if ids else []
+    assert len(got) == len(want)
+    for (k1, v1), (k2, v2) in zip(got, want):
+        assert k1.shape == k2.shape == (1, k2.shape[1], len(ids), k2.shape[3])
+        torch.testing.assert_close(k1, k2, atol=atol, rtol=1e-7)
+        torch.testing.assert_close(v1, v2, atol=atol, rtol=1e-7)
+
+
+@torch.inference_mode()
+def exact_joint(model, prompt: list[int], n: int = 3, backend: str = "hf"):
+    """The target's exact probability of every ``n``-token continuation of ``prompt``.
+
+    Scores all V**(n-1) prefixes in one batched forward of ``backend`` (``kv.make_runner``: the
+    forward the engine runs, which matters for int8 / bf16 weights).
+
+    Returns:
+        [V**n] float64 numpy array, indexed by ``np.ravel_multi_index(tokens, (V,) * n)``.
+    """
+    import itertools
+
+    import numpy as np
+
+    from specdecode.kv import make_runner
+
+    vocab = model.config.vocab_size
+    heads = list(itertools.product(range(vocab), repeat=n - 1))
+    runner = make_runner(model, backend, num_slots=len(heads))
+    logits = runner.forward(slice(0, len(heads)), [list(prompt) + list(h) for h in heads])  # [R, L+n-1, V]
+    probs = torch.softmax(logits[:, -n:].double(), -1).numpy()  # [R, n, V]
+    exact = np.zeros((vocab,) * n)
+    for r, head in enumerate(heads):
+        p = 1.0
+        for j, tok in enumerate(head):
+            p *= probs[r, j, tok]
+        exact[head] = p * probs[r, n - 1]
+    return exact.reshape(-1)
 
 
 def exact_joint3(model, prompt: list[int]):
-    """The target's exact probability of every 3-token continuation of ``prompt``.
+    """:func:`exact_joint` of 3 tokens through the Hugging Face forward."""
+    return exact_joint(model, prompt, 3)
 
-    Returns:
-        [V**3] float64 numpy array, indexed by ``np.ravel_multi_index(tokens, (V, V, V))``.
-    """
-    import numpy as np
 
-    from specdecode.cache import CachedModel
-
-    vocab = model.config.vocab_size
-    exact = np.zeros(vocab**3)
-    runner = CachedModel(model)
-    with torch.inference_mode():
-        for i in range(vocab**3):
-            seq = list(np.unravel_index(i, (vocab,) * 3))
-            runner.reset()
-            probs = torch.softmax(runner.forward(prompt + seq[:2]).double(), -1)[-3:]
-            exact[i] = float(probs[0, seq[0]] * probs[1, seq[1]] * probs[2, seq[2]])
-    return exact
+def step_of(engine, request):
+    """Run one engine step; the StepOutput of ``request`` in it (None when it was not in the batch)."""
+    for req, out in engine.step():
+        if req is request:
+            return out
+    return None
 
 
 def chi2_pvalue(counts, probs) -> float:

@@ -153,7 +153,7 @@ def set_weight_precision(model: torch.nn.Module, precision: str) -> torch.nn.Mod
       :class:`RowwiseInt8Linear`: int8 weights per output channel through fbgemm,
       activations quantized per token. A quarter of float32's bytes, and a row's output
       does not depend on the rows verified with it. With the project's own forward
-      (``fastforward.OwnedCachedModel``, which also runs attention in float64 for int8
+      (``kv.owned.OwnedRunner``, which also runs attention in float64 for int8
       models) an int8 *target* stays lossless: speculative == plain decoding of the same
       int8 model. The Hugging Face forward runs float32 attention, whose rounding depends
       on the number of rows, and 7-bit activations amplify that: there, outputs can leave

@@ -441,7 +441,8 @@ class _HFPrefix:
 
     def __init__(self, model: torch.nn.Module, ids: list[int]) -> None:
         self.cache = DynamicCache(config=model.config)
-        out = model(input_ids=torch.tensor([ids]), past_key_values=self.cache, use_cache=True)
+        kwarg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+        out = model(input_ids=torch.tensor([ids]), use_cache=True, **{kwarg: self.cache})
         self.logits = out.logits[0].float()
         self.num_cached = len(ids)
 
