@@ -239,6 +239,7 @@ class OwnedRunner(SlotRunner):
         x = self.embed[ids.reshape(-1)]  # [n, hidden]
         attn_mask = None if mask is None else mask.unsqueeze(1)  # [b, 1, q, kv_len]
         row_index = torch.arange(b).unsqueeze(1)  # [b, 1]
+        start = int(columns[0, 0]) if b == 1 else None
         for i in range(self.num_layers) if layers is None else layers:
             layer = self.layers[i]
             qkv = _mm(layer.qkv, _rms_norm(x, layer.ln1, self.eps))
@@ -249,10 +250,16 @@ class OwnedRunner(SlotRunner):
             ks = _apply_rope(ks.view(n, kvh, d).transpose(0, 1), cos, sin)  # [kvh, n, d]
             k_rows = self.k_cache[i, rows]  # [b, kvh, columns, d] view of the active slots
             v_rows = self.v_cache[i, rows]
-            k_rows[row_index, :, columns] = ks.reshape(kvh, b, q, d).permute(1, 2, 0, 3).to(self.cache_dtype)
-            v_rows[row_index, :, columns] = vs.reshape(b, q, kvh, d).to(self.cache_dtype)
+            if start is not None:  # one row: its columns are one slice (no scatter)
+                k_rows[0, :, start : start + q] = ks
+                v_rows[0, :, start : start + q] = vs.view(n, kvh, d).transpose(0, 1)
+                queries = qs.unsqueeze(0)
+            else:
+                k_rows[row_index, :, columns] = ks.reshape(kvh, b, q, d).permute(1, 2, 0, 3).to(self.cache_dtype)
+                v_rows[row_index, :, columns] = vs.reshape(b, q, kvh, d).to(self.cache_dtype)
+                queries = qs.reshape(h, b, q, d).transpose(0, 1)
             attn = F.scaled_dot_product_attention(
-                qs.reshape(h, b, q, d).transpose(0, 1).to(self.cache_dtype),  # [b, h, q, d]
+                queries.to(self.cache_dtype),  # [b, h, q, d]
                 k_rows[:, :, :kv_len],
                 v_rows[:, :, :kv_len],
                 attn_mask=attn_mask,
