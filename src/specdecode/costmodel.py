@@ -1,20 +1,45 @@
-"""The one cost model of speculative decoding: expected tokens per step and measured step costs.
+"""The one cost model of speculative decoding: expected tokens per step, speedups, and measured step costs.
 
-Leviathan et al. 2023 (section 3.4) with measured rather than assumed costs and per-position
-rather than one acceptance rate::
+Leviathan et al. 2023, section 3, as pure functions (the benchmark's predictions use them), plus
+the online measurements the draft-length policies learn from (``policy.py``):
 
-    E(g)    = 1 + sum_{j=1..g} prod_{i<j} c_i                  tokens a row commits per step
-    rate(g) = B * E(g) / (T_draft(B, g) + T_verify(B, g) + T_other)   committed tokens per second
+- :class:`AcceptanceEstimate`: per-position acceptance c_i from decayed counts;
+- :class:`TimeTable`: seconds of drafting / verification over (batch size B, draft length g),
+  interpolated with numpy;
+- :class:`StepOverhead`: the per-step time outside both;
+- :func:`measured_rates`: B * E(g) / (T_draft(B, g) + T_verify(B, g) + T_other) for g = 0..max.
 
-c_i = P(draft position i kept | positions < i kept), from exponentially decayed counts
-(:class:`AcceptanceEstimate`); T_draft and T_verify are tables of measured seconds over the batch
-size B and the draft length g (:class:`TimeTable`, numpy interpolation); T_other is the per-step
-time outside both (:class:`StepOverhead`). Used by the draft-length policies (``policy.py``).
+Notation (one speculative step = draft gamma tokens, verify them in one target pass):
+
+- ``gamma``: draft length per step.
+- ``alpha``: i.i.d. acceptance rate, P(a draft token is kept | every earlier one was).
+- ``survival[i]``: P(draft tokens 0..i are all kept | the draft reached position i), the
+  per-position figure ``RunMetrics.acceptance_by_position`` measures (positions from 0).
+  For i.i.d. acceptance ``survival[i] = alpha ** (i + 1)``.
+- ``rates[i]``: conditional acceptance at position i, ``survival[i] / survival[i - 1]``.
+- Times are seconds per step or per token, as each argument says.
+
+The paper's quantities:
+
+- expected tokens per step, bonus / recovered token included (paper eq. 1 for i.i.d.):
+  ``E[tokens] = 1 + sum_{i < gamma} survival[i] = (1 - alpha^(gamma+1)) / (1 - alpha)``;
+- the ideal speedup (free drafting, verification as cheap as one decoding step): ``E[tokens]``;
+- the paper's walltime improvement with cost ratio ``c = T_draft / T_target`` (Theorem 3.8):
+  ``E[tokens] / (gamma * c + 1)``;
+- the overhead-aware speedup in per-step form: one step costs
+  ``gamma * T_draft + T_verify(gamma) + T_overhead`` and yields ``E[tokens]`` tokens, while
+  plain decoding costs ``T_plain`` per token, so
+  ``speedup = E[tokens] * T_plain / (gamma * T_draft + T_verify(gamma) + T_overhead)``.
+  (Writing ``gamma * T_target`` in the numerator, as some summaries do, counts gamma
+  tokens per step instead of the E[tokens] a step actually yields.)
+- the best gamma: the one maximising expected tokens per unit cost.
 """
 
 from __future__ import annotations
 
+import math
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -138,24 +163,246 @@ class AcceptanceEstimate:
 
     def expected_tokens(self, gamma: int) -> float:
         """E(gamma): expected tokens a row commits in a step drafting gamma tokens (bonus included)."""
-        total, reach = 1.0, 1.0
-        for c in self.rates()[:gamma]:
-            reach *= c
-            total += reach
-        return total
+        return expected_tokens(survival_from_rates(self.rates()[:gamma]), gamma)
 
 
-def best_gamma(acceptance: AcceptanceEstimate, t_draft: TimeTable, t_verify: TimeTable, overhead: float,
-               batch_size: int, max_gamma: int) -> tuple[int, list[float]] | None:
-    """argmax_g rate(g) over 0..max_gamma for ``batch_size`` rows, and the rates; None until a plain step
-    and a drafting step have been timed."""
+def measured_rates(acceptance: AcceptanceEstimate, t_draft: TimeTable, t_verify: TimeTable, overhead: float,
+                   batch_size: int, max_gamma: int) -> list[float] | None:
+    """Predicted committed tokens per second for g = 0..max_gamma at ``batch_size`` rows:
+    B * E(g) / (T_draft(B, g) + T_verify(B, g) + T_other); None until a plain step and a drafting
+    step have been timed."""
     if t_verify(batch_size, 0) is None or not t_draft.points:
         return None
+    survival = survival_from_rates(acceptance.rates()[:max_gamma])
     rates: list[float] = []
     for g in range(max_gamma + 1):
         cost = t_verify(batch_size, g) + (t_draft(batch_size, g) if g else 0.0) + overhead
-        rates.append(batch_size * acceptance.expected_tokens(g) / max(cost, 1e-9))
-    return max(range(len(rates)), key=rates.__getitem__), rates
+        rates.append(batch_size * expected_tokens(survival, g) / max(cost, 1e-9))
+    return rates
 
 
-__all__ = ["AcceptanceEstimate", "StepOverhead", "TimeTable", "as_rows", "best_gamma"]
+# --------------------------------------------------------------------------- acceptance
+
+
+def survival_iid(alpha: float, gamma: int) -> list[float]:
+    """[gamma] survival for i.i.d. acceptance: ``alpha ** (i + 1)``.
+
+    Raises:
+        ValueError: alpha outside [0, 1] or gamma < 0.
+    """
+    _check_alpha(alpha)
+    _check_gamma(gamma)
+    return [alpha ** (i + 1) for i in range(gamma)]
+
+
+def survival_from_rates(rates: Sequence[float]) -> list[float]:
+    """Conditional per-position acceptance -> survival (running product)."""
+    out, s = [], 1.0
+    for r in rates:
+        s *= float(r)
+        out.append(s)
+    return out
+
+
+def rates_from_survival(survival: Sequence[float]) -> list[float]:
+    """Survival -> conditional per-position acceptance (0 where the previous survival is 0)."""
+    out, prev = [], 1.0
+    for s in survival:
+        out.append(min(1.0, s / prev) if prev > 0 else 0.0)
+        prev = s
+    return out
+
+
+def extend_survival(survival: Sequence[float], gamma: int) -> list[float]:
+    """Survival up to ``gamma`` positions, continuing past the measured ones at the last conditional rate.
+
+    Measured acceptance exists only up to the longest draft run; to predict a longer gamma the
+    last measured conditional rate is assumed to hold from there on (the i.i.d. tail).
+
+    Raises:
+        ValueError: empty ``survival`` with gamma > 0.
+    """
+    _check_gamma(gamma)
+    s = [float(x) for x in survival[:gamma]]
+    if len(s) >= gamma:
+        return s
+    if not s:
+        raise ValueError("no measured acceptance to extend")
+    rate = rates_from_survival(survival)[-1]
+    while len(s) < gamma:
+        s.append(s[-1] * rate)
+    return s
+
+
+def expected_accepted(survival: Sequence[float], gamma: int | None = None) -> float:
+    """E[draft tokens kept per step] = sum of the first gamma survival values (all when gamma is None)."""
+    s = survival if gamma is None else survival[:gamma]
+    if gamma is not None and len(s) < gamma:
+        raise ValueError(f"survival has {len(survival)} positions, gamma {gamma} needs more (see extend_survival)")
+    return float(sum(s))
+
+
+def expected_tokens(survival: Sequence[float], gamma: int | None = None) -> float:
+    """E[tokens committed per step] = 1 + E[accepted] (the recovered or bonus token is always added)."""
+    return 1.0 + expected_accepted(survival, gamma)
+
+
+def expected_tokens_iid(alpha: float, gamma: int) -> float:
+    """Closed form (1 - alpha^(gamma+1)) / (1 - alpha) (Leviathan et al. 2023, eq. 1); gamma + 1 at alpha = 1."""
+    _check_alpha(alpha)
+    _check_gamma(gamma)
+    if alpha == 1.0:
+        return float(gamma + 1)
+    return (1.0 - alpha ** (gamma + 1)) / (1.0 - alpha)
+
+
+def expected_tokens_mixture(survival: Sequence[float], lengths: Sequence[int]) -> float:
+    """E[tokens per step] when the draft length varies per step (n-gram drafters, adaptive policies).
+
+    Args:
+        survival: per-position survival, at least ``max(lengths)`` long (see extend_survival).
+        lengths: the draft length of each step (0 = a plain step, 1 token).
+    """
+    if not lengths:
+        return 1.0
+    prefix = [0.0]
+    for s in survival:
+        prefix.append(prefix[-1] + s)
+    if max(lengths) >= len(prefix):
+        raise ValueError(f"survival has {len(survival)} positions, a step drafted {max(lengths)}")
+    return 1.0 + sum(prefix[k] for k in lengths) / len(lengths)
+
+
+# --------------------------------------------------------------------------- speedups
+
+
+def ideal_speedup(survival: Sequence[float], gamma: int) -> float:
+    """Speedup with free drafting and verification as cheap as one decoding step: E[tokens]."""
+    return expected_tokens(survival, gamma)
+
+
+def leviathan_speedup(survival: Sequence[float], gamma: int, c: float) -> float:
+    """Walltime improvement E[tokens] / (gamma * c + 1), c = T_draft(1 token) / T_target(1 token).
+
+    Leviathan et al. 2023, Theorem 3.8 (there for i.i.d. alpha; here for any survival). It
+    assumes verifying gamma + 1 tokens costs one target step.
+
+    Raises:
+        ValueError: c < 0.
+    """
+    if c < 0:
+        raise ValueError(f"cost ratio c must be >= 0, got {c}")
+    return expected_tokens(survival, gamma) / (gamma * c + 1.0)
+
+
+@dataclass(frozen=True)
+class StepCosts:
+    """Measured costs in seconds.
+
+    Attributes:
+        t_plain: one plain decoding step (one token: a 1-token target forward plus the loop's overhead).
+        t_draft: drafting one token (a draft-model forward; ~0 for lookup drafters).
+        verify_ratio: ``verify_ratio(k)`` = T_verify(k) / T_decode(1): a target forward over
+            k draft tokens + 1 over a 1-token forward (1.0 at k = 0).
+        t_decode: a 1-token target forward (T_decode(1)); T_verify(k) = verify_ratio(k) * t_decode.
+        t_overhead: per-step time outside drafting and verification (commit, rollback, Python).
+    """
+
+    t_plain: float
+    t_draft: float
+    verify_ratio: Callable[[int], float]
+    t_decode: float
+    t_overhead: float = 0.0
+
+    def step_time(self, gamma: int) -> float:
+        """Seconds of one speculative step drafting gamma tokens."""
+        return gamma * self.t_draft + self.verify_ratio(gamma) * self.t_decode + self.t_overhead
+
+
+def overhead_aware_speedup(survival: Sequence[float], gamma: int, costs: StepCosts) -> float:
+    """E[tokens] * T_plain / (gamma * T_draft + T_verify(gamma) + T_overhead): the per-step cost model."""
+    step = costs.step_time(gamma)
+    if step <= 0:
+        raise ValueError("a step must take a positive time")
+    return expected_tokens(survival, gamma) * costs.t_plain / step
+
+
+def overhead_aware_speedup_mixture(survival: Sequence[float], lengths: Sequence[int], costs: StepCosts) -> float:
+    """The per-step model over steps of varying draft length: E over steps of tokens / E of time."""
+    if not lengths:
+        return 1.0
+    mean_time = sum(costs.step_time(k) for k in lengths) / len(lengths)
+    return expected_tokens_mixture(survival, lengths) * costs.t_plain / mean_time
+
+
+def tokens_per_second(survival: Sequence[float], gamma: int, costs: StepCosts) -> float:
+    """Expected tokens per unit cost at draft length gamma (gamma = 0: plain decoding)."""
+    if gamma == 0:
+        return 1.0 / costs.t_plain
+    return expected_tokens(survival, gamma) / costs.step_time(gamma)
+
+
+def best_gamma(survival: Sequence[float], costs: StepCosts, max_gamma: int, *, allow_zero: bool = True) -> int:
+    """The gamma in [0 or 1, max_gamma] maximising expected tokens per unit cost (0 = do not speculate).
+
+    ``survival`` is extended past its measured positions (see extend_survival).
+    """
+    _check_gamma(max_gamma)
+    s = extend_survival(survival, max_gamma) if max_gamma else []
+    start = 0 if allow_zero else 1
+    return max(range(start, max_gamma + 1), key=lambda g: (tokens_per_second(s, g, costs), -g))
+
+
+def best_gamma_iid(alpha: float, c: float, max_gamma: int = 64) -> int:
+    """Leviathan et al. 2023, section 3.4: the integer gamma >= 1 maximising E[tokens] / (gamma c + 1)."""
+    _check_alpha(alpha)
+    return max(range(1, max_gamma + 1), key=lambda g: (expected_tokens_iid(alpha, g) / (g * c + 1.0), -g))
+
+
+# --------------------------------------------------------------------------- fitting
+
+
+def verify_ratio_from_samples(samples: dict[int, float]) -> Callable[[int], float]:
+    """T_verify(k) / T_decode(1) as a function of k, from measured {k: seconds} (k = 0 required).
+
+    Linear interpolation between measured k, linear extrapolation past the largest
+    (from the last two points, never decreasing).
+
+    Raises:
+        ValueError: no sample at k = 0, or a non-positive time.
+    """
+    if 0 not in samples or samples[0] <= 0:
+        raise ValueError("need a positive T_verify(0) (a 1-token forward) to normalise by")
+    ks = sorted(samples)
+    base = samples[0]
+    ys = [samples[k] / base for k in ks]
+
+    def ratio(k: int) -> float:
+        if k <= 0:
+            return 1.0
+        for (k0, y0), (k1, y1) in zip(zip(ks, ys), zip(ks[1:], ys[1:])):
+            if k0 <= k <= k1:
+                return y0 + (y1 - y0) * (k - k0) / (k1 - k0)
+        if len(ks) == 1:
+            return 1.0
+        slope = max(0.0, (ys[-1] - ys[-2]) / (ks[-1] - ks[-2]))
+        return ys[-1] + slope * (k - ks[-1])
+
+    return ratio
+
+
+def _check_alpha(alpha: float) -> None:
+    if not (0.0 <= alpha <= 1.0) or math.isnan(alpha):
+        raise ValueError(f"acceptance rate must be in [0, 1], got {alpha}")
+
+
+def _check_gamma(gamma: int) -> None:
+    if not isinstance(gamma, int) or gamma < 0:
+        raise ValueError(f"gamma must be an integer >= 0, got {gamma!r}")
+
+
+__all__ = ["AcceptanceEstimate", "StepCosts", "StepOverhead", "TimeTable", "as_rows", "best_gamma", "best_gamma_iid",
+           "expected_accepted", "expected_tokens", "expected_tokens_iid", "expected_tokens_mixture", "extend_survival",
+           "ideal_speedup", "leviathan_speedup", "measured_rates", "overhead_aware_speedup",
+           "overhead_aware_speedup_mixture", "rates_from_survival", "survival_from_rates", "survival_iid",
+           "tokens_per_second", "verify_ratio_from_samples"]

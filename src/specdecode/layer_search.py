@@ -51,6 +51,7 @@ import torch
 
 from transformers import DynamicCache
 
+from specdecode.costmodel import expected_tokens_iid
 from specdecode.engine import EngineConfig, SpeculativeEngine
 from specdecode.kv import make_runner
 from specdecode.models import default_cache_dir
@@ -491,7 +492,7 @@ class _ProxyScorer:
         t_d = self.t_draft(len(kept))
         best_gamma, best = 1, 0.0
         for g in range(1, self.max_gamma + 1):
-            expected = (1 - acc ** (g + 1)) / (1 - acc)
+            expected = expected_tokens_iid(acc, g)
             speedup = expected / (g * t_d + self.t_verify[g]) * self.t_verify[0]
             if speedup > best:
                 best_gamma, best = g, speedup

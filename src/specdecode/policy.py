@@ -47,7 +47,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specdecode.costmodel import AcceptanceEstimate, StepOverhead, TimeTable, as_rows, best_gamma
+from specdecode.costmodel import AcceptanceEstimate, StepOverhead, TimeTable, as_rows, measured_rates
 from specdecode.types import SpecDecodeError
 
 #: Largest gamma any policy may choose (the engine's own limit).
@@ -365,9 +365,8 @@ class CostModelPolicy(DraftLengthPolicy):
     def rates(self, batch_size: int = 1) -> list[float] | None:
         """Predicted committed tokens per second for gamma = 0..max_tokens at ``batch_size`` rows;
         None until a plain step and a drafting step have both been timed."""
-        found = best_gamma(self.accept, self.t_draft, self.t_verify, self.overhead.seconds, batch_size,
-                           self.max_tokens)
-        return None if found is None else found[1]
+        return measured_rates(self.accept, self.t_draft, self.t_verify, self.overhead.seconds, batch_size,
+                              self.max_tokens)
 
     # Policy ----------------------------------------------------------------------
 

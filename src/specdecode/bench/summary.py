@@ -18,7 +18,7 @@ import math
 import statistics
 from collections.abc import Sequence
 
-from specdecode.bench import theory
+from specdecode import costmodel
 
 OURS_PLAIN = "specdecode/plain"
 HF_PLAIN = "hf/plain"
@@ -91,7 +91,7 @@ def pool_metrics(records: Sequence[dict]) -> dict | None:
         "drafted_by_position": drafted,
         "accepted_by_position": accepted,
         "survival": survival,
-        "conditional_acceptance": theory.rates_from_survival(survival),
+        "conditional_acceptance": costmodel.rates_from_survival(survival),
         "mean_draft_length": statistics.fmean(lengths) if lengths else 0.0,
         "is_tree": tot["num_tree_steps"] > 0,
         "mean_tree_nodes": tot["num_tree_nodes"] / tot["num_tree_steps"] if tot["num_tree_steps"] else None,
@@ -181,7 +181,7 @@ def verify_ratio_of(probes: Sequence[dict], target: str):
     for p in probes:
         if p.get("role") == "target" and p.get("model") == target:
             samples = {int(k): float(v) for k, v in p["forward_s"].items()}
-            return theory.verify_ratio_from_samples(samples), samples
+            return costmodel.verify_ratio_from_samples(samples), samples
     return None, None
 
 
@@ -192,14 +192,14 @@ def iid_equivalent_alpha(expected: float, gamma: int) -> float:
     lo, hi = 0.0, 1.0
     for _ in range(60):
         mid = (lo + hi) / 2
-        if theory.expected_tokens_iid(mid, gamma) < expected:
+        if costmodel.expected_tokens_iid(mid, gamma) < expected:
             lo = mid
         else:
             hi = mid
     return (lo + hi) / 2
 
 
-def _costs(plain: dict, spec: dict, ratio) -> theory.StepCosts | None:
+def _costs(plain: dict, spec: dict, ratio) -> costmodel.StepCosts | None:
     steps_p = plain["num_verify_steps"]
     if not steps_p or not spec["num_verify_steps"]:
         return None
@@ -210,7 +210,7 @@ def _costs(plain: dict, spec: dict, ratio) -> theory.StepCosts | None:
     if ratio is None:  # no probe: take the run's own mean verify cost at every k
         run_ratio = (spec["verify_time_s"] / spec["num_verify_steps"]) / t_decode if t_decode else 1.0
         ratio = lambda k: 1.0 if k == 0 else run_ratio  # noqa: E731
-    return theory.StepCosts(t_plain=t_plain, t_draft=t_draft, verify_ratio=ratio, t_decode=t_decode,
+    return costmodel.StepCosts(t_plain=t_plain, t_draft=t_draft, verify_ratio=ratio, t_decode=t_decode,
                             t_overhead=spec["other_time_s"] / spec["num_verify_steps"])
 
 
@@ -224,14 +224,14 @@ def predict(plain: dict, spec: dict, gamma: int, ratio, lengths: Sequence[int]) 
     costs = _costs(plain, spec, ratio)
     if costs is None or not spec["survival"]:
         return None
-    s = theory.extend_survival(spec["survival"], max(max(lengths, default=0), gamma))
-    e_tok = theory.expected_tokens_mixture(s, lengths)
+    s = costmodel.extend_survival(spec["survival"], max(max(lengths, default=0), gamma))
+    e_tok = costmodel.expected_tokens_mixture(s, lengths)
     mean_k = statistics.fmean(lengths) if lengths else 0.0
     c = costs.t_draft / costs.t_decode if costs.t_decode else 0.0
     return {
         "expected_tokens": e_tok,
         "expected_accepted": e_tok - 1.0,
-        "alpha_iid": iid_equivalent_alpha(theory.expected_tokens(s, gamma), gamma),
+        "alpha_iid": iid_equivalent_alpha(costmodel.expected_tokens(s, gamma), gamma),
         "c": c,
         "t_decode_s": costs.t_decode,
         "t_plain_s": costs.t_plain,
@@ -241,8 +241,8 @@ def predict(plain: dict, spec: dict, gamma: int, ratio, lengths: Sequence[int]) 
         "verify_ratio_run": (spec["verify_time_s"] / spec["num_verify_steps"]) / costs.t_decode,
         "ideal_speedup": e_tok,
         "leviathan_speedup": e_tok / (mean_k * c + 1.0),
-        "overhead_aware_speedup": theory.overhead_aware_speedup_mixture(s, lengths, costs),
-        "best_gamma_iid": theory.best_gamma_iid(iid_equivalent_alpha(theory.expected_tokens(s, gamma), gamma), c),
+        "overhead_aware_speedup": costmodel.overhead_aware_speedup_mixture(s, lengths, costs),
+        "best_gamma_iid": costmodel.best_gamma_iid(iid_equivalent_alpha(costmodel.expected_tokens(s, gamma), gamma), c),
     }
 
 
@@ -273,12 +273,12 @@ def sweep(family_variants: Sequence[dict], pooled: dict[str, dict], plain: dict,
     if costs is None or not top["survival"]:
         return out
     lengths = top["draft_lengths"]
-    s = theory.extend_survival(top["survival"], g_max)
+    s = costmodel.extend_survival(top["survival"], g_max)
     tau, speed = [], []
     for g in out["curve_gammas"]:
         lg = _scaled_lengths(lengths, cap, g)
-        tau.append(theory.expected_tokens_mixture(s, lg))
-        speed.append(theory.overhead_aware_speedup_mixture(s, lg, costs))
+        tau.append(costmodel.expected_tokens_mixture(s, lg))
+        speed.append(costmodel.overhead_aware_speedup_mixture(s, lg, costs))
     out["predicted_tau"] = tau
     out["predicted_speedup"] = speed
     best = max(range(len(speed)), key=lambda i: (speed[i], -i))

@@ -6,35 +6,32 @@ Self-Speculative Decoding"; Elhoushi et al. 2024, "LayerSkip"). It shares the
 target's weights: nothing is copied, no second model is loaded.
 
 KV cache (the design choice, and why). The draft runs *on top of the target's
-committed cache*: the engine hands its target runner to proposers as
-``ctx.target``; for each draft token the kept layers attend to the full model's
-keys / values of every committed token plus the draft's own entries for the
-earlier tokens of this chain, and skipped layers neither read nor write. No
-draft entry survives into verification: on the project's own forward
-(``OwnedCachedModel``, a static position-indexed cache) the draft writes only
-slots past the committed length, which the verification pass rewrites, for
-every layer, before attending to them; on a Hugging Face ``DynamicCache`` the
-draft's entries are cropped from the kept layers when the chain is done (also
-when drafting fails). ``tests/test_layer_skip.py`` checks both against a fresh
-prefill. Versus a cache of the draft's own this needs no prefill of the prompt
-by the draft, no catching up after each step and no extra memory, and the draft
-sees the full model's representation of the context, which raises acceptance.
+committed cache*: the engine binds the proposer to its target runner (an
+``kv.OwnedRunner``), and per draft position ONE forward of the kept layers runs
+over every row still drafting (``forward_skipping``): row i's token j is written
+at column / position ``len(committed_i) - 1 + j`` of its own slot, past its
+committed length, where the verification pass rewrites every layer before
+attending to it. The kept layers attend to the full model's keys / values of the
+committed tokens plus the draft's own entries of this chain; skipped layers
+neither read nor write. ``tests/test_layer_skip.py`` checks the cache against a
+fresh prefill. Versus a cache of the draft's own this needs no prefill of the
+prompt by the draft, no catching up and no extra memory, and the draft sees the
+full model's representation of the context, which raises acceptance. The Hugging
+Face forward cannot skip layers: binding to it raises :class:`LayerSkipError`.
 
 Modes: a fixed skip set (``LayerSkipConfig(skip_layers=(3, 5, 7))``), or
 ``skip_layers=None``: the set is looked up in the per-model JSON cache, or
-searched for (:mod:`specdecode.layer_search`, SWIFT-style) and stored there,
-either when :meth:`LayerSkipProposer.calibrate` is called with calibration
-prompts or on the first request whose prompt has at least
+searched for (``searcher``: :mod:`specdecode.layer_search`, SWIFT-style, which the
+factory passes) and stored there, either when :meth:`LayerSkipProposer.calibrate`
+is called with calibration prompts or on the first request whose prompt has at least
 ``MIN_CALIBRATION_TOKENS`` tokens (shorter ones run with a provisional set).
 
 Chains stop early once the draft's top probability falls below
 ``min_confidence`` (the token just drafted is kept), and whenever the
 draft-length policy's hook (``ctx.keep_drafting``) says so.
 
-Supported families: Hugging Face Llama (SmolLM2) and Qwen2, whose decoder
-layers live in ``model.model.layers``. Another family with that layout is
-accepted if a forward with no layer skipped reproduces the model's own logits
-(checked once); anything else raises :class:`LayerSkipError`.
+Supported families: Hugging Face Llama (SmolLM2) and Qwen2 on the project's own
+forward (``kv/owned.py``); anything else raises :class:`LayerSkipError`.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The cost model of speculative decoding (bench/theory.py) against brute-force enumeration.
+"""The cost model of speculative decoding (costmodel.py) against brute-force enumeration.
 
 Every closed form is checked against an exact expectation over all 2^gamma accept / reject
 patterns of a step: with conditional acceptance r_i at position i, the step keeps the draft
@@ -12,7 +12,7 @@ import math
 
 import pytest
 
-from specdecode.bench import theory
+from specdecode import costmodel as theory
 
 ALPHAS = [0.0, 0.1, 0.35, 0.5, 0.8, 0.95, 1.0]
 GAMMAS = [0, 1, 2, 3, 5, 8]
