@@ -10,7 +10,10 @@ step through the same model, cache and sampling code, so the baseline compares l
 A request's output does not depend on the rest of the batch: its tokens, positions, mask row, draft
 and random draws are its own (a row consumes k + 1 uniforms of its own generator per step whatever
 the batch is); only floating-point summation order can differ between batch shapes (exact with
-int8 weights and float64 models; a float32 greedy near-tie can flip).
+int8 weights and float64 models; a float32 greedy near-tie can flip). One caveat for *seeded
+sampling*: an adaptive draft-length policy chooses gamma from the whole batch, and gamma decides how
+many random numbers a row draws, so a seeded sampled request reproduces its exact text only with the
+fixed policy; its output *distribution* is the target's under every policy.
 
 Scheduling (queue, admission, the server's thread, cancellation) lives in ``scheduler.py``.
 """
@@ -18,7 +21,7 @@ Scheduling (queue, admission, the server's thread, cancellation) lives in ``sche
 from __future__ import annotations
 
 import itertools
-import random
+import secrets
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -70,6 +73,8 @@ class EngineConfig:
         if not isinstance(self.num_speculative_tokens, int) or not 1 <= self.num_speculative_tokens <= 64:
             raise SpecDecodeError(
                 f"num_speculative_tokens must be an integer in [1, 64], got {self.num_speculative_tokens!r}")
+        if self.max_context is not None and (not isinstance(self.max_context, int) or self.max_context < 2):
+            raise SpecDecodeError(f"max_context must be None (the model's) or an integer >= 2, got {self.max_context!r}")
         if not isinstance(self.max_batch_size, int) or not 1 <= self.max_batch_size <= 256:
             raise SpecDecodeError(f"max_batch_size must be an integer in [1, 256], got {self.max_batch_size!r}")
 
@@ -84,8 +89,9 @@ class Request:
     Attributes:
         ctx: what the proposer sees (``ctx.slot`` = its row); metrics: RunMetrics.
         logprobs: None, or n >= 0: report each committed token's logprob and the top n.
-        generated: committed output tokens; finish_reason: None while running.
+        generated: committed output tokens; finish_reason: None while running; error: why it failed.
         tag: anything the caller attaches (the scheduler's event sink).
+        seed: the seed of the request's generator (the one given, or the fresh one drawn for it).
     """
 
     ctx: ProposeContext
@@ -96,6 +102,7 @@ class Request:
     finish_reason: str | None = None
     error: str | None = None
     tag: object = None
+    seed: int | None = None
     id: int = field(default_factory=_request_ids.__next__)
 
     @property
@@ -172,10 +179,10 @@ class SpeculativeEngine:
         if len(self.rows) >= self.runner.num_slots:
             raise EngineFullError(f"all {self.runner.num_slots} slots are taken; wait for a request to finish")
         slot = len(self.rows)
-        seed = params.seed if params.seed is not None else random.randrange(2**63)
+        seed = params.seed if params.seed is not None else secrets.randbits(63)  # unseeded: a fresh seed, kept
         ctx = ProposeContext(prompt, len(prompt), params, torch.Generator().manual_seed(seed), self.vocab_size,
                              should_continue=getattr(self.policy, "should_continue", None), slot=slot)
-        req = Request(ctx, RunMetrics(num_prompt_tokens=len(prompt)), time.perf_counter(), logprobs, tag=tag)
+        req = Request(ctx, RunMetrics(num_prompt_tokens=len(prompt)), time.perf_counter(), logprobs, tag=tag, seed=seed)
         self.runner.clear(slot)
         logits = self.runner.forward(slice(slot, slot + 1), [prompt], last_only=True)[:, -1:]  # [1, 1, V]
         self.rows.append(req)
@@ -309,6 +316,7 @@ class SpeculativeEngine:
             if self.runner.has_pending_tree(slot):
                 self.runner.keep_tree_path(slot, [])
             self.runner.rollback(slot, min(len(self.runner.ids[slot]), len(row.ctx.token_ids) - 1))
+            row.metrics.wall_time_s = time.perf_counter() - row.started_at
             return StepOutput([], 0, 0, True, row.finish_reason, error=row.error)
         n_acc = int(result.num_accepted[0])
         proposed = result.new_token_ids[0, : n_acc + 1].tolist()
@@ -333,14 +341,19 @@ class SpeculativeEngine:
         return StepOutput(tokens, drafted, accepted, row.finish_reason is not None, row.finish_reason, lp, top)
 
     def _adapt(self, rows, drafts, results, outputs, draft_s: float, verify_s: float) -> None:
+        """The proposer observes; the policy learns from what was verified (the draft depth and the
+        tokens verification kept, before stopping rules cut them: a stop is not a rejection) and from
+        the step's times without one-off catch-up (a joining row's prompt fed to a draft model)."""
         b = len(rows)
-        for row in rows:
-            row.metrics.draft_time_s += draft_s / b
+        catch_up = sum(d.catch_up_s for d in drafts)
+        shared = max(0.0, draft_s - catch_up) / b
+        for row, d in zip(rows, drafts):
+            row.metrics.draft_time_s += shared + d.catch_up_s
             row.metrics.verify_time_s += verify_s / b
         if self.proposer is not None and any(d.num_tokens for d in drafts):
             self.proposer.observe([r.ctx for r in rows], results)
-        catch_up = sum(d.catch_up_s for d in drafts)
-        self.policy.update([o.num_drafted for o in outputs], [o.num_accepted for o in outputs],
+        depths = [(tree_depth(d.parents[0]) if self.trees else d.num_tokens) if d.num_tokens else 0 for d in drafts]
+        self.policy.update(depths, [int(r.num_accepted[0]) for r in results],
                            draft_time_s=max(0.0, draft_s - catch_up), verify_time_s=verify_s)
 
     def _logprobs(self, row: Request, logits: torch.Tensor, tokens: list[int], kept: list[int]):
@@ -443,8 +456,13 @@ class SpeculativeEngine:
         return [self.output(requests[i]) for i in range(len(prompts))]
 
     def output(self, req: Request) -> GenerationOutput:
+        """The GenerationOutput of a request (so far: a running request's output grows)."""
         return GenerationOutput(token_ids=list(req.generated), finish_reason=req.finish_reason or "length",
                                 metrics=req.metrics, prompt_token_ids=req.ctx.token_ids[: req.ctx.num_prompt_tokens])
+
+
+#: Most draft nodes a row may propose per step (the slot cache's scratch columns hold them past the context).
+MAX_DRAFT_NODES = 128
 
 
 def _draft_problem(d: Draft, cap: int, vocab: int, trees: bool) -> str | None:
@@ -459,12 +477,17 @@ def _draft_problem(d: Draft, cap: int, vocab: int, trees: bool) -> str | None:
         return f"parents {list(d.parents.shape)} must match token_ids {list(ids.shape)}"
     if n == 0:
         return None
+    if n > MAX_DRAFT_NODES:
+        return f"{n} draft nodes; at most {MAX_DRAFT_NODES} per row"
     lo, hi = int(ids.min()), int(ids.max())
     if lo < 0 or hi >= vocab:
         return f"draft token ids must be in [0, {vocab}); got {lo if lo < 0 else hi}"
-    if d.draft_probs is not None and (d.draft_probs.ndim != 3 or d.draft_probs.shape[:2] != ids.shape
-                                      or d.draft_probs.shape[2] > vocab):
-        return f"draft_probs must be [1, {n}, <= {vocab}], got {list(d.draft_probs.shape)}"
+    q = d.draft_probs
+    if q is not None:
+        if q.ndim != 3 or q.shape[:2] != ids.shape or q.shape[2] > vocab:
+            return f"draft_probs must be [1, {n}, <= {vocab}], got {list(q.shape)}"
+        if bool((q[0].gather(1, ids[0].unsqueeze(1).clamp(max=q.shape[2] - 1)) <= 0).any()) or ids.max() >= q.shape[2]:
+            return "a drafted token has probability 0 under its own draft_probs (q must be the law it was drawn from)"
     parents = d.parents[0]
     if trees:
         ok = bool(((parents >= -1) & (parents < torch.arange(n))).all())

@@ -96,7 +96,7 @@ def _verify_row(
     q_tok = torch.ones(k) if draft_probs is None else draft_probs[idx, draft_ids]
     u = torch.rand(k, generator=generator)
     accepted = (u * q_tok < p_tok).to(torch.int64)
-    n = int(accepted.cumprod(0).sum())  # the step's one host synchronisation
+    n = int(accepted.cumprod(0).sum())
     if n == k:
         return n, int(torch.multinomial(target_probs[k], 1, generator=generator))
     residual = residual_distribution(

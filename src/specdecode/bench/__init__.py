@@ -1,8 +1,9 @@
 """``specdecode bench``: a Spec-Bench-style benchmark of every method against plain decoding and the HF peer.
 
-Modules: ``runner`` (the matrix, resume), ``peer`` (transformers' generate), ``theory``
-(Leviathan et al. 2023 cost model), ``summary`` (figures from records), ``report``
-(Markdown / JSON / PNG), ``env`` (machine facts), ``smoke`` (tiny models for CI).
+Modules: ``runner`` (the matrix, resume), ``records`` (records.jsonl), ``peer`` (transformers'
+generate), ``llamacpp`` (llama.cpp peer), ``summary`` (figures from records, with
+:mod:`specdecode.costmodel`'s Leviathan et al. 2023 predictions), ``report`` (Markdown / JSON / PNG),
+``env`` (machine facts), ``smoke`` (tiny models for CI).
 
 This module stays light (argparse only): the CLI builds its parser without importing torch.
 """

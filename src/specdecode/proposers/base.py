@@ -82,6 +82,19 @@ class Proposer:
         """A request joined the batch at ``ctx.slot``."""
 
     def propose(self, batch: Sequence[ProposeContext], max_tokens: Sequence[int]) -> list[Draft]:
+        """Draft for every row at once.
+
+        Args:
+            batch: [B] the rows' contexts, in slot order (``batch[i].slot == i``).
+            max_tokens: [B] the most draft levels row i may propose (0: none this step).
+
+        Returns:
+            [B] drafts: per row token_ids [1, N] int64 in [0, V), parents [1, N] int64 (a chain
+            -1, 0, 1, ... unless ``produces_trees``), depth <= max_tokens[i], and draft_probs
+            [1, N, <= V] float32 (the law each token was drawn from, after the row's sampling
+            processing) or None for deterministic drafters. ``Draft.empty()`` proposes nothing.
+            The engine checks this contract and fails a violating row alone.
+        """
         raise NotImplementedError
 
     def observe(self, batch: Sequence[ProposeContext], results: Sequence[VerifyResult]) -> None:

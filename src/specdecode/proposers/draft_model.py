@@ -19,10 +19,10 @@ from dataclasses import dataclass
 
 import torch
 
-from specdecode.kv import model_context
+from specdecode.kv import FORWARD_BACKENDS, model_context
 from specdecode.proposers.base import DraftModelSlots, ProposeContext, draft_room, register
 from specdecode.sampling import logits_to_probs, sample
-from specdecode.types import Draft
+from specdecode.types import Draft, SpecDecodeError
 
 
 @dataclass(frozen=True)
@@ -34,6 +34,10 @@ class DraftModelConfig:
     """
 
     forward: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.forward not in FORWARD_BACKENDS:
+            raise SpecDecodeError(f"forward must be one of {FORWARD_BACKENDS}, got {self.forward!r}")
 
 
 @register("draft-model")
