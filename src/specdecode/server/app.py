@@ -47,7 +47,7 @@ from specdecode.server.schemas import (
     ModelCard,
     ModelList,
 )
-from specdecode.types import SamplingParams, SpecDecodeError
+from specdecode.types import PromptTooLongError, SamplingParams, SpecDecodeError
 
 #: Largest request body by default (bytes); ``--max-request-bytes``.
 DEFAULT_MAX_REQUEST_BYTES = 1 << 20
@@ -453,7 +453,6 @@ def _served(state: ServingState, model: str) -> None:
 def _encode_prompts(state: ServingState, prompts: list[str | list[int]]) -> list[list[int]]:
     """Text prompts through the tokenizer, id prompts checked against the vocabulary (thread pool)."""
     out = []
-    vocab = state.engine.vocab_size
     for prompt in prompts:
         if isinstance(prompt, str):
             try:
@@ -461,11 +460,12 @@ def _encode_prompts(state: ServingState, prompts: list[str | list[int]]) -> list
             except SpecDecodeError as exc:
                 raise APIError(400, str(exc), param="prompt") from None
             continue
-        bad = [t for t in prompt if not 0 <= t < vocab]
-        if bad:
-            raise APIError(400, f"prompt token ids must be in [0, {vocab}); got {bad[:5]}", param="prompt",
-                           code="invalid_value")
-        out.append(list(prompt))
+        try:  # the engine's own prompt checks (ids in the vocabulary, not empty); the context is checked with max_tokens
+            out.append(state.engine.check_prompt(prompt, SamplingParams(max_new_tokens=1)))
+        except PromptTooLongError:
+            out.append(list(prompt))  # reported by _params, which names max_tokens
+        except SpecDecodeError as exc:
+            raise APIError(400, str(exc), param="prompt", code="invalid_value") from None
     return out
 
 
