@@ -1,13 +1,40 @@
-"""``specdecode bench --smoke`` end to end on tiny random models: reports, output agreement with HF, resume."""
+"""The smoke models (``specdecode.bench.smoke``), and ``specdecode bench --smoke`` end to end on them: reports,
+output agreement with HF, resume."""
 
 from __future__ import annotations
 
 import json
 
 import pytest
+import torch
 
 from specdecode.bench import report
 from specdecode.bench.runner import RECORDS_FILE, run_bench, smoke_config
+from specdecode.bench.smoke import SMOKE_DRAFT, SMOKE_TARGET, load_smoke_model, make_tokenizer, state_sha256
+from specdecode.types import SpecDecodeError
+
+
+def test_smoke_tokenizer_ids_and_round_trip():
+    tok = make_tokenizer()
+    assert (tok.pad_token_id, tok.bos_token_id, tok.eos_token_id, tok.unk_token_id) == (0, 1, 2, 3)
+    ids = tok("def f(x):\n    return x + 1")["input_ids"]
+    assert 3 not in ids and tok.decode(ids, skip_special_tokens=True) == "def f(x):\n    return x + 1"
+    assert tok.decode(tok("AbC")["input_ids"], skip_special_tokens=True) == "abc"  # lowercased
+    assert tok.chat_template
+
+
+def test_smoke_models_are_seeded_and_the_draft_is_a_close_copy():
+    target, again, draft = load_smoke_model(SMOKE_TARGET), load_smoke_model(SMOKE_TARGET), load_smoke_model(SMOKE_DRAFT)
+    assert target.sha256 == again.sha256 == state_sha256(again.model) != draft.sha256
+    assert target.model.dtype == torch.float64 and target.eos_token_ids == (2,)
+    for m in (target.model, draft.model):
+        assert not m.lm_head.weight[2].any()  # EOS never likely: random text runs to its length
+    ids = torch.randint(4, 50, (1, 64), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        agree = (target.model(ids).logits.argmax(-1) == draft.model(ids).logits.argmax(-1)).double().mean()
+    assert 0.5 < agree < 1.0  # accepted often, not always
+    with pytest.raises(SpecDecodeError, match="unknown smoke model"):
+        load_smoke_model("smoke:other")
 
 
 def _runs(path) -> list[dict]:

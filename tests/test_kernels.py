@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from specdecode.engine import EngineConfig, SpeculativeEngine
-from specdecode.kernels import set_weight_precision
+from specdecode.kernels import set_weight_precision, use_small_row_matmul
+from specdecode.kv import make_runner
 from specdecode.proposers import DraftModelProposer, NgramProposer
 from specdecode.types import SamplingParams
 from tiny import chi2_pvalue, exact_joint, tiny_llama
@@ -120,3 +121,11 @@ def test_bf16_target_sampling_follows_its_own_distribution():
     target = set_weight_precision(tiny_llama(seed=3, vocab_size=5, layers=1, hidden=32, scale=4.0), "bf16")
     draft = tiny_llama(seed=4, vocab_size=5, layers=1, hidden=32, scale=4.0)
     assert _two_token_distribution_pvalue(target, draft, "owned") > 1e-3
+
+
+def test_small_row_matmul_keeps_the_hf_forward():
+    model = tiny_llama(seed=0, dtype=torch.float64)
+    expected = make_runner(model, "hf").row(0).forward([1, 2, 3, 4])
+    assert use_small_row_matmul(model) > 0
+    assert use_small_row_matmul(model) == 0  # idempotent
+    torch.testing.assert_close(make_runner(model, "hf").row(0).forward([1, 2, 3, 4]), expected)

@@ -1,4 +1,5 @@
-"""Layer-skip self-speculation on tiny random models: losslessness, the shared cache, the search, errors."""
+"""Layer-skip self-speculation on tiny random models: losslessness, the shared cache, the automatic mode,
+errors. (The skipping forward and the skip-set search are tested in ``tests/test_layer_search.py``.)"""
 
 from __future__ import annotations
 
@@ -7,12 +8,11 @@ import json
 import numpy as np
 import pytest
 import torch
-from transformers import DynamicCache, Qwen2Config, Qwen2ForCausalLM
 
 from specdecode import layer_search
 from specdecode.engine import EngineConfig, SpeculativeEngine
 from specdecode.kv import make_runner
-from specdecode.layer_search import SearchConfig, SkipForward, choose_skip_layers, load_cached
+from specdecode.layer_search import load_cached
 from specdecode.policy import build_policy
 from specdecode.proposers import LayerSkipConfig, LayerSkipProposer, build_proposer
 from specdecode.proposers.layer_skip import (
@@ -22,7 +22,7 @@ from specdecode.proposers.layer_skip import (
     provisional_skip_layers,
 )
 from specdecode.types import SamplingParams
-from tiny import assert_cache_is_fresh_prefill, chi2_pvalue, exact_joint3, step_of, tiny_llama
+from tiny import assert_cache_is_fresh_prefill, chi2_pvalue, exact_joint3, step_of, tiny_llama, tiny_qwen2
 
 PROMPTS = [[1], [5, 9, 2], [3, 4, 5, 3, 4, 5, 3, 4], list(range(10, 30))]
 
@@ -32,37 +32,8 @@ def target():
     return tiny_llama(vocab_size=64, seed=0, layers=4, scale=3.0)
 
 
-def tiny_qwen2(vocab_size: int = 64, seed: int = 0, layers: int = 4) -> Qwen2ForCausalLM:
-    torch.manual_seed(seed)
-    cfg = Qwen2Config(num_hidden_layers=layers, hidden_size=64, intermediate_size=128, num_attention_heads=4,
-                      num_key_value_heads=2, vocab_size=vocab_size, max_position_embeddings=256,
-                      tie_word_embeddings=False)
-    model = Qwen2ForCausalLM(cfg).eval().to(torch.float64)
-    with torch.no_grad():
-        model.lm_head.weight.mul_(3.0)
-    return model
-
-
 def _skip(model, layers, min_confidence=0.0):
     return LayerSkipProposer(model, LayerSkipConfig(skip_layers=layers, min_confidence=min_confidence))
-
-
-# --------------------------------------------------------------------------- the forward
-
-
-@pytest.mark.parametrize("family", ["llama", "qwen2"])
-def test_forward_with_nothing_skipped_matches_the_model(target, family):
-    model = target if family == "llama" else tiny_qwen2()
-    skip = SkipForward(model)
-    ids = torch.tensor([3, 1, 4, 1, 5, 9, 2, 6])
-    with torch.inference_mode():
-        expected = model(input_ids=ids.reshape(1, -1)).logits[0]
-        torch.testing.assert_close(skip.forward(ids, 0, range(skip.num_layers)), expected.float())
-        cache = DynamicCache(config=model.config)  # incremental, on a cache: prefill 5 then one token at a time
-        model(input_ids=ids[:5].reshape(1, -1), cache=cache, use_cache=True)
-        for j in range(5, 8):
-            out = skip.forward(ids[j : j + 1], j, range(skip.num_layers), cache)
-            torch.testing.assert_close(out[0], expected[j].float())
 
 
 # --------------------------------------------------------------------------- losslessness
@@ -231,54 +202,7 @@ def test_a_proposer_must_be_bound_to_its_own_models_owned_runner(target):
         proposer.bind(make_runner(target, "hf"), 1)
 
 
-# --------------------------------------------------------------------------- search and its cache
-
-
-def test_search_proxy_scores_the_first_draft_token_exactly(target):
-    """The one-pass proxy equals drafting one token from each position on a cache of the tokens before it."""
-    context = [(5 * i + 3) % 64 for i in range(40)]
-    skip = SkipForward(target)
-    scorer = layer_search._ProxyScorer(skip, [context], [20], max_gamma=4)
-    kept = [0, 3]
-    with torch.inference_mode():
-        hits = 0
-        rows = range(1, len(context) - 1)  # prompt of 20 tokens: scoring starts at max(1, 20 - 32)
-        for j in rows:
-            full = target(input_ids=torch.tensor([context[: j + 1]])).logits[0, -1].argmax()
-            cache = DynamicCache(config=target.config)
-            target(input_ids=torch.tensor([context[:j]]), cache=cache, use_cache=True)
-            draft = skip.forward(torch.tensor([context[j]]), j, kept, cache)[-1].argmax()
-            hits += int(draft == full)
-    assert scorer.acceptance(kept) == pytest.approx(hits / len(rows))
-    assert scorer.acceptance(list(range(4))) == 1.0  # nothing skipped: the draft is the target
-    prefix = scorer.items[0][0]
-    assert [prefix.cache.get_seq_length(i) for i in range(4)] == [40] * 4  # scoring left no entries
-
-
-def test_search_finds_a_valid_set_and_caches_it(tmp_path, monkeypatch):
-    model = tiny_llama(vocab_size=64, seed=0, layers=6, scale=3.0)
-    config = SearchConfig(new_tokens=8, proxy_evaluations=10, measured_candidates=2, time_budget_s=60)
-    result = choose_skip_layers(model, [[1, 2, 3, 4, 5, 6]], config, cache_dir=tmp_path)
-    assert result.skip_layers and all(1 <= i <= 4 for i in result.skip_layers)  # ends protected
-    assert result.tokens_per_s > 0 and result.plain_tokens_per_s > 0 and not result.from_cache
-    assert sum(c["tokens_per_s"] is not None for c in result.candidates) >= 1
-    data = json.loads((tmp_path / "layer_skip.json").read_text())
-    assert data["models"][result.key]["skip_layers"] == list(result.skip_layers)
-
-    def no_search(*a, **k):
-        raise AssertionError("searched again")
-
-    monkeypatch.setattr(layer_search, "search_skip_layers", no_search)
-    again = choose_skip_layers(model, [[9, 9]], config, cache_dir=tmp_path)
-    assert again.from_cache and again.skip_layers == result.skip_layers
-    # the auto mode of the proposer uses the cached set, and stays lossless
-    auto = LayerSkipProposer(model, LayerSkipConfig(cache_dir=str(tmp_path)), searcher=layer_search)
-    out = SpeculativeEngine(model, auto).generate([1, 2, 3], SamplingParams(max_new_tokens=20))
-    assert auto.skip_layers == result.skip_layers
-    assert out.token_ids == SpeculativeEngine(model, None).generate([1, 2, 3], SamplingParams(
-        max_new_tokens=20)).token_ids
-    # another model has its own entry
-    assert load_cached(tiny_llama(vocab_size=64, seed=5, layers=6), tmp_path) is None
+# --------------------------------------------------------------------------- the automatic mode
 
 
 def test_auto_mode_searches_on_the_first_long_enough_prompt(tmp_path):

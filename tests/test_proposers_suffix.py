@@ -219,6 +219,20 @@ def test_suffix_engine_is_lossless_and_learns_across_requests():
     assert second.metrics.mean_accepted_length > 3.0
 
 
+def test_lookup_indexes_are_rebuilt_when_the_context_is_replaced_or_cut():
+    proposer = SuffixProposer(SuffixConfig(min_token_prob=0.0, use_global=False))
+    ctx = ProposeContext([10, 11, 12, 13, 10, 11], 6, SamplingParams(), torch.Generator().manual_seed(0), 64)
+    proposer.start(ctx)
+    assert proposer.propose([ctx], [2])[0].token_ids[0].tolist() == [12, 13]
+    ctx.token_ids = [20, 21, 22, 20]  # replaced by a shorter list: the old tokens must not be matched
+    assert proposer.propose([ctx], [2])[0].token_ids[0].tolist() == [21, 22]
+    del ctx.token_ids[2:]  # cut in place, then extended
+    ctx.token_ids.append(20)
+    assert proposer.propose([ctx], [2])[0].token_ids[0].tolist() == [21, 20]  # not 21, 22 of the cut tokens
+    ctx.token_ids.append(50)  # extended as the engine does
+    assert proposer.propose([ctx], [2])[0].num_tokens == 0
+
+
 # --------------------------------------------------------------------------- API and CLI
 
 

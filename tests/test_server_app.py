@@ -1,4 +1,5 @@
-"""The real server on loopback: official ``openai`` client, raw HTTP errors, batching, cancellation, metrics.
+"""The app (``specdecode.server.app``), the real server on loopback: official ``openai`` client, raw HTTP
+errors, batching, cancellation, metrics. (Building and launching it: ``tests/test_server_launch.py``.)
 
 The server (the scheduler over the one engine) runs in a thread (uvicorn on a
 free port) over the tiny random Llama with its character tokenizer and chat
@@ -25,7 +26,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from specdecode.engine import EngineConfig, SpeculativeEngine
 from specdecode.models import load_model
-from specdecode.server import ServeOptions, build_state, create_app, load_state
+from specdecode.server import build_state, create_app
 from specdecode.types import SamplingParams
 
 MODEL = "tiny"
@@ -612,107 +613,3 @@ def test_metrics_totals_equal_the_summed_usage(tiny64):
     assert m["specdecode_accepted_tokens_total"] == sum(u.speculative["accepted_tokens"] for u in usages)
     assert m["specdecode_draft_tokens_total"] > 0
     assert m["specdecode_requests_total{endpoint=completions,outcome=ok}"] == len(usages) - 1
-
-
-# --------------------------------------------------------------------------- building the server
-
-
-@pytest.mark.parametrize("draft,extra", [
-    ("suffix:ngram", {}),
-    ("suffix:TARGET", {"tree_nodes": 8}),
-    ("TARGET", {"tree": "dynamic", "tree_nodes": 8, "draft_weights": "int8"}),
-    ("layer-skip", {"skip_layers": "1", "policy": "heuristic"}),
-    ("ngram", {"weights": "int8", "policy": "confidence"}),
-    ("none", {"forward": "hf"}),
-])
-def test_load_state_builds_every_drafter(tiny_model_dir, draft, extra):
-    """``load_state`` (what ``specdecode serve`` runs) builds each drafter and precision through the factory
-    path of ``specdecode generate``, and the app serves it."""
-    from fastapi.testclient import TestClient
-
-    spec = str(tiny_model_dir)
-    opts = ServeOptions(target=spec, draft=draft.replace("TARGET", spec), served_model_name=MODEL,
-                        max_batch_size=2, **extra)
-    state = load_state(opts, progress=False)
-    engine = state.engine
-    assert (engine.proposer is None) == (draft == "none")
-    assert engine.trees == (draft.startswith("suffix") or "tree" in extra)
-    assert engine.max_batch_size == 2
-    if "forward" in extra:
-        assert type(engine.runner).__name__ == "HFRunner"
-    with TestClient(create_app(state)) as client:
-        out = client.post("/v1/completions", json={"model": MODEL, "prompt": PROMPT, "max_tokens": 12,
-                                                   "temperature": 0})
-        assert out.status_code == 200, out.text
-        assert len(out.json()["choices"][0]["token_ids"]) <= 12
-        assert client.get("/health").json()["policy"] == ("none" if draft == "none" else opts.policy)
-
-
-def test_adaptive_flags_map_to_policies():
-    import argparse
-
-    from specdecode.server.launch import add_serve_arguments, options_from_args
-
-    parser = argparse.ArgumentParser()
-    add_serve_arguments(parser)
-    assert options_from_args(parser.parse_args([])).policy == "cost-model"
-    assert options_from_args(parser.parse_args(["--no-adaptive"])).policy == "fixed"
-    assert options_from_args(parser.parse_args(["--policy", "heuristic"])).policy == "heuristic"
-    assert options_from_args(parser.parse_args(["--policy", "fixed", "--adaptive"])).policy == "cost-model"
-    args = parser.parse_args(["--draft", "suffix:ngram", "--tree-nodes", "12", "--weights", "int8",
-                              "--forward", "owned", "--max-request-bytes", "4096"])
-    opts = options_from_args(args)
-    assert (opts.draft, opts.tree_nodes, opts.weights, opts.forward, opts.max_request_bytes) == \
-        ("suffix:ngram", 12, "int8", "owned", 4096)
-
-
-# --------------------------------------------------------------------------- command line
-
-
-def test_specdecode_serve_command_serves(tiny_model_dir):
-    """`specdecode serve` end to end in its own process: load, calibrate, bind loopback, answer, stop."""
-    import subprocess
-    import sys
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "specdecode.cli", "serve", "--target", str(tiny_model_dir), "--port", str(port),
-           "--served-model-name", MODEL, "--max-batch-size", "2", "--log-level", "warning"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    try:
-        url = f"http://127.0.0.1:{port}"
-        deadline = time.time() + 90
-        while True:
-            assert proc.poll() is None, proc.stderr.read()
-            assert time.time() < deadline, "server did not start"
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            time.sleep(0.2)
-        client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
-        out = client.completions.create(model=MODEL, prompt="hello", max_tokens=4, temperature=0)
-        assert len(out.choices[0].token_ids) <= 4
-    finally:
-        proc.terminate()
-        proc.wait(20)
-
-
-@pytest.mark.parametrize("flags", [
-    ["--num-speculative-tokens", "0"],
-    ["--ngram-min", "3", "--ngram-max", "1"],
-    ["--draft", "ngram", "--tree", "dynamic"],  # trees need a draft model
-    ["--tree-nodes", "0", "--draft", "suffix"],
-    ["--draft", "layer-skip", "--skip-layers", "x,y"],
-    ["--draft", "layer-skip", "--forward", "hf"],
-    ["--max-batch-size", "0"],
-    ["--max-request-bytes", "10"],
-    ["--policy", "nope"],
-    ["--weights", "int4"],
-])
-def test_serve_rejects_bad_flags_before_loading(flags, monkeypatch):
-    from specdecode.cli import main
-    from specdecode.server import launch
-
-    monkeypatch.setattr(launch, "load_model", lambda *a, **k: pytest.fail("loaded a model"))
-    assert main(["serve", "--target", "no-such-model-dir", *flags]) == 2

@@ -1,6 +1,7 @@
 """Token trees: masks and positions, lossless tree verification, the engine with tree drafts.
 
-(The tree forward and keep-path commit of the KV cache are tested in ``tests/test_kv.py``.)
+(The tree forward and keep-path commit of the KV cache are tested in ``tests/test_kv_base.py``; the tree
+draft model itself in ``tests/test_proposers_tree_draft.py``.)
 
 The distribution tests run the whole speculative loop with tree drafts over synthetic
 context-dependent target / draft distributions (vocabulary 4, 3 generated tokens: 64
@@ -23,7 +24,7 @@ from specdecode.engine import EngineConfig, SpeculativeEngine
 from specdecode.proposers import DraftModelProposer, NgramProposer
 from specdecode.proposers.base import Proposer
 from specdecode.proposers.suffix import SuffixProposer
-from specdecode.proposers.tree_draft import TreeDraftConfig, TreeDraftProposer, static_shape
+from specdecode.proposers.tree_draft import TreeDraftConfig, TreeDraftProposer
 from specdecode.sampling import logits_to_probs
 from specdecode.tree import (
     InvalidTreeError,
@@ -35,7 +36,7 @@ from specdecode.tree import (
 )
 from specdecode.types import Draft, SamplingParams
 from specdecode.verify import verify_greedy, verify_sampling
-from tiny import assert_cache_is_fresh_prefill, step_of, tiny_llama
+from tiny import tiny_llama
 
 
 TREE = [-1, -1, 0, 0, 1, 3]  # root -> {0, 1}; 0 -> {2, 3}; 1 -> {4}; 3 -> {5}
@@ -61,13 +62,6 @@ def test_depths_ancestors_and_mask():
 def test_parents_must_be_breadth_first(bad):
     with pytest.raises(InvalidTreeError):
         tree.as_parent_list(bad)
-
-
-def test_static_shape_prefers_likely_paths():
-    shape = static_shape((3, 2, 1), 7)
-    assert shape == [(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (1, 1)]
-    big = static_shape((4, 2, 2, 1), 20)
-    assert len(big) == 20 and all(not p[:-1] or p[:-1] in big[:i] for i, p in enumerate(big))
 
 
 # --------------------------------------------------------------------------- greedy verification
@@ -274,13 +268,6 @@ def test_tree_greedy_equals_plain_greedy(target, draft, kind):
     assert m.num_tree_steps > 0 and m.mean_tree_size >= 1 and m.num_accepted_tokens == m.tree_accepted_depth_sum
 
 
-def test_self_draft_tree_accepts_its_top_path(target):
-    out = _engine(target, TreeDraftProposer(target, TreeDraftConfig(kind="dynamic", num_nodes=8, top_k=1))).generate(
-        [3, 1, 4], SamplingParams(max_new_tokens=41))
-    m = out.metrics  # top_k=1 grows the draft's greedy chain: the target accepts all of it
-    assert m.mean_accepted_depth == m.mean_tree_depth == 4.0 and m.mean_accepted_length == 5.0
-
-
 class _AsTree(Proposer):
     """A chain proposer flagged as a tree proposer: forces the engine's tree path."""
 
@@ -318,66 +305,3 @@ def test_chain_through_the_tree_path_is_identical_greedily(target, draft):
         b = _engine(target, _AsTree(DraftModelProposer(draft)), gamma).generate(PROMPTS[3], params)
         assert a.token_ids == b.token_ids
         assert a.metrics.num_target_forwards == b.metrics.num_target_forwards
-
-
-def test_one_node_tree_is_a_one_token_chain(target, draft):
-    params = SamplingParams(max_new_tokens=30)
-    chain = _engine(target, DraftModelProposer(draft), 1).generate(PROMPTS[2], params)
-    for kind in ("static", "dynamic"):
-        one = _engine(target, TreeDraftProposer(draft, TreeDraftConfig(kind=kind, num_nodes=1)), 4)
-        out = one.generate(PROMPTS[2], params)
-        assert out.token_ids == chain.token_ids
-        assert out.metrics.mean_tree_size == 1.0
-        assert out.metrics.num_target_forwards == chain.metrics.num_target_forwards
-
-
-@pytest.mark.parametrize("kind", ["static", "dynamic"])
-@pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_caches_after_tree_commits_equal_fresh_prefill(target, draft, kind, temperature):
-    proposer = TreeDraftProposer(draft, TreeDraftConfig(kind=kind, num_nodes=10))
-    engine = _engine(target, proposer)
-    req, _ = engine.add(PROMPTS[3], SamplingParams(max_new_tokens=60, temperature=temperature, seed=1))
-    for _ in range(8):
-        step_of(engine, req)
-        assert engine.target.ids[0] == req.ctx.token_ids[:-1]
-        assert_cache_is_fresh_prefill(engine.target, 0)
-        assert_cache_is_fresh_prefill(proposer.runner, 0)  # the draft kept its accepted path
-        assert proposer.runner.ids[0] == req.ctx.token_ids[: len(proposer.runner.ids[0])]
-
-
-def test_sampled_static_tree_self_draft_accepts_almost_everything(target):
-    out = _engine(target, TreeDraftProposer(target, TreeDraftConfig(kind="static", num_nodes=6, branching=(2, 1, 1)))
-                  ).generate([3, 1, 4], SamplingParams(max_new_tokens=60, temperature=1.0, seed=0))
-    assert out.metrics.mean_accepted_depth > 0.95 * out.metrics.mean_tree_depth  # q == p: the first child is kept
-
-
-@pytest.mark.parametrize("backend", ["hf", "owned"])
-def test_tree_greedy_equals_plain_on_both_forwards(target, draft, backend):
-    config = EngineConfig(num_speculative_tokens=4, forward=backend)
-    plain = SpeculativeEngine(target, None, config)
-    spec = SpeculativeEngine(target, TreeDraftProposer(draft, TreeDraftConfig(num_nodes=10, forward=backend)), config)
-    assert type(spec.target).__name__ == ("HFRunner" if backend == "hf" else "OwnedRunner")
-    for prompt in PROMPTS[:3]:
-        params = SamplingParams(max_new_tokens=30)
-        assert spec.generate(prompt, params).token_ids == plain.generate(prompt, params).token_ids
-
-
-@pytest.mark.parametrize("kind", ["static", "dynamic"])
-@pytest.mark.parametrize("backend", ["hf", "owned"])
-def test_tree_draft_with_a_shorter_context_stops_drafting_where_it_ends(target, kind, backend):
-    """A 16-position tree draft under a 256-position target: no tree once the context passes the draft's,
-    and the output still equals plain decoding."""
-    short = tiny_llama(vocab_size=64, seed=1, layers=1, hidden=32, scale=3.0, max_positions=16)
-    cfg = (TreeDraftConfig(kind="static", num_nodes=10, forward=backend) if kind == "static"
-           else TreeDraftConfig(kind="dynamic", num_nodes=12, top_k=3, forward=backend))
-    config = EngineConfig(num_speculative_tokens=4, forward=backend)
-    engine = SpeculativeEngine(target, TreeDraftProposer(short, cfg), config)
-    params = SamplingParams(max_new_tokens=30)
-    req, _ = engine.add([5, 9, 2], params)
-    while req.finish_reason is None:
-        beyond = len(req.ctx.token_ids) > 16
-        step = step_of(engine, req)
-        assert not (beyond and step.num_drafted)
-    out = engine.output(req)
-    assert out.metrics.num_tree_steps > 0 and out.metrics.draft_lengths[-5:] == [0] * 5
-    assert out.token_ids == SpeculativeEngine(target, None, config).generate([5, 9, 2], params).token_ids

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 
 def tiny_llama(vocab_size: int = 64, seed: int = 0, layers: int = 2, hidden: int = 64,
@@ -29,6 +29,42 @@ def tiny_llama(vocab_size: int = 64, seed: int = 0, layers: int = 2, hidden: int
     for p in model.parameters():
         p.requires_grad_(False)
     return model
+
+
+def tiny_qwen2(vocab_size: int = 64, seed: int = 0, layers: int = 4, scale: float = 3.0,
+               dtype: torch.dtype = torch.float64, sliding: bool = False) -> Qwen2ForCausalLM:
+    """A seeded random Qwen2 (q/k/v biases), LM head x ``scale``; ``sliding`` gives every layer after the first
+    a sliding window of 8 tokens (a hybrid of full and sliding-window layers)."""
+    torch.manual_seed(seed)
+    cfg = Qwen2Config(num_hidden_layers=layers, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=vocab_size, max_position_embeddings=256,
+                      tie_word_embeddings=False, use_sliding_window=sliding, sliding_window=8, max_window_layers=1)
+    model = Qwen2ForCausalLM(cfg).eval().to(dtype)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(scale)
+    return model
+
+
+def tiny_mistral(window: int | None = 4) -> MistralForCausalLM:
+    """A seeded random 2-layer Mistral (vocabulary 32) in float64 with a sliding window of ``window`` tokens."""
+    torch.manual_seed(0)
+    cfg = MistralConfig(num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=4,
+                        num_key_value_heads=2, vocab_size=32, max_position_embeddings=256, sliding_window=window)
+    model = MistralForCausalLM(cfg).eval().to(torch.float64)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(4.0)
+    return model
+
+
+@torch.inference_mode()
+def reference(model, ids: list[int]) -> torch.Tensor:
+    """[n, V] logits of the model's own Hugging Face forward over ``ids`` (no cache)."""
+    return model(input_ids=torch.tensor([ids])).logits[0]
+
+
+def close(got, want, atol=1e-6):
+    """Runners return float32 logits: compare with a float64 reference at float32 resolution."""
+    torch.testing.assert_close(got.double(), want.double(), atol=atol, rtol=1e-6)
 
 
 def fresh_prefill(runner, ids: list[int]):

@@ -2,7 +2,10 @@
 
 Quick start::
 
-    from specdecode import load_model, SpeculativeEngine, SamplingParams, build_proposer
+    from specdecode.engine import EngineConfig, SpeculativeEngine
+    from specdecode.models import load_model
+    from specdecode.proposers import build_proposer
+    from specdecode.types import SamplingParams
 """
 
 from specdecode.types import (

@@ -8,7 +8,7 @@ different lengths run in one forward (ragged batches). Columns past the context
 (``SCRATCH_COLUMNS``) hold a token tree's pending nodes and the padding of short
 rows; no real token ever attends to padding.
 
-Contract (DESIGN.md rule 8, tested in ``tests/test_kv.py``): after any sequence
+Contract (DESIGN.md rule 8, tested in ``tests/test_kv_base.py``): after any sequence
 of forwards, tree keeps and rollbacks, each slot's cache equals a fresh prefill
 of its ``ids``.
 

@@ -12,7 +12,7 @@ than the one-row product. This forward
 - computes every projection as ``W @ x.T`` (near one-row cost for 1..16 rows),
 - runs a subset of the layers for layer-skip drafting.
 
-A test checks its logits against the Hugging Face forward (``tests/test_kv.py``).
+A test checks its logits against the Hugging Face forward (``tests/test_kv_owned.py``).
 """
 
 from __future__ import annotations

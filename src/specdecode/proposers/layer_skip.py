@@ -13,7 +13,7 @@ at column / position ``len(committed_i) - 1 + j`` of its own slot, past its
 committed length, where the verification pass rewrites every layer before
 attending to it. The kept layers attend to the full model's keys / values of the
 committed tokens plus the draft's own entries of this chain; skipped layers
-neither read nor write. ``tests/test_layer_skip.py`` checks the cache against a
+neither read nor write. ``tests/test_proposers_layer_skip.py`` checks the cache against a
 fresh prefill. Versus a cache of the draft's own this needs no prefill of the
 prompt by the draft, no catching up and no extra memory, and the draft sees the
 full model's representation of the context, which raises acceptance. The Hugging

@@ -1,0 +1,217 @@
+"""The layer-skip search (``specdecode.layer_search``): the skipping forward, the one-pass proxy, a search on
+tiny models with tiny budgets, and the per-model cache file."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from specdecode import layer_search
+from specdecode.engine import SpeculativeEngine
+from specdecode.layer_search import (
+    CACHE_FILE,
+    SearchConfig,
+    SearchResult,
+    SkipForward,
+    cache_path,
+    choose_skip_layers,
+    load_cached,
+    model_key,
+    remove_last,
+    search_skip_layers,
+    store,
+)
+from specdecode.proposers import LayerSkipConfig, LayerSkipProposer
+from specdecode.types import SamplingParams
+from tiny import tiny_llama, tiny_qwen2
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_llama(vocab_size=64, seed=0, layers=4, scale=3.0)
+
+
+def _result(skip=(1, 2), layers=4, **kw) -> SearchResult:
+    return SearchResult(skip_layers=skip, gamma=3, tokens_per_s=10.0, plain_tokens_per_s=8.0, acceptance=0.5,
+                        num_layers=layers, **kw)
+
+
+# --------------------------------------------------------------------------- the skipping forward
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_forward_with_nothing_skipped_matches_the_model(target, family):
+    model = target if family == "llama" else tiny_qwen2()
+    skip = SkipForward(model)
+    ids = torch.tensor([3, 1, 4, 1, 5, 9, 2, 6])
+    with torch.inference_mode():
+        expected = model(input_ids=ids.reshape(1, -1)).logits[0]
+        torch.testing.assert_close(skip.forward(ids, 0, range(skip.num_layers)), expected.float())
+        cache = DynamicCache(config=model.config)  # incremental, on a cache: prefill 5 then one token at a time
+        model(input_ids=ids[:5].reshape(1, -1), cache=cache, use_cache=True)
+        for j in range(5, 8):
+            out = skip.forward(ids[j : j + 1], j, range(skip.num_layers), cache)
+            torch.testing.assert_close(out[0], expected[j].float())
+
+
+def test_skipping_layers_changes_the_logits_and_remove_last_undoes_cache_entries(target):
+    skip = SkipForward(target)
+    ids = torch.tensor([3, 1, 4, 1, 5])
+    with torch.inference_mode():
+        full = skip.forward(ids, 0, range(4))
+        kept = skip.forward(ids, 0, [0, 3])
+        assert kept.shape == full.shape == (5, 64) and kept.dtype == torch.float32
+        assert not torch.allclose(kept, full, atol=1e-3)
+        assert torch.equal(skip.forward(ids, 0, [0, 3], last_only=True), kept[-1:])
+        cache = DynamicCache(config=target.config)
+        target(input_ids=ids[:4].reshape(1, -1), cache=cache, use_cache=True)
+        skip.forward(ids[4:], 4, [0, 3], cache)
+        assert [cache.get_seq_length(i) for i in range(4)] == [5, 4, 4, 5]  # only the kept layers grew
+        remove_last(cache, [0, 3], 1)
+        assert [cache.get_seq_length(i) for i in range(4)] == [4] * 4
+        remove_last(cache, [0, 3], 0)  # nothing to remove
+        assert cache.get_seq_length(0) == 4
+
+
+# --------------------------------------------------------------------------- the proxy and the search
+
+
+def test_search_proxy_scores_the_first_draft_token_exactly(target):
+    """The one-pass proxy equals drafting one token from each position on a cache of the tokens before it."""
+    context = [(5 * i + 3) % 64 for i in range(40)]
+    skip = SkipForward(target)
+    scorer = layer_search._ProxyScorer(skip, [context], [20], max_gamma=4)
+    kept = [0, 3]
+    with torch.inference_mode():
+        hits = 0
+        rows = range(1, len(context) - 1)  # prompt of 20 tokens: scoring starts at max(1, 20 - 32)
+        for j in rows:
+            full = target(input_ids=torch.tensor([context[: j + 1]])).logits[0, -1].argmax()
+            cache = DynamicCache(config=target.config)
+            target(input_ids=torch.tensor([context[:j]]), cache=cache, use_cache=True)
+            draft = skip.forward(torch.tensor([context[j]]), j, kept, cache)[-1].argmax()
+            hits += int(draft == full)
+    assert scorer.acceptance(kept) == pytest.approx(hits / len(rows))
+    assert scorer.acceptance(list(range(4))) == 1.0  # nothing skipped: the draft is the target
+    prefix = scorer.items[0][0]
+    assert [prefix.cache.get_seq_length(i) for i in range(4)] == [40] * 4  # scoring left no entries
+
+
+def test_search_finds_a_valid_set_and_caches_it(tmp_path, monkeypatch):
+    model = tiny_llama(vocab_size=64, seed=0, layers=6, scale=3.0)
+    config = SearchConfig(new_tokens=8, proxy_evaluations=10, measured_candidates=2, time_budget_s=60)
+    result = choose_skip_layers(model, [[1, 2, 3, 4, 5, 6]], config, cache_dir=tmp_path)
+    assert result.skip_layers and all(1 <= i <= 4 for i in result.skip_layers)  # ends protected
+    assert result.tokens_per_s > 0 and result.plain_tokens_per_s > 0 and not result.from_cache
+    assert sum(c["tokens_per_s"] is not None for c in result.candidates) >= 1
+    data = json.loads((tmp_path / "layer_skip.json").read_text())
+    assert data["models"][result.key]["skip_layers"] == list(result.skip_layers)
+
+    def no_search(*a, **k):
+        raise AssertionError("searched again")
+
+    monkeypatch.setattr(layer_search, "search_skip_layers", no_search)
+    again = choose_skip_layers(model, [[9, 9]], config, cache_dir=tmp_path)
+    assert again.from_cache and again.skip_layers == result.skip_layers
+    # the auto mode of the proposer uses the cached set, and stays lossless
+    auto = LayerSkipProposer(model, LayerSkipConfig(cache_dir=str(tmp_path)), searcher=layer_search)
+    out = SpeculativeEngine(model, auto).generate([1, 2, 3], SamplingParams(max_new_tokens=20))
+    assert auto.skip_layers == result.skip_layers
+    assert out.token_ids == SpeculativeEngine(model, None).generate([1, 2, 3], SamplingParams(
+        max_new_tokens=20)).token_ids
+    # another model has its own entry
+    assert load_cached(tiny_llama(vocab_size=64, seed=5, layers=6), tmp_path) is None
+
+
+def test_a_search_on_a_tiny_model_with_a_tiny_budget_still_measures_one_candidate(target):
+    config = SearchConfig(new_tokens=6, proxy_evaluations=4, measured_candidates=2, time_budget_s=0.01)
+    result = search_skip_layers(target, [[5, 6, 7, 8, 9]], config)
+    assert result.skip_layers and set(result.skip_layers) <= {1, 2}  # layers 0 and 3 protected
+    assert result.num_layers == 4 and result.key == model_key(target) and not result.from_cache
+    assert result.tokens_per_s > 0 and result.plain_tokens_per_s > 0 and result.speedup is not None
+    assert 1 <= result.gamma <= config.max_gamma and 0.0 <= result.acceptance <= 0.999
+    assert len(result.candidates) >= 1
+    for c in result.candidates:
+        assert set(c["skip_layers"]) <= {1, 2} and len(c["skip_layers"]) < 4
+    measured = [c for c in result.candidates if c["tokens_per_s"] is not None]
+    assert measured and max(c["tokens_per_s"] for c in measured) == result.tokens_per_s
+    ranks = [c["predicted_speedup"] for c in result.candidates]
+    assert ranks == sorted(ranks, reverse=True)
+
+
+def test_a_search_needs_a_prompt(target):
+    with pytest.raises(ValueError, match="non-empty calibration prompt"):
+        search_skip_layers(target, [[], []], SearchConfig(time_budget_s=0.01))
+
+
+# --------------------------------------------------------------------------- the cache file
+
+
+def test_model_key_names_the_weights():
+    a, same = tiny_llama(seed=0, layers=4), tiny_llama(seed=0, layers=4)
+    assert model_key(a) == model_key(same)
+    assert model_key(a) != model_key(tiny_llama(seed=1, layers=4))  # other weights
+    assert "|L4|" in model_key(a) and "|L3|" in model_key(tiny_llama(seed=0, layers=3))
+    assert "|float64|" in model_key(a) and "|float32|" in model_key(tiny_llama(seed=0, layers=4, dtype=torch.float32))
+    same.config.specdecode_weights = "int8"  # int8 execution of the same weights runs at other speeds
+    assert "|int8|" in model_key(same) and model_key(same) != model_key(a)
+
+
+def test_cache_path_defaults_to_the_model_cache(monkeypatch, tmp_path):
+    monkeypatch.setattr(layer_search, "default_cache_dir", lambda: tmp_path / "models")
+    assert cache_path() == tmp_path / "models" / CACHE_FILE
+    assert cache_path(tmp_path / "x") == tmp_path / "x" / CACHE_FILE
+
+
+def test_store_and_load_round_trip_keeping_other_models(tmp_path):
+    a, b = tiny_llama(seed=0, layers=4), tiny_llama(seed=3, layers=5)
+    assert load_cached(a, tmp_path) is None  # no file yet
+    path = store(a, _result((1, 2), 4, candidates=[{"skip_layers": [1, 2]}], seconds=1.5), tmp_path)
+    store(b, _result((2,), 5), tmp_path)
+    assert path == tmp_path / CACHE_FILE and not list(tmp_path.glob(".layer_skip.*"))  # no temporary left
+    data = json.loads(path.read_text())
+    assert data["format"] == layer_search.CACHE_FORMAT and set(data["models"]) == {model_key(a), model_key(b)}
+    assert "from_cache" not in data["models"][model_key(a)] and data["models"][model_key(a)]["created"]
+    got = load_cached(a, tmp_path)
+    assert got.from_cache and got.skip_layers == (1, 2) and isinstance(got.skip_layers, tuple)
+    assert (got.gamma, got.tokens_per_s, got.plain_tokens_per_s, got.seconds) == (3, 10.0, 8.0, 1.5)
+    assert got.key == model_key(a) and got.candidates == [{"skip_layers": [1, 2]}]
+    assert load_cached(b, tmp_path).skip_layers == (2,)
+    store(a, _result((2,), 4), tmp_path)  # a new choice replaces the old one
+    assert load_cached(a, tmp_path).skip_layers == (2,) and load_cached(b, tmp_path).skip_layers == (2,)
+
+
+def test_unusable_cache_files_read_as_no_entry(tmp_path):
+    model = tiny_llama(seed=0, layers=4)
+    path = tmp_path / CACHE_FILE
+    path.write_text("{not json")
+    assert load_cached(model, tmp_path) is None
+    store(model, _result(), tmp_path)  # an unreadable file is replaced
+    assert load_cached(model, tmp_path).skip_layers == (1, 2)
+    data = json.loads(path.read_text())
+    data["models"][model_key(model)]["num_layers"] = 6  # an entry for another layer count
+    path.write_text(json.dumps(data))
+    assert load_cached(model, tmp_path) is None
+    path.write_text(json.dumps({"format": 99, "models": {model_key(model): {"bogus": 1}}}))
+    assert load_cached(model, tmp_path) is None
+    store(model, _result((1,)), tmp_path)  # another format: started afresh
+    assert json.loads(path.read_text())["format"] == layer_search.CACHE_FORMAT
+    assert load_cached(model, tmp_path).skip_layers == (1,)
+
+
+def test_choose_uses_the_cache_unless_refreshed_and_takes_a_budget(tmp_path, monkeypatch, target):
+    calls = []
+
+    def fake_search(model, prompts, config=None):
+        calls.append(config)
+        return _result((2,), 4, key=model_key(model))
+
+    monkeypatch.setattr(layer_search, "search_skip_layers", fake_search)
+    first = choose_skip_layers(target, [[1, 2, 3]], 7.5, cache_dir=tmp_path)
+    assert first.skip_layers == (2,) and calls[0] == SearchConfig(time_budget_s=7.5)
+    assert choose_skip_layers(target, [[1, 2, 3]], cache_dir=tmp_path).from_cache and len(calls) == 1
+    again = choose_skip_layers(target, [[1, 2, 3]], SearchConfig(seed=4), cache_dir=tmp_path, refresh=True)
+    assert len(calls) == 2 and calls[1].seed == 4 and not again.from_cache

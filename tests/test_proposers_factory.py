@@ -1,0 +1,221 @@
+"""From a drafter choice to proposers (``specdecode.proposers.factory``): parsing, the checks that run before
+any model is loaded, the draft-model load, and a factory for every choice (each lossless through the engine)."""
+
+from __future__ import annotations
+
+import pytest
+
+from specdecode import layer_search
+from specdecode.engine import EngineConfig, SpeculativeEngine
+from specdecode.kernels import RowwiseInt8Linear
+from specdecode.proposers import (
+    PROPOSERS,
+    DraftModelConfig,
+    DraftModelProposer,
+    LayerSkipConfig,
+    LayerSkipProposer,
+    NgramConfig,
+    NgramProposer,
+    SuffixConfig,
+    SuffixProposer,
+    TreeDraftConfig,
+    TreeDraftProposer,
+)
+from specdecode.proposers import factory as F
+from specdecode.proposers.factory import (
+    DraftChoice,
+    DrafterOptions,
+    check_drafter,
+    config_type,
+    load_draft_model,
+    parse_draft,
+    proposer_factory,
+    registered_factory,
+    takes_draft_model,
+    tree_config,
+)
+from specdecode.types import SamplingParams, SpecDecodeError
+from tiny import tiny_llama
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_llama(vocab_size=64, seed=0, layers=4, scale=3.0)
+
+
+@pytest.fixture(scope="module")
+def draft():
+    return tiny_llama(vocab_size=64, seed=1, layers=1, hidden=32, scale=3.0)
+
+
+@pytest.fixture()
+def no_loading(monkeypatch):
+    """Any model load fails the test: the checks must run before it."""
+    monkeypatch.setattr(F, "load_model", lambda *a, **k: pytest.fail("a model was loaded"))
+
+
+# --------------------------------------------------------------------------- parsing
+
+
+@pytest.mark.parametrize("text, kind, spec", [
+    (None, "none", None), ("", "none", None), ("  none ", "none", None), ("NONE", "none", None),
+    ("ngram", "ngram", None), (" NGram ", "ngram", None), ("layer-skip", "layer-skip", None),
+    ("Layer-Skip", "layer-skip", None), ("suffix", "suffix", None), ("suffix:ngram", "suffix", None),
+    ("HuggingFaceTB/SmolLM2-135M", "model", "HuggingFaceTB/SmolLM2-135M"), ("./My Dir", "model", "./My Dir"),
+    ("Suffix:Org/Draft", "suffix", "Org/Draft"),
+])
+def test_parse_draft_reads_names_case_insensitively_and_keeps_model_specs(text, kind, spec):
+    choice = parse_draft(text)
+    assert choice.kind == kind and choice.model_spec == spec
+    assert choice.text == (text or "").strip()
+
+
+def test_suffix_choices_carry_their_fallback():
+    assert parse_draft("suffix").fallback == DraftChoice("none", "none")
+    assert parse_draft("suffix:").fallback.kind == "none"
+    assert parse_draft("suffix:NGRAM").fallback == DraftChoice("NGRAM", "ngram")
+    inner = parse_draft("suffix:some/model").fallback
+    assert inner.kind == "model" and inner.text == "some/model" and inner.fallback is None
+    assert parse_draft("ngram").fallback is None
+
+
+# --------------------------------------------------------------------------- checks before loading
+
+
+@pytest.mark.parametrize("draft, options, needle", [
+    ("layer-skip", DrafterOptions(skip_layers="1;2"), "comma-separated"),
+    ("ngram", DrafterOptions(skip_layers="a,b"), "comma-separated"),
+    ("some/model", DrafterOptions(tree="bushy"), "tree must be one of"),
+    ("some/model", DrafterOptions(tree="static", tree_nodes=0), "tree nodes must be"),
+    ("suffix", DrafterOptions(tree_nodes=65), "tree nodes must be"),
+    ("ngram", DrafterOptions(tree="dynamic"), "needs a draft model"),
+    ("layer-skip", DrafterOptions(tree="static"), "needs a draft model"),
+    ("suffix:ngram", DrafterOptions(tree="static"), "needs a draft model"),
+    ("none", DrafterOptions(tree="static"), "needs a draft model"),
+    ("ngram", DrafterOptions(ngram_min=3, ngram_max=2), "min_ngram <= max_ngram"),
+    ("suffix:ngram", DrafterOptions(ngram_min=0), "min_ngram <= max_ngram"),
+])
+def test_check_drafter_refuses_bad_settings_before_any_load(no_loading, draft, options, needle):
+    with pytest.raises(SpecDecodeError, match=needle):
+        check_drafter(parse_draft(draft), options)
+    with pytest.raises(SpecDecodeError, match=needle):  # the factory checks the same way
+        proposer_factory(parse_draft(draft), options)
+
+
+@pytest.mark.parametrize("draft, options", [
+    ("some/model", DrafterOptions(ngram_min=3, ngram_max=2)),  # n-gram sizes matter to ngram only
+    ("suffix:some/model", DrafterOptions(tree="dynamic", tree_nodes=64)),
+    ("layer-skip", DrafterOptions(skip_layers=[3, 1])),
+    ("some/model", DrafterOptions(tree=" Static ", tree_nodes=1)),
+])
+def test_check_drafter_accepts_settings_that_fit(no_loading, draft, options):
+    check_drafter(parse_draft(draft), options)
+
+
+def test_tree_config_maps_kinds_and_none():
+    assert tree_config(None, 16) is None and tree_config("none", 16) is None and tree_config(" NONE ", 3) is None
+    assert tree_config("static", 8) == TreeDraftConfig(kind="static", num_nodes=8)
+    assert tree_config("Dynamic", 12) == TreeDraftConfig(kind="dynamic", num_nodes=12)
+
+
+# --------------------------------------------------------------------------- the registry
+
+
+def test_registered_factories_and_their_config_types():
+    assert set(PROPOSERS) == {"draft-model", "layer-skip", "ngram", "suffix", "tree-draft"}
+    assert {n for n in PROPOSERS if takes_draft_model(n)} == {"draft-model", "tree-draft"}  # layer-skip: the target
+    assert config_type("ngram") is NgramConfig and config_type("draft-model") is DraftModelConfig
+    assert config_type("layer-skip") is LayerSkipConfig and config_type("suffix") is SuffixConfig
+    assert config_type("tree-draft") is TreeDraftConfig
+    with pytest.raises(KeyError, match="no-such"):
+        takes_draft_model("no-such")
+    with pytest.raises(KeyError, match="choose one of"):
+        registered_factory("no-such")
+
+
+def test_registered_factory_binds_model_target_config_and_searcher(target, draft):
+    skip = registered_factory("layer-skip", target=target, draft=draft,
+                              config=LayerSkipConfig(skip_layers=(1,)))()
+    assert skip.model is target and skip.searcher is layer_search and skip.skip_layers == (1,)
+    dm = registered_factory("draft-model", target=target, draft=draft)()
+    assert dm.model is draft
+    a, b = (registered_factory("ngram", config=NgramConfig(2, 4)) for _ in range(2))
+    assert a().config == NgramConfig(2, 4) and a() is not a()  # a fresh proposer per call
+
+
+# --------------------------------------------------------------------------- a factory for every choice
+
+
+def _check(proposer, kind):
+    """The built proposer's type and settings for each choice of CHOICES."""
+    if kind == "ngram":
+        assert isinstance(proposer, NgramProposer) and proposer.config == NgramConfig(2, 4)
+    elif kind == "layer-skip":
+        assert isinstance(proposer, LayerSkipProposer) and proposer.skip_layers == (1, 2)
+    elif kind == "suffix":
+        assert isinstance(proposer, SuffixProposer) and proposer.fallback is None
+        assert proposer.config.max_spec_nodes == 8
+    elif kind == "suffix:ngram":
+        assert isinstance(proposer, SuffixProposer) and isinstance(proposer.fallback, NgramProposer)
+    elif kind == "suffix:model":
+        assert isinstance(proposer, SuffixProposer) and isinstance(proposer.fallback, DraftModelProposer)
+    elif kind == "model":
+        assert type(proposer) is DraftModelProposer
+    elif kind == "model+tree":
+        assert isinstance(proposer, TreeDraftProposer) and proposer.config.kind == "static"
+        assert proposer.config.num_nodes == 8
+
+
+CHOICES = {
+    "ngram": ("ngram", DrafterOptions(ngram_min=2, ngram_max=4)),
+    "layer-skip": ("layer-skip", DrafterOptions(skip_layers="1,2")),
+    "suffix": ("suffix", DrafterOptions(tree_nodes=8)),
+    "suffix:ngram": ("suffix:ngram", DrafterOptions()),
+    "suffix:model": ("suffix:draft/spec", DrafterOptions()),
+    "model": ("draft/spec", DrafterOptions()),
+    "model+tree": ("draft/spec", DrafterOptions(tree="static", tree_nodes=8)),
+}
+
+
+@pytest.mark.parametrize("kind", list(CHOICES))
+def test_proposer_factory_builds_every_choice_and_each_is_lossless(target, draft, kind):
+    text, options = CHOICES[kind]
+    make = proposer_factory(parse_draft(text), options, target=target, draft=draft)
+    first, second = make(), make()
+    assert first is not second  # fresh proposers (the library builds one per decoder)
+    _check(first, kind)
+    params = SamplingParams(max_new_tokens=24)
+    prompt = [3, 4, 5, 3, 4, 5, 3, 4]
+    plain = SpeculativeEngine(target, None).generate(prompt, params).token_ids
+    assert SpeculativeEngine(target, first, EngineConfig(num_speculative_tokens=3)).generate(
+        prompt, params).token_ids == plain
+
+
+def test_plain_decoding_and_a_missing_draft_model(target):
+    assert proposer_factory(parse_draft("none"), DrafterOptions()) is None
+    assert proposer_factory(parse_draft(None), DrafterOptions(), target=target) is None
+    for text in ("some/model", "suffix:some/model"):
+        with pytest.raises(SpecDecodeError, match="names a draft model, but none was loaded"):
+            proposer_factory(parse_draft(text), DrafterOptions(), target=target)
+
+
+# --------------------------------------------------------------------------- loading the draft model
+
+
+def test_load_draft_model(tiny_model_dir, tiny_loaded, no_loading):
+    spec = str(tiny_model_dir)
+    for text in ("none", "ngram", "layer-skip", "suffix", "suffix:ngram"):
+        assert load_draft_model(parse_draft(text), tiny_loaded, spec) is None  # model-free: nothing loaded
+    # the target's own spec in the target's precision: the target object itself
+    assert load_draft_model(parse_draft(spec), tiny_loaded, spec) is tiny_loaded
+    assert load_draft_model(parse_draft(f"suffix:{spec}"), tiny_loaded, spec) is tiny_loaded
+
+
+def test_load_draft_model_loads_another_spec_or_precision(tiny_model_dir, tiny_loaded):
+    spec = str(tiny_model_dir)
+    other = load_draft_model(parse_draft(spec), tiny_loaded, "another-target-spec", progress=False)
+    assert other is not tiny_loaded and other.model is not tiny_loaded.model
+    int8 = load_draft_model(parse_draft(spec), tiny_loaded, spec, draft_weights="int8", progress=False)
+    assert int8 is not tiny_loaded
+    assert any(isinstance(m, RowwiseInt8Linear) for m in int8.model.modules())
+    assert not any(isinstance(m, RowwiseInt8Linear) for m in tiny_loaded.model.modules())

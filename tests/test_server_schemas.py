@@ -1,0 +1,128 @@
+"""Wire schemas of the OpenAI-compatible API (``specdecode.server.schemas``): strict types, the range checks
+with messages naming the field, fields this server cannot honour refused, and the helpers the routes use.
+(The HTTP errors these become: ``tests/test_server_app.py``.)"""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from specdecode.server.schemas import (
+    MAX_CHOICES,
+    MAX_STOP,
+    MAX_TOP_LOGPROBS,
+    ChatCompletionRequest,
+    CompletionRequest,
+    ModelCard,
+    ModelList,
+)
+
+USER = [{"role": "user", "content": "hi"}]
+
+
+def _error(cls, **body) -> str:
+    with pytest.raises(ValidationError) as info:
+        cls(**body)
+    return str(info.value)
+
+
+def test_a_minimal_completion_and_its_defaults():
+    req = CompletionRequest(model="m", prompt="x")
+    assert (req.max_tokens, req.temperature, req.top_p, req.top_k, req.n, req.seed) == (None, None, None, None, 1,
+                                                                                        None)
+    assert req.stops == [] and not req.include_usage and not req.stream and req.prompts() == ["x"]
+    req = CompletionRequest(model="m", prompt="x", stop="\n", stream=True, stream_options={"include_usage": True},
+                            user="someone", metadata={"a": 1})  # unknown fields are ignored
+    assert req.stops == ["\n"] and req.include_usage
+
+
+@pytest.mark.parametrize("prompt, prompts", [
+    ("one", ["one"]), (["a", "b"], ["a", "b"]), ([5, 6, 7], [[5, 6, 7]]), ([[1, 2], [3]], [[1, 2], [3]]),
+])
+def test_prompt_forms(prompt, prompts):
+    assert CompletionRequest(model="m", prompt=prompt).prompts() == prompts
+
+
+@pytest.mark.parametrize("body, field, needle", [
+    (dict(max_tokens=0), "max_tokens", "max_tokens must be >= 1"),
+    (dict(max_tokens="5"), "max_tokens", "integer"),  # strict: no coercion from strings
+    (dict(temperature=2.5), "temperature", "[0, 2]"),
+    (dict(temperature=float("nan")), "temperature", "[0, 2]"),
+    (dict(top_p=0.0), "top_p", "(0, 1]"),
+    (dict(top_k=-2), "top_k", ">= 0"),
+    (dict(n=0), "n", f"[1, {MAX_CHOICES}]"),
+    (dict(n=MAX_CHOICES + 1), "n", f"[1, {MAX_CHOICES}]"),
+    (dict(seed=-1), "seed", "2**63"),
+    (dict(stop=["a"] * (MAX_STOP + 1)), "stop", f"at most {MAX_STOP}"),
+    (dict(stop=""), "stop", "non-empty"),
+    (dict(stream=1), "stream", "boolean"),
+    (dict(logprobs=MAX_TOP_LOGPROBS + 1), "logprobs", f"[0, {MAX_TOP_LOGPROBS}]"),
+    (dict(prompt=[]), "prompt", "empty list"),
+    (dict(prompt=[[1], []]), "prompt", "at least one token"),
+])
+def test_completion_values_out_of_range_name_the_field(body, field, needle):
+    message = _error(CompletionRequest, **{"model": "m", "prompt": "x", **body})
+    assert field in message and needle in message
+
+
+@pytest.mark.parametrize("body, needle", [
+    (dict(presence_penalty=0.5), "presence_penalty is not supported"),
+    (dict(frequency_penalty=-1.0), "frequency_penalty is not supported"),
+    (dict(repetition_penalty=1.2), "repetition_penalty is not supported"),
+    (dict(logit_bias={"5": 10}), "logit_bias is not supported"),
+    (dict(echo=True), "echo is not supported"),
+    (dict(suffix="tail"), "suffix is not supported"),
+    (dict(best_of=3), "best_of is not supported"),
+])
+def test_fields_this_server_cannot_honour_are_refused(body, needle):
+    assert needle in _error(CompletionRequest, model="m", prompt="x", **body)
+
+
+def test_neutral_values_of_unsupported_fields_are_accepted():
+    CompletionRequest(model="m", prompt="x", presence_penalty=0, frequency_penalty=0.0, repetition_penalty=1,
+                      logit_bias={}, echo=False, best_of=2, n=2, top_k=-1)
+
+
+def test_chat_messages_roles_parts_and_developer_as_system():
+    req = ChatCompletionRequest(model="m", messages=[
+        {"role": "developer", "content": "be brief"},
+        {"role": "user", "content": [{"type": "text", "text": "one "}, {"type": "text", "text": "two"}]},
+        {"role": "assistant", "content": None},
+    ])
+    assert req.chat_messages() == [{"role": "system", "content": "be brief"}, {"role": "user", "content": "one two"},
+                                   {"role": "assistant", "content": ""}]
+
+
+def test_chat_max_completion_tokens_wins_over_max_tokens():
+    assert ChatCompletionRequest(model="m", messages=USER, max_tokens=5).max_new_tokens == 5
+    assert ChatCompletionRequest(model="m", messages=USER, max_tokens=5, max_completion_tokens=9).max_new_tokens == 9
+    assert ChatCompletionRequest(model="m", messages=USER).max_new_tokens is None
+
+
+@pytest.mark.parametrize("body, needle", [
+    (dict(messages=[]), "at least one message"),
+    (dict(messages=[{"role": "wizard", "content": "x"}]), "role"),
+    (dict(messages=[{"role": "user"}]), "messages[0] (user) has no content"),
+    (dict(messages=[{"role": "user", "content": [{"type": "image_url", "text": "x"}]}]), "text"),
+    (dict(messages=USER, tools=[{"type": "function"}]), "tools / function calling are not supported"),
+    (dict(messages=USER, tool_choice="auto"), "tools / function calling are not supported"),
+    (dict(messages=USER, response_format={"type": "json_object"}), "response_format"),
+    (dict(messages=USER, top_logprobs=3), "top_logprobs needs logprobs: true"),
+    (dict(messages=USER, top_logprobs=21, logprobs=True), "[0, 20]"),
+    (dict(messages=USER, max_completion_tokens=0), "max_completion_tokens must be >= 1"),
+])
+def test_chat_errors(body, needle):
+    assert needle in _error(ChatCompletionRequest, model="m", **body)
+
+
+def test_chat_accepts_text_response_format_and_no_tools():
+    req = ChatCompletionRequest(model="m", messages=USER, response_format={"type": "text"}, tool_choice="none",
+                                logprobs=True, top_logprobs=2)
+    assert req.top_logprobs == 2
+
+
+def test_model_list_shape():
+    card = ModelCard(id="tiny", created=1, max_model_len=256, draft="ngram", num_speculative_tokens=4)
+    body = ModelList(data=[card]).model_dump()
+    assert body["object"] == "list" and body["data"][0]["object"] == "model"
+    assert body["data"][0]["owned_by"] == "specdecode"
