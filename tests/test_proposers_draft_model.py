@@ -120,7 +120,7 @@ def test_a_draft_with_a_larger_vocabulary_drafts_only_target_ids(target):
 
 
 def test_a_long_prompt_is_caught_up_once_and_timed_apart(target, draft):
-    prompt = list(range(10, 40))  # longer than SOLO_FEED: fed alone on the first proposal
+    prompt = list(range(10, 60)) * 2  # longer than SOLO_FEED: fed alone on the first proposal
     assert len(prompt) > DraftModelProposer.SOLO_FEED
     proposer = DraftModelProposer(draft)
     engine = _engine(target, proposer)

@@ -49,8 +49,9 @@ class DraftModelProposer(DraftModelSlots):
         config: DraftModelConfig.
     """
 
-    #: Rows lacking more tokens than this (a new prompt) are fed alone before the batched forward.
-    SOLO_FEED = 8
+    #: Rows lacking more tokens than this (a new prompt) are fed alone before the batched forward; shorter
+    #: gaps (the tokens of plain steps the draft skipped) are caught up together in the batched forward.
+    SOLO_FEED = 64
 
     def __init__(self, model: torch.nn.Module, config: DraftModelConfig | None = None) -> None:
         self.config = config or DraftModelConfig()
