@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from specdecode import __version__
+from specdecode.cliargs import DRAFT_CHOICES_HELP, add_drafter_arguments  # noqa: F401 - re-exported
 from specdecode.kernels import WEIGHT_PRECISIONS
 from specdecode.types import SpecDecodeError
 
@@ -32,10 +33,6 @@ DEFAULT_TARGET = "smollm2-135m"
 DEFAULT_DATASET = "spec-bench:summarization:1"
 #: Used instead when ../shared/data is not beside the project: HumanEval ships in a registry package.
 FALLBACK_DATASET = "humaneval:1"
-DRAFT_CHOICES_HELP = ("'ngram' (prompt lookup, no model), 'none' (plain decoding), 'layer-skip' (self-speculation: "
-                      "the target drafts with some decoder layers skipped, no second model), 'suffix' (suffix decoding, "
-                      "no model), 'suffix:ngram' or 'suffix:MODEL' (suffix decoding, falling back to that drafter "
-                      "when the suffix match is weak), or a draft model spec")
 
 
 class UsageError(SpecDecodeError):
@@ -114,45 +111,7 @@ def _add_generate(commands) -> None:
     models = p.add_argument_group("models")
     models.add_argument("--target", default=DEFAULT_TARGET, metavar="SPEC",
                         help="the model whose output distribution is preserved (default: %(default)s)")
-    models.add_argument("--draft", default="ngram", metavar="SPEC",
-                        help=f"the proposer: {DRAFT_CHOICES_HELP}; a draft model must share the target's "
-                             "tokenizer (default: %(default)s)")
-    models.add_argument("-k", "--num-speculative-tokens", type=int, default=5, metavar="N",
-                        help="gamma: tokens drafted per step, 1..64 (default: %(default)s)")
-    models.add_argument("--ngram-min", type=int, default=1, metavar="N",
-                        help="shortest n-gram the ngram drafter matches (default: %(default)s)")
-    models.add_argument("--ngram-max", type=int, default=3, metavar="N",
-                        help="longest n-gram the ngram drafter matches, tried first (default: %(default)s)")
-    models.add_argument("--skip-layers", default=None, metavar="LIST",
-                        help="with --draft layer-skip: decoder layers to skip, e.g. 3,5,7 (default: the set cached for "
-                             "the model, else a search on the first prompts, cached in the --cache-dir)")
-    models.add_argument("--policy", default="fixed", choices=("fixed", "heuristic", "confidence", "cost-model"),
-                        help="draft-length policy: fixed gamma (-k); heuristic (+2 after a fully accepted step, -1 "
-                             "otherwise); confidence (draft up to max(2k, 8) while the draft is sure); cost-model "
-                             "(gamma maximising measured tokens/s, 0 = plain decoding when speculation loses) "
-                             "(default: %(default)s)")
-    models.add_argument("--tree", default="none", choices=("none", "static", "dynamic"),
-                        help="token trees from the draft model, verified in one target pass: 'static' (top-k "
-                             "branching per depth) or 'dynamic' (EAGLE-2: expand the most probable nodes, keep the "
-                             "best N); -k caps the depth (default: %(default)s = chains)")
-    models.add_argument("--tree-nodes", type=int, default=16, metavar="N",
-                        help="node budget N of --tree and of suffix decoding, 1..64 (default: %(default)s)")
-    models.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
-                        help="dtype the weights are loaded in; bfloat16 halves the bytes and verifies k tokens at about "
-                             "one step's cost on AVX512-BF16 CPUs (see also --weights) (default: %(default)s)")
-    models.add_argument("--weights", default="fp32", choices=WEIGHT_PRECISIONS,
-                        help="precision the target's weights execute in; plain decoding uses the same target, so "
-                             "output stays lossless with respect to it. bf16: half the bytes, fast few-row products "
-                             "on AVX512-BF16 CPUs; int8: a quarter of the bytes (fbgemm, int8 weights per channel, "
-                             "activations per token), token-for-token lossless with the owned Llama/Qwen2 forward "
-                             "(default: %(default)s)")
-    models.add_argument("--draft-weights", default=None, choices=WEIGHT_PRECISIONS,
-                        help="precision of the draft model's weights (default: same as --weights). int8 = "
-                             "fbgemm int8 linear layers: 4x fewer bytes per draft step; a draft's precision changes "
-                             "speed only, never the output distribution")
-    models.add_argument("--cache-dir", metavar="DIR",
-                        help="where converted GGUF models are cached (default: $SPECDECODE_CACHE or "
-                             "~/.cache/specdecode)")
+    add_drafter_arguments(models)
 
     prompts = p.add_argument_group("prompts (at most one of --prompt, --prompt-file, --dataset)")
     source = prompts.add_mutually_exclusive_group()

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from specdecode.cliargs import add_drafter_arguments
 from specdecode.engine import EngineConfig, SpeculativeEngine
 from specdecode.kernels import WEIGHT_PRECISIONS, set_weight_precision
 from specdecode.kv import FORWARD_BACKENDS
@@ -256,12 +257,6 @@ def run(opts: ServeOptions) -> int:
 
 # --------------------------------------------------------------------------- command line
 
-_DRAFT_HELP = ("'ngram' (prompt lookup, no model), 'none' (plain decoding), 'layer-skip' (self-speculation: the "
-               "target drafts with some decoder layers skipped), 'suffix' (suffix decoding, token trees, no model), "
-               "'suffix:ngram' or 'suffix:MODEL' (suffix decoding falling back to that drafter), or a draft model "
-               "spec sharing the target's tokenizer")
-
-
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     """The flags of ``specdecode serve`` (also ``python -m specdecode.server``); the drafter and precision
     flags are those of ``specdecode generate``."""
@@ -269,44 +264,16 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     models = p.add_argument_group("models and drafting")
     models.add_argument("--target", default=d.target, metavar="SPEC",
                         help="the model served; its output distribution is preserved (default: %(default)s)")
-    models.add_argument("--draft", default=d.draft, metavar="SPEC", help=f"the proposer: {_DRAFT_HELP} "
-                                                                        "(default: %(default)s)")
-    models.add_argument("-k", "--num-speculative-tokens", type=int, default=d.num_speculative_tokens, metavar="N",
-                        help="gamma: tokens drafted per request per step with --policy fixed, the starting gamma "
-                             "of the others, 1..64 (default: %(default)s)")
-    models.add_argument("--ngram-min", type=int, default=d.ngram_min, metavar="N",
-                        help="shortest n-gram the ngram drafter matches (default: %(default)s)")
-    models.add_argument("--ngram-max", type=int, default=d.ngram_max, metavar="N",
-                        help="longest n-gram the ngram drafter matches (default: %(default)s)")
-    models.add_argument("--skip-layers", default=None, metavar="LIST",
-                        help="with --draft layer-skip: decoder layers to skip, e.g. 3,5,7 (default: the set cached "
-                             "for the model, else a search at start-up)")
-    models.add_argument("--tree", default=d.tree, choices=("none", "static", "dynamic"),
-                        help="token trees from the draft model, verified in one target pass: 'static' (top-k "
-                             "branching per depth) or 'dynamic' (EAGLE-2) (default: %(default)s = chains)")
-    models.add_argument("--tree-nodes", type=int, default=d.tree_nodes, metavar="N",
-                        help="node budget of --tree and of suffix decoding, 1..64 (default: %(default)s)")
-    models.add_argument("--policy", default=d.policy, choices=tuple(POLICIES),
-                        help="draft-length policy: fixed gamma (-k); heuristic; confidence; cost-model (gamma "
-                             "maximising tokens/s measured online per batch size, 0 = plain decoding when "
-                             "speculation loses) (default: %(default)s)")
+    add_drafter_arguments(models, policy_default=d.policy,
+                          gamma_help="gamma: tokens drafted per request per step with --policy fixed, the starting "
+                                     "gamma of the others, 1..64")
     models.add_argument("--adaptive", dest="policy", action="store_const", const="cost-model",
                         help="the same as --policy cost-model")
     models.add_argument("--no-adaptive", dest="policy", action="store_const", const="fixed",
                         help="the same as --policy fixed")
-    models.add_argument("--dtype", default=d.dtype, choices=("float32", "bfloat16", "float16"),
-                        help="dtype the weights are loaded in (default: %(default)s)")
-    models.add_argument("--weights", default=d.weights, choices=WEIGHT_PRECISIONS,
-                        help="precision the target's weights execute in; plain decoding of the same target is what "
-                             "the output stays lossless to (default: %(default)s)")
-    models.add_argument("--draft-weights", default=None, choices=WEIGHT_PRECISIONS,
-                        help="precision of the draft model's weights (default: same as --weights); changes speed "
-                             "only, never the output distribution")
     models.add_argument("--forward", default=d.forward, choices=FORWARD_BACKENDS,
                         help="target forward: the project's own Llama / Qwen2 forward where supported (auto, "
                              "owned) or Hugging Face's (hf) (default: %(default)s)")
-    models.add_argument("--cache-dir", metavar="DIR", help="where converted GGUF models (and layer-skip sets) are "
-                                                           "cached")
     models.add_argument("--served-model-name", metavar="NAME",
                         help="the model id clients send (default: the --target spec)")
     srv = p.add_argument_group("server")

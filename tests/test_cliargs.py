@@ -1,0 +1,38 @@
+"""The drafter flags shared by generate and serve: one copy, the same names and defaults in both."""
+
+from __future__ import annotations
+
+import argparse
+
+from specdecode.cliargs import POLICY_NAMES, add_drafter_arguments
+from specdecode.policy import POLICIES
+from specdecode.server.launch import ServeOptions, add_serve_arguments
+
+
+def _parse(add, argv):
+    p = argparse.ArgumentParser()
+    add(p)
+    return p.parse_args(argv)
+
+
+def test_policy_names_are_the_registered_policies():
+    assert POLICY_NAMES == tuple(POLICIES)
+
+
+def test_generate_and_serve_take_the_same_drafter_flags():
+    argv = ["--draft", "suffix:ngram", "-k", "3", "--ngram-min", "2", "--ngram-max", "4", "--skip-layers", "1,2",
+            "--policy", "heuristic", "--tree", "dynamic", "--tree-nodes", "8", "--dtype", "bfloat16",
+            "--weights", "int8", "--draft-weights", "bf16", "--cache-dir", "/tmp/x"]
+    gen = _parse(lambda p: add_drafter_arguments(p.add_argument_group("m")), argv)
+    srv = _parse(add_serve_arguments, argv)
+    for key, value in vars(gen).items():
+        assert getattr(srv, key) == value, key
+
+
+def test_serve_defaults_match_its_options():
+    args = _parse(add_serve_arguments, [])
+    d = ServeOptions()
+    for key in ("draft", "num_speculative_tokens", "ngram_min", "ngram_max", "policy", "tree_nodes", "dtype",
+                "weights"):
+        assert getattr(args, key) == getattr(d, key), key
+    assert _parse(add_serve_arguments, ["--no-adaptive"]).policy == "fixed"
