@@ -35,7 +35,7 @@ from specdecode.tree import (
     verify_tree_sampling,
 )
 from specdecode.types import Draft, SamplingParams
-from specdecode.verify import verify_greedy, verify_sampling
+from oracles import verify_greedy, verify_sampling
 from tiny import tiny_llama
 
 

@@ -22,7 +22,7 @@ from scipy import stats
 from specdecode import verify
 from specdecode.sampling import logits_to_probs
 from specdecode.types import SamplingParams
-from specdecode.verify import verify_greedy, verify_sampling
+from oracles import verify_greedy, verify_sampling
 
 V = 4  # vocabulary
 N = 3  # generated tokens per sample: V**N = 64 outcomes

@@ -148,16 +148,6 @@ def tree_attention_mask(parents: Sequence[int], num_prefix: int, num_new: int | 
     return torch.cat([torch.ones(n, num_prefix, dtype=torch.bool), anc], dim=1)
 
 
-def additive_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """[n, K] bool -> [1, 1, n, K] additive float mask (0 = attend, dtype's min = blocked).
-
-    The Hugging Face eager and SDPA attentions both add a float mask to the scores,
-    so this form works for both (a bool mask would be added as 0 / 1 by eager).
-    """
-    out = torch.zeros(mask.shape, dtype=dtype)
-    return out.masked_fill_(~mask, torch.finfo(dtype).min).reshape(1, 1, *mask.shape)
-
-
 def tree_inputs(parents: Sequence[int] | torch.Tensor) -> tuple[list[int], list[int]]:
     """Parents and position offsets of the verification input ``[root, node 0 .. node N-1]``.
 
