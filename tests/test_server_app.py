@@ -425,9 +425,9 @@ def test_oversized_body_gets_413_while_another_stream_flows(live):
             flowing.result(60)
     during = [s for s in stamps if t0 <= s <= t1]
     gaps = [b - a for a, b in zip(stamps, stamps[1:]) if t0 <= b <= t1 + 0.5]
-    # 0.6 s: a stall of the event loop by parsing or tokenizing these bodies lasts seconds; a busy 2-core CI
+    # 0.9 s: a stall of the event loop by parsing or tokenizing these bodies lasts seconds; a busy 2-core CI
     # machine adds tenths
-    assert len(during) >= 3 and max(gaps) < 0.6, (len(during), max(gaps, default=None))
+    assert len(during) >= 3 and max(gaps) < 0.9, (len(during), max(gaps, default=None))
     assert len(stamps) >= 50  # the stream went on to its end
     assert httpx.post(f"{live.url}/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2}).status_code \
         == 200
