@@ -192,3 +192,19 @@ def test_python_m_specdecode_server_takes_the_serve_flags(capsys):
     bad = subprocess.run([sys.executable, "-m", "specdecode.server", "--target", "no-such-dir", "--max-batch-size",
                           "0"], capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and bad.stderr.startswith("error: max_batch_size")
+
+
+def test_a_bad_or_busy_address_is_refused_before_any_model_loads():
+    import socket
+
+    from specdecode.server.launch import check_address
+    from specdecode.types import SpecDecodeError
+
+    with pytest.raises(SpecDecodeError, match="0..65535"):
+        check_address("127.0.0.1", 99999)
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        with pytest.raises(SpecDecodeError, match="cannot listen"):
+            check_address("127.0.0.1", busy.getsockname()[1])
+    check_address("127.0.0.1", 0)  # any free port is fine

@@ -238,17 +238,38 @@ def _choose_skip_layers(state: ServingState) -> None:
                    "cached" if r.from_cache else f"searched in {r.seconds:.0f} s")
 
 
+def check_address(host: str, port: int) -> None:
+    """Refuse, before any model loads, a port outside 0..65535 or an address that cannot be bound.
+
+    Raises:
+        SpecDecodeError: the message names the address and what to do.
+    """
+    import socket
+
+    if not isinstance(port, int) or not 0 <= port <= 65535:
+        raise SpecDecodeError(f"--port must be in 0..65535, got {port}")
+    try:
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((host, port))
+    except OSError as exc:
+        raise SpecDecodeError(f"cannot listen on {host}:{port}: {exc.strerror or exc}; choose another --port "
+                              "(or stop what uses it) or another --host") from None
+
+
 def run(opts: ServeOptions) -> int:
     """Load, then serve until interrupted (blocking)."""
     import uvicorn
 
     logging.basicConfig(level=getattr(logging, opts.log_level.upper(), logging.INFO),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    check_address(opts.host, opts.port)  # before the slow load
     state = load_state(opts)
     app = create_app(state)
     auth = "on" if opts.api_key else "off"
     print(f"specdecode: serving {state.config.model_name!r} (draft {state.config.draft}, gamma "
-          f"{opts.num_speculative_tokens}, policy {state.config.policy}, forward {type(state.engine.runner).__name__}, "
+          f"{opts.num_speculative_tokens}, policy {state.config.policy}, weights {opts.weights}, "
+          f"forward {type(state.engine.runner).__name__}, "
           f"batch {opts.max_batch_size}, queue {opts.max_queue}, api key {auth}) "
           f"at http://{opts.host}:{opts.port}/v1", file=sys.stderr, flush=True)
     uvicorn.run(app, host=opts.host, port=opts.port, log_level=opts.log_level.lower())
