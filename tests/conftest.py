@@ -115,3 +115,20 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "shared_data" in item.keywords:
             item.add_marker(skip)
+
+
+# The tiny target / draft pair most engine tests share (a module may define its own ``target``).
+@pytest.fixture(scope="module")
+def target():
+    """A seeded random Llama target, V = 64, float64, sharpened (scale 3) so drafts are often kept."""
+    from tiny import tiny_llama
+
+    return tiny_llama(vocab_size=64, seed=0, scale=3.0)
+
+
+@pytest.fixture(scope="module")
+def draft():
+    """A smaller seeded random Llama draft with the target's vocabulary."""
+    from tiny import tiny_llama
+
+    return tiny_llama(vocab_size=64, seed=1, layers=1, hidden=32, scale=3.0)

@@ -38,16 +38,6 @@ from tiny import assert_cache_is_fresh_prefill, chi2_pvalue, exact_joint, exact_
 PROMPTS = [[1], [5, 9, 2], [3, 4, 5, 3, 4, 5, 3, 4], list(range(10, 30)), [7, 7, 7, 7], [40, 2, 40, 2, 40]]
 
 
-@pytest.fixture(scope="module")
-def target():
-    return tiny_llama(vocab_size=64, seed=0, scale=3.0)
-
-
-@pytest.fixture(scope="module")
-def draft():
-    return tiny_llama(vocab_size=64, seed=1, layers=1, hidden=32, scale=3.0)
-
-
 def _engine(target, proposer, gamma=4, **kw):
     return SpeculativeEngine(target, proposer, EngineConfig(num_speculative_tokens=gamma), **kw)
 

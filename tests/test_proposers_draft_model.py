@@ -11,21 +11,7 @@ from specdecode.engine import EngineConfig, SpeculativeEngine
 from specdecode.proposers import DraftModelConfig, DraftModelProposer
 from specdecode.sampling import logits_to_probs
 from specdecode.types import SamplingParams, SpecDecodeError
-from tiny import step_of, tiny_llama
-
-
-@pytest.fixture(scope="module")
-def target():
-    return tiny_llama(vocab_size=64, seed=0, scale=3.0)
-
-
-@pytest.fixture(scope="module")
-def draft():
-    return tiny_llama(vocab_size=64, seed=1, layers=1, hidden=32, scale=3.0)
-
-
-def _engine(target, proposer, gamma=4):
-    return SpeculativeEngine(target, proposer, EngineConfig(num_speculative_tokens=gamma))
+from tiny import engine_of as _engine, step_of, tiny_llama
 
 
 def _greedy(n=40, **kw):

@@ -11,7 +11,7 @@ from specdecode.engine import EngineConfig, SpeculativeEngine
 from specdecode.proposers.base import ProposeContext
 from specdecode.proposers.ngram import NgramConfig, NgramProposer, find_continuation
 from specdecode.types import SamplingParams, SpecDecodeError
-from tiny import tiny_llama
+from tiny import check_index_rebuild, tiny_llama
 
 
 def _ctx(tokens):
@@ -93,15 +93,7 @@ def test_ngram_sizes_are_validated(bad):
 def test_lookup_indexes_are_rebuilt_when_the_context_is_replaced_or_cut():
     proposer = NgramProposer(NgramConfig(1, 3))
     ctx = _ctx([10, 11, 12, 13, 10, 11])
-    proposer.start(ctx)
-    assert proposer.propose([ctx], [2])[0].token_ids[0].tolist() == [12, 13]
-    ctx.token_ids = [20, 21, 22, 20]  # replaced by a shorter list: the old tokens must not be matched
-    assert proposer.propose([ctx], [2])[0].token_ids[0].tolist() == [21, 22]
-    del ctx.token_ids[2:]  # cut in place, then extended
-    ctx.token_ids.append(20)
-    assert proposer.propose([ctx], [2])[0].token_ids[0].tolist() == [21, 20]  # not 21, 22 of the cut tokens
-    ctx.token_ids.append(50)  # extended as the engine does
-    assert proposer.propose([ctx], [2])[0].num_tokens == 0
+    check_index_rebuild(proposer, ctx)
 
 
 def test_index_follows_a_same_length_rewrite_and_appends_incrementally():

@@ -14,7 +14,7 @@ from specdecode.proposers.base import ProposeContext, RowProposer
 from specdecode.proposers.suffix import GlobalSuffixTree, SuffixConfig, SuffixProposer, SuffixTrie, grow_tree
 from specdecode.tree import as_parent_list
 from specdecode.types import Draft, SamplingParams, SpecDecodeError
-from tiny import tiny_llama
+from tiny import check_index_rebuild, tiny_llama
 
 
 def _substring_counts(docs, depth):
@@ -222,15 +222,7 @@ def test_suffix_engine_is_lossless_and_learns_across_requests():
 def test_lookup_indexes_are_rebuilt_when_the_context_is_replaced_or_cut():
     proposer = SuffixProposer(SuffixConfig(min_token_prob=0.0, use_global=False))
     ctx = ProposeContext([10, 11, 12, 13, 10, 11], 6, SamplingParams(), torch.Generator().manual_seed(0), 64)
-    proposer.start(ctx)
-    assert proposer.propose([ctx], [2])[0].token_ids[0].tolist() == [12, 13]
-    ctx.token_ids = [20, 21, 22, 20]  # replaced by a shorter list: the old tokens must not be matched
-    assert proposer.propose([ctx], [2])[0].token_ids[0].tolist() == [21, 22]
-    del ctx.token_ids[2:]  # cut in place, then extended
-    ctx.token_ids.append(20)
-    assert proposer.propose([ctx], [2])[0].token_ids[0].tolist() == [21, 20]  # not 21, 22 of the cut tokens
-    ctx.token_ids.append(50)  # extended as the engine does
-    assert proposer.propose([ctx], [2])[0].num_tokens == 0
+    check_index_rebuild(proposer, ctx)
 
 
 # --------------------------------------------------------------------------- API and CLI

@@ -13,23 +13,9 @@ from specdecode.proposers import DraftModelProposer
 from specdecode.proposers.tree_draft import TreeDraftConfig, TreeDraftProposer, static_shape
 from specdecode.sampling import logits_to_probs
 from specdecode.types import SamplingParams, SpecDecodeError
-from tiny import assert_cache_is_fresh_prefill, step_of, tiny_llama
+from tiny import engine_of as _engine, assert_cache_is_fresh_prefill, step_of, tiny_llama
 
 PROMPTS = [[1], [5, 9, 2], [3, 4, 5, 3, 4, 5, 3, 4], list(range(10, 30)), [40, 2, 40, 2, 40]]
-
-
-@pytest.fixture(scope="module")
-def target():
-    return tiny_llama(vocab_size=64, seed=0, scale=3.0)
-
-
-@pytest.fixture(scope="module")
-def draft():
-    return tiny_llama(vocab_size=64, seed=1, layers=1, hidden=32, scale=3.0)
-
-
-def _engine(target, proposer, gamma=4):
-    return SpeculativeEngine(target, proposer, EngineConfig(num_speculative_tokens=gamma))
 
 
 def _bound(draft, target, config, prompt, params):

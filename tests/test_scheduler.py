@@ -39,16 +39,6 @@ TREE_DRAFTERS = {
 }
 
 
-@pytest.fixture(scope="module")
-def target():
-    return tiny_llama(vocab_size=64, seed=0, scale=3.0)
-
-
-@pytest.fixture(scope="module")
-def draft():
-    return tiny_llama(vocab_size=64, seed=1, layers=1, hidden=32, scale=3.0)
-
-
 def _factory(kind: str, target, draft):
     """A zero-argument proposer factory for a drafter kind, or None (plain decoding)."""
     choice, options = {**CHAIN_DRAFTERS, **TREE_DRAFTERS}[kind]

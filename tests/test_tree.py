@@ -36,7 +36,7 @@ from specdecode.tree import (
 )
 from specdecode.types import Draft, SamplingParams
 from oracles import verify_greedy, verify_sampling
-from tiny import tiny_llama
+from tiny import engine_of as _engine, tiny_llama
 
 
 TREE = [-1, -1, 0, 0, 1, 3]  # root -> {0, 1}; 0 -> {2, 3}; 1 -> {4}; 3 -> {5}
@@ -231,20 +231,6 @@ def test_distribution_test_catches_broken_tree_verifiers(case):
 # --------------------------------------------------------------------------- the engine with trees
 
 PROMPTS = [[1], [5, 9, 2], [3, 4, 5, 3, 4, 5, 3, 4], list(range(10, 30)), [40, 2, 40, 2, 40]]
-
-
-@pytest.fixture(scope="module")
-def target():
-    return tiny_llama(vocab_size=64, seed=0, scale=3.0)
-
-
-@pytest.fixture(scope="module")
-def draft():
-    return tiny_llama(vocab_size=64, seed=1, layers=1, hidden=32, scale=3.0)
-
-
-def _engine(target, proposer, gamma=4):
-    return SpeculativeEngine(target, proposer, EngineConfig(num_speculative_tokens=gamma))
 
 
 TREE_PROPOSERS = {

@@ -150,3 +150,26 @@ def chi2_pvalue(counts, probs) -> float:
     if exp[-1] == 0:
         obs, exp = obs[:-1], exp[:-1]
     return float(stats.chisquare(obs, exp * obs.sum() / exp.sum()).pvalue)
+
+
+def engine_of(target, proposer, gamma: int = 4):
+    """A batch-size-1 SpeculativeEngine over ``target`` with a fixed gamma."""
+    from specdecode.engine import EngineConfig, SpeculativeEngine
+
+    return SpeculativeEngine(target, proposer, EngineConfig(num_speculative_tokens=gamma))
+
+
+def check_index_rebuild(proposer, ctx) -> None:
+    """A lookup proposer's index describes the context it is given: replaced or cut contexts are re-indexed.
+
+    ``ctx`` starts as [10, 11, 12, 13, 10, 11]; the proposer must copy [12, 13] after it.
+    """
+    proposer.start(ctx)
+    assert proposer.propose([ctx], [2])[0].token_ids[0].tolist() == [12, 13]
+    ctx.token_ids = [20, 21, 22, 20]  # replaced by a shorter list: the old tokens must not be matched
+    assert proposer.propose([ctx], [2])[0].token_ids[0].tolist() == [21, 22]
+    del ctx.token_ids[2:]  # cut in place, then extended
+    ctx.token_ids.append(20)
+    assert proposer.propose([ctx], [2])[0].token_ids[0].tolist() == [21, 20]  # not 21, 22 of the cut tokens
+    ctx.token_ids.append(50)  # extended as the engine does
+    assert proposer.propose([ctx], [2])[0].num_tokens == 0
