@@ -335,7 +335,7 @@ def test_draft_model_catch_up_is_not_learned_as_per_token_draft_cost():
     class Recording(FixedPolicy):
         def __init__(self):
             super().__init__(3)
-            self.plan = [3] + [0] * 10 + [3, 3]  # speculate, 10 plain steps, speculate again
+            self.plan = [3] + [0] * 70 + [3, 3]  # speculate, 70 plain steps (> SOLO_FEED tokens), speculate again
             self.draft_times = []
 
         def next_length(self, batch_size=1) -> int:
@@ -358,9 +358,9 @@ def test_draft_model_catch_up_is_not_learned_as_per_token_draft_cost():
     proposer.propose = propose
     policy = Recording()
     engine = SpeculativeEngine(target, proposer, EngineConfig(num_speculative_tokens=3), policy=policy)
-    engine.generate([i % 60 + 1 for i in range(120)], SamplingParams(max_new_tokens=30, ignore_eos=True))
+    engine.generate([i % 60 + 1 for i in range(120)], SamplingParams(max_new_tokens=90, ignore_eos=True))
     assert catch_ups[0] > 0  # the prompt's prefill in the draft
-    # after ten plain steps: more than DraftModelProposer.SOLO_FEED tokens to feed, fed alone and timed
+    # after 70 plain steps: more than DraftModelProposer.SOLO_FEED tokens to feed, fed alone and timed
     # (a few skipped tokens ride along in the batched draft forward and count as drafting)
     assert catch_ups[1] > 0
     assert all(c == 0 for c in catch_ups[2:])  # normal steps feed one or two tokens
