@@ -154,30 +154,3 @@ def test_errors_name_the_bad_value():
         theory.expected_tokens([0.5], 3)
     with pytest.raises(ValueError):
         theory.leviathan_speedup([0.5], 1, -0.1)
-
-
-# --------------------------------------------------------------------------- measured tables
-
-
-def test_time_table_follows_a_batch_sizes_own_curve_and_else_the_tokens_a_forward_carries():
-    from specdecode.costmodel import TimeTable
-
-    verify = TimeTable(smoothing=1.0)
-    assert verify(1, 0) is None
-    verify.add(1, 0, 0.10)
-    assert verify(1, 0) == pytest.approx(0.10)
-    assert verify(1, 4) == pytest.approx(0.10 / 1.0 * (1 + 0.05 * 4))  # one point: a near-flat default slope
-    for k, t in [(1, 0.11), (2, 0.12), (4, 0.14)]:
-        verify.add(1, k, t)
-    assert verify(1, 3) == pytest.approx(0.13)  # its own curve, interpolated
-    assert verify(1, 6) == pytest.approx(0.16)  # extrapolated with the last slope
-    verify.add(8, 0, 0.30)  # batch 8 measured only plainly: 8 tokens per forward
-    # batch 8 drafting 4 verifies 40 tokens: the curve over tokens (1..5 from batch 1, 8 from batch 8) says more
-    # than the flat single-point default (which would give 0.36)
-    assert verify(8, 4) > 0.30 * 1.2 * 1.5
-    assert verify(8, 0) == pytest.approx(0.30)
-    draft = TimeTable(smoothing=1.0, proportional=True)
-    draft.add(1, 2, 0.08)
-    assert draft(1, 4) == pytest.approx(0.16) and draft(3, 0) == 0.0
-    draft.add(4, 2, 0.20)  # 8 draft tokens
-    assert draft(2, 2) == pytest.approx(0.08 + (0.20 - 0.08) * (4 - 2) / (8 - 2))  # 4 tokens, between the two

@@ -60,12 +60,12 @@ def _ema(old: float | None, new: float, weight: float) -> float:
 class TimeTable:
     """Seconds of one step part as a function of (batch size B, draft length g), from EMAs of measurements.
 
-    Lookup at (B, g): with two or more points measured at B, ``numpy.interp`` over g (linear
-    extrapolation from the two nearest points past the ends, never negative). Otherwise one curve over
-    the tokens a forward carries, from every batch size measured: B * (g + 1) for verification, B * g
-    for drafting (``proportional``: nothing at g = 0); a CPU forward's cost follows the rows it
-    multiplies. With a single point in all: ``proportional`` scales it by g / g0, else each extra token
-    adds ``default_slope`` of a one-token step, scaled by B / B0 from the nearest batch size.
+    Lookup at (B, g): among the points measured at B, ``numpy.interp`` over g (linear
+    extrapolation from the two nearest points past the ends, never negative); with one point at B,
+    ``proportional`` scales it by g / g0 (drafting: nothing at g = 0), else each extra token adds
+    ``default_slope`` of a one-token step (verification, near flat on this project's kernels). A
+    batch size never measured borrows the curve of the nearest measured one, scaled by B / B0
+    (rows cost at most linearly).
     """
 
     smoothing: float = 0.3
@@ -83,39 +83,24 @@ class TimeTable:
     def __call__(self, batch_size: int, g: int) -> float | None:
         if not self.points:
             return None
-        same = sorted((k, t) for (b, k), t in self.points.items() if b == batch_size)
-        if len(same) >= 2:  # this batch size's own curve over g
-            return _line(same, g)
-        # Otherwise one curve over the tokens a forward carries (B * (g + 1) verified, B * g drafted), from every
-        # batch size measured: on a CPU a forward's cost follows the rows it multiplies, whichever rows they are.
-        by_tokens: dict[int, list[float]] = {}
-        for (b, k), t in self.points.items():
-            n = b * k if self.proportional else b * (k + 1)
-            if n > 0:
-                by_tokens.setdefault(n, []).append(t)
-        curve = sorted((n, sum(ts) / len(ts)) for n, ts in by_tokens.items())
-        n = batch_size * g if self.proportional else batch_size * (g + 1)
-        if len(curve) >= 2:
-            return 0.0 if self.proportional and g == 0 else _line(curve, n)
-        (b0, k0), t0 = min(self.points.items(), key=lambda kv: (abs(kv[0][0] - batch_size), kv[0]))
-        scale = batch_size / b0
-        if self.proportional:
-            return scale * (t0 * g / k0 if k0 else t0)
-        return scale * t0 / (1.0 + self.default_slope * k0) * (1.0 + self.default_slope * g)
-
-
-def _line(points: list[tuple[int, float]], x: int) -> float:
-    """y(x) through sorted (x, y) points: numpy interpolation inside, the nearest two points' slope (never
-    negative) outside; never below 0."""
-    xs = np.array([p[0] for p in points], dtype=float)
-    ys = np.array([p[1] for p in points], dtype=float)
-    if x < xs[0]:
-        slope = max(0.0, (ys[1] - ys[0]) / (xs[1] - xs[0]))
-        return max(0.0, float(ys[0] + slope * (x - xs[0])))
-    if x > xs[-1]:
-        slope = max(0.0, (ys[-1] - ys[-2]) / (xs[-1] - xs[-2]))
-        return max(0.0, float(ys[-1] + slope * (x - xs[-1])))
-    return float(np.interp(x, xs, ys))
+        sizes = sorted({b for b, _ in self.points})
+        near = min(sizes, key=lambda b: (abs(b - batch_size), b))
+        scale = batch_size / near
+        curve = sorted((k, t) for (b, k), t in self.points.items() if b == near)
+        ks = np.array([k for k, _ in curve], dtype=float)
+        ts = np.array([t for _, t in curve], dtype=float)
+        if len(ks) == 1:
+            k0, t0 = ks[0], ts[0]
+            if self.proportional:
+                return scale * (t0 * g / k0 if k0 else t0)
+            return scale * t0 / (1.0 + self.default_slope * k0) * (1.0 + self.default_slope * g)
+        if g < ks[0]:
+            slope = max(0.0, (ts[1] - ts[0]) / (ks[1] - ks[0]))
+            return scale * max(0.0, ts[0] + slope * (g - ks[0]))
+        if g > ks[-1]:
+            slope = max(0.0, (ts[-1] - ts[-2]) / (ks[-1] - ks[-2]))
+            return scale * max(0.0, ts[-1] + slope * (g - ks[-1]))
+        return scale * float(np.interp(g, ks, ts))
 
 
 @dataclass
