@@ -388,7 +388,8 @@ def test_a_row_finishing_inside_an_accepted_block_emits_nothing_after_it(target)
 
 
 class _Broken(RowProposer):
-    """N-gram drafts, except for prompts starting with 60 (ids -1) or 61 (id V): a broken proposer."""
+    """N-gram drafts, except for prompts starting with 60 (ids -1), 61 (id V), 62 (q(x) = 0 at its own token)
+    or 63 (a tree of too many nodes from a chain proposer): a broken proposer."""
 
     name = "broken"
 
@@ -402,6 +403,12 @@ class _Broken(RowProposer):
         if ctx.token_ids[0] in (60, 61):
             bad = -1 if ctx.token_ids[0] == 60 else ctx.vocab_size
             return Draft.chain(torch.tensor([[1, bad]]))
+        if ctx.token_ids[0] == 62:  # q says the token it drew could not have been drawn
+            q = torch.full((1, 1, ctx.vocab_size), 1.0 / (ctx.vocab_size - 1))
+            q[0, 0, 1] = 0.0
+            return Draft.chain(torch.tensor([[1]]), q)
+        if ctx.token_ids[0] == 63:
+            return Draft.chain(torch.ones(1, 200, dtype=torch.int64))
         return self.inner.propose_row(ctx, max_tokens)
 
 
@@ -411,10 +418,7 @@ def test_a_proposer_breaking_its_contract_fails_that_row_only(target):
     bad = [engine.add(p, _greedy(25))[0] for p in ([60, 1, 2], [61, 1, 2])]
     outs = dict((id(r), o) for r, o in engine.step())
     for req, needle in zip(bad, ("got -1", "got 64")):
-        out = outs[id(req)]
-        assert out.finished and out.finish_reason == "error" and out.token_ids == []
-        assert "proposer 'broken'" in out.error and needle in out.error and out.error == req.error
-        assert len(req.generated) == 1  # the prefill's token only: nothing after the error
+        _assert_failed_alone(outs[id(req)], req, needle)
     assert engine.rows == good
     while engine.rows:
         engine.step()
@@ -422,6 +426,26 @@ def test_a_proposer_breaking_its_contract_fails_that_row_only(target):
     for req in good:
         assert req.finish_reason == "length"
         assert req.generated == plain.generate(req.ctx.token_ids[: req.ctx.num_prompt_tokens], _greedy(25)).token_ids
+
+
+def test_zero_draft_probability_and_too_many_nodes_break_the_contract(target):
+    """q(x) = 0 at a drafted x would make u * q < p always true (a biased accept): refused at the door, as is
+    a draft wider than the slot cache's scratch columns."""
+    engine = SpeculativeEngine(target, _Broken(), EngineConfig(num_speculative_tokens=3, max_batch_size=3))
+    good = engine.add([3, 4, 5, 3, 4, 5], _greedy(10))[0]
+    bad = [engine.add(p, SamplingParams(max_new_tokens=200, temperature=1.0, seed=0))[0]
+           for p in ([62, 1, 2], [63, 1, 2])]
+    outs = dict((id(r), o) for r, o in engine.step())
+    _assert_failed_alone(outs[id(bad[0])], bad[0], "probability 0")
+    _assert_failed_alone(outs[id(bad[1])], bad[1], "128")
+    assert engine.rows == [good]
+
+
+def _assert_failed_alone(out, req, needle):
+    """A row whose draft broke the contract: finished with an error naming the proposer, nothing committed."""
+    assert out.finished and out.finish_reason == "error" and out.token_ids == []
+    assert "proposer 'broken'" in out.error and needle in out.error and out.error == req.error
+    assert len(req.generated) == 1  # the prefill's token only: nothing after the error
 
 
 def test_a_full_engine_refuses_another_request(target):

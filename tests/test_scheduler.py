@@ -404,3 +404,31 @@ def test_stats(target, draft):
     assert s["active"] == 1 and s["pending"] == 0 and s["kv_cache_bytes"] > 0 and s["gamma"] == 4
     _drain(scheduler)
     assert scheduler.stats()["kv_cache_bytes"] == 0
+
+
+def test_cancelled_waiting_requests_free_their_queue_place(target):
+    scheduler = _scheduler(target, None, 1, max_queue=2)
+    waiting = [scheduler.submit(BatchRequest([1, 2], SamplingParams(max_new_tokens=2), lambda ev: None))
+               for _ in range(3)]  # one for the free slot, two waiting
+    for req in waiting[1:]:
+        scheduler.cancel(req)  # the client went away before its turn
+    scheduler.submit(BatchRequest([1, 2], SamplingParams(max_new_tokens=2), lambda ev: None))  # no QueueFullError
+    assert scheduler.stats()["pending"] == 2  # the new one plus the free slot's request
+    _drain(scheduler)
+
+
+def test_stats_never_move_the_policy(target):
+    from specdecode.policy import CostModelPolicy
+
+    engine = SpeculativeEngine(target, _factory("ngram", target, None)(), EngineConfig(num_speculative_tokens=4,
+                               max_batch_size=2), policy=CostModelPolicy(4))
+    scheduler = Scheduler(engine)
+    scheduler.submit(BatchRequest([1, 2, 3], SamplingParams(max_new_tokens=30), lambda ev: None))
+    for _ in range(5):
+        scheduler.step()
+    before = (engine.policy.acceptance(), engine.policy._steps, engine.policy._plain_run, engine.policy._probe_left)
+    for _ in range(20):  # /health polls
+        scheduler.stats()
+    assert (engine.policy.acceptance(), engine.policy._steps, engine.policy._plain_run,
+            engine.policy._probe_left) == before
+    _drain(scheduler)
