@@ -338,6 +338,18 @@ def test_non_streaming_disconnect_cancels_within_a_step(live):
     _wait(lambda: _cancelled(live) > before)
 
 
+def test_client_leaving_before_its_body_was_read_counts_as_cancelled(live):
+    """A body cut short by the client closing its socket: counted ``cancelled``, not an internal error."""
+    before = _cancelled(live)
+    errors = live.metrics().get("specdecode_requests_total{endpoint=completions,outcome=invalid}", 0.0)
+    with socket.create_connection(("127.0.0.1", live.port)) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: 1000\r\n\r\n{\"model\": ")
+    _wait(lambda: _cancelled(live) == before + 1)
+    assert live.metrics().get("specdecode_requests_total{endpoint=completions,outcome=invalid}", 0.0) == errors
+    assert live.client().completions.create(model=MODEL, prompt="x", max_tokens=2).choices[0].text is not None
+
+
 def test_many_clients_disconnecting_leave_nothing_running(live):
     """30 streaming and 10 non-streaming clients leave mid-generation (most while still queued)."""
     scheduler, engine = live.state.scheduler, live.state.engine

@@ -34,6 +34,7 @@ from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from specdecode import __version__
 from specdecode.engine import SpeculativeEngine
@@ -569,13 +570,17 @@ def _response_base(state: ServingState, id_prefix: str, obj: str) -> dict:
 @contextmanager
 def _counted_if_invalid(state: ServingState, endpoint: str):
     """Count a request refused with an APIError as ``invalid`` (a full queue or a shutdown is counted where
-    it happens), and let the error through."""
+    it happens), and let the error through. A client that leaves before its body was read, or while its prompt
+    was being tokenized, is counted ``cancelled`` (HTTP 499: nobody reads it)."""
     try:
         yield
     except APIError as exc:
         if exc.code not in ("queue_full", "shutting_down"):
             state.metrics.requests.labels(endpoint, "invalid").inc()
         raise
+    except ClientDisconnect:
+        state.metrics.requests.labels(endpoint, "cancelled").inc()
+        raise APIError(499, "the client closed the request", code="client_closed") from None
 
 
 def _finish_reason(c: _Choice) -> str | None:
