@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -158,3 +159,78 @@ def test_help_as_a_subprocess():
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert "generate" in result.stdout and "speculative" in result.stdout
+
+
+#: Run in a fresh interpreter: each argv through ``main``, then which heavy modules got imported.
+_LIGHT_COMMANDS_SCRIPT = """
+import contextlib, io, json, sys
+from specdecode.cli import main
+codes, errors = [], []
+for argv in json.loads(sys.argv[1]):
+    err = io.StringIO()
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
+        codes.append(main(argv))
+    errors.append(err.getvalue())
+heavy = [m for m in ("torch", "transformers", "fastapi", "uvicorn", "pydantic", "numpy") if m in sys.modules]
+print(json.dumps({"codes": codes, "errors": errors, "heavy": heavy}))
+"""
+
+
+def test_help_and_argument_errors_import_no_model_code():
+    """--help of every command and an unknown flag answer without torch, transformers or the server stack."""
+    argvs = [["--help"], ["generate", "--help"], ["bench", "--help"], ["serve", "--help"], ["--version"],
+             ["generate", "--bad-flag"], ["serve", "--port", "many"], ["bench", "--limit", "x"]]
+    result = subprocess.run([sys.executable, "-c", _LIGHT_COMMANDS_SCRIPT, json.dumps(argvs)], capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout.splitlines()[-1])
+    assert report["heavy"] == []
+    assert report["codes"] == [0, 0, 0, 0, 0, 2, 2, 2]
+    for err in report["errors"][5:]:
+        lines = err.splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error:"), err
+    assert "--bad-flag" in report["errors"][5] and "specdecode generate --help" in report["errors"][5]
+
+
+def test_top_level_help_lists_each_command_once(capsys):
+    code, out, _ = _run(capsys, "--help")
+    assert code == 0
+    for command in ("generate", "bench", "serve"):
+        assert sum(line.split()[:1] == [command] for line in out.splitlines()) == 1, out
+    assert "{generate,bench,serve}" not in out
+
+
+@pytest.mark.parametrize("command", ["generate", "bench", "serve"])
+def test_help_says_each_default_once(capsys, command):
+    code, out, _ = _run(capsys, command, "--help")
+    assert code == 0
+    assert "(default: None)" not in out
+    blocks = re.split(r"\n  (?=-)", out.split("\nexamples:")[0])[1:]  # one block per flag
+    assert len(blocks) > 10
+    for block in blocks:
+        text = re.split(r"\s{2,}", block, maxsplit=1)[-1].lower()  # the help, without the flag's names
+        assert text.count("default") - text.count(": default (") <= 1, block
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["-k", "0"], "num_speculative_tokens"),
+        (["--temperature", "-1"], "temperature"),
+        (["--top-p", "0"], "top_p"),
+        (["--tree-nodes", "0"], "tree"),
+        (["--tree", "static"], "needs a draft model"),
+    ],
+)
+def test_range_errors_come_before_any_model_load(capsys, monkeypatch, argv, needle):
+    """A missing --target is only found by loading it: the range error must be the one reported."""
+    from specdecode.generator import SpecDecoder
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("a model load was started")
+
+    monkeypatch.setattr(SpecDecoder, "from_pretrained", no_load)
+    code, out, err = _run(capsys, "generate", "--target", "/nonexistent/model/dir", "--prompt", "hi", *argv)
+    assert code == 2 and out == ""
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and needle in errors[0], err

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import argparse
 
+import dataclasses
+
+from specdecode import options
 from specdecode.cliargs import POLICY_NAMES, add_drafter_arguments
 from specdecode.policy import POLICIES
 from specdecode.server.launch import ServeOptions, add_serve_arguments
@@ -29,10 +32,20 @@ def test_generate_and_serve_take_the_same_drafter_flags():
         assert getattr(srv, key) == value, key
 
 
+def test_light_copies_equal_the_library_names():
+    """options.py holds, without torch, the names the parsers offer; the library's copies agree."""
+    from specdecode import kernels, kv
+    from specdecode.server import app
+
+    assert kernels.WEIGHT_PRECISIONS is options.WEIGHT_PRECISIONS
+    assert options.FORWARD_BACKENDS == kv.FORWARD_BACKENDS
+    assert options.DEFAULT_MAX_REQUEST_BYTES == app.DEFAULT_MAX_REQUEST_BYTES
+    assert options.WEIGHT_CHOICES == ("auto", *options.WEIGHT_PRECISIONS)
+
+
 def test_serve_defaults_match_its_options():
     args = _parse(add_serve_arguments, [])
     d = ServeOptions()
-    for key in ("draft", "num_speculative_tokens", "ngram_min", "ngram_max", "policy", "tree_nodes", "dtype",
-                "weights"):
-        assert getattr(args, key) == getattr(d, key), key
+    for field in dataclasses.fields(ServeOptions):
+        assert getattr(args, field.name) == getattr(d, field.name), field.name
     assert _parse(add_serve_arguments, ["--no-adaptive"]).policy == "fixed"

@@ -8,6 +8,10 @@ Subcommands (one function each, so more can join: ``bench``, ``serve``):
 
 Status and progress go to stderr, results to stdout (``--json``: one object per
 prompt per line). User errors print one ``error: ...`` line and exit with status 2.
+
+Building the parser and every check that needs no model import neither torch nor the
+server stack (``cliargs``, ``options``, ``errors`` and ``bench/__init__`` are light): a
+command imports what it runs when it runs.
 """
 
 from __future__ import annotations
@@ -22,14 +26,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from specdecode import __version__
-from specdecode.cliargs import DRAFT_CHOICES_HELP, add_drafter_arguments  # noqa: F401 - re-exported
-from specdecode.kernels import WEIGHT_PRECISIONS
-from specdecode.types import SpecDecodeError
+from specdecode.cliargs import DRAFT_CHOICES_HELP, add_drafter_arguments, add_serve_arguments  # noqa: F401
+from specdecode.errors import SpecDecodeError
+from specdecode.options import DEFAULT_TARGET
 
 EXIT_USAGE = 2
 
 #: The embedded default prompt: a long news article to summarize, where prompt lookup pays off.
-DEFAULT_TARGET = "smollm2-135m"
 DEFAULT_DATASET = "spec-bench:summarization:1"
 #: Used instead when ../shared/data is not beside the project: HumanEval ships in a registry package.
 FALLBACK_DATASET = "humaneval:1"
@@ -58,6 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
     """The full ``specdecode`` parser (subcommands set ``func``)."""
     parser = _Parser(
         prog="specdecode",
+        usage="%(prog)s [-h] [--version] COMMAND ...",
         formatter_class=_HelpFormatter,
         description=(
             "Lossless speculative decoding: a cheap proposer drafts tokens, the target model verifies\n"
@@ -74,7 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
         ),
     )
     parser.add_argument("--version", action="version", version=f"specdecode {__version__}")
-    commands = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    # the epilog lists the commands once, in its own words: argparse's own list is hidden
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser, prog="specdecode",
+                                     help=argparse.SUPPRESS)
     _add_generate(commands)
     _add_bench(commands)
     _add_serve(commands)
@@ -124,7 +130,7 @@ def _add_generate(commands) -> None:
                              f"Default when no prompt flag is given: {DEFAULT_DATASET}")
     prompts.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
                          help="apply the target tokenizer's chat template to each prompt (one user message). "
-                              "Default: on for chat prompt sets (and the default prompt) when the tokenizer has a "
+                              "Default: on for chat prompt sets (and the built-in prompt) when the tokenizer has a "
                               "template; off for HumanEval completion prompts and for --prompt / --prompt-file")
 
     sampling = p.add_argument_group("sampling")
@@ -176,8 +182,6 @@ def _add_bench(commands) -> None:
 
 
 def _add_serve(commands) -> None:
-    from specdecode.server.launch import add_serve_arguments
-
     p = commands.add_parser(
         "serve",
         help="OpenAI-compatible server (completions, chat, streaming) with batched speculative decoding",
@@ -222,7 +226,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit status (0 ok, 2 usage / input error, 130 interrupted)."""
     parser = build_parser()
     try:
-        args = parser.parse_args(argv)
+        args, extra = parser.parse_known_args(argv)
+        if extra:  # name the subcommand's help, which lists the flags it takes
+            where = " ".join(filter(None, ("specdecode", getattr(args, "command", None))))
+            raise UsageError(f"unrecognized arguments: {' '.join(extra)} (see '{where} --help')")
         if getattr(args, "func", None) is None:
             parser.print_help(sys.stderr)
             raise UsageError("choose a command, e.g. 'specdecode generate'")

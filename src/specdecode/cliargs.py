@@ -1,25 +1,32 @@
-"""The drafter and precision flags shared by ``specdecode generate`` and ``specdecode serve`` (one copy).
+"""The drafter and precision flags shared by ``specdecode generate`` and ``specdecode serve`` (one copy),
+and the rest of ``specdecode serve``'s flags.
 
 Both front ends run the same engine with the same drafters, so they take the same flags with the same
 meaning; only their defaults may differ (``policy_default``). argparse lives at the edges (DESIGN.md
-rule 5): this module and ``cli.py`` / ``server/launch.py`` are its only users. It stays light (no
-model code is imported), so ``--help`` answers at once.
+rule 5): this module and ``cli.py`` / ``server/launch.py`` are its only users. It stays light (only
+:mod:`specdecode.options`, no torch, no server stack), so ``--help`` and argument errors answer at once.
 """
 
 from __future__ import annotations
 
 import argparse
 
-from specdecode.kernels import WEIGHT_PRECISIONS
+from specdecode.options import (
+    DEFAULT_MAX_REQUEST_BYTES,
+    DEFAULT_TARGET,
+    DTYPES,
+    FORWARD_BACKENDS,
+    POLICY_NAMES,
+    TREE_KINDS,
+    WEIGHT_CHOICES,
+    WEIGHT_PRECISIONS,
+)
 
 #: What ``--draft`` takes, for help texts.
 DRAFT_CHOICES_HELP = ("'ngram' (prompt lookup, no model), 'none' (plain decoding), 'layer-skip' (self-speculation: "
                       "the target drafts with some decoder layers skipped, no second model), 'suffix' (suffix decoding, "
                       "no model), 'suffix:ngram' or 'suffix:MODEL' (suffix decoding, falling back to that drafter "
                       "when the suffix match is weak), or a draft model spec")
-
-#: Draft-length policies (``specdecode.policy.POLICIES``; a test keeps the two in step).
-POLICY_NAMES = ("fixed", "heuristic", "confidence", "cost-model")
 
 
 def add_drafter_arguments(group: argparse._ArgumentGroup, *, policy_default: str = "fixed",
@@ -43,13 +50,13 @@ def add_drafter_arguments(group: argparse._ArgumentGroup, *, policy_default: str
                             "otherwise); confidence (draft up to max(2k, 8) while the draft is sure); cost-model "
                             "(gamma maximising tokens/s measured online per batch size, 0 = plain decoding when "
                             "speculation loses) (default: %(default)s)")
-    group.add_argument("--tree", default="none", choices=("none", "static", "dynamic"),
+    group.add_argument("--tree", default="none", choices=TREE_KINDS,
                        help="token trees from the draft model, verified in one target pass: 'static' (top-k "
                             "branching per depth) or 'dynamic' (EAGLE-2: expand the most probable nodes, keep the "
                             "best N); -k caps the depth (default: %(default)s = chains)")
     group.add_argument("--tree-nodes", type=int, default=16, metavar="N",
                        help="node budget N of --tree and of suffix decoding, 1..64 (default: %(default)s)")
-    group.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
+    group.add_argument("--dtype", default="float32", choices=DTYPES,
                        help="dtype the weights are loaded in; bfloat16 halves the bytes and verifies k tokens at "
                             "about one step's cost on AVX512-BF16 CPUs (see also --weights) (default: %(default)s)")
     group.add_argument("--weights", default="fp32", choices=WEIGHT_PRECISIONS,
@@ -65,3 +72,40 @@ def add_drafter_arguments(group: argparse._ArgumentGroup, *, policy_default: str
     group.add_argument("--cache-dir", metavar="DIR",
                        help="where converted GGUF models (and layer-skip sets) are cached (default: "
                             "$SPECDECODE_CACHE or ~/.cache/specdecode)")
+
+
+def add_serve_arguments(p: argparse.ArgumentParser) -> None:
+    """The flags of ``specdecode serve`` (also ``python -m specdecode.server``); the drafter and precision
+    flags are those of ``specdecode generate``. The defaults are ``server.launch.ServeOptions``' (a test
+    keeps the two in step)."""
+    models = p.add_argument_group("models and drafting")
+    models.add_argument("--target", default=DEFAULT_TARGET, metavar="SPEC",
+                        help="the model served; its output distribution is preserved (default: %(default)s)")
+    add_drafter_arguments(models, policy_default="cost-model",
+                          gamma_help="gamma: tokens drafted per request per step with --policy fixed, the starting "
+                                     "gamma of the others, 1..64")
+    models.add_argument("--adaptive", dest="policy", action="store_const", const="cost-model",
+                        help="the same as --policy cost-model")
+    models.add_argument("--no-adaptive", dest="policy", action="store_const", const="fixed",
+                        help="the same as --policy fixed")
+    models.add_argument("--forward", default="auto", choices=FORWARD_BACKENDS,
+                        help="target forward: the project's own Llama / Qwen2 forward where supported (auto, "
+                             "owned) or Hugging Face's (hf) (default: %(default)s)")
+    models.add_argument("--served-model-name", metavar="NAME",
+                        help="the model id clients send (default: the --target spec)")
+    srv = p.add_argument_group("server")
+    srv.add_argument("--host", default="127.0.0.1",
+                     help="address to bind (default: %(default)s, loopback only; 0.0.0.0 exposes it)")
+    srv.add_argument("--port", type=int, default=8000, help="default: %(default)s")
+    srv.add_argument("--api-key", metavar="KEY",
+                     help="require 'Authorization: Bearer KEY' on every endpoint but /health")
+    srv.add_argument("--max-batch-size", type=int, default=8, metavar="N",
+                     help="requests decoded together in one batched forward, 1..256 (default: %(default)s)")
+    srv.add_argument("--max-queue", type=int, default=64, metavar="N",
+                     help="requests waiting for a batch slot; more get HTTP 429 (default: %(default)s)")
+    srv.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES, metavar="N",
+                     help="largest request body; larger ones get HTTP 413 (default: %(default)s = 1 MiB)")
+    srv.add_argument("--default-max-tokens", type=int, default=256, metavar="N",
+                     help="max_tokens of a chat request that gives none (default: %(default)s)")
+    srv.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"),
+                     help="server log level (default: %(default)s)")

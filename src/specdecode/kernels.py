@@ -13,6 +13,8 @@ import warnings
 import torch
 import torch.nn.functional as F
 
+from specdecode.options import WEIGHT_PRECISIONS  # the one copy (``--weights``), re-exported here
+
 #: Inputs with at most this many rows use the transposed product.
 SMALL_ROWS = 16
 
@@ -44,10 +46,6 @@ def use_small_row_matmul(model: torch.nn.Module) -> int:
             module.forward = _small_row_linear.__get__(module)
             count += 1
     return count
-
-
-#: Weight precisions a model can be executed in (``--weights``).
-WEIGHT_PRECISIONS = ("fp32", "bf16", "int8")
 
 
 class RowwiseInt8Linear(torch.nn.Module):

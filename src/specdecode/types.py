@@ -11,9 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-
-class SpecDecodeError(ValueError):
-    """Base class for user-facing errors: the message says what is wrong and what to do."""
+from specdecode.errors import SpecDecodeError  # the base lives in a module without torch (the CLI's errors)
 
 
 class InvalidSamplingParams(SpecDecodeError):

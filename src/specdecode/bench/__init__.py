@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import argparse
 
+from specdecode.options import DTYPES, WEIGHT_PRECISIONS
+
 PRESETS = ("full", "quick", "smoke")
 
 
@@ -60,14 +62,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kernel", choices=("default", "small-row"),
                    help="linear-layer execution: default (HF as shipped) or small-row (W @ x.T for few rows, "
                         "specdecode.kernels; applied to target and drafts, so the HF peer gets it too)")
-    p.add_argument("--weights", choices=("fp32", "bf16", "int8"),
+    p.add_argument("--weights", choices=WEIGHT_PRECISIONS,
                    help="precision the target's weights execute in (int8: fbgemm int8 weights, activations per "
                         "token; plain decoding, every method and the HF peer run the same target object, so "
                         "outputs are compared like for like) (default: fp32)")
     p.add_argument("--llama-cpp", action="store_true", default=None,
                    help="also run llama.cpp (llama-cpp-python) on the target's GGUF file: plain decoding and its "
                         "prompt lookup as the n-gram method's peer, timed the same way (optional dependency)")
-    p.add_argument("--draft-weights", choices=("fp32", "bf16", "int8"),
+    p.add_argument("--draft-weights", choices=WEIGHT_PRECISIONS,
                    help="precision of draft models' weights (int8: fbgemm int8 linear layers, 4x fewer bytes per "
                         "draft step; the HF peer uses the same draft objects) (default: fp32)")
     p.add_argument("--threads", type=int, metavar="N", help="torch threads (default: torch's)")

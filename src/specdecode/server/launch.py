@@ -22,10 +22,9 @@ from dataclasses import dataclass
 
 import torch
 
-from specdecode.cliargs import add_drafter_arguments
+from specdecode.cliargs import add_serve_arguments  # the flags live with the CLI's, away from torch
 from specdecode.engine import EngineConfig, SpeculativeEngine
 from specdecode.kernels import WEIGHT_PRECISIONS, set_weight_precision
-from specdecode.kv import FORWARD_BACKENDS
 from specdecode.models import LoadedModel, check_compatible, load_model
 from specdecode.policy import POLICIES, build_policy
 from specdecode.proposers.factory import (
@@ -277,42 +276,6 @@ def run(opts: ServeOptions) -> int:
 
 
 # --------------------------------------------------------------------------- command line
-
-def add_serve_arguments(p: argparse.ArgumentParser) -> None:
-    """The flags of ``specdecode serve`` (also ``python -m specdecode.server``); the drafter and precision
-    flags are those of ``specdecode generate``."""
-    d = ServeOptions
-    models = p.add_argument_group("models and drafting")
-    models.add_argument("--target", default=d.target, metavar="SPEC",
-                        help="the model served; its output distribution is preserved (default: %(default)s)")
-    add_drafter_arguments(models, policy_default=d.policy,
-                          gamma_help="gamma: tokens drafted per request per step with --policy fixed, the starting "
-                                     "gamma of the others, 1..64")
-    models.add_argument("--adaptive", dest="policy", action="store_const", const="cost-model",
-                        help="the same as --policy cost-model")
-    models.add_argument("--no-adaptive", dest="policy", action="store_const", const="fixed",
-                        help="the same as --policy fixed")
-    models.add_argument("--forward", default=d.forward, choices=FORWARD_BACKENDS,
-                        help="target forward: the project's own Llama / Qwen2 forward where supported (auto, "
-                             "owned) or Hugging Face's (hf) (default: %(default)s)")
-    models.add_argument("--served-model-name", metavar="NAME",
-                        help="the model id clients send (default: the --target spec)")
-    srv = p.add_argument_group("server")
-    srv.add_argument("--host", default=d.host,
-                     help="address to bind (default: %(default)s, loopback only; 0.0.0.0 exposes it)")
-    srv.add_argument("--port", type=int, default=d.port, help="default: %(default)s")
-    srv.add_argument("--api-key", metavar="KEY",
-                     help="require 'Authorization: Bearer KEY' on every endpoint but /health")
-    srv.add_argument("--max-batch-size", type=int, default=d.max_batch_size, metavar="N",
-                     help="requests decoded together in one batched forward, 1..256 (default: %(default)s)")
-    srv.add_argument("--max-queue", type=int, default=d.max_queue, metavar="N",
-                     help="requests waiting for a batch slot; more get HTTP 429 (default: %(default)s)")
-    srv.add_argument("--max-request-bytes", type=int, default=d.max_request_bytes, metavar="N",
-                     help="largest request body; larger ones get HTTP 413 (default: %(default)s = 1 MiB)")
-    srv.add_argument("--default-max-tokens", type=int, default=d.default_max_tokens, metavar="N",
-                     help="max_tokens of a chat request that gives none (default: %(default)s)")
-    srv.add_argument("--log-level", default=d.log_level, choices=("debug", "info", "warning", "error"))
-
 
 def options_from_args(args: argparse.Namespace) -> ServeOptions:
     return ServeOptions(

@@ -1,0 +1,36 @@
+"""The names the command line offers, with no model code behind them (no torch, no transformers).
+
+``specdecode --help``, every argument error and every check that needs no model answer at once,
+because the parsers (``cliargs.py``, ``bench/__init__.py``, ``cli.py``) read their choices from
+here. The modules that use these names re-export them (``kernels.WEIGHT_PRECISIONS``); the
+copies that still live beside their code are kept equal to these by tests/test_cliargs.py
+(``policy.POLICIES``, ``kv.FORWARD_BACKENDS``, ``server.app.DEFAULT_MAX_REQUEST_BYTES``).
+"""
+
+from __future__ import annotations
+
+#: The model ``specdecode generate`` / ``serve`` run when given no --target.
+DEFAULT_TARGET = "smollm2-135m"
+
+#: Precisions a model's weights can execute in (``specdecode.kernels.set_weight_precision``).
+WEIGHT_PRECISIONS = ("fp32", "bf16", "int8")
+#: What ``--weights`` takes: ``auto`` (the library measures and picks one per machine) or a precision.
+WEIGHT_CHOICES = ("auto", *WEIGHT_PRECISIONS)
+
+#: Dtypes a model can be loaded in (``--dtype``).
+DTYPES = ("float32", "bfloat16", "float16")
+
+#: Draft-length policies (``specdecode.policy.POLICIES``).
+POLICY_NAMES = ("fixed", "heuristic", "confidence", "cost-model")
+
+#: Token-tree kinds of a draft model (``--tree``): chains, static top-k trees, EAGLE-2 dynamic trees.
+TREE_KINDS = ("none", "static", "dynamic")
+
+#: Target forward backends (``specdecode.kv.FORWARD_BACKENDS``).
+FORWARD_BACKENDS = ("auto", "hf", "owned")
+
+#: Largest request body the server reads, bytes (``specdecode.server.app.DEFAULT_MAX_REQUEST_BYTES``).
+DEFAULT_MAX_REQUEST_BYTES = 1 << 20
+
+__all__ = ["DEFAULT_MAX_REQUEST_BYTES", "DEFAULT_TARGET", "DTYPES", "FORWARD_BACKENDS", "POLICY_NAMES",
+           "TREE_KINDS", "WEIGHT_CHOICES", "WEIGHT_PRECISIONS"]
