@@ -234,3 +234,56 @@ def test_range_errors_come_before_any_model_load(capsys, monkeypatch, argv, need
     assert code == 2 and out == ""
     errors = [line for line in err.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and needle in errors[0], err
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["generate", "--skip-layers", "1,2"], "--skip-layers chooses the layers --draft layer-skip skips"),
+        (["serve", "--draft", "suffix", "--skip-layers", "1"], "add --draft layer-skip"),
+        (["generate", "--draft-weights", "int8"], "loads no draft model"),
+        (["serve", "--draft", "layer-skip", "--draft-weights", "bf16"], "loads no draft model"),
+        (["generate", "--draft", "suffix:ngram", "--draft-weights", "bf16"], "loads no draft model"),
+        (["serve", "--policy", "heuristic", "--adaptive"], "not allowed with argument --policy: give one"),
+        (["serve", "--adaptive", "--no-adaptive"], "not allowed with argument --adaptive"),
+        (["bench", "--quick", "--smoke"], "not allowed with argument --quick"),
+        (["bench", "--smoke", "--dtype", "bfloat16", "--weights", "int8"], "drop --dtype"),
+        (["bench", "--smoke", "--dtype", "bfloat16", "--draft-weights", "fp32"], "or use --draft-weights bf16"),
+    ],
+)
+def test_contradictory_flags_are_refused_in_one_line(capsys, monkeypatch, argv, needle):
+    from specdecode.bench import runner
+
+    monkeypatch.setattr(runner, "run_bench", lambda *a, **k: pytest.fail("the benchmark ran"))
+    code, out, err = _run(capsys, *argv, "--target", "/nonexistent/model/dir")
+    assert code == 2 and out == ""
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and needle in errors[0], err
+    assert "Traceback" not in err
+
+
+def test_consistent_flags_pass_the_checks():
+    from specdecode.cliargs import check_drafter_flags, check_precision_flags
+
+    parser = cli.build_parser()
+    for argv in (["--draft", "layer-skip", "--skip-layers", "1,2"],
+                 ["--draft", "suffix:layer-skip", "--skip-layers", "1"],
+                 ["--draft", "some/model", "--draft-weights", "int8"],
+                 ["--draft", "suffix:m", "--draft-weights", "bf16"]):
+        for command in ("generate", "serve"):
+            check_drafter_flags(parser.parse_args([command, *argv]))
+    for dtype, weights in (("float32", "int8"), ("bfloat16", "bf16"), ("bfloat16", None), ("float16", "auto"),
+                           (None, "fp32")):
+        check_precision_flags(dtype, weights, None)
+
+
+def test_draft_kinds_agree_with_the_library():
+    """cliargs reads --draft without importing the drafters; it must read it as parse_draft does."""
+    from specdecode.cliargs import _draft_kind
+    from specdecode.proposers.factory import parse_draft
+
+    for text in ("ngram", "NGRAM", " none ", "", "layer-skip", "suffix", "suffix:ngram", "suffix:layer-skip",
+                 "suffix:Some/Model", "qwen2.5-coder-0.5b", "/models/draft.gguf"):
+        choice = parse_draft(text)
+        runs = choice.fallback if choice.kind == "suffix" else choice
+        assert _draft_kind(text) == runs.kind, text

@@ -75,7 +75,8 @@ def test_adaptive_flags_map_to_policies():
     assert options_from_args(parser.parse_args([])).policy == "cost-model"
     assert options_from_args(parser.parse_args(["--no-adaptive"])).policy == "fixed"
     assert options_from_args(parser.parse_args(["--policy", "heuristic"])).policy == "heuristic"
-    assert options_from_args(parser.parse_args(["--policy", "fixed", "--adaptive"])).policy == "cost-model"
+    with pytest.raises(SystemExit):  # two policies at once: refused (cliargs.add_serve_arguments)
+        parser.parse_args(["--policy", "fixed", "--adaptive"])
     args = parser.parse_args(["--draft", "suffix:ngram", "--tree-nodes", "12", "--weights", "int8",
                               "--forward", "owned", "--max-request-bytes", "4096"])
     opts = options_from_args(args)

@@ -26,7 +26,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from specdecode import __version__
-from specdecode.cliargs import DRAFT_CHOICES_HELP, add_drafter_arguments, add_serve_arguments  # noqa: F401
+from specdecode.cliargs import (  # noqa: F401 - DRAFT_CHOICES_HELP re-exported
+    DRAFT_CHOICES_HELP,
+    add_drafter_arguments,
+    add_serve_arguments,
+    check_drafter_flags,
+)
 from specdecode.errors import SpecDecodeError
 from specdecode.options import DEFAULT_TARGET
 
@@ -46,6 +51,8 @@ class _Parser(argparse.ArgumentParser):
     """argparse that raises instead of printing usage and exiting, so ``main`` prints one line."""
 
     def error(self, message: str):  # noqa: D401 - argparse API
+        if "not allowed with argument" in message:  # mutually exclusive flags
+            message += ": give one of the two"
         raise UsageError(f"{message} (see '{self.prog} --help')")
 
 
@@ -207,6 +214,7 @@ def _add_serve(commands) -> None:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     """``specdecode serve``: load the models and serve until interrupted (specdecode.server)."""
+    check_drafter_flags(args)  # before the server stack and torch are imported
     from specdecode.server.launch import run_from_args
 
     return run_from_args(args)
@@ -268,6 +276,7 @@ class _Job:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     """``specdecode generate``: validate, read prompts, load models, run each prompt, report."""
+    check_drafter_flags(args)  # contradictions first: they need not even torch
     from specdecode.generator import SpecDecoder
 
     _check_generate_args(args)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 
+from specdecode.errors import SpecDecodeError
 from specdecode.options import (
     DEFAULT_MAX_REQUEST_BYTES,
     DEFAULT_TARGET,
@@ -29,10 +30,63 @@ DRAFT_CHOICES_HELP = ("'ngram' (prompt lookup, no model), 'none' (plain decoding
                       "when the suffix match is weak), or a draft model spec")
 
 
+#: --draft values that run no draft model of their own (``proposers.factory.parse_draft``'s model-free kinds).
+_MODEL_FREE_DRAFTS = ("none", "ngram", "layer-skip")
+
+#: What each explicit --weights does to the weights --dtype loaded, for the refusal of a contradiction.
+_WEIGHTS_DO = {"fp32": "runs float32 weights", "bf16": "runs bfloat16 weights",
+               "int8": "quantizes float32 weights to int8"}
+
+
+def _draft_kind(draft: str | None) -> str:
+    """The drafter a --draft value runs (a suffix drafter's fallback): a model-free name or "model"."""
+    name = (draft or "").strip().lower()
+    if name.partition(":")[0] == "suffix":
+        name = name.partition(":")[2].strip()
+    name = name or "none"
+    return name if name in _MODEL_FREE_DRAFTS else "model"
+
+
+def check_precision_flags(dtype: str | None, weights: str | None, draft_weights: str | None) -> None:
+    """Refuse an explicit precision that contradicts --dtype (None / "auto" = not given, always fine).
+
+    --dtype loads the weights; an explicit --weights / --draft-weights then sets what they run in. A
+    non-float32 load under fp32, int8 or another half type would be silently rounded first (or not be
+    float32 at all), so only --dtype float32 (the default) or --dtype bfloat16 with bf16 go with one.
+
+    Raises:
+        SpecDecodeError: one line that says which flag to drop.
+    """
+    for flag, value in (("--weights", weights), ("--draft-weights", draft_weights)):
+        if dtype in (None, "float32") or value in (None, "auto") or (dtype, value) == ("bfloat16", "bf16"):
+            continue
+        instead = f" (or use {flag} bf16)" if dtype == "bfloat16" and value == "fp32" else ""
+        raise SpecDecodeError(f"{flag} {value} {_WEIGHTS_DO.get(value, 'sets the precision')}, but --dtype {dtype} "
+                              f"loads them in {dtype}: drop --dtype{instead}")
+
+
+def check_drafter_flags(args: argparse.Namespace) -> None:
+    """Refuse drafter / precision flags that contradict each other, before anything is imported or loaded.
+
+    Raises:
+        SpecDecodeError: --skip-layers without --draft layer-skip, --draft-weights with a drafter that
+            loads no draft model.
+    """
+    kind = _draft_kind(args.draft)
+    if args.skip_layers is not None and kind != "layer-skip":
+        raise SpecDecodeError(f"--skip-layers chooses the layers --draft layer-skip skips, but --draft is "
+                              f"{args.draft!r}: add --draft layer-skip, or drop --skip-layers")
+    if args.draft_weights is not None and kind != "model":
+        raise SpecDecodeError(f"--draft-weights sets a draft model's precision, but --draft {args.draft!r} loads no "
+                              "draft model: drop --draft-weights (--weights sets the target's)")
+
+
 def add_drafter_arguments(group: argparse._ArgumentGroup, *, policy_default: str = "fixed",
-                          gamma_help: str = "gamma: tokens drafted per step, 1..64") -> None:
+                          gamma_help: str = "gamma: tokens drafted per step, 1..64",
+                          policy_group: argparse._ActionsContainer | None = None) -> None:
     """Add --draft, -k, --ngram-min/max, --skip-layers, --policy, --tree, --tree-nodes, --dtype, --weights,
-    --draft-weights and --cache-dir to ``group``."""
+    --draft-weights and --cache-dir to ``group`` (--policy to ``policy_group`` when given: serve's
+    mutually exclusive group with --adaptive / --no-adaptive)."""
     group.add_argument("--draft", default="ngram", metavar="SPEC",
                        help=f"the proposer: {DRAFT_CHOICES_HELP}; a draft model must share the target's "
                             "tokenizer (default: %(default)s)")
@@ -45,11 +99,12 @@ def add_drafter_arguments(group: argparse._ArgumentGroup, *, policy_default: str
     group.add_argument("--skip-layers", default=None, metavar="LIST",
                        help="with --draft layer-skip: decoder layers to skip, e.g. 3,5,7 (default: the set cached for "
                             "the model, else a search on the first prompts, cached in the --cache-dir)")
-    group.add_argument("--policy", default=policy_default, choices=POLICY_NAMES,
-                       help="draft-length policy: fixed gamma (-k); heuristic (+2 after a fully accepted step, -1 "
-                            "otherwise); confidence (draft up to max(2k, 8) while the draft is sure); cost-model "
-                            "(gamma maximising tokens/s measured online per batch size, 0 = plain decoding when "
-                            "speculation loses) (default: %(default)s)")
+    policies = policy_group or group
+    policies.add_argument("--policy", default=policy_default, choices=POLICY_NAMES,
+                          help="draft-length policy: fixed gamma (-k); heuristic (+2 after a fully accepted step, -1 "
+                               "otherwise); confidence (draft up to max(2k, 8) while the draft is sure); cost-model "
+                               "(gamma maximising tokens/s measured online per batch size, 0 = plain decoding when "
+                               "speculation loses) (default: %(default)s)")
     group.add_argument("--tree", default="none", choices=TREE_KINDS,
                        help="token trees from the draft model, verified in one target pass: 'static' (top-k "
                             "branching per depth) or 'dynamic' (EAGLE-2: expand the most probable nodes, keep the "
@@ -81,12 +136,13 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     models = p.add_argument_group("models and drafting")
     models.add_argument("--target", default=DEFAULT_TARGET, metavar="SPEC",
                         help="the model served; its output distribution is preserved (default: %(default)s)")
-    add_drafter_arguments(models, policy_default="cost-model",
+    policy = models.add_mutually_exclusive_group()  # --policy heuristic --adaptive: which one? refused
+    add_drafter_arguments(models, policy_default="cost-model", policy_group=policy,
                           gamma_help="gamma: tokens drafted per request per step with --policy fixed, the starting "
                                      "gamma of the others, 1..64")
-    models.add_argument("--adaptive", dest="policy", action="store_const", const="cost-model",
+    policy.add_argument("--adaptive", dest="policy", action="store_const", const="cost-model",
                         help="the same as --policy cost-model")
-    models.add_argument("--no-adaptive", dest="policy", action="store_const", const="fixed",
+    policy.add_argument("--no-adaptive", dest="policy", action="store_const", const="fixed",
                         help="the same as --policy fixed")
     models.add_argument("--forward", default="auto", choices=FORWARD_BACKENDS,
                         help="target forward: the project's own Llama / Qwen2 forward where supported (auto, "

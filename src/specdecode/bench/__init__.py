@@ -12,18 +12,20 @@ from __future__ import annotations
 
 import argparse
 
-from specdecode.options import DTYPES, WEIGHT_PRECISIONS
+from specdecode.cliargs import check_precision_flags
+from specdecode.options import WEIGHT_PRECISIONS
 
 PRESETS = ("full", "quick", "smoke")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The ``specdecode bench`` flags. Unset flags (None) take the preset's value."""
-    p.add_argument("--quick", action="store_const", dest="preset", const="quick",
-                   help="preset: a few minutes on SmolLM2-135M (n-gram, gamma 2 and 4, 2 prompts of 3 Spec-Bench "
-                        "categories, 48 new tokens, 2 repeats)")
-    p.add_argument("--smoke", action="store_const", dest="preset", const="smoke",
-                   help="preset: seconds on tiny random models built in code (what CI runs)")
+    presets = p.add_mutually_exclusive_group()  # --quick --smoke: one preset or the other
+    presets.add_argument("--quick", action="store_const", dest="preset", const="quick",
+                         help="preset: a few minutes on SmolLM2-135M (n-gram, gamma 2 and 4, 2 prompts of 3 "
+                              "Spec-Bench categories, 48 new tokens, 2 repeats)")
+    presets.add_argument("--smoke", action="store_const", dest="preset", const="smoke",
+                         help="preset: seconds on tiny random models built in code (what CI runs)")
     p.add_argument("--target", metavar="SPEC", help="target model spec (default: smollm2-135m)")
     p.add_argument("--draft", metavar="SPEC",
                    help="draft model for methods that take one (draft-model); without it they are skipped "
@@ -86,6 +88,7 @@ def config_from_args(args: argparse.Namespace):
     Raises:
         SpecDecodeError: malformed lists, out-of-range numbers.
     """
+    check_precision_flags(args.dtype, args.weights, args.draft_weights)  # both given and contradictory
     from specdecode.bench.runner import BenchConfig, quick_config, smoke_config
     from specdecode.types import SpecDecodeError
 
