@@ -127,9 +127,8 @@ def test_specdecode_serve_command_serves(tiny_model_dir):
 ])
 def test_serve_rejects_bad_flags_before_loading(flags, monkeypatch):
     from specdecode.cli import main
-    from specdecode.server import launch
 
-    monkeypatch.setattr(launch, "load_model", lambda *a, **k: pytest.fail("loaded a model"))
+    monkeypatch.setattr("specdecode.models.load_model", lambda *a, **k: pytest.fail("loaded a model"))
     assert main(["serve", "--target", "no-such-model-dir", *flags]) == 2
 
 

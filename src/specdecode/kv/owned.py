@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from specdecode.kernels import RowwiseInt8Linear
+from specdecode.kernels import ROW_BLOCK, RowwiseInt8Linear, row_invariant_kernel, row_product
 from specdecode.kv.base import SlotRunner
 from specdecode.types import SpecDecodeError
 
@@ -126,15 +126,18 @@ def _fuse(linears: list[torch.nn.Linear]) -> torch.Tensor:
     return fused
 
 
-def _mm(weight, x: torch.Tensor) -> torch.Tensor:
+def _mm(weight, x: torch.Tensor, kernel: str | None = None) -> torch.Tensor:
     """x [n, in] -> [n, out].
 
-    float32 weights with few rows: ``(W @ x.T).T`` (torch's few-row ``F.linear``
+    ``kernel`` (the batch-invariant forward): :func:`specdecode.kernels.row_product` with that kernel.
+    Otherwise float32 weights with few rows: ``(W @ x.T).T`` (torch's few-row ``F.linear``
     takes a slow path on these CPUs); bfloat16 / float16 and many rows:
-    ``F.linear``; a quantized module: the module itself.
+    ``F.linear``. A quantized module: the module itself (row-invariant by construction).
     """
     if not isinstance(weight, torch.Tensor):
         return weight(x)
+    if kernel is not None:
+        return row_product(kernel, weight, x)
     if x.shape[0] > 16 or weight.dtype != torch.float32:
         return F.linear(x, weight)
     return (weight @ x.T).T
@@ -148,16 +151,26 @@ class OwnedRunner(SlotRunner):
             weights are re-pointed at fused tensors (shared storage), int8 modules are fused.
         num_slots, max_context: as :class:`~specdecode.kv.base.SlotRunner`.
 
-    Numerics: int8 weights (``kernels.RowwiseInt8Linear``) give integer products that do not depend
-    on the other rows of a call; attention is then run in float64 on a float64 cache, so its
-    rounding (which depends on the query count) is ~1e-16, below what a float32 result shows:
-    a verified row equals a decoded row, whatever the batch.
+    Numerics, the batch-invariance contract: with ``batch_invariant`` a token's logits do not depend
+    on how many tokens share a decoding / verification forward (one row or k + 1; one request or a
+    batch), so speculative output equals plain decoding token for token. Products: int8 weights
+    (``kernels.RowwiseInt8Linear``) give integer sums that do not depend on the other rows; float
+    weights run :func:`specdecode.kernels.row_product` in blocks of at most ``ROW_BLOCK`` rows with
+    the kernel :func:`~specdecode.kernels.row_invariant_kernel` measured to be row-invariant on this
+    CPU (else zero-padded blocks of one shape). Attention: float64 on a float64 cache (the keys and
+    values are stored exactly), so its rounding, which depends on the query count and the cache
+    length, is ~1e-16, below what a bfloat16 / float32 result can show. Norms, RoPE and residuals
+    are per row. Prefill (``last_only`` forwards: the prompt, drafting) needs no invariance (plain and
+    speculative decoding prefill alike) and runs the fast kernels with attention in the model's dtype.
+    (Thinking Machines, "Defeating Nondeterminism in LLM Inference", 2025, make GPU kernels
+    batch-invariant the same way: one reduction order whatever the batch.)
 
     Raises:
         SpecDecodeError: the model family / RoPE variant is not supported (use the Hugging Face forward).
     """
 
-    def __init__(self, model: torch.nn.Module, num_slots: int = 1, max_context: int | None = None) -> None:
+    def __init__(self, model: torch.nn.Module, num_slots: int = 1, max_context: int | None = None,
+                 batch_invariant: bool | None = None) -> None:
         if not supports(model):
             raise SpecDecodeError(
                 f"the owned forward supports {SUPPORTED_MODEL_TYPES} with default RoPE and full attention; "
@@ -183,8 +196,16 @@ class OwnedRunner(SlotRunner):
         self.dtype = self.embed.dtype
         # float32 like the Hugging Face rotary embedding, so both forwards rotate identically
         self.inv_freq = 1.0 / (theta ** (torch.arange(0, self.head_dim, 2, dtype=torch.int64).float() / self.head_dim))
-        self.cache_dtype = torch.float64 if any(isinstance(l.qkv, RowwiseInt8Linear) for l in self.layers) \
-            else self.dtype
+        int8 = any(isinstance(l.qkv, RowwiseInt8Linear) for l in self.layers)
+        if batch_invariant is None:
+            batch_invariant = default_batch_invariant(model)
+        self.batch_invariant = bool(batch_invariant or int8)
+        self.cache_dtype = torch.float64 if self.batch_invariant else self.dtype
+        #: The row-invariant product kernel of float weights (None: int8 modules, or not invariant).
+        self.row_kernel = None
+        if batch_invariant and not int8:
+            tensors = [t for l in self.layers for t in (l.qkv, l.o, l.gate_up, l.down)] + [self.lm_head]
+            self.row_kernel = row_invariant_kernel([t for t in tensors if isinstance(t, torch.Tensor)])
         self.k_cache = self.v_cache = None
 
     #: This forward can run a subset of the layers (layer-skip drafting).
@@ -240,9 +261,14 @@ class OwnedRunner(SlotRunner):
         attn_mask = None if mask is None else mask.unsqueeze(1)  # [b, 1, q, kv_len]
         row_index = torch.arange(b).unsqueeze(1)  # [b, 1]
         start = int(columns[0, 0]) if b == 1 else None
+        exact = self.batch_invariant and last is None  # decoding / verification (not prefill, not drafting)
+        kernel = self.row_kernel if exact else None
+        # a prompt-sized last_only forward attends in the model's dtype (its cache columns converted once per
+        # layer); small ones (drafting) read the cache as it is
+        att_dtype = x.dtype if last is not None and n > ROW_BLOCK else self.cache_dtype
         for i in range(self.num_layers) if layers is None else layers:
             layer = self.layers[i]
-            qkv = _mm(layer.qkv, _rms_norm(x, layer.ln1, self.eps))
+            qkv = _mm(layer.qkv, _rms_norm(x, layer.ln1, self.eps), kernel)
             if layer.qkv_bias is not None:
                 qkv = qkv + layer.qkv_bias
             qs, ks, vs = qkv.split([h * d, kvh * d, kvh * d], dim=-1)
@@ -259,25 +285,38 @@ class OwnedRunner(SlotRunner):
                 v_rows[row_index, :, columns] = vs.reshape(b, q, kvh, d).to(self.cache_dtype)
                 queries = qs.reshape(h, b, q, d).transpose(0, 1)
             attn = F.scaled_dot_product_attention(
-                queries.to(self.cache_dtype),  # [b, h, q, d]
-                k_rows[:, :, :kv_len],
-                v_rows[:, :, :kv_len],
+                queries.to(att_dtype),  # [b, h, q, d]
+                k_rows[:, :, :kv_len].to(att_dtype),
+                v_rows[:, :, :kv_len].to(att_dtype),
                 attn_mask=attn_mask,
                 enable_gqa=h != kvh,
             ).to(x.dtype)
-            x = x + _mm(layer.o, attn.transpose(1, 2).reshape(n, h * d))
-            gate, up = _mm(layer.gate_up, _rms_norm(x, layer.ln2, self.eps)).chunk(2, dim=-1)
-            x = x + _mm(layer.down, F.silu(gate) * up)
+            x = x + _mm(layer.o, attn.transpose(1, 2).reshape(n, h * d), kernel)
+            gate, up = _mm(layer.gate_up, _rms_norm(x, layer.ln2, self.eps), kernel).chunk(2, dim=-1)
+            x = x + _mm(layer.down, F.silu(gate) * up, kernel)
         x = x.view(b, q, -1)
         if last is not None:
             x = x[torch.arange(b), last].unsqueeze(1)  # [b, 1, hidden]
         hidden = _rms_norm(x.reshape(-1, x.shape[-1]), self.norm, self.eps)
-        return _mm(self.lm_head, hidden).float().view(b, x.shape[1], -1)
+        return _mm(self.lm_head, hidden, kernel).float().view(b, x.shape[1], -1)
 
     def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [n, d/2] float32
         emb = torch.cat([freqs, freqs], dim=-1)
         return emb.cos().to(self.dtype), emb.sin().to(self.dtype)
+
+
+def default_batch_invariant(model: torch.nn.Module) -> bool:
+    """Whether runners of ``model`` are batch-invariant by default: int8 (always), bfloat16 / float16
+    weights (the invariant forward is what keeps them exact, see :class:`OwnedRunner`) unless
+    ``model.config.specdecode_batch_invariant`` says otherwise; float32 not (its few-row products
+    would have to run as 16-row blocks, the slow path on most CPUs: float32 stays exact up to
+    near-ties only)."""
+    flag = getattr(getattr(model, "config", None), "specdecode_batch_invariant", None)
+    if flag is not None:
+        return bool(flag)
+    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    return dtype in (torch.bfloat16, torch.float16)
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -1,0 +1,455 @@
+"""``--weights auto``: the fastest weight precision that keeps the model and keeps speculation exact.
+
+Three questions per candidate precision (int8, bf16, fp32), answered by measuring:
+
+1. *Does it keep the model?* (:func:`measure_quality`, :func:`quality_gate`) Teacher-forced on real
+   text (Spec-Bench prompts, chat template applied), its next-token argmax must equal float32's on
+   at least :data:`MIN_ARGMAX_AGREEMENT` of the positions and its perplexity stay within
+   :data:`MAX_PERPLEXITY_CHANGE` of float32's. float32 is the reference and always qualifies.
+   A property of the model: cached per model.
+2. *Does it keep speculation exact?* (:func:`check_batch_invariance`) The logits of a token must be
+   bitwise equal whether it is verified alone or among k + 1 tokens, in one row or in a batch:
+   then speculative output equals plain decoding token for token. A property of the kernels this
+   CPU runs: cached per machine.
+3. *How fast is a step?* (:func:`measure_step`) Median times of a decoding step and of a 6-token
+   verification at a mid-length context; candidates are ranked by their mean. Cached per machine.
+
+:func:`choose_precision` picks the fastest candidate that passes 1 and 2 (else the fastest that
+passes 1, saying so) and says why in one line. Results are cached under
+``<cache dir>/precision/`` as JSON: the first load on a machine measures (seconds for a 135M model,
+a minute or two for a 1.5B one), later loads read.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import math
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from specdecode.kernels import set_weight_precision
+
+#: Next-token argmax agreement with float32 a precision needs to keep the model.
+MIN_ARGMAX_AGREEMENT = 0.97
+#: Largest relative perplexity change against float32 (0.01 = 1%).
+MAX_PERPLEXITY_CHANGE = 0.01
+#: Candidates, in the order they are tried (ties in speed go to the earlier one).
+CANDIDATES = ("int8", "bf16", "fp32")
+#: Bump when what is measured or how changes: older cache files are then measured again.
+CACHE_VERSION = 1
+
+
+@dataclass(frozen=True)
+class QualityReport:
+    """What a precision does to the model, teacher-forced against float32.
+
+    Attributes:
+        precision: "fp32", "bf16" or "int8".
+        argmax_agreement: fraction of positions whose next-token argmax equals float32's, in [0, 1].
+        nll: mean negative log-likelihood of the text's tokens, nats/token.
+        perplexity_change: perplexity / float32's perplexity - 1 (+0.055 = 5.5% higher).
+        positions: scored positions.
+    """
+
+    precision: str
+    argmax_agreement: float
+    nll: float
+    perplexity_change: float
+    positions: int
+
+
+def quality_gate(report: QualityReport) -> tuple[bool, str]:
+    """(passes, one line of figures): agreement >= MIN_ARGMAX_AGREEMENT and |perplexity change| <= MAX."""
+    ok = report.argmax_agreement >= MIN_ARGMAX_AGREEMENT and abs(report.perplexity_change) <= MAX_PERPLEXITY_CHANGE
+    line = (f"next-token agreement with float32 {100 * report.argmax_agreement:.1f}% (needs >= "
+            f"{100 * MIN_ARGMAX_AGREEMENT:.0f}%), perplexity {100 * report.perplexity_change:+.1f}% "
+            f"(needs within {100 * MAX_PERPLEXITY_CHANGE:.0f}%)")
+    return ok, line
+
+
+def quality_texts(tokenizer, per_category: int = 2, max_tokens: int = 512) -> list[list[int]]:
+    """Token ids of the Spec-Bench prompts (``per_category`` of each), chat template applied, at most
+    ``max_tokens`` each; the first HumanEval problems when ../shared/data is missing."""
+    from specdecode.data import SharedDataMissing, load_prompts
+
+    try:
+        prompts = load_prompts("spec-bench")
+    except SharedDataMissing:
+        prompts = load_prompts(f"humaneval:{13 * per_category}")
+    texts, seen = [], {}
+    limit = getattr(tokenizer, "model_max_length", None)
+    if isinstance(limit, int) and 1 < limit < max_tokens:
+        max_tokens = limit
+    for p in prompts:
+        if seen.get(p.category, 0) >= per_category:
+            continue
+        seen[p.category] = seen.get(p.category, 0) + 1
+        if getattr(tokenizer, "chat_template", None):
+            text = tokenizer.apply_chat_template([{"role": "user", "content": p.turns[0]}], tokenize=False,
+                                                 add_generation_prompt=True)
+        else:
+            text = p.turns[0]
+        texts.append(tokenizer(text, add_special_tokens=False)["input_ids"][:max_tokens])
+    return texts
+
+
+@torch.inference_mode()
+def teacher_forced(model: torch.nn.Module, texts: Sequence[Sequence[int]]) -> tuple[list[torch.Tensor], float, int]:
+    """Per text the next-token argmax [n - 1] int64, plus the summed NLL (nats) and the positions scored.
+
+    Runs the decoding forward (``kv.make_runner``; a verification-style call, so a batch-invariant
+    forward scores with the numerics it decodes with).
+    """
+    from specdecode.kv import make_runner
+
+    runner = make_runner(model).row(0)
+    argmaxes, nll, n = [], 0.0, 0
+    for ids in texts:
+        runner.reset()
+        logits = runner.forward(list(ids)).float()[:-1]
+        logp = torch.log_softmax(logits, -1)
+        nll -= float(logp.gather(1, torch.tensor(ids[1:])[:, None]).sum())
+        n += len(ids) - 1
+        argmaxes.append(logits.argmax(-1))
+    runner.reset()
+    return argmaxes, nll, n
+
+
+def measure_quality(reference: torch.nn.Module, candidate: torch.nn.Module, precision: str,
+                    texts: Sequence[Sequence[int]],
+                    reference_scores: tuple[list[torch.Tensor], float, int] | None = None) -> QualityReport:
+    """Teacher-force ``texts`` through a float32 ``reference`` and a ``candidate`` (the same model in
+    ``precision``); compare next-token argmax and perplexity.
+
+    Args:
+        reference_scores: :func:`teacher_forced` of the reference, when already computed.
+    """
+    ref_argmax, ref_nll, n = reference_scores or teacher_forced(reference, texts)
+    argmax, nll, _ = teacher_forced(candidate, texts)
+    agree = sum(int((a == b).sum()) for a, b in zip(argmax, ref_argmax))
+    return QualityReport(precision, agree / max(n, 1), nll / max(n, 1),
+                         math.exp((nll - ref_nll) / max(n, 1)) - 1.0, n)
+
+
+@dataclass(frozen=True)
+class ExactnessReport:
+    """Whether a token's logits are bitwise equal verified alone or among others (the contract).
+
+    Attributes:
+        exact: every comparison equal, bit for bit.
+        detail: the first difference ("9 tokens in one forward: row 3 differs by 0.44") or what was checked.
+        row_kernel: the product kernel the batch-invariant forward uses (``kernels.row_invariant_kernel``),
+            None for int8 or the Hugging Face forward.
+    """
+
+    exact: bool
+    detail: str
+    row_kernel: str | None = None
+
+
+@torch.inference_mode()
+def check_batch_invariance(model: torch.nn.Module, counts: Sequence[int] = (2, 5, 9, 17),
+                           context: int = 48, seed: int = 0, forward: str = "auto") -> ExactnessReport:
+    """Verify the batch-invariance contract on ``model`` as loaded, on this machine.
+
+    After a prefill of ``context`` random tokens, for each c in ``counts``: the logits of c tokens fed
+    in one forward equal those of the same tokens fed one by one, bitwise; and two rows verified
+    together equal each row verified alone (the batch case).
+    """
+    from specdecode.kv import make_runner
+
+    runner = make_runner(model, forward, num_slots=2)
+    gen = torch.Generator().manual_seed(seed)
+    vocab = runner.vocab_size
+    prompts = [torch.randint(0, vocab, (context,), generator=gen).tolist() for _ in range(2)]
+    feeds = [torch.randint(0, vocab, (max(counts),), generator=gen).tolist() for _ in range(2)]
+    kernel = getattr(runner, "row_kernel", None)
+    try:
+        for slot in range(2):
+            runner.forward(slice(slot, slot + 1), [prompts[slot]], last_only=True)
+        base = [runner.length(0), runner.length(1)]
+
+        def reset() -> None:
+            for slot in range(2):
+                runner.rollback(slot, base[slot])
+
+        alone = []
+        for t in feeds[0]:
+            alone.append(runner.forward(slice(0, 1), [[t]])[0, 0])
+        alone = torch.stack(alone)
+        reset()
+        for c in counts:
+            together = runner.forward(slice(0, 1), [feeds[0][:c]])[0]
+            reset()
+            diff = (together - alone[:c]).abs().amax(-1)
+            if bool((diff != 0).any()):
+                row = int((diff != 0).nonzero()[0])
+                return ExactnessReport(False, f"{c} tokens in one forward: token {row} differs from the same token "
+                                              f"fed alone by {float(diff[row]):.3g} in a logit", kernel)
+        c = counts[len(counts) // 2]
+        both = runner.forward(slice(0, 2), [feeds[0][:c], feeds[1][:c]])
+        reset()
+        second = runner.forward(slice(1, 2), [feeds[1][:c]])[0]
+        reset()
+        for row, single in ((0, alone[:c]), (1, second)):
+            d = float((both[row, :c] - single).abs().max())
+            if d != 0:
+                return ExactnessReport(False, f"two rows of {c} tokens in one forward: row {row} differs from "
+                                              f"the row alone by {d:.3g} in a logit", kernel)
+    finally:
+        runner.release()
+    return ExactnessReport(True, f"{', '.join(map(str, counts))} tokens and 2 rows x {c}: bitwise equal", kernel)
+
+
+@torch.inference_mode()
+def measure_step(model: torch.nn.Module, context: int = 256, repeats: int = 5, verify_rows: int = 6,
+                 seed: int = 0, forward: str = "auto") -> tuple[float, float]:
+    """(T_decode, T_verify) in seconds: the median time of a one-token decoding step and of a
+    ``verify_rows``-token verification forward, after ``context`` cached tokens."""
+    from specdecode.kv import make_runner
+
+    runner = make_runner(model, forward)
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, runner.vocab_size, (context + verify_rows,), generator=gen).tolist()
+    row = runner.row(0)
+    try:
+        row.forward(ids[:context], last_only=True)
+        times = {1: [], verify_rows: []}
+        for _ in range(repeats + 1):  # the first round warms up
+            for k in times:
+                t0 = time.perf_counter()
+                row.forward(ids[context : context + k])
+                times[k].append(time.perf_counter() - t0)
+                row.rollback(context)
+        return statistics.median(times[1][1:]), statistics.median(times[verify_rows][1:])
+    finally:
+        row.reset()
+
+
+@dataclass
+class Candidate:
+    """One precision's figures on this machine (``None``: not measured, e.g. it failed the gate)."""
+
+    precision: str
+    quality_ok: bool
+    quality: str
+    exact: bool | None = None
+    exact_detail: str = ""
+    decode_s: float | None = None
+    verify_s: float | None = None
+
+
+@dataclass
+class PrecisionChoice:
+    """What ``--weights auto`` picked, and why.
+
+    Attributes:
+        precision: the chosen precision ("int8", "bf16" or "fp32").
+        exact: speculative output equals plain decoding token for token (the contract held here).
+        reason: one line for the user.
+        candidates: every candidate's figures, fastest first.
+        cached: read from the cache (nothing measured this time).
+    """
+
+    precision: str
+    exact: bool
+    reason: str
+    candidates: list[Candidate] = field(default_factory=list)
+    cached: bool = False
+
+
+def machine_key() -> str:
+    """CPU model, the SIMD flags that pick kernels, torch version and thread count: one cache per machine."""
+    from specdecode.bench.env import cpu_flags, cpu_model
+
+    text = f"{cpu_model()}|{','.join(cpu_flags())}|torch {torch.__version__}|threads {torch.get_num_threads()}"
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _model_key(loaded) -> str:
+    ident = f"{loaded.source}|{loaded.sha256 or ''}|{type(loaded.model).__name__}"
+    return hashlib.sha256(ident.encode()).hexdigest()[:16]
+
+
+def _cache_path(cache_dir: Path, loaded) -> Path:
+    return Path(cache_dir) / "precision" / f"{_model_key(loaded)}.json"
+
+
+def _read_cache(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if data.get("version") == CACHE_VERSION else {}
+
+
+def choose_precision(loaded, cache_dir: str | Path, *, status: Callable[[str], None] | None = None,
+                     candidates: Sequence[str] = CANDIDATES, texts: Sequence[Sequence[int]] | None = None,
+                     remeasure: bool = False, forward: str = "auto") -> PrecisionChoice:
+    """Pick the precision ``loaded`` (a float32 :class:`~specdecode.models.LoadedModel`) should run in.
+
+    Measures what the cache lacks: quality per precision (per model), batch invariance and step
+    time per precision (per machine). Nothing here changes ``loaded``: candidates run on copies.
+
+    Args:
+        cache_dir: root of the cache (``<cache_dir>/precision/<model>.json``).
+        status: called with a line before each measurement (progress for the user).
+        texts: token ids to teacher-force for the quality gate (default :func:`quality_texts`).
+        remeasure: ignore the cache.
+        forward: the forward the engine will run ("auto", "owned", "hf": ``kv.make_runner``); exactness
+            and speed are properties of the forward as much as of the precision.
+
+    Raises:
+        ValueError: ``loaded`` is not float32 (the quality reference), or an unknown candidate.
+    """
+    dtype = next(p.dtype for p in loaded.model.parameters() if p.is_floating_point())
+    if dtype != torch.float32:
+        raise ValueError(f"choose_precision needs the float32 model as the reference, got {dtype}")
+    unknown = [c for c in candidates if c not in CANDIDATES]
+    if unknown:
+        raise ValueError(f"unknown precision(s) {unknown}; choose from {', '.join(CANDIDATES)}")
+    say = status or (lambda line: None)
+    path = _cache_path(Path(cache_dir), loaded)
+    data = {} if remeasure else _read_cache(path)
+    data.setdefault("version", CACHE_VERSION)
+    data.setdefault("model", loaded.name)
+    quality = data.setdefault("quality", {})
+    machine = data.setdefault("machines", {}).setdefault(machine_key(), {})
+    measured = False
+    ref_scores = None
+    for precision in candidates:
+        if precision != "fp32" and precision not in quality:
+            if texts is None:
+                texts = [t[: loaded.max_context] for t in quality_texts(loaded.tokenizer)]
+            say(f"measuring what {precision} weights do to the model (teacher-forced, {len(texts)} prompts; once per model)")
+            if ref_scores is None:
+                ref_scores = teacher_forced(loaded.model, texts)
+            quality[precision] = asdict(measure_quality(loaded.model, _copy_in(loaded.model, precision), precision,
+                                                        texts, ref_scores))
+            measured = True
+    result = []
+    for precision in candidates:
+        if precision == "fp32":
+            ok, line = True, "the reference"
+        else:
+            ok, line = quality_gate(QualityReport(**quality[precision]))
+        cand = Candidate(precision, ok, line)
+        key = precision if forward == "auto" else f"{precision}/{forward}"
+        if ok:
+            if key not in machine:
+                say(f"measuring {precision} on this machine: batch invariance and step time (once per machine)")
+                model = loaded.model if precision == "fp32" else _copy_in(loaded.model, precision)
+                inv = check_batch_invariance(model, context=min(48, loaded.max_context // 4), forward=forward)
+                decode_s, verify_s = measure_step(model, context=min(256, loaded.max_context // 2), forward=forward)
+                machine[key] = {"exact": inv.exact, "detail": inv.detail, "row_kernel": inv.row_kernel,
+                                      "decode_s": decode_s, "verify_s": verify_s}
+                measured = True
+                del model
+            m = machine[key]
+            cand.exact, cand.exact_detail = m["exact"], m["detail"]
+            cand.decode_s, cand.verify_s = m["decode_s"], m["verify_s"]
+        result.append(cand)
+    if measured:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(data, indent=1))
+        tmp.replace(path)
+    return _decide(result, cached=not measured)
+
+
+def _decide(candidates: list[Candidate], cached: bool = False) -> PrecisionChoice:
+    kept = sorted((c for c in candidates if c.quality_ok), key=_step_cost)
+    exact = [c for c in kept if c.exact]
+    best = exact[0] if exact else kept[0]
+    fp32 = next((c for c in candidates if c.precision == "fp32" and c.decode_s), None)
+    speed = f", {_step_cost(fp32) / _step_cost(best):.1f}x float32's speed" if fp32 and best is not fp32 else ""
+    others = []
+    for c in candidates:
+        if c is best:
+            continue
+        if not c.quality_ok:
+            others.append(f"{c.precision} changes the model ({c.quality})")
+        elif not c.exact:
+            others.append(f"{c.precision} is not batch-invariant here ({c.exact_detail})")
+        else:
+            others.append(f"{c.precision} is slower ({1000 * _step_cost(c):.0f} ms a step)")
+    if best.exact:
+        reason = f"{best.precision}: the fastest precision that keeps the model and keeps speculation exact{speed}"
+    else:
+        reason = (f"{best.precision}: no precision that keeps the model is batch-invariant on this machine, so "
+                  f"speculative output may leave plain decoding's path at near-ties")
+    if others:
+        reason += "; " + "; ".join(others)
+    ordered = sorted(candidates, key=lambda c: (c.decode_s is None, _step_cost(c) if c.decode_s else 0.0))
+    return PrecisionChoice(best.precision, bool(best.exact), reason, ordered, cached)
+
+
+def _step_cost(c: Candidate) -> float:
+    """Seconds per step, the mean of a decoding step and a 6-token verification (plain decoding runs the
+    first, speculation the second)."""
+    return (c.decode_s + c.verify_s) / 2
+
+
+def _copy_in(model: torch.nn.Module, precision: str) -> torch.nn.Module:
+    """A copy of ``model`` (float32) executing in ``precision`` (the original is untouched)."""
+    clone = copy.deepcopy(model)
+    clone.__dict__.pop("_specdecode_fused_layers", None)
+    return set_weight_precision(clone, precision)
+
+
+def load_target(spec: str, weights: str = "auto", *, dtype: torch.dtype | str = torch.float32, cache_dir=None,
+                progress: bool = True, status: Callable[[str], None] | None = None, forward: str = "auto"):
+    """Load a target with :func:`specdecode.models.load_model` and set its weight precision.
+
+    ``weights="auto"``: :func:`choose_precision` on the float32 model (``dtype`` other than float32:
+    that dtype's precision, nothing measured). An explicit precision is used as given; when it
+    does not pass the quality gate and its figures are cached, the reason says so.
+
+    Returns:
+        (LoadedModel in its precision, PrecisionChoice: what runs and why).
+
+    Raises:
+        ModelLoadError (from load_model), SpecDecodeError (unknown precision).
+    """
+    from specdecode.kernels import WEIGHT_PRECISIONS
+    from specdecode.models import _normalize_dtype, default_cache_dir, load_model
+    from specdecode.types import SpecDecodeError
+
+    if weights != "auto" and weights not in WEIGHT_PRECISIONS:
+        raise SpecDecodeError(f"unknown weight precision {weights!r}; choose auto or one of {', '.join(WEIGHT_PRECISIONS)}")
+    dtype = _normalize_dtype(dtype)
+    cache = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
+    if weights == "auto" and dtype != torch.float32:
+        weights = "bf16" if dtype == torch.bfloat16 else "fp32"
+        loaded = load_model(spec, dtype=dtype, cache_dir=cache_dir, progress=progress)
+        set_weight_precision(loaded.model, weights)
+        return loaded, PrecisionChoice(weights, weights == "bf16", f"{weights}: the weights were loaded in {dtype}")
+    loaded = load_model(spec, dtype=torch.float32 if weights == "auto" else dtype, cache_dir=cache_dir,
+                        progress=progress)
+    if weights == "auto":
+        choice = choose_precision(loaded, cache, status=status, forward=forward)
+    else:
+        choice = _explicit(loaded, weights, cache)
+    set_weight_precision(loaded.model, choice.precision)
+    return loaded, choice
+
+
+def _explicit(loaded, weights: str, cache: Path) -> PrecisionChoice:
+    """The choice the user made, with the cached quality / exactness figures where there are some."""
+    data = _read_cache(_cache_path(cache, loaded))
+    q = data.get("quality", {}).get(weights)
+    m = data.get("machines", {}).get(machine_key(), {}).get(weights, {})
+    reason = f"{weights}: chosen with --weights"
+    if q is not None:
+        ok, line = quality_gate(QualityReport(**q))
+        if not ok:
+            reason += f"; it changes the model: {line}"
+    exact = weights in ("bf16", "int8") if not m else bool(m.get("exact"))
+    return PrecisionChoice(weights, exact, reason)
