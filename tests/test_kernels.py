@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 
 from specdecode.engine import EngineConfig, SpeculativeEngine
 from specdecode.kernels import set_weight_precision, use_small_row_matmul
@@ -129,3 +130,78 @@ def test_small_row_matmul_keeps_the_hf_forward():
     assert use_small_row_matmul(model) > 0
     assert use_small_row_matmul(model) == 0  # idempotent
     torch.testing.assert_close(make_runner(model, "hf").row(0).forward([1, 2, 3, 4]), expected)
+
+
+# ----------------------------------------------------------------------------- row-invariant products
+
+ROW_COUNTS = range(1, 41)  # past two ROW_BLOCK blocks: full blocks, a partial last block, one row
+
+
+def _rows_alone(kernel, weight, x):
+    """Each row of ``x`` through ``row_product`` on its own, stacked."""
+    from specdecode.kernels import row_product
+
+    return torch.cat([row_product(kernel, weight, x[i : i + 1]) for i in range(x.shape[0])])
+
+
+def _row_invariance_failures(kernel, weight, x) -> list[int]:
+    """The row counts m for which row_product(kernel, weight, x[:m]) differs from the rows computed alone."""
+    from specdecode.kernels import row_product
+
+    alone = _rows_alone(kernel, weight, x)
+    return [m for m in ROW_COUNTS if not torch.equal(row_product(kernel, weight, x[:m]), alone[:m])]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("kernel", ["linear", "transposed", "padded"])
+def test_row_product_computes_the_linear_product(kernel, dtype):
+    from specdecode.kernels import ROW_BLOCK, ROW_KERNELS, row_product
+
+    assert kernel in ROW_KERNELS and ROW_BLOCK == 16
+    gen = torch.Generator().manual_seed(1)
+    weight = torch.randn(48, 96, generator=gen).to(dtype)
+    x = torch.randn(40, 96, generator=gen).to(dtype)
+    want = F.linear(x.double(), weight.double())
+    tol = 5e-2 if dtype == torch.bfloat16 else 1e-4  # the product's own rounding (bf16: 8 mantissa bits)
+    for m in (1, 2, 15, 16, 17, 33, 40):
+        got = row_product(kernel, weight, x[:m])
+        assert got.shape == (m, 48) and got.dtype == dtype
+        torch.testing.assert_close(got.double(), want[:m], atol=tol * want.abs().max().item(), rtol=0)
+        torch.testing.assert_close(got, F.linear(x[:m], weight), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_padded_row_product_is_row_invariant_by_construction(dtype):
+    """Every call is a [ROW_BLOCK, in] product: row i cannot depend on how many rows share the call, on any CPU.
+    (float32 ``F.linear`` is *not* row-invariant on most CPUs, so the float32 case is a real check.)"""
+    gen = torch.Generator().manual_seed(2)
+    for out_f, in_f in ((64, 64), (192, 64), (40, 136)):
+        weight = torch.randn(out_f, in_f, generator=gen).to(dtype)
+        x = torch.randn(40, in_f, generator=gen).to(dtype)
+        x[3] *= 1000.0  # a loud row must not change its neighbours
+        assert _row_invariance_failures("padded", weight, x) == [], (out_f, in_f)
+
+
+def test_row_invariant_kernel_picks_a_row_invariant_kernel_and_caches(monkeypatch):
+    import specdecode.kernels as kernels
+
+    gen = torch.Generator().manual_seed(3)
+    for dtype in (torch.bfloat16, torch.float32):
+        shapes = [(64, 64), (96, 64), (64, 128)]
+        weights = [torch.randn(*s, generator=gen).to(dtype) for s in shapes]
+        kernel = kernels.row_invariant_kernel(weights)
+        assert kernel in kernels.ROW_KERNELS
+        for w in weights:  # fresh inputs (not the ones it measured with), up to 40 rows (blocks of 16)
+            x = torch.randn(40, w.shape[1], generator=gen).to(dtype)
+            assert _row_invariance_failures(kernel, w, x) == [], (kernel, dtype, tuple(w.shape))
+        # cached: a second call (other tensors of the same shapes) measures nothing
+        calls = []
+        monkeypatch.setattr(kernels, "row_product", lambda *a: calls.append(a) or kernels.F.linear(a[2], a[1]))
+        again = [torch.zeros(*s, dtype=dtype) for s in reversed(shapes)]
+        assert kernels.row_invariant_kernel(again) == kernel and calls == []
+        monkeypatch.undo()
+    # a new shape is measured (not answered from another shape's entry)
+    calls = []
+    real = kernels.row_product
+    monkeypatch.setattr(kernels, "row_product", lambda *a: calls.append(a) or real(*a))
+    assert kernels.row_invariant_kernel([torch.randn(24, 40)]) in kernels.ROW_KERNELS and calls

@@ -101,3 +101,171 @@ def test_forward_skipping_writes_only_past_the_committed_length():
     with pytest.raises(SpecDecodeError, match="cannot skip layers"):
         hf.forward_skipping(slice(0, 1), [[3]], [2], [0])
 
+
+
+# ----------------------------------------------------------------------------- the batch-invariance contract
+# A token's logits are bitwise equal whether it is verified alone or among k + 1 tokens, in one row or a batch,
+# in a chain or a token tree: then speculative output equals plain decoding token for token.
+
+#: How each contract test builds its runner: weights, and the product kernel ("measured": what this CPU measured).
+INVARIANT_CONFIGS = {
+    "bf16": (torch.bfloat16, "measured"),
+    "bf16-padded": (torch.bfloat16, "padded"),  # the construction, whatever this CPU measures
+    "fp32-invariant": (torch.float32, "measured"),  # float32 opted in: on most CPUs the padded kernel
+    "int8": ("int8", None),
+}
+CONTRACT_KS = (*range(1, 9), 16, 17)  # 17 and 18 tokens: past one ROW_BLOCK
+CONTRACT_PREFIX = 20
+
+
+def _invariant_runner(family: str, config: str, slots: int = 1):
+    from specdecode.kernels import ROW_KERNELS
+    from specdecode.kv.owned import OwnedRunner
+
+    weights, kernel = INVARIANT_CONFIGS[config]
+    if weights == "int8":
+        model = set_weight_precision(MODELS[family](torch.float32), "int8")
+    else:
+        model = MODELS[family](weights)
+    runner = OwnedRunner(model, slots, batch_invariant=True)
+    assert runner.batch_invariant and runner.cache_dtype == torch.float64
+    if weights == "int8":
+        assert runner.row_kernel is None  # int8 modules: integer sums, row-invariant by construction
+    else:
+        assert runner.row_kernel in ROW_KERNELS
+        if kernel == "padded":
+            runner.row_kernel = "padded"
+    return runner
+
+
+def _first_difference(got: torch.Tensor, want: torch.Tensor) -> str | None:
+    """None when ``got`` and ``want`` ([n, V] logits) are bitwise equal; else where and by how much they differ."""
+    assert got.shape == want.shape, (got.shape, want.shape)
+    if torch.equal(got, want):
+        return None
+    diff = (got.double() - want.double()).abs().amax(-1)  # [n]
+    row = int((diff != 0).nonzero()[0]) if bool((diff != 0).any()) else -1  # -1: NaN somewhere
+    return f"token {row} of {got.shape[0]} differs by {float(diff[row]):.3g}"
+
+
+def _random_ids(n: int, seed: int, vocab: int = 64) -> list[int]:
+    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _chain_differences(row, feed: list[int], ks=CONTRACT_KS) -> dict[int, str]:
+    """For each k: feed[:k + 1] in one forward against the same tokens fed one by one (after the row's cache)."""
+    base = row.num_cached
+    alone = torch.stack([row.forward([t])[0] for t in feed])  # [len(feed), V]
+    row.rollback(base)
+    found = {}
+    for k in ks:
+        diff = _first_difference(row.forward(feed[: k + 1]), alone[: k + 1])
+        row.rollback(base)
+        if diff is not None:
+            found[k] = diff
+    return found
+
+
+@pytest.mark.parametrize("config", list(INVARIANT_CONFIGS))
+@pytest.mark.parametrize("family", list(MODELS))
+def test_k_plus_1_tokens_in_one_forward_equal_them_fed_one_by_one_bitwise(family, config):
+    row = _invariant_runner(family, config).row(0)
+    row.forward(_random_ids(CONTRACT_PREFIX, 0), last_only=True)  # a prompt prefill (fast kernels)
+    assert _chain_differences(row, _random_ids(max(CONTRACT_KS) + 1, 1)) == {}
+    # a longer context, past the first cache allocation (64 columns)
+    row.forward(_random_ids(50, 2))
+    assert _chain_differences(row, _random_ids(10, 3), ks=(1, 4, 9)) == {}
+
+
+@pytest.mark.parametrize("config", list(INVARIANT_CONFIGS))
+@pytest.mark.parametrize("family", list(MODELS))
+def test_rows_verified_together_equal_each_row_verified_alone_bitwise(family, config):
+    runner = _invariant_runner(family, config, slots=2)
+    prompts = [_random_ids(CONTRACT_PREFIX, 4), _random_ids(13, 5)]  # ragged: different cached lengths
+    for slot, prompt in enumerate(prompts):
+        runner.forward(slice(slot, slot + 1), [prompt], last_only=True)
+    for n0, n1 in ((1, 1), (5, 5), (9, 3), (2, 17), (18, 18)):  # equal and ragged feeds (padding rows)
+        feeds = [_random_ids(n0, 10 + n0), _random_ids(n1, 20 + n1)]
+        both = runner.forward(slice(0, 2), feeds)
+        for slot in range(2):
+            runner.rollback(slot, len(prompts[slot]))
+        for slot, n in ((0, n0), (1, n1)):
+            alone = runner.forward(slice(slot, slot + 1), [feeds[slot]])[0]
+            runner.rollback(slot, len(prompts[slot]))
+            assert _first_difference(both[slot, :n], alone) is None, (n0, n1, slot)
+
+
+def _tree_paths(parents: list[int]) -> list[list[int]]:
+    """Every root-to-leaf path of a parent list (node indices)."""
+    leaves = [i for i in range(len(parents)) if i not in parents]
+    paths = []
+    for leaf in leaves:
+        path = [leaf]
+        while parents[path[-1]] != -1:
+            path.append(parents[path[-1]])
+        paths.append(path[::-1])
+    return paths
+
+
+@pytest.mark.parametrize("config", list(INVARIANT_CONFIGS))
+@pytest.mark.parametrize("family", list(MODELS))
+def test_a_token_tree_scores_each_path_like_the_chain_bitwise(family, config):
+    runner = _invariant_runner(family, config, slots=2)
+    row = runner.row(0)
+    prefix, tokens = _random_ids(CONTRACT_PREFIX, 6), [10, 11, 12, 13, 14, 15]
+    row.forward(prefix, last_only=True)
+    tree = row.forward_tree(tokens, TREE)  # [6, V]
+    paths = _tree_paths(TREE)
+    assert sorted(map(tuple, paths)) == [(0, 2), (0, 3, 5), (1, 4)]
+    for path in paths:  # each node's logits are those of plain decoding along its path (one token a forward)
+        row.rollback(len(prefix))  # drops the pending tree
+        chain = torch.stack([row.forward([tokens[i]])[0] for i in path])
+        assert _first_difference(tree[path], chain) is None, path
+    # level by level (as tree drafters add nodes) equals the whole tree in one call
+    row.rollback(len(prefix))
+    levels = torch.cat([row.forward_tree(tokens[:2], TREE[:2]), row.forward_tree(tokens[2:], TREE[2:])])
+    assert _first_difference(levels, tree) is None
+    # keeping a path leaves the cache a chain would: the next token's logits are the chain's
+    row.keep_tree_path([0, 3, 5])
+    after_tree = row.forward([7, 8])
+    row.rollback(len(prefix))
+    for t in (10, 13, 15, 7):
+        row.forward([t])
+    after_chain = torch.stack([row.forward([8])[0]])
+    assert _first_difference(after_tree[1:], after_chain) is None
+    # two rows of trees in one forward equal each row's tree alone
+    runner.rollback(0, len(prefix))
+    other = _random_ids(9, 7)
+    runner.forward(slice(1, 2), [other], last_only=True)
+    parents2 = [-1, 0, 0, 1]
+    both = runner.forward_tree(slice(0, 2), [tokens, [3, 4, 5, 6]], [TREE, parents2])
+    runner.rollback(1, len(other))
+    second = runner.row(1).forward_tree([3, 4, 5, 6], parents2)
+    assert _first_difference(both[0], tree) is None
+    assert _first_difference(both[1, :4], second) is None
+
+
+def test_the_contract_comparison_detects_a_forward_that_is_not_batch_invariant():
+    """A contract test that cannot fail is worthless: the same comparison, on the forward without the
+    invariant kernels (bf16 ``F.linear`` and bf16 attention; float32 few-row products), finds differences
+    on this CPU, or at least catches a 1-ulp change injected into one logit."""
+    from specdecode.kv.owned import OwnedRunner
+
+    found = {}
+    for name, make in (("llama bf16", lambda: MODELS["llama"](torch.bfloat16)),
+                       ("qwen2 bf16", lambda: MODELS["qwen2"](torch.bfloat16)),
+                       ("llama fp32", lambda: MODELS["llama"](torch.float32))):
+        runner = OwnedRunner(make(), 1, batch_invariant=False)
+        assert runner.row_kernel is None and runner.cache_dtype != torch.float64
+        row = runner.row(0)
+        row.forward(_random_ids(CONTRACT_PREFIX, 0), last_only=True)
+        found.update({(name, k): d for k, d in _chain_differences(row, _random_ids(max(CONTRACT_KS) + 1, 1)).items()})
+    print("differences without the invariant forward:", found or "none on this CPU")
+    # the comparison itself sees one ulp in one logit of one token
+    row = _invariant_runner("llama", "bf16").row(0)
+    row.forward(_random_ids(CONTRACT_PREFIX, 0), last_only=True)
+    logits = row.forward(_random_ids(5, 1))
+    nudged = logits.clone()
+    nudged[3, 17] = torch.nextafter(nudged[3, 17], torch.tensor(float("inf")))
+    assert _first_difference(logits.clone(), logits) is None
+    assert _first_difference(nudged, logits) == f"token 3 of 5 differs by {float(nudged[3, 17] - logits[3, 17]):.3g}"
