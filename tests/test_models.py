@@ -103,7 +103,8 @@ def test_bogus_hub_id_fails_fast(monkeypatch):
         load_model("no-such-org/no-such-model-xyz")
     assert time.perf_counter() - start < 20
     message = str(info.value)
-    assert "Hub cannot be reached" in message and "qwen2.5-coder-0.5b" in message
+    assert "HF_HUB_OFFLINE is set" in message and "not in the local Hugging Face cache" in message
+    assert "qwen2.5-coder-0.5b" in message
 
 
 def test_typo_suggests_catalog_name(monkeypatch):

@@ -281,6 +281,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     _check_generate_args(args)
     jobs = _read_jobs(args)
+    _preflight(args, jobs)
     _status(f"loading target {args.target!r}" + ("" if args.draft.lower() in ("none", "ngram") else
                                                   f" and draft {args.draft!r}"))
     t0 = time.perf_counter()
@@ -319,6 +320,17 @@ def _check_generate_args(args: argparse.Namespace) -> None:
                                                           tree=args.tree, tree_nodes=args.tree_nodes,
                                                           skip_layers=args.skip_layers))
     _check_stops(args.stop)
+
+
+def _preflight(args: argparse.Namespace, jobs: list[_Job]) -> None:
+    """Before any weight file is read: the models resolve, a draft model shares the target's tokenizer, and
+    every prompt fits the target's context (``specdecode.preflight``, from tokenizer files and config.json)."""
+    from specdecode.preflight import check_models, check_prompts
+    from specdecode.proposers.factory import parse_draft
+
+    target = check_models(args.target, parse_draft(args.draft).model_spec, cache_dir=args.cache_dir)
+    chat = [args.chat if args.chat is not None else (None if job.chat_default else False) for job in jobs]
+    check_prompts(target, [(job.id, job.text, c) for job, c in zip(jobs, chat)], args.max_new_tokens)
 
 
 def _read_jobs(args: argparse.Namespace) -> list[_Job]:

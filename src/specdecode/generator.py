@@ -31,6 +31,7 @@ from specdecode.kernels import WEIGHT_PRECISIONS, set_weight_precision
 from specdecode.metrics import RunMetrics
 from specdecode.models import LoadedModel, load_model
 from specdecode.policy import build_policy
+from specdecode.preflight import check_models
 from specdecode.proposers.factory import (  # noqa: F401 - the drafter choices, re-exported
     LAYER_SKIP_DRAFT,
     NGRAM_DRAFT,
@@ -164,6 +165,7 @@ class SpecDecoder:
         for precision in (weights, draft_weights):
             if precision not in WEIGHT_PRECISIONS:
                 raise SpecDecodeError(f"unknown weight precision {precision!r}; choose one of {WEIGHT_PRECISIONS}")
+        check_models(target, choice.model_spec, cache_dir=cache_dir)  # tokenizer files and config, before weights
         loaded = load_model(target, dtype=dtype, cache_dir=cache_dir, progress=progress)
         set_weight_precision(loaded.model, weights)
         draft_model = load_draft_model(choice, loaded, target, weights=weights, draft_weights=draft_weights,

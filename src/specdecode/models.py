@@ -219,20 +219,64 @@ def load_model(
     """
     dtype = _normalize_dtype(dtype)
     cache = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
+    with quiet_hf_output():  # our status lines say what happens; Hugging Face's bars and warnings stay out
+        return _load_any(spec, dtype, cache, progress)
+
+
+def _load_any(spec: str, dtype: torch.dtype, cache: Path, progress: bool) -> LoadedModel:
+    """:func:`load_model`'s dispatch: catalog name, local directory, GGUF file, else hub id."""
+    source = resolve_spec(spec)
+    if source.kind == "catalog":
+        return _load_offline(spec, source.entry, dtype, cache, progress)
+    if source.kind == "dir":
+        return _load_local_dir(spec, source.path, dtype, cache, progress)
+    if source.kind == "gguf":
+        return _load_gguf_file(spec, source.path, dtype, cache, progress)
+    return _load_hub(spec, dtype, progress)
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """What a model spec names, found from its name and the filesystem alone (no model file opened).
+
+    Attributes:
+        kind: "catalog" (``entry``), "dir" (a Hugging Face model directory: ``path``), "gguf" (a GGUF file:
+            ``path``; also a directory holding exactly one) or "hub" (a Hugging Face Hub id: ``spec``).
+    """
+
+    spec: str
+    kind: str
+    path: Path | None = None
+    entry: OfflineModel | None = None
+
+
+def resolve_spec(spec: str) -> ModelSource:
+    """What ``spec`` names, in :func:`load_model`'s order of precedence.
+
+    Raises:
+        ModelLoadError: a path that does not exist, a file that is not a ``.gguf``, a directory with neither
+            config.json nor exactly one ``.gguf``.
+    """
     entry = OFFLINE_MODELS.get(spec.strip().lower())
     if entry is not None:
-        return _load_offline(spec, entry, dtype, cache, progress)
+        return ModelSource(spec, "catalog", entry=entry)
     path = Path(spec).expanduser()
     if path.is_dir():
-        return _load_local_dir(spec, path, dtype, cache, progress)
+        if (path / "config.json").is_file():
+            return ModelSource(spec, "dir", path)
+        ggufs = sorted(path.glob("*.gguf"))
+        if len(ggufs) == 1:
+            return ModelSource(spec, "gguf", ggufs[0])
+        found = f"; it holds GGUF files {[g.name for g in ggufs]}: pass one of them" if ggufs else ""
+        raise ModelLoadError(f"{str(path)!r} is not a Hugging Face model directory (no config.json){found}")
     if path.is_file():
         if path.suffix.lower() != ".gguf":
             raise ModelLoadError(f"{spec!r} is a file but not a .gguf file; pass a GGUF file or a model directory")
-        return _load_gguf_file(spec, path, dtype, cache, progress)
+        return ModelSource(spec, "gguf", path)
     if _looks_like_path(spec):
         raise ModelLoadError(f"no such file or directory: {spec!r} (resolved to {path.resolve()}). "
                              f"{_catalog_hint()}")
-    return _load_hub(spec, dtype, progress)
+    return ModelSource(spec, "hub")
 
 
 def _normalize_dtype(dtype: torch.dtype | str) -> torch.dtype:
@@ -268,13 +312,7 @@ def _finish(model: transformers.PreTrainedModel, dtype: torch.dtype) -> transfor
 
 
 def _load_local_dir(spec: str, path: Path, dtype: torch.dtype, cache: Path, progress: bool) -> LoadedModel:
-    """A Hugging Face model directory, or a directory holding exactly one ``.gguf`` file."""
-    if not (path / "config.json").is_file():
-        ggufs = sorted(path.glob("*.gguf"))
-        if len(ggufs) == 1:
-            return _load_gguf_file(spec, ggufs[0], dtype, cache, progress)
-        found = f"; it holds GGUF files {[g.name for g in ggufs]}: pass one of them" if ggufs else ""
-        raise ModelLoadError(f"{str(path)!r} is not a Hugging Face model directory (no config.json){found}")
+    """A Hugging Face model directory (config.json, weights, tokenizer files)."""
     try:
         with _hf_bars(progress):
             model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
@@ -285,31 +323,152 @@ def _load_local_dir(spec: str, path: Path, dtype: torch.dtype, cache: Path, prog
 
 
 def _load_hub(spec: str, dtype: torch.dtype, progress: bool) -> LoadedModel:
-    """``from_pretrained`` from the Hugging Face Hub (or its local cache).
-
-    Honours ``HF_HUB_OFFLINE`` / ``TRANSFORMERS_OFFLINE`` read at call time (``local_files_only``),
-    so a test or an offline user does not wait for network retries (about 25 s otherwise).
-    """
-    flags = (os.environ.get(v, "").lower() for v in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
-    offline = any(f in ("1", "true", "yes", "on") for f in flags)
-    logger.info("loading %r from the Hugging Face Hub (offline=%s)", spec, offline)
-    try:
-        with _hf_bars(progress):
-            model = AutoModelForCausalLM.from_pretrained(spec, dtype=dtype, local_files_only=offline)
-            tokenizer = AutoTokenizer.from_pretrained(spec, local_files_only=offline)
-    except Exception as exc:  # noqa: BLE001
-        raise ModelLoadError(_hub_failure_message(spec, exc)) from exc
+    """``from_pretrained`` from the Hugging Face Hub, or from its local cache when the hub is off or unreachable
+    (:func:`hub_access`: then an id that is not cached fails at once, with no network retries)."""
+    with hub_access(spec) as offline:
+        logger.info("loading %r from the Hugging Face Hub (offline=%s)", spec, offline)
+        if progress and not offline:
+            print(f"specdecode: fetching {spec!r} from {hub_endpoint()} (or the local Hugging Face cache)",
+                  file=sys.stderr, flush=True)
+        try:
+            with _hub_download_bars(progress and not offline):
+                model = AutoModelForCausalLM.from_pretrained(spec, dtype=dtype, local_files_only=offline)
+                tokenizer = AutoTokenizer.from_pretrained(spec, local_files_only=offline)
+        except Exception as exc:  # noqa: BLE001
+            raise ModelLoadError(_hub_failure_message(spec, exc)) from exc
     return LoadedModel(_finish(model, dtype), tokenizer, spec, spec)
 
 
 def _hub_failure_message(spec: str, exc: Exception) -> str:
-    close = difflib.get_close_matches(spec.lower(), list(OFFLINE_MODELS), n=1, cutoff=0.5)
-    guess = f" Did you mean {close[0]!r}?" if close else ""
     first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     return (
         f"could not load {spec!r}: it is not a named offline model or an existing local path, and "
-        f"the Hugging Face Hub cannot be reached or has no such model id ({type(exc).__name__}: {first}).{guess} "
-        f"{_catalog_hint()}"
+        f"the Hugging Face Hub cannot be reached or has no such model id ({type(exc).__name__}: {first})."
+        f"{_guess(spec)} {_catalog_hint()}"
+    )
+
+
+def _guess(spec: str) -> str:
+    close = difflib.get_close_matches(spec.lower(), list(OFFLINE_MODELS), n=1, cutoff=0.5)
+    return f" Did you mean {close[0]!r}?" if close else ""
+
+
+# --------------------------------------------------------------------------- hub access
+
+#: Seconds a TCP connect to the hub endpoint may take before the hub counts as unreachable.
+HUB_CHECK_TIMEOUT_S = 1.0
+_REACHABLE: dict[tuple[str, int], bool] = {}  # (host, port) -> answered; asked once per process
+
+
+def hub_endpoint() -> str:
+    """The Hugging Face Hub's address: ``$HF_ENDPOINT``, else https://huggingface.co."""
+    return (os.environ.get("HF_ENDPOINT") or "https://huggingface.co").rstrip("/")
+
+
+def hub_reachable(timeout: float = HUB_CHECK_TIMEOUT_S) -> bool:
+    """Whether a TCP connection to the hub endpoint (or to the proxy in front of it) opens within ``timeout`` s.
+
+    Asked once per process and address; a DNS lookup that hangs counts as unreachable after the timeout.
+    """
+    address = _hub_address()
+    if address not in _REACHABLE:
+        _REACHABLE[address] = _can_connect(address, timeout)
+        logger.info("hub %s:%d reachable: %s", *address, _REACHABLE[address])
+    return _REACHABLE[address]
+
+
+def hub_offline_reason() -> str | None:
+    """Why hub ids must be read from the local cache only (a clause for messages), or None when the hub can be used.
+
+    ``HF_HUB_OFFLINE`` / ``TRANSFORMERS_OFFLINE`` (read at call time) decide without a network call;
+    otherwise :func:`hub_reachable` does.
+    """
+    for var in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        if os.environ.get(var, "").strip().lower() in ("1", "true", "yes", "on"):
+            return f"the Hugging Face Hub is switched off ({var} is set)"
+    if not hub_reachable():
+        return (f"the Hugging Face Hub cannot be reached ({hub_endpoint()} did not answer within "
+                f"{HUB_CHECK_TIMEOUT_S:g} s)")
+    return None
+
+
+@contextlib.contextmanager
+def hub_access(spec: str) -> Iterator[bool]:
+    """How a hub id is read; yields ``local_files_only`` for ``from_pretrained``.
+
+    Online: yields False (downloads allowed). Offline or unreachable (:func:`hub_offline_reason`): an id
+    missing from the local Hugging Face cache fails at once; a cached one is read with huggingface_hub in
+    offline mode (every HTTP call refused), so nothing waits on network retries.
+
+    Raises:
+        ModelLoadError: the hub cannot be used and ``spec`` is not in the local Hugging Face cache; the message
+            says why and what to pass instead.
+    """
+    reason = hub_offline_reason()
+    if reason is None:
+        yield False
+        return
+    if not _in_hf_cache(spec):
+        raise ModelLoadError(_hub_missing_message(spec, reason))
+    from huggingface_hub import constants as hub_constants
+
+    was = hub_constants.HF_HUB_OFFLINE
+    hub_constants.HF_HUB_OFFLINE = True
+    try:
+        yield True
+    finally:
+        hub_constants.HF_HUB_OFFLINE = was
+
+
+def _hub_address() -> tuple[str, int]:
+    """(host, port) a hub request connects to first: the endpoint's, or its proxy's (``https_proxy`` ...)."""
+    import urllib.request
+    from urllib.parse import urlsplit
+
+    url = urlsplit(hub_endpoint())
+    proxies = urllib.request.getproxies()
+    proxy = proxies.get(url.scheme) or proxies.get("all")
+    if proxy and not urllib.request.proxy_bypass(url.hostname or ""):
+        url = urlsplit(proxy if "://" in proxy else f"http://{proxy}")
+    return url.hostname or "", url.port or (443 if url.scheme == "https" else 80)
+
+
+def _can_connect(address: tuple[str, int], timeout: float) -> bool:
+    """One TCP connect in a daemon thread (so a hanging DNS lookup is bounded too); True when it opened."""
+    import socket
+
+    opened: list[bool] = []
+
+    def attempt() -> None:
+        try:
+            socket.create_connection(address, timeout=timeout).close()
+            opened.append(True)
+        except OSError:
+            opened.append(False)
+
+    worker = threading.Thread(target=attempt, name="specdecode-hub-check", daemon=True)
+    worker.start()
+    worker.join(timeout + 0.25)
+    return bool(opened) and opened[0]
+
+
+def _in_hf_cache(spec: str) -> bool:
+    """True when the local Hugging Face cache holds ``spec``'s config.json (no network call)."""
+    from huggingface_hub import try_to_load_from_cache
+
+    try:
+        return isinstance(try_to_load_from_cache(spec, "config.json"), str)
+    except Exception:  # noqa: BLE001 - an id the hub would refuse (bad characters) is not cached either
+        return False
+
+
+def _hub_missing_message(spec: str, reason: str) -> str:
+    from huggingface_hub import constants as hub_constants
+
+    return (
+        f"could not load {spec!r}: it is not a named offline model or an existing local path; {reason}, "
+        f"and {spec!r} is not in the local Hugging Face cache ({hub_constants.HF_HUB_CACHE}).{_guess(spec)} "
+        f"Pass a local model directory, a .gguf file or a named offline model instead. {_catalog_hint()}"
     )
 
 
@@ -924,9 +1083,10 @@ def _check_tied(model: transformers.PreTrainedModel, tied: list[str], out_dir: P
 
 @contextlib.contextmanager
 def _status(message: str, enabled: bool) -> Iterator[None]:
-    """A spinner with elapsed seconds on stderr while a slow step runs; logs the duration."""
+    """A spinner with elapsed seconds on stderr while a slow step runs (on a terminal only: elsewhere rich
+    would leave a blank line); logs the duration."""
     start = time.perf_counter()
-    if enabled:
+    if enabled and sys.stderr.isatty():
         from rich.console import Console
         from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
@@ -1002,6 +1162,51 @@ def _hf_bars(enabled: bool) -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def quiet_hf_output() -> Iterator[None]:
+    """Hugging Face's own output off while we read models; the previous settings come back after.
+
+    transformers: logging at ERROR (no "generation flags are not valid", tokenizer or loading warnings;
+    errors still show) and no progress bars ("Loading weights"); huggingface_hub: no progress bars (a hub
+    download turns its bars back on: :func:`_hub_download_bars`). Our own status lines say what happens.
+    """
+    from huggingface_hub import constants as hub_constants
+    from huggingface_hub import utils as hub_utils
+
+    hf_logging = transformers.utils.logging
+    verbosity, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
+    hub_bars_off = hub_utils.are_progress_bars_disabled() or hub_constants.HF_HUB_DISABLE_PROGRESS_BARS is False
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    if not hub_bars_off:  # HF_HUB_DISABLE_PROGRESS_BARS=0: the user asked for them
+        hub_utils.disable_progress_bars()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(verbosity)
+        if bars:
+            hf_logging.enable_progress_bar()
+        if not hub_bars_off:
+            hub_utils.enable_progress_bars()
+
+
+@contextlib.contextmanager
+def _hub_download_bars(enabled: bool) -> Iterator[None]:
+    """huggingface_hub's download bars on inside :func:`quiet_hf_output` while a hub model downloads (a real
+    download of gigabytes needs its bytes shown), unless ``HF_HUB_DISABLE_PROGRESS_BARS`` says otherwise."""
+    from huggingface_hub import constants as hub_constants
+    from huggingface_hub import utils as hub_utils
+
+    turn_on = enabled and hub_utils.are_progress_bars_disabled() and not hub_constants.HF_HUB_DISABLE_PROGRESS_BARS
+    if turn_on:
+        hub_utils.enable_progress_bars()
+    try:
+        yield
+    finally:
+        if turn_on:
+            hub_utils.disable_progress_bars()
+
+
+@contextlib.contextmanager
 def _quiet_gguf_tqdm() -> Iterator[None]:
     """Silence transformers' own GGUF tqdm bar (it would garble the spinner line)."""
     module = sys.modules.get("transformers.modeling_gguf_pytorch_utils")
@@ -1040,10 +1245,15 @@ def check_compatible(target: LoadedModel, draft: LoadedModel) -> None:
     """
     problem = _tokenizer_difference(target.tokenizer, draft.tokenizer) or _embedding_problem(target, draft)
     if problem:
-        raise IncompatibleTokenizerError(
-            f"draft {draft.name!r} cannot be used with target {target.name!r}: {problem}. Use a draft trained "
-            f"with the same tokenizer, or a model-free drafter such as --draft ngram."
-        )
+        raise incompatible_tokenizer(target.name, draft.name, problem)
+
+
+def incompatible_tokenizer(target: str, draft: str, problem: str) -> IncompatibleTokenizerError:
+    """The refusal of draft ``draft`` for target ``target`` (their specs): ``problem``, then what to do instead."""
+    return IncompatibleTokenizerError(
+        f"draft {draft!r} cannot be used with target {target!r}: {problem}. Use a draft trained with the same "
+        f"tokenizer, or a model-free drafter such as --draft ngram."
+    )
 
 
 def _tokenizer_difference(t, d) -> str | None:

@@ -27,6 +27,7 @@ from specdecode.engine import EngineConfig, SpeculativeEngine
 from specdecode.kernels import WEIGHT_PRECISIONS, set_weight_precision
 from specdecode.models import LoadedModel, check_compatible, load_model
 from specdecode.policy import POLICIES, build_policy
+from specdecode.preflight import check_models
 from specdecode.proposers.factory import (
     DraftChoice,
     DrafterOptions,
@@ -196,6 +197,7 @@ def _describe(choice: DraftChoice, options: DrafterOptions) -> str:
 def load_state(opts: ServeOptions, progress: bool = True) -> ServingState:
     """Load the models named in ``opts`` (as ``specdecode generate`` does) and build the serving state."""
     choice = check_options(opts)
+    check_models(opts.target, choice.model_spec, cache_dir=opts.cache_dir)  # tokenizer files and config, before weights
     target = load_model(opts.target, dtype=opts.dtype, cache_dir=opts.cache_dir, progress=progress)
     set_weight_precision(target.model, opts.weights)
     draft_model = load_draft_model(choice, target, opts.target, weights=opts.weights,
