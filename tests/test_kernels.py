@@ -182,19 +182,44 @@ def test_padded_row_product_is_row_invariant_by_construction(dtype):
         assert _row_invariance_failures("padded", weight, x) == [], (out_f, in_f)
 
 
-def test_row_invariant_kernel_picks_a_row_invariant_kernel_and_caches(monkeypatch):
+#: Issue 13: on this CPU bf16 F.linear with a [64, 64] / [48, 64] weight rounds a one-row product differently from
+#: a multi-row one in a few of every 10^4 outputs; ``row_invariant_kernel``'s one random 16-row input misses it and
+#: picks "linear". Remove this mark when the measurement catches it.
+MEASURED_BF16_MISSES = pytest.mark.xfail(
+    reason="row_invariant_kernel picks bf16 F.linear, not row-invariant for [64, 64] / [48, 64] weights on this CPU "
+           "(rare one-row vs multi-row rounding differences the one-input measurement misses)", strict=False)
+KERNEL_SHAPES = [(64, 64), (48, 64), (96, 64), (64, 128), (192, 64)]  # tiny-model shapes: out 48..192, in 64..128
+
+
+@pytest.mark.parametrize("dtype", [pytest.param(torch.bfloat16, marks=MEASURED_BF16_MISSES), torch.float32])
+def test_row_invariant_kernel_picks_a_kernel_that_is_row_invariant(dtype):
+    """Fresh inputs, not the ones it measured with: 1..40 rows, then 1,600 rows (100 blocks) each against the
+    row alone (differences of a kernel that is not invariant can be rare: bf16 rounding hides most of them)."""
     import specdecode.kernels as kernels
 
     gen = torch.Generator().manual_seed(3)
+    weights = [torch.randn(*s, generator=gen).to(dtype) for s in KERNEL_SHAPES]
+    kernel = kernels.row_invariant_kernel(weights)
+    assert kernel in kernels.ROW_KERNELS
+    failures = {}
+    for w in weights:
+        x = torch.randn(1600, w.shape[1], generator=gen).to(dtype)
+        bad = _row_invariance_failures(kernel, w, x[:40])
+        alone = _rows_alone(kernel, w, x)
+        rows = (kernels.row_product(kernel, w, x) != alone).any(-1).nonzero().flatten().tolist()
+        if bad or rows:
+            failures[tuple(w.shape)] = f"row counts {bad}, rows {rows} of 1600"
+    assert failures == {}, f"{kernel} ({dtype}): {failures}"
+
+
+def test_row_invariant_kernel_caches_per_shape_and_dtype(monkeypatch):
+    import specdecode.kernels as kernels
+
+    gen = torch.Generator().manual_seed(4)
     for dtype in (torch.bfloat16, torch.float32):
-        shapes = [(64, 64), (96, 64), (64, 128)]
-        weights = [torch.randn(*s, generator=gen).to(dtype) for s in shapes]
-        kernel = kernels.row_invariant_kernel(weights)
-        assert kernel in kernels.ROW_KERNELS
-        for w in weights:  # fresh inputs (not the ones it measured with), up to 40 rows (blocks of 16)
-            x = torch.randn(40, w.shape[1], generator=gen).to(dtype)
-            assert _row_invariance_failures(kernel, w, x) == [], (kernel, dtype, tuple(w.shape))
-        # cached: a second call (other tensors of the same shapes) measures nothing
+        shapes = [(56, 64), (64, 136)]
+        kernel = kernels.row_invariant_kernel([torch.randn(*s, generator=gen).to(dtype) for s in shapes])
+        # a second call (other tensors of the same shapes, in another order) measures nothing
         calls = []
         monkeypatch.setattr(kernels, "row_product", lambda *a: calls.append(a) or kernels.F.linear(a[2], a[1]))
         again = [torch.zeros(*s, dtype=dtype) for s in reversed(shapes)]

@@ -177,6 +177,31 @@ def test_k_plus_1_tokens_in_one_forward_equal_them_fed_one_by_one_bitwise(family
     assert _chain_differences(row, _random_ids(10, 3), ks=(1, 4, 9)) == {}
 
 
+#: Found by the sweep below (issue 13): ``row_invariant_kernel`` measures one random 16-row input per weight shape,
+#: and picks bf16 ``F.linear`` on this CPU; but for [64, 64] weights (these tiny models' o_proj and LM head) the
+#: one-row product rounds differently from the multi-row one in a few of every 10^4 outputs (bf16 rounding hides
+#: most of the difference), which one random input rarely shows. Remove this mark when the measurement catches it.
+MEASURED_BF16_MISSES = pytest.mark.xfail(
+    reason="row_invariant_kernel picks bf16 F.linear, which is not row-invariant for [64, 64] weights on this CPU "
+           "(rare one-row vs multi-row rounding differences the one-input measurement misses)", strict=False)
+SWEEP_CONFIGS = [pytest.param(c, marks=MEASURED_BF16_MISSES) if c == "bf16" else c for c in INVARIANT_CONFIGS]
+
+
+@pytest.mark.parametrize("config", SWEEP_CONFIGS)
+@pytest.mark.parametrize("family", list(MODELS))
+def test_the_contract_holds_over_many_contexts(family, config):
+    """Differences are rare (a few outputs in 10^4): 32 random contexts (5..222 tokens), each verified as one
+    block of 17 tokens and as 18 (past a block), against the same tokens fed one by one."""
+    row = _invariant_runner(family, config).row(0)
+    found = {}
+    for seed in range(32):
+        row.reset()
+        row.forward(_random_ids(5 + 7 * seed, 100 + seed), last_only=True)
+        for k, diff in _chain_differences(row, _random_ids(18, 200 + seed), ks=(16, 17)).items():
+            found[(5 + 7 * seed, k)] = diff
+    assert found == {}, f"(context, k): difference: {found}"
+
+
 @pytest.mark.parametrize("config", list(INVARIANT_CONFIGS))
 @pytest.mark.parametrize("family", list(MODELS))
 def test_rows_verified_together_equal_each_row_verified_alone_bitwise(family, config):

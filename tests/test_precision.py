@@ -1,0 +1,243 @@
+"""``--weights auto`` (``specdecode.precision``): the quality gate, teacher-forced quality, the batch-invariance
+check, the cached choice and the decision between candidates."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+
+import specdecode.precision as precision
+from specdecode.kernels import ROW_KERNELS, set_weight_precision
+from specdecode.precision import (
+    CACHE_VERSION,
+    Candidate,
+    QualityReport,
+    _decide,
+    check_batch_invariance,
+    choose_precision,
+    machine_key,
+    measure_quality,
+    quality_gate,
+)
+from tiny import tiny_llama
+
+
+def _texts(n: int = 3, length: int = 40, vocab: int = 60, seed: int = 0) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(4, vocab, (length,), generator=gen).tolist() for _ in range(n)]
+
+
+def _report(agreement: float, change: float) -> QualityReport:
+    return QualityReport("bf16", agreement, 3.0, change, 500)
+
+
+# ----------------------------------------------------------------------------- the quality gate
+
+
+@pytest.mark.parametrize("agreement, change, ok", [
+    (1.0, 0.0, True),
+    (0.97, 0.0, True),  # the boundaries pass
+    (0.9699, 0.0, False),
+    (0.99, 0.01, True),
+    (0.99, 0.0101, False),
+    (0.99, -0.01, True),  # a lower perplexity counts as a change too
+    (0.99, -0.0101, False),
+    (0.9699, 0.0101, False),
+])
+def test_quality_gate_boundaries(agreement, change, ok):
+    passed, line = quality_gate(_report(agreement, change))
+    assert passed is ok
+    assert f"{100 * agreement:.1f}%" in line and f"{100 * change:+.1f}%" in line  # the figures, in one line
+    assert "needs >= 97%" in line and "within 1%" in line and "\n" not in line
+
+
+# ----------------------------------------------------------------------------- teacher-forced quality
+
+
+def test_measure_quality_of_a_model_against_itself_and_against_a_noised_copy():
+    model = tiny_llama(seed=0, dtype=torch.float32)
+    noised = copy.deepcopy(model)  # before any runner fuses the weights
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in noised.parameters():
+            if p.ndim == 2:
+                p.add_(0.02 * torch.randn(p.shape, generator=gen))
+    texts = _texts(vocab=64)
+    same = measure_quality(model, model, "fp32", texts)
+    assert same.positions == sum(len(t) - 1 for t in texts)
+    assert same.argmax_agreement == 1.0 and same.perplexity_change == 0.0
+    assert same.nll > 0
+    assert quality_gate(same)[0]
+    other = measure_quality(model, noised, "int8", texts)
+    assert other.precision == "int8" and other.positions == same.positions
+    assert other.argmax_agreement < 1.0 and other.perplexity_change != 0.0
+    assert not quality_gate(other)[0]
+
+
+# ----------------------------------------------------------------------------- the batch-invariance check
+
+
+#: Issue 13 (see tests/test_kernels.py): the kernel measured for bf16 on this CPU ("linear") is not row-invariant
+#: for these [64, 64] weights; check_batch_invariance with its defaults finds "17 tokens in one forward: token 10
+#: differs ... by 4.77e-07". Remove this mark when row_invariant_kernel catches it.
+MEASURED_BF16_MISSES = pytest.mark.xfail(
+    reason="row_invariant_kernel picks bf16 F.linear, not row-invariant for [64, 64] weights on this CPU", strict=False)
+
+
+@pytest.mark.parametrize("weights", [pytest.param("bf16", marks=MEASURED_BF16_MISSES), "bf16-padded", "int8"])
+def test_check_batch_invariance_holds_for_the_invariant_forward(weights, monkeypatch):
+    from specdecode.kv import owned
+
+    if weights == "bf16-padded":  # the kernel invariant by construction, whatever this CPU measures
+        monkeypatch.setattr(owned, "row_invariant_kernel", lambda tensors: "padded")
+    model = set_weight_precision(tiny_llama(seed=0, dtype=torch.float32), weights.partition("-")[0])
+    report = check_batch_invariance(model)
+    assert report.exact, report.detail
+    assert "bitwise equal" in report.detail and "17" in report.detail
+    if weights == "int8":
+        assert report.row_kernel is None
+    else:
+        assert report.row_kernel in ROW_KERNELS and (weights == "bf16" or report.row_kernel == "padded")
+
+
+def _noisy_mm(rows_affected):
+    """An ``owned._mm`` that adds noise to products of some row counts (a forward that is not batch-invariant)."""
+    from specdecode.kv import owned
+
+    real = owned._mm
+
+    def mm(weight, x, kernel=None):
+        out = real(weight, x, kernel)
+        return out + 0.05 * out.abs().amax() if rows_affected(x.shape[0]) else out
+
+    return mm
+
+
+def test_check_batch_invariance_reports_a_forward_whose_rows_depend_on_the_row_count(monkeypatch):
+    from specdecode.kv import owned
+
+    model = set_weight_precision(tiny_llama(seed=0, dtype=torch.float32), "bf16")
+    real_mm = owned._mm
+    monkeypatch.setattr(owned, "row_invariant_kernel", lambda tensors: "padded")  # invariant but for the noise
+    assert check_batch_invariance(model).exact
+    monkeypatch.setattr(owned, "_mm", _noisy_mm(lambda rows: 1 < rows <= 17))  # chains of several tokens
+    report = check_batch_invariance(model)
+    assert not report.exact
+    assert report.detail.startswith("2 tokens in one forward: token ") and "differs" in report.detail
+    # only the batch (2 rows x 9 tokens = 18 rows a product) is affected: the two-row check catches it
+    monkeypatch.setattr(owned, "_mm", real_mm)
+    monkeypatch.setattr(owned, "_mm", _noisy_mm(lambda rows: rows == 18))
+    report = check_batch_invariance(model)
+    assert not report.exact
+    assert report.detail.startswith("two rows of 9 tokens in one forward: row 0 differs"), report.detail
+
+
+# ----------------------------------------------------------------------------- choose_precision
+
+
+@pytest.fixture
+def tiny_fp32(tiny_model_dir):
+    from specdecode.models import load_model
+
+    return load_model(str(tiny_model_dir), progress=False)
+
+
+def _forbid(monkeypatch, *names):
+    def fail(*args, **kwargs):
+        raise AssertionError("measured although the cache holds the figures")
+
+    for name in names:
+        monkeypatch.setattr(precision, name, fail)
+
+
+def test_choose_precision_measures_picks_an_exact_precision_and_caches(tiny_fp32, tmp_path, monkeypatch):
+    model = tiny_fp32.model
+    ids = torch.tensor([_texts(1)[0]])
+    with torch.inference_mode():
+        before = model(input_ids=ids).logits
+    lines = []
+    choice = choose_precision(tiny_fp32, tmp_path, texts=_texts(), status=lines.append)
+    assert not choice.cached and lines  # it said what it measured
+    assert choice.exact and choice.precision in ("int8", "bf16")  # float32's few-row products: not invariant
+    chosen = next(c for c in choice.candidates if c.precision == choice.precision)
+    assert chosen.quality_ok and chosen.exact
+    exact_ok = [c for c in choice.candidates if c.quality_ok and c.exact]
+    assert chosen is min(exact_ok, key=lambda c: c.decode_s + c.verify_s)  # the fastest that qualifies
+    assert {c.precision for c in choice.candidates} == {"int8", "bf16", "fp32"}
+    assert choice.reason.startswith(f"{choice.precision}: ") and "\n" not in choice.reason
+    # the loaded model is untouched (candidates run on copies)
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    with torch.inference_mode():
+        assert torch.equal(model(input_ids=ids).logits, before)
+    # the cache file: quality per model, exactness and speed per machine
+    files = list((tmp_path / "precision").glob("*.json"))
+    assert len(files) == 1
+    data = json.loads(files[0].read_text())
+    assert data["version"] == CACHE_VERSION
+    assert set(data["quality"]) == {"int8", "bf16"}
+    machine = data["machines"][machine_key()]
+    for c in choice.candidates:
+        if c.quality_ok:
+            assert machine[c.precision]["exact"] == c.exact and machine[c.precision]["decode_s"] == c.decode_s
+    # a second call reads it: nothing is measured
+    _forbid(monkeypatch, "check_batch_invariance", "measure_step", "teacher_forced", "measure_quality")
+    again = choose_precision(tiny_fp32, tmp_path, texts=_texts(), status=lines.append)
+    assert again.cached and (again.precision, again.exact, again.reason) == (choice.precision, choice.exact,
+                                                                             choice.reason)
+    assert files[0].read_text() == json.dumps(data, indent=1)
+    # remeasure ignores the cache
+    with pytest.raises(AssertionError, match="measured although"):
+        choose_precision(tiny_fp32, tmp_path, texts=_texts(), remeasure=True)
+
+
+def test_choose_precision_refuses_a_non_float32_reference_and_unknown_candidates(tiny_fp32, tmp_path):
+    with pytest.raises(ValueError, match="unknown precision"):
+        choose_precision(tiny_fp32, tmp_path, candidates=("int4",), texts=_texts())
+    bf16 = copy.copy(tiny_fp32)
+    bf16.model = copy.deepcopy(tiny_fp32.model).to(torch.bfloat16)
+    with pytest.raises(ValueError, match="float32"):
+        choose_precision(bf16, tmp_path, texts=_texts())
+
+
+# ----------------------------------------------------------------------------- the decision
+
+
+def _cand(name, ok=True, exact=True, ms=None, quality="agreement 99%"):
+    s = None if ms is None else ms / 1000
+    return Candidate(name, ok, quality, exact if ok else None, "" if exact else "9 tokens: token 3 differs", s, s)
+
+
+def test_decide_takes_the_fastest_exact_precision_that_keeps_the_model():
+    choice = _decide([_cand("int8", ms=10), _cand("bf16", ms=5), _cand("fp32", exact=False, ms=2.5)])
+    assert (choice.precision, choice.exact, choice.cached) == ("bf16", True, False)
+    assert choice.reason.startswith("bf16: the fastest precision that keeps the model and keeps speculation exact")
+    assert "0.5x float32's speed" in choice.reason  # fp32 is faster here, but not exact
+    assert "int8 is slower (10 ms a step)" in choice.reason
+    assert "fp32 is not batch-invariant here (9 tokens: token 3 differs)" in choice.reason
+    assert [c.precision for c in choice.candidates] == ["fp32", "bf16", "int8"]  # fastest first
+    assert _decide([_cand("int8", ms=3), _cand("bf16", ms=5), _cand("fp32", exact=False, ms=8)],
+                   cached=True).precision == "int8"
+
+
+def test_decide_without_an_exact_precision_takes_the_fastest_that_keeps_the_model_and_says_so():
+    choice = _decide([_cand("int8", exact=False, ms=4), _cand("bf16", exact=False, ms=6),
+                      _cand("fp32", exact=False, ms=8)])
+    assert (choice.precision, choice.exact) == ("int8", False)
+    assert "no precision that keeps the model is batch-invariant" in choice.reason
+    assert "bf16 is not batch-invariant here" in choice.reason and "fp32 is not batch-invariant here" in choice.reason
+
+
+def test_decide_skips_a_fast_precision_that_fails_the_quality_gate_and_names_it():
+    line = quality_gate(_report(0.9, 0.05))[1]
+    choice = _decide([_cand("int8", ok=False, quality=line), _cand("bf16", ms=5), _cand("fp32", exact=False, ms=8)])
+    assert (choice.precision, choice.exact) == ("bf16", True)
+    assert f"int8 changes the model ({line})" in choice.reason
+    assert [c.precision for c in choice.candidates] == ["bf16", "fp32", "int8"]  # unmeasured last
+    # every fast one fails: float32, the reference, whatever its exactness
+    choice = _decide([_cand("int8", ok=False, quality=line), _cand("bf16", ok=False, quality=line),
+                      _cand("fp32", exact=False, ms=8)])
+    assert (choice.precision, choice.exact) == ("fp32", False)
+    assert "int8 changes the model" in choice.reason and "bf16 changes the model" in choice.reason
