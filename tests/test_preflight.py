@@ -340,6 +340,12 @@ def test_generate_with_an_unreachable_hub_draft_fails_before_any_load(capsys, un
     assert unreachable_hub["network"] == []
 
 
+def test_an_unreachable_hub_draft_fails_before_the_target_is_read(unreachable_hub, monkeypatch, tiny_model_dir):
+    monkeypatch.setattr(P, "inspect_model", lambda *a, **k: pytest.fail("read the target's files first"))
+    with pytest.raises(ModelLoadError, match="cannot be reached"):
+        P.check_models(str(tiny_model_dir), HUB_ID)
+
+
 def _put_in_hf_cache(cache: Path, repo_id: str, model_dir: Path) -> None:
     """The layout huggingface_hub writes: models--org--name/{refs/main, snapshots/<commit>/files}."""
     repo = cache / f"models--{repo_id.replace('/', '--')}"

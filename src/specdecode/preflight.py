@@ -91,8 +91,10 @@ def check_models(target: str, draft: str | None = None, *, cache_dir: str | Path
             refusal ``models.check_compatible`` gives after loading).
     """
     specs = [target] if draft is None or draft == target else [target, draft]
-    for spec in specs:  # every path error before any slower read
-        M.resolve_spec(spec)
+    for spec in specs:  # every path error, and a hub id that cannot be had, before any slower read
+        if M.resolve_spec(spec).kind == "hub":
+            with M.hub_access(spec):
+                pass
     infos = [inspect_model(spec, cache_dir=cache_dir) for spec in specs]
     if len(infos) == 2 and None not in infos:
         problem = tokenizer_difference(*infos)
