@@ -215,3 +215,57 @@ def test_choose_uses_the_cache_unless_refreshed_and_takes_a_budget(tmp_path, mon
     assert choose_skip_layers(target, [[1, 2, 3]], cache_dir=tmp_path).from_cache and len(calls) == 1
     again = choose_skip_layers(target, [[1, 2, 3]], SearchConfig(seed=4), cache_dir=tmp_path, refresh=True)
     assert len(calls) == 2 and calls[1].seed == 4 and not again.from_cache
+
+
+# --------------------------------------------------------------------------- progress and the budget
+
+
+def test_a_search_reports_progress_with_an_estimate(target):
+    events = []
+    config = SearchConfig(new_tokens=6, proxy_evaluations=6, measured_candidates=2, time_budget_s=30)
+    result = search_skip_layers(target, [[5, 6, 7, 8, 9], [1, 2, 3, 4]], config, progress=events.append)
+    order = ["contexts", "timing", "proxy", "measure", "done"]
+    stages = [order.index(e.stage) for e in events]
+    assert stages == sorted(stages) and set(stages) == set(range(5))  # every stage, in order
+    done = [e.done for e in events]
+    assert done == sorted(done) and all(e.done <= e.total for e in events)
+    (first,) = [i for i, e in enumerate(events) if e.message]  # the estimate, once: after the first candidate
+    announced = events[first].message
+    assert events[first].stage == "proxy" and all(e.eta_s is not None and e.eta_s >= 0 for e in events[first:])
+    assert "tokens/s here" in announced and "s in all (budget 30 s)" in announced
+    final = events[-1]
+    assert final.eta_s == 0.0 and final.done == final.total and final.elapsed_s == pytest.approx(result.seconds,
+                                                                                                  abs=0.5)
+
+
+def test_a_search_reports_each_step_once(target, monkeypatch):
+    real, runs = layer_search._measure, []
+    monkeypatch.setattr(layer_search, "_measure", lambda *a: runs.append(a) or real(*a))
+    events = []
+    config = SearchConfig(new_tokens=4, proxy_evaluations=5, measured_candidates=1, time_budget_s=30)
+    result = search_skip_layers(target, [[5, 6, 7, 8, 9]], config, progress=events.append)
+    dones = [0] + [e.done for e in events]
+    steps = [(e.stage, now - before) for e, before, now in zip(events, dones, dones[1:]) if now != before]
+    assert all(d == 1 for _, d in steps) and len(steps) == events[-1].done
+    assert [stage for stage, _ in steps] == ["contexts"] + ["proxy"] * len(result.candidates) + ["measure"] * len(runs)
+
+
+def test_a_slow_search_stays_near_its_budget(monkeypatch):
+    """A budget far below one timed run: one candidate per skip ratio, one timed run, on one prompt."""
+    model = tiny_llama(vocab_size=64, seed=0, layers=8, scale=3.0)
+    real, runs = layer_search._measure, []
+    monkeypatch.setattr(layer_search, "_measure", lambda m, p, skip, *a: runs.append((skip, len(p))) or real(
+        m, p, skip, *a))
+    config = SearchConfig(new_tokens=6, proxy_evaluations=40, measured_candidates=3, time_budget_s=0.05)
+    result = search_skip_layers(model, [[5, 6, 7, 8, 9], [1, 2, 3], [4, 4, 4]], config, progress=False)
+    assert len(runs) == 1 and runs[0][0] is not None  # no second plain run, no second candidate
+    assert runs[0][1] == 1  # the run that always happens: on as many prompts as fit, one
+    assert len(result.candidates) == len(config.skip_ratios)  # one set per ratio, then the budget stopped it
+    assert len({len(c["skip_layers"]) for c in result.candidates}) > 1  # ... of several sizes
+
+
+def test_the_default_display_prints_the_estimate_and_the_total_off_a_terminal(target, capsys):
+    search_skip_layers(target, [[5, 6, 7, 8, 9]], SearchConfig(new_tokens=4, proxy_evaluations=4,
+                                                                 measured_candidates=1, time_budget_s=30))
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 2 and "tokens/s here" in err[0] and err[1].startswith("specdecode: layer-skip search: ")

@@ -27,6 +27,14 @@ so that the final choice rests on measured speed, not on a proxy alone:
    greedy), interleaved with plain decoding, twice, best round kept; the one
    with the highest measured tokens/s wins.
 
+The budget (``SearchConfig.time_budget_s``) holds on a slow or busy machine too: the
+calibration prompts are cut to what a quarter of it can decode, the proxy stage
+leaves the time the timed runs are estimated to need (from the plain decoding of
+stage 1), and a timed run starts only when its estimated cost fits in what is left
+(the first always runs, on fewer prompts when time is short). Progress goes to the
+``progress`` callback (:class:`SearchProgress`: steps done / planned, an ETA from
+the measured cost of each kind of step), by default a bar on stderr.
+
 The winner is stored in ``<cache_dir>/layer_skip.json`` under a key naming the
 model (path, family, layer count, dtype and a digest of some weights), so later
 runs reuse it at no cost. Greedy outputs never depend on the choice (it only
@@ -41,9 +49,10 @@ import json
 import os
 import random
 import statistics
+import sys
 import tempfile
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -75,8 +84,10 @@ class SearchConfig:
         measured_candidates: best proxy candidates timed by real decoding.
         max_gamma: largest draft length the speed model considers.
         protect_first, protect_last: layers at either end that are never skipped.
-        time_budget_s: soft limit on the whole search (the proxy stage stops at 60% of it;
-            at least one candidate is always measured).
+        time_budget_s: limit on the whole search: the calibration prompts get at most a quarter of it, the
+            proxy stage stops when what is left is what the timed runs are estimated to need (at the latest
+            at 60% of it), and a timed run starts only if its estimated cost fits; at least one candidate
+            is always scored and one measured (on fewer prompts when time is short).
         seed: seeds the random search.
     """
 
@@ -125,6 +136,28 @@ class SearchResult:
         if self.tokens_per_s and self.plain_tokens_per_s:
             return self.tokens_per_s / self.plain_tokens_per_s
         return None
+
+
+@dataclass(frozen=True)
+class SearchProgress:
+    """Where a search stands; the ``progress`` callback of :func:`search_skip_layers` gets one after every step.
+
+    Attributes:
+        stage: ``"contexts"`` (plain decoding of the calibration prompts), ``"timing"`` (the proxy's prefill
+            and timing model), ``"proxy"`` (scoring candidates), ``"measure"`` (timed runs), ``"done"``.
+        done: steps finished: prompts decoded + candidates scored + timed runs.
+        total: steps planned so far (revised as measured costs come in; never below ``done``).
+        elapsed_s: seconds since the search began.
+        eta_s: seconds left, from the measured mean cost of each kind of step (None until one is known).
+        message: a line for people, when there is news (the time estimate once the first candidate is scored).
+    """
+
+    stage: str
+    done: int
+    total: int
+    elapsed_s: float
+    eta_s: float | None
+    message: str = ""
 
 
 # --------------------------------------------------------------------------- cache file
@@ -220,13 +253,16 @@ def choose_skip_layers(model: torch.nn.Module, prompts: Sequence[Sequence[int]],
 
 
 def search_skip_layers(model: torch.nn.Module, prompts: Sequence[Sequence[int]],
-                       config: SearchConfig | None = None) -> SearchResult:
+                       config: SearchConfig | None = None,
+                       progress: Callable[[SearchProgress], None] | bool | None = None) -> SearchResult:
     """Search for the skip set with the best measured layer-skip decoding speed (see the module docstring).
 
     Args:
         model: the target (Llama / Qwen2 family), eval mode.
         prompts: calibration prompts, token id lists.
         config: SearchConfig.
+        progress: called with a :class:`SearchProgress` after every step; None or True: a bar on
+            stderr (one line per estimate elsewhere); False: nothing.
 
     Returns:
         SearchResult (not stored; :func:`choose_skip_layers` stores).
@@ -235,53 +271,81 @@ def search_skip_layers(model: torch.nn.Module, prompts: Sequence[Sequence[int]],
         LayerSkipError: unsupported model. ValueError: no usable prompt.
     """
     config = config or SearchConfig()
-    started = time.perf_counter()
-    deadline = started + config.time_budget_s
+    plan = _Plan(config, _reporter(progress))
     skip = SkipForward(model)
     prompts = [list(p)[-config.max_prompt_tokens:] for p in prompts if len(p)]
     if not prompts:
         raise ValueError("the layer-skip search needs at least one non-empty calibration prompt")
-    contexts, plain_tps = _contexts(model, prompts, config.new_tokens)
-    scorer = _ProxyScorer(skip, contexts, [len(p) for p in prompts], config.max_gamma)
+    try:
+        contexts, plain_tps = _contexts(model, prompts, config.new_tokens, plan)
+        prompts = prompts[: len(contexts)]
+        plan.enter("timing")
+        scorer = _ProxyScorer(skip, contexts, [len(p) for p in prompts], config.max_gamma)
+        ranked = _proxy_stage(scorer, skip.num_layers, config, plan, plain_tps)
+        rows = ranked[: max(1, config.measured_candidates)]
+        plain_tps = _measure_round_robin(model, prompts, rows, config, plan, plain_tps)
+    finally:
+        plan.enter("done")
+    measured = [row for row in ranked if row["tokens_per_s"] is not None]
+    winner = max(measured, key=lambda r: r["tokens_per_s"])
+    return SearchResult(
+        skip_layers=tuple(winner["skip_layers"]), gamma=winner["gamma"], tokens_per_s=winner["tokens_per_s"],
+        plain_tokens_per_s=plain_tps, acceptance=winner["acceptance"], num_layers=skip.num_layers,
+        candidates=ranked, key=model_key(model), seconds=plan.elapsed(),
+    )
+
+
+def _proxy_stage(scorer: _ProxyScorer, num_layers: int, config: SearchConfig, plan: _Plan,
+                 plain_tps: float) -> list[dict]:
+    """Score the initial candidates, then mutations of the best, until the time the timed runs need; ranked."""
     rng = random.Random(config.seed)
-    space = list(range(config.protect_first, skip.num_layers - config.protect_last))
+    space = list(range(config.protect_first, num_layers - config.protect_last))
     if not space:  # too few layers to protect the ends
-        space = list(range(skip.num_layers))
+        space = list(range(num_layers))
+    runs = max(1, config.measured_candidates)
+    proxy_deadline = min(plan.started + 0.6 * config.time_budget_s, plan.deadline - runs * plan.run_cost())
+    at_least = len(config.skip_ratios)  # one set per skip ratio, whatever the time
+    plan.enter("proxy")
     scored: dict[tuple[int, ...], dict] = {}
 
     def evaluate(cand: tuple[int, ...]) -> None:
-        if cand not in scored and len(cand) < skip.num_layers:
-            scored[cand] = scorer.score(cand)
+        if cand in scored or len(cand) >= num_layers:
+            return
+        t0 = time.perf_counter()
+        scored[cand] = scorer.score(cand)
+        cost = time.perf_counter() - t0
+        each = statistics.mean([*plan.costs["proxy"], cost])
+        fits = int(max(0.0, proxy_deadline - time.perf_counter()) // max(each, 1e-6))
+        plan.planned["proxy"] = max(at_least, min(config.proxy_evaluations, len(scored) + fits))
+        plan.step("proxy", cost)
+        if len(scored) == 1:
+            plan.announce(plain_tps)
 
-    for cand in _initial_candidates(space, config.skip_ratios, rng):
+    initial = _initial_candidates(space, config.skip_ratios, rng)
+    for cand in initial:
+        if len(scored) >= at_least and time.perf_counter() >= proxy_deadline:
+            break
         evaluate(cand)
-    proxy_deadline = started + 0.6 * config.time_budget_s
     attempts = 0  # mutations of a small layer space repeat: stop when nothing new turns up
     while (len(scored) < config.proxy_evaluations and attempts < 4 * config.proxy_evaluations
            and time.perf_counter() < proxy_deadline and space):
         attempts += 1
         best = max(scored.values(), key=lambda r: r["predicted_speedup"])["skip_layers"] if scored else ()
         evaluate(_mutate(tuple(best), space, config.skip_ratios, rng))
-    ranked = sorted(scored.values(), key=lambda r: -r["predicted_speedup"])
-    timing = _measure_round_robin(model, prompts, ranked[: max(1, config.measured_candidates)], config, deadline)
-    plain_tps = max(plain_tps, timing["plain"])
-    measured = [row for row in ranked if row["tokens_per_s"] is not None]
-    winner = max(measured, key=lambda r: r["tokens_per_s"])
-    return SearchResult(
-        skip_layers=tuple(winner["skip_layers"]), gamma=winner["gamma"], tokens_per_s=winner["tokens_per_s"],
-        plain_tokens_per_s=plain_tps, acceptance=winner["acceptance"], num_layers=skip.num_layers,
-        candidates=ranked, key=model_key(model), seconds=time.perf_counter() - started,
-    )
+    plan.planned["proxy"] = len(scored)
+    return sorted(scored.values(), key=lambda r: -r["predicted_speedup"])
 
 
 def _initial_candidates(space: list[int], ratios: Sequence[float], rng: random.Random) -> list[tuple[int, ...]]:
-    """Per ratio: layers spread evenly over the skippable span, the deepest block, and a random set."""
-    out = []
+    """Layers spread evenly over the skippable span at each ratio, then the deepest block, then a random set
+    (so that a search stopped early has tried every ratio once)."""
+    even, deep, rand = [], [], []
     for r in ratios:
         m = max(1, min(len(space) - 1, round(r * len(space))))
-        even = {space[int(i * len(space) / m + len(space) / (2 * m))] for i in range(m)}
-        out += [tuple(sorted(even)), tuple(space[-m:]), tuple(sorted(rng.sample(space, m)))]
-    return out
+        even.append(tuple(sorted({space[int(i * len(space) / m + len(space) / (2 * m))] for i in range(m)})))
+        deep.append(tuple(space[-m:]))
+        rand.append(tuple(sorted(rng.sample(space, m))))
+    return even + deep + rand
 
 
 def _mutate(best: tuple[int, ...], space: list[int], ratios: Sequence[float], rng: random.Random) -> tuple[int, ...]:
@@ -302,38 +366,181 @@ def _mutate(best: tuple[int, ...], space: list[int], ratios: Sequence[float], rn
     return tuple(sorted(skipped))
 
 
-def _contexts(model: torch.nn.Module, prompts: list[list[int]], new_tokens: int) -> tuple[list[list[int]], float]:
-    """Greedy plain continuations of each prompt (the target's own text) and plain decoding tokens/s."""
+def _contexts(model: torch.nn.Module, prompts: list[list[int]], new_tokens: int,
+              plan: _Plan) -> tuple[list[list[int]], float]:
+    """Greedy plain continuations of the prompts (the target's own text) and plain decoding tokens/s.
+
+    Prompts after the first are decoded only while a quarter of the budget covers them (at the
+    measured cost per prompt), so a slow machine calibrates on fewer prompts instead of overrunning.
+    """
     engine = SpeculativeEngine(model, None)
     contexts, tokens, seconds = [], 0, 0.0
+    plan.planned["contexts"] = len(prompts)
+    share = 0.25 * plan.config.time_budget_s
     for p in prompts:
+        if contexts and plan.elapsed() + plan.unit_cost("contexts") > share:
+            break
+        t0 = time.perf_counter()
         out = engine.generate(p, SamplingParams(max_new_tokens=new_tokens, ignore_eos=True))
         contexts.append(p + out.token_ids)
         tokens += len(out.token_ids) - 1  # the first token comes from the prefill
         seconds += out.metrics.wall_time_s - out.metrics.prefill_time_s
+        cost = time.perf_counter() - t0
+        plan.planned["contexts"] = min(len(prompts), max(len(contexts), int(share // max(cost, 1e-9))))
+        plan.step("contexts", cost)
+    plan.planned["contexts"] = len(contexts)
     return contexts, tokens / seconds if seconds > 0 else 0.0
 
 
 def _measure_round_robin(model: torch.nn.Module, prompts: list[list[int]], rows: list[dict], config: SearchConfig,
-                         deadline: float, rounds: int = 2) -> dict:
-    """Time plain decoding and each candidate in turn, ``rounds`` times; keep each one's best round.
+                         plan: _Plan, plain_tps: float, rounds: int = 2) -> float:
+    """Time each candidate in turn, ``rounds`` times, with plain decoding between; keep each one's best round.
 
     Best-of-rounds because other work on a shared machine only ever slows a run
-    down; interleaving keeps slow spells from favouring whichever ran first.
-    Sets ``row["tokens_per_s"]``; returns ``{"plain": tokens/s}``. The first
-    candidate is always measured; later ones only while time is left.
+    down; interleaving keeps slow spells from favouring whichever ran first. The
+    first round's plain run is stage 1's (the same prompts and tokens). Sets
+    ``row["tokens_per_s"]``; returns the best plain tokens/s. A run starts only if
+    its estimated cost fits in the budget left; the first candidate always runs,
+    on as many prompts as fit (at least one).
     """
-    plain = 0.0
+    plan.enter("measure")
+    plain = plain_tps
+    plan.planned["measure"] = max(1, min(len(rows), int(plan.left() // plan.run_cost())))
     for r in range(rounds):
-        if r and time.perf_counter() > deadline:
-            break
-        plain = max(plain, _measure(model, prompts, None, 1, config.new_tokens))
-        for i, row in enumerate(rows):
-            if (i or r) and time.perf_counter() > deadline:
+        if r:
+            if plan.left() < (len(rows) + 1) * plan.run_cost():
                 break
-            tps = _measure(model, prompts, tuple(row["skip_layers"]), row["gamma"], config.new_tokens)
+            plan.planned["measure"] = plan.done["measure"] + len(rows) + 1
+            plain = max(plain, _timed_run(model, prompts, None, 1, config.new_tokens, plan))
+        for i, row in enumerate(rows):
+            first = r == 0 and i == 0
+            if not first and plan.left() < plan.run_cost():
+                break
+            use = prompts
+            if first:  # as many prompts as the time left covers, at least one
+                per_prompt = plan.run_cost() / len(prompts)
+                use = prompts[: max(1, min(len(prompts), int(plan.left() // max(per_prompt, 1e-9))))]
+            tps = _timed_run(model, use, tuple(row["skip_layers"]), row["gamma"], config.new_tokens, plan,
+                             scale=len(prompts) / len(use))
             row["tokens_per_s"] = max(row["tokens_per_s"] or 0.0, tps)
-    return {"plain": plain}
+    plan.planned["measure"] = plan.done["measure"]
+    return plain
+
+
+def _timed_run(model: torch.nn.Module, prompts: list[list[int]], skip_layers: tuple[int, ...] | None, gamma: int,
+               new_tokens: int, plan: _Plan, scale: float = 1.0) -> float:
+    """:func:`_measure`, its wall time recorded as a "measure" step (scaled to all calibration prompts)."""
+    t0 = time.perf_counter()
+    tps = _measure(model, prompts, skip_layers, gamma, new_tokens)
+    plan.step("measure", (time.perf_counter() - t0) * scale)
+    return tps
+
+
+class _Plan:
+    """The search's clock: steps done and planned per kind, their measured costs, the deadline; reports progress."""
+
+    KINDS = ("contexts", "proxy", "measure")
+
+    def __init__(self, config: SearchConfig, report: Callable[[SearchProgress], None]) -> None:
+        self.config, self.report = config, report
+        self.started = time.perf_counter()
+        self.deadline = self.started + config.time_budget_s
+        self.done = dict.fromkeys(self.KINDS, 0)
+        self.planned = {"contexts": 1, "proxy": config.proxy_evaluations, "measure": max(1, config.measured_candidates)}
+        self.costs: dict[str, list[float]] = {k: [] for k in self.KINDS}
+        self.stage = "contexts"
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.started
+
+    def left(self) -> float:
+        return self.deadline - time.perf_counter()
+
+    def unit_cost(self, kind: str) -> float:
+        """Mean measured seconds of one step of ``kind`` (0.0 before any)."""
+        return statistics.mean(self.costs[kind]) if self.costs[kind] else 0.0
+
+    def run_cost(self) -> float:
+        """Seconds of one timed run on all calibration prompts: the slowest so far, else stage 1's plain decoding."""
+        return max(self.costs["measure"]) if self.costs["measure"] else sum(self.costs["contexts"])
+
+    def eta(self) -> float | None:
+        total = 0.0
+        for kind in self.KINDS:
+            rest = max(0, self.planned[kind] - self.done[kind])
+            cost = self.run_cost() if kind == "measure" else self.unit_cost(kind)
+            if rest and not cost:
+                return None
+            total += rest * cost
+        return total
+
+    def step(self, kind: str, seconds: float) -> None:
+        self.done[kind] += 1
+        self.costs[kind].append(seconds)
+        self.emit()
+
+    def enter(self, stage: str) -> None:
+        self.stage = stage
+        self.emit()
+
+    def emit(self, message: str = "") -> None:
+        done = sum(self.done.values())
+        total = sum(max(self.planned[k], self.done[k]) for k in self.KINDS)
+        eta = 0.0 if self.stage == "done" else self.eta()
+        self.report(SearchProgress(self.stage, done, total, self.elapsed(), eta, message))
+
+    def announce(self, plain_tps: float) -> None:
+        """The estimate, once every kind of step has a measured cost (after the first candidate is scored)."""
+        eta = self.eta() or 0.0
+        load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+        self.emit(f"plain decoding {plain_tps:.1f} tokens/s here (1-min load {load:.1f}, {os.cpu_count()} CPUs); "
+                  f"about {self.planned['proxy']} candidates at {self.unit_cost('proxy'):.1f} s each and "
+                  f"{self.planned['measure']} timed run(s) at about {self.run_cost():.0f} s: about {eta:.0f} s "
+                  f"left, {self.elapsed() + eta:.0f} s in all (budget {self.config.time_budget_s:.0f} s)")
+
+
+def _reporter(progress: Callable[[SearchProgress], None] | bool | None) -> Callable[[SearchProgress], None]:
+    if progress is False:
+        return lambda p: None
+    if progress is None or progress is True:
+        return _StderrProgress()
+    return progress
+
+
+class _StderrProgress:
+    """The default display: on a terminal a bar over the steps with the estimated time left; elsewhere the
+    estimate line and a last line with the time taken."""
+
+    LABELS = {"contexts": "decoding the calibration prompts", "timing": "timing the forward passes",
+              "proxy": "scoring candidate skip sets", "measure": "timing layer-skip decoding", "done": "done"}
+
+    def __init__(self) -> None:
+        self.bar = self.task = None
+
+    def __call__(self, p: SearchProgress) -> None:
+        if self.bar is None and sys.stderr.isatty() and p.stage != "done":
+            from rich.console import Console
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+            self.bar = Progress(TextColumn("layer-skip search: {task.description}"), BarColumn(bar_width=24),
+                                MofNCompleteColumn(), TextColumn("steps, ETA {task.fields[eta]}"),
+                                TimeElapsedColumn(), console=Console(stderr=True), transient=True)
+            self.bar.start()
+            self.task = self.bar.add_task("", total=1, eta="?")
+        if p.message:
+            line = f"specdecode: layer-skip search: {p.message}"
+            self.bar.console.print(line, markup=False, highlight=False) if self.bar else print(
+                line, file=sys.stderr, flush=True)
+        if self.bar is not None:
+            eta = "?" if p.eta_s is None else f"{p.eta_s:.0f} s"
+            self.bar.update(self.task, description=self.LABELS.get(p.stage, p.stage), completed=p.done,
+                            total=max(1, p.total), eta=eta)
+        if p.stage == "done":
+            if self.bar is not None:
+                self.bar.stop()
+                self.bar = None
+            print(f"specdecode: layer-skip search: {p.done} steps in {p.elapsed_s:.0f} s", file=sys.stderr,
+                  flush=True)
 
 
 def _measure(model: torch.nn.Module, prompts: list[list[int]], skip_layers: tuple[int, ...] | None, gamma: int,
@@ -544,5 +751,5 @@ def _time_model(skip: SkipForward, context: list[int], max_gamma: int, reps: int
     return (lambda kept: intercept + slope * kept), verify
 
 
-__all__ = ["SearchConfig", "SearchResult", "cache_path", "choose_skip_layers", "load_cached", "model_key",
+__all__ = ["SearchConfig", "SearchProgress", "SearchResult", "cache_path", "choose_skip_layers", "load_cached", "model_key",
            "search_skip_layers", "store"]
