@@ -109,9 +109,8 @@ def test_forward_skipping_writes_only_past_the_committed_length():
 
 #: How each contract test builds its runner: weights, and the product kernel ("measured": what this CPU measured).
 INVARIANT_CONFIGS = {
-    "bf16": (torch.bfloat16, "measured"),
-    "bf16-padded": (torch.bfloat16, "padded"),  # the construction, whatever this CPU measures
-    "fp32-invariant": (torch.float32, "measured"),  # float32 opted in: on most CPUs the padded kernel
+    "bf16": (torch.bfloat16, "padded"),
+    "fp32-invariant": (torch.float32, "padded"),  # float32 opted in: plain float32 F.linear is not invariant here
     "int8": ("int8", None),
 }
 CONTRACT_KS = (*range(1, 9), 16, 17)  # 17 and 18 tokens: past one ROW_BLOCK
@@ -119,7 +118,6 @@ CONTRACT_PREFIX = 20
 
 
 def _invariant_runner(family: str, config: str, slots: int = 1):
-    from specdecode.kernels import ROW_KERNELS
     from specdecode.kv.owned import OwnedRunner
 
     weights, kernel = INVARIANT_CONFIGS[config]
@@ -129,12 +127,8 @@ def _invariant_runner(family: str, config: str, slots: int = 1):
         model = MODELS[family](weights)
     runner = OwnedRunner(model, slots, batch_invariant=True)
     assert runner.batch_invariant and runner.cache_dtype == torch.float64
-    if weights == "int8":
-        assert runner.row_kernel is None  # int8 modules: integer sums, row-invariant by construction
-    else:
-        assert runner.row_kernel in ROW_KERNELS
-        if kernel == "padded":
-            runner.row_kernel = "padded"
+    # int8 modules: integer sums, row-invariant by construction; float weights: zero-padded 16-row blocks
+    assert runner.row_kernel == kernel
     return runner
 
 
@@ -177,17 +171,9 @@ def test_k_plus_1_tokens_in_one_forward_equal_them_fed_one_by_one_bitwise(family
     assert _chain_differences(row, _random_ids(10, 3), ks=(1, 4, 9)) == {}
 
 
-#: Found by the sweep below (issue 13): ``row_invariant_kernel`` measures one random 16-row input per weight shape,
-#: and picks bf16 ``F.linear`` on this CPU; but for [64, 64] weights (these tiny models' o_proj and LM head) the
-#: one-row product rounds differently from the multi-row one in a few of every 10^4 outputs (bf16 rounding hides
-#: most of the difference), which one random input rarely shows. Remove this mark when the measurement catches it.
-MEASURED_BF16_MISSES = pytest.mark.xfail(
-    reason="row_invariant_kernel picks bf16 F.linear, which is not row-invariant for [64, 64] weights on this CPU "
-           "(rare one-row vs multi-row rounding differences the one-input measurement misses)", strict=False)
-SWEEP_CONFIGS = [pytest.param(c, marks=MEASURED_BF16_MISSES) if c == "bf16" else c for c in INVARIANT_CONFIGS]
 
 
-@pytest.mark.parametrize("config", SWEEP_CONFIGS)
+@pytest.mark.parametrize("config", list(INVARIANT_CONFIGS))
 @pytest.mark.parametrize("family", list(MODELS))
 def test_the_contract_holds_over_many_contexts(family, config):
     """Differences are rare (a few outputs in 10^4): 32 random contexts (5..222 tokens), each verified as one

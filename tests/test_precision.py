@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import specdecode.precision as precision
-from specdecode.kernels import ROW_KERNELS, set_weight_precision
+from specdecode.kernels import set_weight_precision
 from specdecode.precision import (
     CACHE_VERSION,
     Candidate,
@@ -80,27 +80,16 @@ def test_measure_quality_of_a_model_against_itself_and_against_a_noised_copy():
 # ----------------------------------------------------------------------------- the batch-invariance check
 
 
-#: Issue 13 (see tests/test_kernels.py): the kernel measured for bf16 on this CPU ("linear") is not row-invariant
-#: for these [64, 64] weights; check_batch_invariance with its defaults finds "17 tokens in one forward: token 10
-#: differs ... by 4.77e-07". Remove this mark when row_invariant_kernel catches it.
-MEASURED_BF16_MISSES = pytest.mark.xfail(
-    reason="row_invariant_kernel picks bf16 F.linear, not row-invariant for [64, 64] weights on this CPU", strict=False)
-
-
-@pytest.mark.parametrize("weights", [pytest.param("bf16", marks=MEASURED_BF16_MISSES), "bf16-padded", "int8"])
-def test_check_batch_invariance_holds_for_the_invariant_forward(weights, monkeypatch):
-    from specdecode.kv import owned
-
-    if weights == "bf16-padded":  # the kernel invariant by construction, whatever this CPU measures
-        monkeypatch.setattr(owned, "row_invariant_kernel", lambda tensors: "padded")
-    model = set_weight_precision(tiny_llama(seed=0, dtype=torch.float32), weights.partition("-")[0])
+@pytest.mark.parametrize("weights", ["bf16", "int8"])
+def test_check_batch_invariance_holds_for_the_invariant_forward(weights):
+    model = set_weight_precision(tiny_llama(seed=0, dtype=torch.float32), weights)
     report = check_batch_invariance(model)
     assert report.exact, report.detail
     assert "bitwise equal" in report.detail and "17" in report.detail
     if weights == "int8":
         assert report.row_kernel is None
     else:
-        assert report.row_kernel in ROW_KERNELS and (weights == "bf16" or report.row_kernel == "padded")
+        assert report.row_kernel == "padded"
 
 
 def _noisy_mm(rows_affected):
@@ -121,7 +110,6 @@ def test_check_batch_invariance_reports_a_forward_whose_rows_depend_on_the_row_c
 
     model = set_weight_precision(tiny_llama(seed=0, dtype=torch.float32), "bf16")
     real_mm = owned._mm
-    monkeypatch.setattr(owned, "row_invariant_kernel", lambda tensors: "padded")  # invariant but for the noise
     assert check_batch_invariance(model).exact
     monkeypatch.setattr(owned, "_mm", _noisy_mm(lambda rows: 1 < rows <= 17))  # chains of several tokens
     report = check_batch_invariance(model)

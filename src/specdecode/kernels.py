@@ -51,19 +51,20 @@ def use_small_row_matmul(model: torch.nn.Module) -> int:
 #: Rows per product in the batch-invariant forward: a call of more rows runs as blocks of this many.
 ROW_BLOCK = 16
 
-#: Row-invariant product kernels, tried in this order (``row_invariant_kernel``).
+#: Product kernels of :func:`row_product`; only ``padded`` is row-invariant on every CPU.
 ROW_KERNELS = ("linear", "transposed", "padded")
-
-_ROW_KERNEL_CACHE: dict[tuple, str] = {}
 
 
 def row_product(kernel: str, weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """x [m, in] @ weight[out, in].T -> [m, out] with ``kernel``, in blocks of at most ROW_BLOCK rows.
 
-    ``linear``: ``F.linear`` per block; ``transposed``: ``(W @ x.T).T`` per block; ``padded``: every
-    block padded with zero rows to exactly ROW_BLOCK rows, so every call has one shape (one kernel, one
-    reduction order): row i's result cannot depend on how many rows share the call, on any CPU. The
-    first two are row-invariant only where :func:`row_invariant_kernel` measured them to be.
+    ``padded`` (what the batch-invariant forward runs): every block padded with zero rows to exactly
+    ROW_BLOCK rows, so every call has one shape, hence one kernel and one summation order: row i's
+    result cannot depend on how many rows share the call, on any CPU. ``linear`` (``F.linear`` per
+    block) and ``transposed`` (``(W @ x.T).T``) are the fast paths, for comparison: on this class of
+    CPU a one-row bf16 ``F.linear`` differs from the same row in a multi-row call on rare inputs
+    (about one row in 10^3-10^4 for small shapes; no finite probe rules that out), so exactness never
+    relies on them.
     """
     m = x.shape[0]
     if m > ROW_BLOCK:
@@ -75,39 +76,6 @@ def row_product(kernel: str, weight: torch.Tensor, x: torch.Tensor) -> torch.Ten
     if m < ROW_BLOCK:
         x = torch.cat([x, x.new_zeros(ROW_BLOCK - m, x.shape[1])])
     return F.linear(x, weight)[:m]
-
-
-def row_invariant_kernel(weights: list[torch.Tensor], max_rows: int = ROW_BLOCK) -> str:
-    """The first of :data:`ROW_KERNELS` whose row i, for every ``weight`` shape and every call of
-    1..``max_rows`` rows, equals the same row computed alone, bit for bit (random inputs; measured once
-    per shape, dtype and thread count in this process). ``padded`` is invariant by construction.
-
-    Which kernel torch / oneDNN picks for a product changes with the row count and the CPU (AVX-512,
-    AMX, AVX2), and so does its summation order: this measures instead of assuming.
-    """
-    shapes = sorted({(tuple(w.shape), w.dtype) for w in weights})
-    key = (tuple(shapes), torch.get_num_threads(), max_rows)
-    if key in _ROW_KERNEL_CACHE:
-        return _ROW_KERNEL_CACHE[key]
-    by_shape = {}
-    for w in weights:
-        by_shape.setdefault((tuple(w.shape), w.dtype), w)
-    gen = torch.Generator().manual_seed(0)
-    chosen = "padded"
-    with torch.inference_mode():
-        for kernel in ROW_KERNELS[:-1]:
-            ok = True
-            for w in by_shape.values():
-                x = torch.randn(max_rows, w.shape[1], generator=gen).to(w.dtype)
-                alone = torch.cat([row_product(kernel, w, x[i : i + 1]) for i in range(max_rows)])
-                if not all(torch.equal(row_product(kernel, w, x[:m]), alone[:m]) for m in range(2, max_rows + 1)):
-                    ok = False
-                    break
-            if ok:
-                chosen = kernel
-                break
-    _ROW_KERNEL_CACHE[key] = chosen
-    return chosen
 
 
 class RowwiseInt8Linear(torch.nn.Module):

@@ -29,7 +29,7 @@ FORWARD_BACKENDS = ("auto", "hf", "owned")
 
 
 def make_runner(model: torch.nn.Module, backend: str = "auto", num_slots: int = 1,
-                max_context: int | None = None) -> SlotRunner:
+                max_context: int | None = None, batch_invariant: bool | None = None) -> SlotRunner:
     """A model bound to a slot KV cache of ``num_slots`` rows.
 
     Args:
@@ -37,6 +37,8 @@ def make_runner(model: torch.nn.Module, backend: str = "auto", num_slots: int = 
         backend: "auto" (the owned forward for supported Llama / Qwen2 models, else Hugging Face),
             "hf" or "owned".
         num_slots: rows (the largest batch); max_context: positions per row (None: the model's).
+        batch_invariant: the owned forward's batch-invariant numerics (None: its default for the
+            model's precision, see :class:`~specdecode.kv.owned.OwnedRunner`); ignored by the HF forward.
 
     Raises:
         SpecDecodeError: unknown backend, or "owned" for a model it cannot run.
@@ -47,7 +49,7 @@ def make_runner(model: torch.nn.Module, backend: str = "auto", num_slots: int = 
         raise SpecDecodeError(f"unknown forward backend {backend!r}; choose one of {FORWARD_BACKENDS}")
     check_rollback_support(model)
     if backend == "owned" or (backend == "auto" and supports(model)):
-        return OwnedRunner(model, num_slots, max_context)
+        return OwnedRunner(model, num_slots, max_context, batch_invariant=batch_invariant)
     return HFRunner(model, num_slots, max_context)
 
 

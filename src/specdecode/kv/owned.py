@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from specdecode.kernels import ROW_BLOCK, RowwiseInt8Linear, row_invariant_kernel, row_product
+from specdecode.kernels import ROW_BLOCK, RowwiseInt8Linear, row_product
 from specdecode.kv.base import SlotRunner
 from specdecode.types import SpecDecodeError
 
@@ -155,9 +155,9 @@ class OwnedRunner(SlotRunner):
     on how many tokens share a decoding / verification forward (one row or k + 1; one request or a
     batch), so speculative output equals plain decoding token for token. Products: int8 weights
     (``kernels.RowwiseInt8Linear``) give integer sums that do not depend on the other rows; float
-    weights run :func:`specdecode.kernels.row_product` in blocks of at most ``ROW_BLOCK`` rows with
-    the kernel :func:`~specdecode.kernels.row_invariant_kernel` measured to be row-invariant on this
-    CPU (else zero-padded blocks of one shape). Attention: float64 on a float64 cache (the keys and
+    weights run :func:`specdecode.kernels.row_product` as zero-padded blocks of exactly ``ROW_BLOCK``
+    rows (one shape, one kernel, one summation order, on any CPU; a one-token step then costs a
+    16-row product). Attention: float64 on a float64 cache (the keys and
     values are stored exactly), so its rounding, which depends on the query count and the cache
     length, is ~1e-16, below what a bfloat16 / float32 result can show. Norms, RoPE and residuals
     are per row. Prefill (``last_only`` forwards: the prompt, drafting) needs no invariance (plain and
@@ -201,11 +201,9 @@ class OwnedRunner(SlotRunner):
             batch_invariant = default_batch_invariant(model)
         self.batch_invariant = bool(batch_invariant or int8)
         self.cache_dtype = torch.float64 if self.batch_invariant else self.dtype
-        #: The row-invariant product kernel of float weights (None: int8 modules, or not invariant).
-        self.row_kernel = None
-        if batch_invariant and not int8:
-            tensors = [t for l in self.layers for t in (l.qkv, l.o, l.gate_up, l.down)] + [self.lm_head]
-            self.row_kernel = row_invariant_kernel([t for t in tensors if isinstance(t, torch.Tensor)])
+        #: The product kernel of float weights in decoding / verification forwards
+        #: (``kernels.row_product``; None: int8 modules, row-invariant themselves, or not invariant).
+        self.row_kernel = "padded" if batch_invariant and not int8 else None
         self.k_cache = self.v_cache = None
 
     #: This forward can run a subset of the layers (layer-skip drafting).

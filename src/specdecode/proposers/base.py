@@ -138,7 +138,8 @@ class DraftModelSlots(Proposer):
 
     def bind(self, target, num_slots: int) -> None:
         from_ctx = min(getattr(self, "max_context", target.max_context), target.max_context)
-        self.runner = make_runner(self.model, self.forward, num_slots, from_ctx)
+        # a draft needs no batch invariance (its tokens are verified by the target): its fast numerics
+        self.runner = make_runner(self.model, self.forward, num_slots, from_ctx, batch_invariant=False)
         self.max_context = self.runner.max_context
 
     def start(self, ctx: ProposeContext) -> None:
