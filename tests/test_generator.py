@@ -240,3 +240,34 @@ def test_from_pretrained_refuses_a_draft_with_another_tokenizer(tiny_model_dir, 
     tok.save_pretrained(other)
     with pytest.raises(IncompatibleTokenizerError):
         SpecDecoder.from_pretrained(str(tiny_model_dir), str(other), progress=False)
+
+
+# What ran and why, and where outputs part ----------------------------------------------
+
+
+def test_from_pretrained_says_which_precision_auto_chose_and_why(tiny_model_dir, tmp_path):
+    lines = []
+    dec = SpecDecoder.from_pretrained(str(tiny_model_dir), "ngram", progress=False, cache_dir=tmp_path,
+                                      status=lines.append)
+    choice = dec.precision
+    assert choice is not None and choice.precision in ("fp32", "bf16", "int8") and not choice.cached
+    assert choice.reason.startswith(choice.precision + ":") and lines  # measured on first load, said so
+    assert dec.plain().precision is choice
+    again = SpecDecoder.from_pretrained(str(tiny_model_dir), "ngram", progress=False, cache_dir=tmp_path)
+    assert again.precision.cached and again.precision.precision == choice.precision
+    explicit = SpecDecoder.from_pretrained(str(tiny_model_dir), "ngram", progress=False, cache_dir=tmp_path,
+                                           weights="fp32")
+    assert explicit.precision.precision == "fp32" and "--weights" in explicit.precision.reason
+
+
+def test_explain_difference_names_the_position_the_tokens_and_their_margin(ngram):
+    prompt = ngram.encode("the cat and the dog")
+    same = ngram.plain().generate(prompt, max_new_tokens=6, ignore_eos=True).token_ids
+    assert ngram.explain_difference(prompt, same, same) is None
+    other = [*same[:3], (same[3] + 1) % ngram.target.model.config.vocab_size, *same[4:]]
+    line = ngram.explain_difference(prompt, other, same)
+    assert line.startswith("first difference at generated token 3: plain decoding chose ")
+    # greedy plain decoding took the argmax, so the other token's logit is lower: a positive margin
+    margin = float(line.split("differ by ")[1].split()[0])
+    assert margin > 0
+    assert "stops at token 4" in ngram.explain_difference(prompt, same[:4], same)

@@ -27,10 +27,11 @@ from dataclasses import dataclass, field
 import torch
 
 from specdecode.engine import EngineConfig, SpeculativeEngine
-from specdecode.kernels import WEIGHT_PRECISIONS, set_weight_precision
+from specdecode.kernels import WEIGHT_PRECISIONS
 from specdecode.metrics import RunMetrics
-from specdecode.models import LoadedModel, load_model
+from specdecode.models import LoadedModel
 from specdecode.policy import build_policy
+from specdecode.precision import PrecisionChoice, load_target
 from specdecode.preflight import check_models
 from specdecode.proposers.factory import (  # noqa: F401 - the drafter choices, re-exported
     LAYER_SKIP_DRAFT,
@@ -100,6 +101,8 @@ class SpecDecoder:
         self.target = target
         self.proposer = proposer
         self.draft = draft
+        #: What ``from_pretrained`` ran the target's weights in, and why (None when built from modules).
+        self.precision: PrecisionChoice | None = None
         self.num_speculative_tokens = num_speculative_tokens
         config = EngineConfig(num_speculative_tokens=num_speculative_tokens, max_context=target.max_context)
         self.policy = build_policy(policy, num_speculative_tokens) if isinstance(policy, str) else policy
@@ -117,12 +120,13 @@ class SpecDecoder:
         dtype: torch.dtype | str = torch.float32,
         cache_dir=None,
         progress: bool = True,
-        weights: str = "fp32",
+        weights: str = "auto",
         draft_weights: str | None = None,
         policy: str = "fixed",
         skip_layers: str | Sequence[int] | None = None,
         tree: str | None = None,
         tree_nodes: int = 16,
+        status=None,
     ) -> "SpecDecoder":
         """Load a target (and a draft model) by spec and build the decoder.
 
@@ -134,12 +138,14 @@ class SpecDecoder:
                 model spec, loaded like the target and checked for a shared tokenizer.
             num_speculative_tokens: gamma (1..64).
             dtype, cache_dir, progress: passed to ``load_model``.
-            weights: precision the target's weights execute in ("fp32", "bf16", "int8"; plain
-                decoding uses the same target, so losslessness is with respect to it; int8
-                quantizes activations per token, so verified rows do not affect each other; exact with
-                the owned Llama / Qwen2 forward, see ``kernels.set_weight_precision``).
+            weights: precision the target's weights execute in: "auto" (default: the fastest that keeps
+                the model and keeps speculation exact on this machine, measured once and cached, see
+                :func:`specdecode.precision.choose_precision`; ``decoder.precision`` says what and why),
+                "fp32", "bf16" or "int8" (plain decoding uses the same target, so losslessness is with
+                respect to it; see ``kernels.set_weight_precision``).
             draft_weights: the draft model's precision ("fp32", "bf16", "int8", see
-                :func:`specdecode.kernels.set_weight_precision`); None = same as ``weights``.
+                :func:`specdecode.kernels.set_weight_precision`); None = the target's.
+            status: called with one line before each slow measurement of ``weights="auto"``.
             policy: the draft-length policy's name (see :func:`specdecode.policy.build_policy`).
             skip_layers: with ``draft="layer-skip"`` (self-speculation, the target with some
                 decoder layers skipped): layer indices ("3,5,7" or a list); None = the set
@@ -161,24 +167,60 @@ class SpecDecoder:
                                  skip_layers=parse_skip_layers(skip_layers),
                                  cache_dir=None if cache_dir is None else str(cache_dir))
         check_drafter(choice, options)
-        draft_weights = draft_weights or weights
-        for precision in (weights, draft_weights):
-            if precision not in WEIGHT_PRECISIONS:
-                raise SpecDecodeError(f"unknown weight precision {precision!r}; choose one of {WEIGHT_PRECISIONS}")
+        for precision in (weights, draft_weights or weights):
+            if precision != "auto" and precision not in WEIGHT_PRECISIONS:
+                raise SpecDecodeError(f"unknown weight precision {precision!r}; choose auto or one of "
+                                      f"{', '.join(WEIGHT_PRECISIONS)}")
         check_models(target, choice.model_spec, cache_dir=cache_dir)  # tokenizer files and config, before weights
-        loaded = load_model(target, dtype=dtype, cache_dir=cache_dir, progress=progress)
-        set_weight_precision(loaded.model, weights)
+        loaded, precision_choice = load_target(target, weights, dtype=dtype, cache_dir=cache_dir, progress=progress,
+                                               status=status)
+        weights = precision_choice.precision
+        draft_weights = weights if draft_weights in (None, "auto") else draft_weights
         draft_model = load_draft_model(choice, loaded, target, weights=weights, draft_weights=draft_weights,
                                        dtype=dtype, cache_dir=cache_dir, progress=progress)
         factory = proposer_factory(choice, options, target=loaded.model,
                                    draft=None if draft_model is None else draft_model.model)
         if factory is None:  # plain decoding: no draft length to choose
-            return cls(loaded, None, num_speculative_tokens=num_speculative_tokens)
-        return cls(loaded, factory(), num_speculative_tokens=num_speculative_tokens, draft=draft_model, policy=policy)
+            decoder = cls(loaded, None, num_speculative_tokens=num_speculative_tokens)
+        else:
+            decoder = cls(loaded, factory(), num_speculative_tokens=num_speculative_tokens, draft=draft_model,
+                          policy=policy)
+        decoder.precision = precision_choice
+        return decoder
+
+    @torch.inference_mode()
+    def explain_difference(self, prompt_ids: Sequence[int], token_ids: Sequence[int],
+                           baseline_ids: Sequence[int]) -> str | None:
+        """One line on where two outputs of the same target part (None when equal): the position, the two
+        tokens and the target's logit margin between them there (scored by the decoding forward on the
+        prompt + the common prefix). A margin near 0 is a near-tie, where a forward that is not
+        batch-invariant can round either way."""
+        i = next((j for j, (a, b) in enumerate(zip(token_ids, baseline_ids)) if a != b), None)
+        if i is None:
+            if len(token_ids) == len(baseline_ids):
+                return None
+            i = min(len(token_ids), len(baseline_ids))
+            return f"one output stops at token {i}, the other goes on (an EOS or a stop string at a near-tie)"
+        from specdecode.kv import make_runner
+
+        row = make_runner(self.target.model).row(0)
+        context = [*prompt_ids, *baseline_ids[:i]]
+        if len(context) > 1:
+            row.forward(context[:-1], last_only=True)
+        logits = row.forward(context[-1:])[0].float()
+        row.reset()
+        plain_tok, spec_tok = int(baseline_ids[i]), int(token_ids[i])
+        margin = float(logits[plain_tok] - logits[spec_tok])
+        kind = "a near-tie" if abs(margin) < 0.05 else "not a near-tie: a bug, please report it"
+        text = self.tokenizer.convert_ids_to_tokens([plain_tok, spec_tok])
+        return (f"first difference at generated token {i}: plain decoding chose {text[0]!r} ({plain_tok}), "
+                f"speculative {text[1]!r} ({spec_tok}); their logits differ by {margin:.4f} ({kind})")
 
     def plain(self) -> "SpecDecoder":
         """The baseline: same target and engine code, no proposer (one token per target forward)."""
-        return SpecDecoder(self.target, None, num_speculative_tokens=self.num_speculative_tokens)
+        plain = SpecDecoder(self.target, None, num_speculative_tokens=self.num_speculative_tokens)
+        plain.precision = self.precision
+        return plain
 
     # Text <-> ids ----------------------------------------------------------------
 

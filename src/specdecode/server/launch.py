@@ -24,9 +24,10 @@ import torch
 
 from specdecode.cliargs import add_serve_arguments  # the flags live with the CLI's, away from torch
 from specdecode.engine import EngineConfig, SpeculativeEngine
-from specdecode.kernels import WEIGHT_PRECISIONS, set_weight_precision
-from specdecode.models import LoadedModel, check_compatible, load_model
+from specdecode.models import LoadedModel, check_compatible
+from specdecode.options import WEIGHT_CHOICES
 from specdecode.policy import POLICIES, build_policy
+from specdecode.precision import load_target
 from specdecode.preflight import check_models
 from specdecode.proposers.factory import (
     DraftChoice,
@@ -62,7 +63,7 @@ class ServeOptions:
     tree_nodes: int = 16
     policy: str = "cost-model"
     dtype: str = "float32"
-    weights: str = "fp32"
+    weights: str = "auto"
     draft_weights: str | None = None
     forward: str = "auto"
     cache_dir: str | None = None
@@ -98,8 +99,8 @@ def check_options(opts: ServeOptions) -> DraftChoice:
     choice = parse_draft(opts.draft)
     check_drafter(choice, opts.drafter_options())
     for flag, precision in (("--weights", opts.weights), ("--draft-weights", opts.draft_weights or opts.weights)):
-        if precision not in WEIGHT_PRECISIONS:
-            raise SpecDecodeError(f"{flag}: unknown precision {precision!r}; choose one of {WEIGHT_PRECISIONS}")
+        if precision not in WEIGHT_CHOICES:  # "auto": the library measures and picks one
+            raise SpecDecodeError(f"{flag}: unknown precision {precision!r}; choose one of {WEIGHT_CHOICES}")
     if choice.kind == "layer-skip" and opts.forward == "hf":
         raise SpecDecodeError("--draft layer-skip drafts through the project's own Llama / Qwen2 forward; "
                               "use --forward auto or owned")
@@ -198,10 +199,15 @@ def load_state(opts: ServeOptions, progress: bool = True) -> ServingState:
     """Load the models named in ``opts`` (as ``specdecode generate`` does) and build the serving state."""
     choice = check_options(opts)
     check_models(opts.target, choice.model_spec, cache_dir=opts.cache_dir)  # tokenizer files and config, before weights
-    target = load_model(opts.target, dtype=opts.dtype, cache_dir=opts.cache_dir, progress=progress)
-    set_weight_precision(target.model, opts.weights)
-    draft_model = load_draft_model(choice, target, opts.target, weights=opts.weights,
-                                   draft_weights=opts.draft_weights, dtype=opts.dtype, cache_dir=opts.cache_dir,
+    say = (lambda line: print(f"specdecode: {line}", file=sys.stderr, flush=True)) if progress else None
+    target, precision = load_target(opts.target, opts.weights, dtype=opts.dtype, cache_dir=opts.cache_dir,
+                                    progress=progress, status=say, forward=opts.forward)
+    if say is not None:
+        say(f"weights {precision.reason}")
+    weights = precision.precision
+    draft_weights = weights if opts.draft_weights in (None, "auto") else opts.draft_weights
+    draft_model = load_draft_model(choice, target, opts.target, weights=weights,
+                                   draft_weights=draft_weights, dtype=opts.dtype, cache_dir=opts.cache_dir,
                                    progress=progress)
     state = build_state(
         target, opts.draft, draft_model=draft_model, model_name=opts.served_model_name or opts.target,
@@ -211,6 +217,7 @@ def load_state(opts: ServeOptions, progress: bool = True) -> ServingState:
         cache_dir=opts.cache_dir, api_key=opts.api_key, default_max_tokens=opts.default_max_tokens,
         max_request_bytes=opts.max_request_bytes,
     )
+    state.precision = precision  # what the weights run in, and why
     _choose_skip_layers(state)
     return state
 
@@ -269,7 +276,7 @@ def run(opts: ServeOptions) -> int:
     app = create_app(state)
     auth = "on" if opts.api_key else "off"
     print(f"specdecode: serving {state.config.model_name!r} (draft {state.config.draft}, gamma "
-          f"{opts.num_speculative_tokens}, policy {state.config.policy}, weights {opts.weights}, "
+          f"{opts.num_speculative_tokens}, policy {state.config.policy}, weights {state.precision.precision}, "
           f"forward {type(state.engine.runner).__name__}, "
           f"batch {opts.max_batch_size}, queue {opts.max_queue}, api key {auth}) "
           f"at http://{opts.host}:{opts.port}/v1", file=sys.stderr, flush=True)
