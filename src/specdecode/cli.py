@@ -289,10 +289,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
         args.target, args.draft, num_speculative_tokens=args.num_speculative_tokens,
         ngram_min=args.ngram_min, ngram_max=args.ngram_max, dtype=args.dtype, cache_dir=args.cache_dir,
         weights=args.weights, draft_weights=args.draft_weights, tree=args.tree, tree_nodes=args.tree_nodes,
-        policy=args.policy, skip_layers=args.skip_layers,
+        policy=args.policy, skip_layers=args.skip_layers, status=_status,
     )
     _status(f"loaded in {time.perf_counter() - t0:.1f} s: target {decoder.target.source}, {_draft_label(args)}, "
             f"gamma {args.num_speculative_tokens}, context {decoder.target.max_context} tokens")
+    if decoder.precision is not None:
+        _status(f"weights {decoder.precision.reason}" + (" (measured once, cached)" if decoder.precision.cached
+                                                         else ""))
     baseline = decoder.plain() if args.compare_baseline else None
     if args.warmup:
         _warm_up(decoder, baseline)
@@ -447,6 +450,9 @@ def _run_job(args, decoder, baseline, job: _Job, chat: bool, prompt_ids: list[in
     out = decoder.generate(prompt_ids, on_text=on_text, **kwargs)
     record = _record(job, chat, out, base_out)
     record["sampled"] = args.temperature > 0
+    record["weights"] = None if decoder.precision is None else decoder.precision.precision
+    if base_out is not None and not record["matches_baseline"] and not record["sampled"]:
+        record["difference"] = decoder.explain_difference(prompt_ids, out.token_ids, base_out.token_ids)
     if args.json:
         print(json.dumps(record, ensure_ascii=False), flush=True)
     else:
@@ -544,6 +550,8 @@ def _print_summary(r: dict) -> None:
             + ("" if r["matches_baseline"] or not r.get("sampled") else
                " (expected when sampling: the distribution is preserved, not the individual sample)")
         )
+        if r.get("difference"):
+            lines.append(r["difference"])
     console = _console()
     for line in lines:
         console.print(line, markup=False)
