@@ -43,7 +43,7 @@ MAX_PERPLEXITY_CHANGE = 0.01
 #: Candidates, in the order they are tried (ties in speed go to the earlier one).
 CANDIDATES = ("int8", "bf16", "fp32")
 #: Bump when what is measured or how changes: older cache files are then measured again.
-CACHE_VERSION = 1
+CACHE_VERSION = 2
 
 
 @dataclass(frozen=True)
