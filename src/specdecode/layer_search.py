@@ -519,28 +519,41 @@ class _StderrProgress:
 
     def __call__(self, p: SearchProgress) -> None:
         if self.bar is None and sys.stderr.isatty() and p.stage != "done":
-            from rich.console import Console
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-            self.bar = Progress(TextColumn("layer-skip search: {task.description}"), BarColumn(bar_width=24),
-                                MofNCompleteColumn(), TextColumn("steps, ETA {task.fields[eta]}"),
-                                TimeElapsedColumn(), console=Console(stderr=True), transient=True)
+            self.bar = _search_bar()
             self.bar.start()
-            self.task = self.bar.add_task("", total=1, eta="?")
+            self.task = self.bar.add_task("", total=1, until=None)
         if p.message:
             line = f"specdecode: layer-skip search: {p.message}"
-            self.bar.console.print(line, markup=False, highlight=False) if self.bar else print(
-                line, file=sys.stderr, flush=True)
+            if self.bar is not None:
+                self.bar.console.print(line, markup=False, highlight=False, soft_wrap=True)
+            else:
+                print(line, file=sys.stderr, flush=True)
         if self.bar is not None:
-            eta = "?" if p.eta_s is None else f"{p.eta_s:.0f} s"
+            until = None if p.eta_s is None else time.monotonic() + p.eta_s  # counts down between steps
             self.bar.update(self.task, description=self.LABELS.get(p.stage, p.stage), completed=p.done,
-                            total=max(1, p.total), eta=eta)
+                            total=max(1, p.total), until=until)
         if p.stage == "done":
             if self.bar is not None:
                 self.bar.stop()
                 self.bar = None
             print(f"specdecode: layer-skip search: {p.done} steps in {p.elapsed_s:.0f} s", file=sys.stderr,
                   flush=True)
+
+
+def _search_bar():
+    """A transient rich bar on stderr: stage, steps done / planned, the ETA counting down, elapsed time."""
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, ProgressColumn, TextColumn, TimeElapsedColumn
+    from rich.text import Text
+
+    class Countdown(ProgressColumn):
+        def render(self, task) -> Text:
+            until = task.fields.get("until")
+            return Text("ETA ?" if until is None else f"ETA {max(0.0, until - time.monotonic()):.0f} s")
+
+    return Progress(TextColumn("layer-skip search: {task.description}"), BarColumn(bar_width=24),
+                    MofNCompleteColumn(), TextColumn("steps,"), Countdown(), TimeElapsedColumn(),
+                    console=Console(stderr=True), transient=True)
 
 
 def _measure(model: torch.nn.Module, prompts: list[list[int]], skip_layers: tuple[int, ...] | None, gamma: int,
