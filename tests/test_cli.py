@@ -248,6 +248,11 @@ def test_range_errors_come_before_any_model_load(capsys, monkeypatch, argv, need
         (["serve", "--adaptive", "--no-adaptive"], "not allowed with argument --adaptive"),
         (["bench", "--quick", "--smoke"], "not allowed with argument --quick"),
         (["bench", "--smoke", "--dtype", "bfloat16", "--weights", "int8"], "drop --dtype"),
+        (["generate", "--dtype", "bfloat16", "--weights", "int8"], "--weights int8 quantizes float32 weights"),
+        (["generate", "--dtype", "bfloat16", "--weights", "fp32"], "or use --weights bf16"),
+        (["serve", "--dtype", "float16", "--weights", "bf16"], "drop --dtype"),
+        (["serve", "--draft", "m", "--dtype", "bfloat16", "--weights", "bf16", "--draft-weights", "int8"],
+         "--draft-weights int8"),
         (["bench", "--smoke", "--dtype", "bfloat16", "--draft-weights", "fp32"], "or use --draft-weights bf16"),
     ],
 )
@@ -266,7 +271,8 @@ def test_consistent_flags_pass_the_checks():
     from specdecode.cliargs import check_drafter_flags, check_precision_flags
 
     parser = cli.build_parser()
-    for argv in (["--draft", "layer-skip", "--skip-layers", "1,2"],
+    for argv in (["--dtype", "bfloat16"], ["--dtype", "bfloat16", "--weights", "bf16"], ["--dtype", "float16"],
+                 ["--draft", "layer-skip", "--skip-layers", "1,2"],
                  ["--draft", "suffix:layer-skip", "--skip-layers", "1"],
                  ["--draft", "some/model", "--draft-weights", "int8"],
                  ["--draft", "suffix:m", "--draft-weights", "bf16"]):

@@ -49,3 +49,14 @@ def test_serve_defaults_match_its_options():
     for field in dataclasses.fields(ServeOptions):
         assert getattr(args, field.name) == getattr(d, field.name), field.name
     assert _parse(add_serve_arguments, ["--no-adaptive"]).policy == "fixed"
+
+
+def test_weights_default_to_auto_and_pass_through():
+    """--weights auto (the default) reaches the library as the string "auto"; --draft-weights stays None."""
+    for add in (lambda p: add_drafter_arguments(p.add_argument_group("m")), add_serve_arguments):
+        args = _parse(add, [])
+        assert (args.weights, args.draft_weights, args.dtype) == ("auto", None, "float32")
+        assert _parse(add, ["--weights", "int8"]).weights == "int8"
+    from specdecode.server.launch import check_options, options_from_args
+
+    check_options(options_from_args(_parse(add_serve_arguments, [])))  # "auto" is not refused before the library
