@@ -599,9 +599,8 @@ def _pip_install(requirements: list[str], name: str, progress: bool = False,
     importlib.invalidate_caches()
     elapsed = time.perf_counter() - start
     logger.info("%s: installed %d package(s) in %.1f s", name, len(requirements), elapsed)
-    if progress:
-        print(f"specdecode: {name}: installed {len(requirements)} package(s){what} in {elapsed:.1f} s into "
-              f"{sysconfig.get_path('purelib')}", file=sys.stderr)
+    print(f"specdecode: {name}: installed {len(requirements)} package(s){what} in {elapsed:.1f} s into "
+          f"{sysconfig.get_path('purelib')}", file=sys.stderr)
 
 
 def _run_with_install_bars(cmd: list[str], env: dict[str, str], requirements: list[str],
