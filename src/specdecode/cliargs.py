@@ -130,6 +130,10 @@ def add_drafter_arguments(group: argparse._ArgumentGroup, *, policy_default: str
     group.add_argument("--cache-dir", metavar="DIR",
                        help="where converted GGUF models (and layer-skip sets) are cached (default: "
                             "$SPECDECODE_CACHE or ~/.cache/specdecode)")
+    group.add_argument("--threads", type=int, default=None, metavar="N",
+                       help="torch threads (default: torch's, one per core). On a machine shared with other "
+                            "busy processes, fewer threads than cores avoids threads waiting on each other; "
+                            "--weights auto measures (and caches) per thread count")
 
 
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
@@ -168,3 +172,20 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                      help="max_tokens of a chat request that gives none (default: %(default)s)")
     srv.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"),
                      help="server log level (default: %(default)s)")
+
+
+def set_threads(threads: int | None) -> None:
+    """Apply ``--threads`` (None: torch's default).
+
+    Raises:
+        SpecDecodeError: not a positive integer.
+    """
+    if threads is None:
+        return
+    from specdecode.errors import SpecDecodeError
+
+    if not isinstance(threads, int) or threads < 1:
+        raise SpecDecodeError(f"--threads must be a positive integer, got {threads}")
+    import torch
+
+    torch.set_num_threads(threads)
