@@ -89,6 +89,10 @@ CATALOG_QUALITY: dict[str, dict[str, QualityReport]] = {
         "bf16": QualityReport("bf16", 0.96975, 3.48981, -0.00448, 3768),
         "int8": QualityReport("int8", 0.76725, 3.54820, 0.05538, 3768),
     },
+    "qwen2.5-coder-0.5b": {
+        "bf16": QualityReport("bf16", 0.98485, 4.20118, 0.00044, 3696),
+        "int8": QualityReport("int8", 0.85741, 4.21117, 0.01048, 3696),
+    },
     "qwen2.5-coder-1.5b": {
         "bf16": QualityReport("bf16", 0.98593, 3.49068, -0.00209, 3696),
         "int8": QualityReport("int8", 0.87879, 3.44885, -0.04297, 3696),
