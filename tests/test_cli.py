@@ -176,20 +176,49 @@ print(json.dumps({"codes": codes, "errors": errors, "heavy": heavy}))
 """
 
 
+#: Range errors and contradictions found with no model, each with a word its one error line must hold.
+_REFUSED_WITHOUT_MODEL_CODE = [
+    (["generate", "-k", "0"], "-k/--num-speculative-tokens: num_speculative_tokens"),
+    (["generate", "--temperature", "-1"], "--temperature: temperature"),
+    (["generate", "--top-p", "0"], "--top-p: top_p"),
+    (["generate", "--top-k", "-3"], "--top-k: top_k"),
+    (["generate", "--max-new-tokens", "0"], "--max-new-tokens: max_new_tokens"),
+    (["generate", "--seed", "-1"], "--seed"),
+    (["generate", "--tree-nodes", "0"], "--tree-nodes"),
+    (["generate", "--tree", "static"], "needs a draft model"),
+    (["generate", "--ngram-min", "3", "--ngram-max", "1"], "min_ngram <= max_ngram"),
+    (["generate", "--stop", ""], "--stop"),
+    (["generate", "--draft", "layer-skip", "--skip-layers", "x"], "comma-separated"),
+    (["serve", "--max-batch-size", "0"], "--max-batch-size: max_batch_size"),
+    (["serve", "--max-queue", "-1"], "--max-queue"),
+    (["serve", "-k", "65"], "num_speculative_tokens"),
+    (["serve", "--max-request-bytes", "10"], "--max-request-bytes"),
+    (["serve", "--default-max-tokens", "0"], "--default-max-tokens"),
+    (["serve", "--draft", "suffix", "--tree-nodes", "65"], "--tree-nodes"),
+    (["serve", "--draft", "ngram", "--tree", "dynamic"], "needs a draft model"),
+    (["serve", "--draft", "layer-skip", "--forward", "hf"], "--forward auto or owned"),
+    (["serve", "--port", "70000"], "--port"),
+]
+
+
 def test_help_and_argument_errors_import_no_model_code():
-    """--help of every command and an unknown flag answer without torch, transformers or the server stack."""
+    """--help of every command, an unknown flag and every refusal that needs no model (a value out of range, a
+    drafter that does not fit its flags) answer without torch, transformers or the server stack."""
     argvs = [["--help"], ["generate", "--help"], ["bench", "--help"], ["serve", "--help"], ["--version"],
-             ["generate", "--bad-flag"], ["serve", "--port", "many"], ["bench", "--limit", "x"]]
+             ["generate", "--bad-flag"], ["serve", "--port", "many"], ["bench", "--limit", "x"],
+             *(argv for argv, _ in _REFUSED_WITHOUT_MODEL_CODE)]
     result = subprocess.run([sys.executable, "-c", _LIGHT_COMMANDS_SCRIPT, json.dumps(argvs)], capture_output=True,
                             text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout.splitlines()[-1])
     assert report["heavy"] == []
-    assert report["codes"] == [0, 0, 0, 0, 0, 2, 2, 2]
+    assert report["codes"] == [0, 0, 0, 0, 0] + [2] * (len(argvs) - 5), report["errors"]
     for err in report["errors"][5:]:
         lines = err.splitlines()
         assert len(lines) == 1 and lines[0].startswith("error:"), err
     assert "--bad-flag" in report["errors"][5] and "specdecode generate --help" in report["errors"][5]
+    for (argv, needle), err in zip(_REFUSED_WITHOUT_MODEL_CODE, report["errors"][8:]):
+        assert needle in err, (argv, err)
 
 
 def test_top_level_help_lists_each_command_once(capsys):

@@ -17,6 +17,7 @@ command imports what it runs when it runs.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
@@ -34,6 +35,15 @@ from specdecode.cliargs import (  # noqa: F401 - DRAFT_CHOICES_HELP re-exported
 )
 from specdecode.errors import SpecDecodeError
 from specdecode.options import DEFAULT_TARGET
+from specdecode.validate import (  # the library's own checks, without torch
+    DrafterOptions,
+    check_drafter,
+    check_engine,
+    check_sampling,
+    check_serve_options,
+    check_stops,
+    parse_draft,
+)
 
 EXIT_USAGE = 2
 
@@ -215,6 +225,8 @@ def _add_serve(commands) -> None:
 def cmd_serve(args: argparse.Namespace) -> int:
     """``specdecode serve``: load the models and serve until interrupted (specdecode.server)."""
     check_drafter_flags(args)  # before the server stack and torch are imported
+    with _naming_flags():
+        check_serve_options(args)  # launch.check_options' checks: a refusal never imports torch
     from specdecode.server.launch import run_from_args
 
     return run_from_args(args)
@@ -277,9 +289,9 @@ class _Job:
 def cmd_generate(args: argparse.Namespace) -> int:
     """``specdecode generate``: validate, read prompts, load models, run each prompt, report."""
     check_drafter_flags(args)  # contradictions first: they need not even torch
+    _check_generate_args(args)  # nor do the range checks
     from specdecode.generator import SpecDecoder
 
-    _check_generate_args(args)
     jobs = _read_jobs(args)
     _preflight(args, jobs)
     _status(f"loading target {args.target!r}" + ("" if args.draft.lower() in ("none", "ngram") else
@@ -310,19 +322,36 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def _check_generate_args(args: argparse.Namespace) -> None:
-    """Range-check every number before any slow model load (SpecDecodeError on the first bad one)."""
-    from specdecode.engine import EngineConfig
-    from specdecode.generator import _check_stops
-    from specdecode.proposers.factory import DrafterOptions, check_drafter, parse_draft
-    from specdecode.types import SamplingParams
+    """Range-check every number before anything heavy is imported or loaded (SpecDecodeError on the first bad
+    one): the checks of SamplingParams, EngineConfig and the drafter factory (``specdecode.validate``)."""
+    with _naming_flags():
+        check_sampling(args.temperature, args.top_k, args.top_p, args.max_new_tokens, args.seed)
+        check_engine(num_speculative_tokens=args.num_speculative_tokens)
+        check_drafter(parse_draft(args.draft), DrafterOptions(ngram_min=args.ngram_min, ngram_max=args.ngram_max,
+                                                              tree=args.tree, tree_nodes=args.tree_nodes,
+                                                              skip_layers=args.skip_layers))
+        check_stops(args.stop)
 
-    SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                   max_new_tokens=args.max_new_tokens, seed=args.seed)
-    EngineConfig(num_speculative_tokens=args.num_speculative_tokens)
-    check_drafter(parse_draft(args.draft), DrafterOptions(ngram_min=args.ngram_min, ngram_max=args.ngram_max,
-                                                          tree=args.tree, tree_nodes=args.tree_nodes,
-                                                          skip_layers=args.skip_layers))
-    _check_stops(args.stop)
+
+#: The flag of each setting the library's errors name (``SpecDecodeError.field``), so a refusal names both.
+_FLAG_OF = {
+    "num_speculative_tokens": "-k/--num-speculative-tokens", "temperature": "--temperature", "top_k": "--top-k",
+    "top_p": "--top-p", "max_new_tokens": "--max-new-tokens", "seed": "--seed", "stop": "--stop", "tree": "--tree",
+    "tree_nodes": "--tree-nodes", "ngram": "--ngram-min/--ngram-max", "max_batch_size": "--max-batch-size",
+    "forward": "--forward", "policy": "--policy",
+}
+
+
+@contextlib.contextmanager
+def _naming_flags():
+    """Put the flag in front of a library error about one setting: ``--top-p: top_p must be in (0, 1] ...``."""
+    try:
+        yield
+    except SpecDecodeError as exc:
+        flag = _FLAG_OF.get(exc.field)
+        if flag is not None:
+            exc.args = (f"{flag}: {exc}",)
+        raise
 
 
 def _preflight(args: argparse.Namespace, jobs: list[_Job]) -> None:

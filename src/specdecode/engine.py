@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specdecode.kv import FORWARD_BACKENDS, SlotRunner, make_runner
+from specdecode.kv import SlotRunner, make_runner
 from specdecode.metrics import RunMetrics
 from specdecode.policy import FixedPolicy
 from specdecode.proposers.base import ProposeContext, Proposer
@@ -47,12 +47,14 @@ from specdecode.types import (
     StepOutput,
     VerifyResult,
 )
+from specdecode.validate import check_engine  # the rules, without torch: the CLI checks with them too
 from specdecode.verify import verify_chains
 
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """Engine settings: the one copy of the engine's limits and defaults.
+    """Engine settings: the engine's defaults, checked on construction by ``validate.check_engine`` (the one copy
+    of its limits, which the command line uses too).
 
     Attributes:
         num_speculative_tokens: gamma, draft tokens per step (1..64) for the fixed policy.
@@ -60,6 +62,9 @@ class EngineConfig:
         max_context: positions per row; None reads the target's config.
         forward: target forward backend: "auto" (the project's own Llama / Qwen2 forward when the
             model is supported, else Hugging Face), "hf", or "owned".
+
+    Raises:
+        SpecDecodeError: a value out of range.
     """
 
     num_speculative_tokens: int = 5
@@ -68,15 +73,7 @@ class EngineConfig:
     forward: str = "auto"
 
     def __post_init__(self) -> None:
-        if self.forward not in FORWARD_BACKENDS:
-            raise SpecDecodeError(f"forward must be one of {FORWARD_BACKENDS}, got {self.forward!r}")
-        if not isinstance(self.num_speculative_tokens, int) or not 1 <= self.num_speculative_tokens <= 64:
-            raise SpecDecodeError(
-                f"num_speculative_tokens must be an integer in [1, 64], got {self.num_speculative_tokens!r}")
-        if self.max_context is not None and (not isinstance(self.max_context, int) or self.max_context < 2):
-            raise SpecDecodeError(f"max_context must be None (the model's) or an integer >= 2, got {self.max_context!r}")
-        if not isinstance(self.max_batch_size, int) or not 1 <= self.max_batch_size <= 256:
-            raise SpecDecodeError(f"max_batch_size must be an integer in [1, 256], got {self.max_batch_size!r}")
+        check_engine(self.num_speculative_tokens, self.max_batch_size, self.max_context, self.forward)
 
 
 _request_ids = itertools.count()

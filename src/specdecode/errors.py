@@ -1,7 +1,8 @@
-"""The base of every user-facing error, in a module that imports nothing.
+"""The user-facing errors that checks needing no model raise, in a module that imports nothing.
 
-``specdecode.types`` re-exports it (``from specdecode.types import SpecDecodeError`` keeps
-working); the command line imports it from here, so an argument error is reported without
+``specdecode.types`` re-exports them (``from specdecode.types import SpecDecodeError,
+InvalidSamplingParams`` keeps working, as does ``proposers.layer_skip.LayerSkipError``); the command
+line and :mod:`specdecode.validate` import them from here, so an argument error is reported without
 importing torch.
 """
 
@@ -9,7 +10,22 @@ from __future__ import annotations
 
 
 class SpecDecodeError(ValueError):
-    """Base class for user-facing errors: the message says what is wrong and what to do."""
+    """Base class for user-facing errors: the message says what is wrong and what to do.
+
+    Attributes:
+        field: the setting the error is about (``"top_p"``), when it is about one: a front end names
+            its own flag for it (``--top-p``); None otherwise.
+    """
+
+    field: str | None = None
 
 
-__all__ = ["SpecDecodeError"]
+class InvalidSamplingParams(SpecDecodeError):
+    """A sampling value is out of range (negative temperature, top_p outside (0, 1], ...)."""
+
+
+class LayerSkipError(SpecDecodeError):
+    """Layer skipping is impossible for this model, or a skip set is invalid."""
+
+
+__all__ = ["InvalidSamplingParams", "LayerSkipError", "SpecDecodeError"]

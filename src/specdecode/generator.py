@@ -45,7 +45,8 @@ from specdecode.proposers.factory import (  # noqa: F401 - the drafter choices, 
     proposer_factory,
 )
 from specdecode.proposers.layer_skip import parse_skip_layers
-from specdecode.types import EmptyPromptError, InvalidSamplingParams, SamplingParams, SpecDecodeError
+from specdecode.types import EmptyPromptError, SamplingParams, SpecDecodeError
+from specdecode.validate import check_stops
 
 
 @dataclass
@@ -312,7 +313,7 @@ class SpecDecoder:
         Raises:
             InvalidSamplingParams, EmptyPromptError, PromptTooLongError, SpecDecodeError.
         """
-        stops = _check_stops(stop)
+        stops = check_stops(stop)
         params = SamplingParams(
             temperature=temperature, top_k=top_k, top_p=top_p, max_new_tokens=max_new_tokens, seed=seed,
             eos_token_ids=self.target.eos_token_ids, ignore_eos=ignore_eos,
@@ -345,18 +346,6 @@ class SpecDecoder:
             prompt_token_ids=list(result.prompt_token_ids),
             stop_string=tracker.stop_string,
         )
-
-
-def _check_stops(stop: Sequence[str] | None) -> list[str]:
-    if stop is None:
-        return []
-    if isinstance(stop, str):
-        stop = [stop]
-    stops = list(stop)
-    for s in stops:
-        if not isinstance(s, str) or not s:
-            raise InvalidSamplingParams(f"stop strings must be non-empty strings, got {s!r}")
-    return stops
 
 
 class TextTracker:

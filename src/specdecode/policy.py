@@ -49,15 +49,10 @@ import torch
 
 from specdecode.costmodel import AcceptanceEstimate, StepOverhead, TimeTable, as_rows, measured_rates
 from specdecode.types import SpecDecodeError
-
-#: Largest gamma any policy may choose (the engine's own limit).
-MAX_SPECULATIVE_TOKENS = 64
-
-
-def _check_gamma(name: str, value: int, low: int = 1) -> int:
-    if not isinstance(value, int) or not low <= value <= MAX_SPECULATIVE_TOKENS:
-        raise SpecDecodeError(f"{name} must be an integer in [{low}, {MAX_SPECULATIVE_TOKENS}], got {value!r}")
-    return value
+# The limits and checks, without torch (the command line refuses a bad -k / --policy with them too):
+# MAX_SPECULATIVE_TOKENS is the largest gamma any policy may choose (the engine's own limit).
+from specdecode.validate import MAX_SPECULATIVE_TOKENS, check_policy_name
+from specdecode.validate import check_gamma as _check_gamma
 
 
 def default_max_tokens(num_speculative_tokens: int) -> int:
@@ -453,8 +448,6 @@ def build_policy(name: str, num_speculative_tokens: int = 5, **kwargs) -> DraftL
     Raises:
         SpecDecodeError: unknown name (the message lists the choices) or a value out of range.
     """
-    key = (name or "").strip().lower()
-    if key not in POLICIES:
-        raise SpecDecodeError(f"unknown draft-length policy {name!r}; choose one of {', '.join(POLICIES)}")
+    key = check_policy_name(name)  # the names of POLICIES (options.POLICY_NAMES, kept equal by a test)
     _check_gamma("num_speculative_tokens", num_speculative_tokens)
     return POLICIES[key](num_speculative_tokens, **kwargs)

@@ -6,16 +6,13 @@ The engine works on token ids only; text lives at the edges (CLI, server).
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 import torch
 
-from specdecode.errors import SpecDecodeError  # the base lives in a module without torch (the CLI's errors)
-
-
-class InvalidSamplingParams(SpecDecodeError):
-    """A sampling value is out of range (negative temperature, top_p outside (0, 1], ...)."""
+# The errors and the range checks live in modules without torch, so the CLI refuses a bad value at once.
+from specdecode.errors import InvalidSamplingParams, SpecDecodeError  # noqa: F401 - re-exported
+from specdecode.validate import MAX_NEW_TOKENS_LIMIT, check_sampling  # noqa: F401 - re-exported
 
 
 class ProposerContractError(SpecDecodeError):
@@ -34,10 +31,6 @@ class EmptyPromptError(SpecDecodeError):
     """The prompt has no tokens and the tokenizer has no BOS token to start from."""
 
 
-#: Upper bound on ``max_new_tokens`` accepted anywhere; anything larger is a typo.
-MAX_NEW_TOKENS_LIMIT = 1_000_000
-
-
 @dataclass(frozen=True)
 class SamplingParams:
     """How one request samples.
@@ -52,7 +45,7 @@ class SamplingParams:
         ignore_eos: keep generating past EOS (benchmarks with a fixed length).
 
     Raises:
-        InvalidSamplingParams: on construction, for any value out of range.
+        InvalidSamplingParams: on construction, for any value out of range (``validate.check_sampling``).
     """
 
     temperature: float = 0.0
@@ -64,23 +57,7 @@ class SamplingParams:
     ignore_eos: bool = False
 
     def __post_init__(self) -> None:
-        t = self.temperature
-        if not isinstance(t, (int, float)) or math.isnan(t) or t < 0 or t > 100:
-            raise InvalidSamplingParams(
-                f"temperature must be a number in [0, 100] (0 = greedy), got {t!r}"
-            )
-        if not isinstance(self.top_k, int) or self.top_k < 0:
-            raise InvalidSamplingParams(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
-        p = self.top_p
-        if not isinstance(p, (int, float)) or math.isnan(p) or not (0.0 < p <= 1.0):
-            raise InvalidSamplingParams(f"top_p must be in (0, 1] (1 disables it), got {p!r}")
-        n = self.max_new_tokens
-        if not isinstance(n, int) or n < 1 or n > MAX_NEW_TOKENS_LIMIT:
-            raise InvalidSamplingParams(
-                f"max_new_tokens must be an integer in [1, {MAX_NEW_TOKENS_LIMIT}], got {n!r}"
-            )
-        if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
-            raise InvalidSamplingParams(f"seed must be a non-negative integer or None, got {self.seed!r}")
+        check_sampling(self.temperature, self.top_k, self.top_p, self.max_new_tokens, self.seed)
 
     @property
     def greedy(self) -> bool:

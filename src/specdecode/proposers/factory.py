@@ -12,7 +12,8 @@ A *drafter choice* is what ``--draft`` (and ``SpecDecoder.from_pretrained(draft=
 The pieces, used in this order:
 
 - :func:`parse_draft` reads a choice once (a :class:`DraftChoice`);
-- :func:`check_drafter` range-checks it with its :class:`DrafterOptions` before any slow load;
+- :func:`check_drafter` range-checks it with its :class:`DrafterOptions` before any slow load
+  (these three live in :mod:`specdecode.validate`, without torch, and are re-exported here);
 - :func:`load_draft_model` loads the draft model it names (the target itself for the target's spec);
 - :func:`proposer_factory` turns it and the loaded modules into a zero-argument factory of
   proposers: the library builds one proposer per decoder, the server one per request.
@@ -29,29 +30,31 @@ import dataclasses
 import functools
 import inspect
 import typing
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable
 
 from specdecode import layer_search
 from specdecode.kernels import set_weight_precision
 from specdecode.models import check_compatible, load_model
 from specdecode.proposers.base import PROPOSERS, Proposer
-from specdecode.proposers.layer_skip import LayerSkipConfig, parse_skip_layers
+from specdecode.proposers.layer_skip import LayerSkipConfig
 from specdecode.proposers.ngram import NgramConfig
 from specdecode.proposers.suffix import SuffixConfig
-from specdecode.proposers.tree_draft import TREE_KINDS, TreeDraftConfig
+from specdecode.proposers.tree_draft import TreeDraftConfig
 from specdecode.types import SpecDecodeError
-
-#: Drafter choices that mean "no proposer": plain decoding.
-NO_DRAFT = ("none", "")
-#: The drafter choice of prompt-lookup (n-gram) drafting.
-NGRAM_DRAFT = "ngram"
-#: The drafter choice of self-speculation: the target with some decoder layers skipped.
-LAYER_SKIP_DRAFT = "layer-skip"
-#: The drafter choice of suffix decoding; ``suffix:ngram`` / ``suffix:MODEL`` add a fallback drafter.
-SUFFIX_DRAFT = "suffix"
-#: Kinds of :class:`DraftChoice`: the four above and "model" (a draft-model spec).
-DRAFT_KINDS = ("none", NGRAM_DRAFT, LAYER_SKIP_DRAFT, SUFFIX_DRAFT, "model")
+# Reading a choice and checking it need no model: they live without torch (the command line uses them too).
+from specdecode.validate import (  # noqa: F401 - re-exported: the drafter choices and their checks
+    DRAFT_KINDS,
+    LAYER_SKIP_DRAFT,
+    NGRAM_DRAFT,
+    NO_DRAFT,
+    SUFFIX_DRAFT,
+    DraftChoice,
+    DrafterOptions,
+    check_drafter,
+    check_tree,
+    parse_draft,
+    parse_skip_layers,
+)
 
 #: Self-speculative proposers: the ``model`` argument of their factory is the target itself, not a draft.
 SELF_SPECULATIVE: set[str] = {"layer-skip"}
@@ -119,93 +122,14 @@ def registered_factory(name: str, *, target=None, draft=None, config=None, **kwa
 # --------------------------------------------------------------------------- drafter choices
 
 
-@dataclass(frozen=True)
-class DraftChoice:
-    """A ``--draft`` value, read.
-
-    Attributes:
-        text: the value as given, stripped ("" for None); a draft-model spec keeps its case.
-        kind: one of :data:`DRAFT_KINDS`.
-        fallback: with kind "suffix", the inner drafter of ``suffix:INNER`` (kind "none" when there is none).
-    """
-
-    text: str
-    kind: str
-    fallback: DraftChoice | None = None
-
-    @property
-    def model_spec(self) -> str | None:
-        """The draft-model spec this choice loads (its own or its fallback's); None when it needs no model."""
-        if self.kind == "model":
-            return self.text
-        return self.fallback.model_spec if self.fallback is not None else None
-
-
-def parse_draft(draft: str | None) -> DraftChoice:
-    """Read a drafter choice (see the module docstring); names are case-insensitive, model specs are not."""
-    text = (draft or "").strip()
-    name = text.lower()
-    if name in NO_DRAFT:
-        return DraftChoice(text, "none")
-    if name in (NGRAM_DRAFT, LAYER_SKIP_DRAFT):
-        return DraftChoice(text, name)
-    if name.partition(":")[0] == SUFFIX_DRAFT:
-        return DraftChoice(text, SUFFIX_DRAFT, parse_draft(text.partition(":")[2] or "none"))
-    return DraftChoice(text, "model")
-
-
-@dataclass(frozen=True)
-class DrafterOptions:
-    """The settings that go with a drafter choice; each is used only by the drafters it names.
-
-    Attributes:
-        ngram_min, ngram_max: smallest and largest n-gram matched by ``ngram`` (tokens).
-        tree: "static" (top-k branching per depth) or "dynamic" (EAGLE-2) token trees of a draft
-            model; None / "none" = chains.
-        tree_nodes: node budget N (1..64) of a tree, and of ``suffix``.
-        skip_layers: the decoder layers ``layer-skip`` skips ("3,5,7" or indices); None = the set
-            cached for the model, or a search on the first prompt.
-        cache_dir: where ``layer-skip`` keeps its chosen sets (None = its default).
-    """
-
-    ngram_min: int = 1
-    ngram_max: int = 3
-    tree: str | None = None
-    tree_nodes: int = 16
-    skip_layers: str | Sequence[int] | None = None
-    cache_dir: str | None = None
-
-
 def tree_config(tree: str | None, tree_nodes: int) -> TreeDraftConfig | None:
     """The draft-model tree config of ``tree`` ("static" / "dynamic"; None / "none" = chains, returns None).
 
     Raises:
         SpecDecodeError: an unknown tree kind or a node budget outside 1..64.
     """
-    kind = (tree or "none").strip().lower()
-    if kind != "none" and kind not in TREE_KINDS:
-        raise SpecDecodeError(f"tree must be one of none, {', '.join(TREE_KINDS)}; got {tree!r}")
-    config = TreeDraftConfig(kind=kind if kind != "none" else "dynamic", num_nodes=tree_nodes)
-    return None if kind == "none" else config
-
-
-def check_drafter(choice: DraftChoice, options: DrafterOptions) -> None:
-    """Range-check a choice with its options, without loading anything (call it before slow loads).
-
-    Raises:
-        SpecDecodeError: bad skip layers, an unknown tree kind, a node budget outside 1..64, a
-            tree asked of a model-free drafter, or bad n-gram sizes (for the drafters that use them).
-    """
-    parse_skip_layers(options.skip_layers)
-    tree = tree_config(options.tree, options.tree_nodes)
-    if choice.kind == SUFFIX_DRAFT:
-        check_drafter(choice.fallback, options)
-        return
-    if tree is not None and choice.kind != "model":
-        raise SpecDecodeError(f"--tree {options.tree} needs a draft model (--draft MODEL or suffix:MODEL), "
-                              f"not {choice.text!r}")
-    if choice.kind == NGRAM_DRAFT:
-        NgramConfig(min_ngram=options.ngram_min, max_ngram=options.ngram_max)
+    kind = check_tree(tree, tree_nodes)
+    return None if kind == "none" else TreeDraftConfig(kind=kind, num_nodes=tree_nodes)
 
 
 def load_draft_model(choice: DraftChoice, target, target_spec: str, *, weights: str = "fp32",

@@ -41,17 +41,16 @@ from dataclasses import dataclass
 
 import torch
 
+# The error and the parsing of a skip set live without torch (the command line checks --skip-layers with them).
+from specdecode.errors import LayerSkipError
 from specdecode.proposers.base import ProposeContext, Proposer, register
 from specdecode.sampling import logits_to_probs, sample
-from specdecode.types import Draft, SpecDecodeError
+from specdecode.types import Draft
+from specdecode.validate import parse_skip_layers
 
 #: Families whose decoder layer is (norm, attention with RoPE, residual, norm, MLP, residual)
 #: and whose model forward is exactly embed -> layers -> norm -> LM head.
 KNOWN_FAMILIES = ("llama", "qwen2")
-
-
-class LayerSkipError(SpecDecodeError):
-    """Layer skipping is impossible for this model, or a skip set is invalid."""
 
 
 def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
@@ -70,32 +69,6 @@ def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
             f"rotary_emb beside them (the Hugging Face Llama / Qwen2 layout); {kind!r} does not have it. Use "
             f"another proposer (--draft ngram, or a draft model)"
         )
-    return layers
-
-
-def parse_skip_layers(spec: str | Iterable[int] | None, num_layers: int | None = None) -> tuple[int, ...] | None:
-    """``"3,5,7"`` / ``[3, 5, 7]`` -> sorted unique tuple; None / ``""`` / ``"auto"`` -> None (search).
-
-    Raises:
-        LayerSkipError: not integers, an index outside [0, num_layers), or every layer skipped.
-    """
-    if spec is None:
-        return None
-    if isinstance(spec, str):
-        text = spec.strip().lower()
-        if text in ("", "auto"):
-            return None
-        try:
-            spec = [int(part) for part in text.replace(" ", "").split(",") if part]
-        except ValueError as exc:
-            raise LayerSkipError(f"--skip-layers takes comma-separated layer indices like 3,5,7; got {spec!r}") from exc
-    layers = tuple(sorted({int(i) for i in spec}))
-    if num_layers is not None:
-        bad = [i for i in layers if not 0 <= i < num_layers]
-        if bad:
-            raise LayerSkipError(f"skip layers {bad} are outside 0..{num_layers - 1} (the model has {num_layers} layers)")
-        if len(layers) >= num_layers:
-            raise LayerSkipError(f"cannot skip all {num_layers} layers: keep at least one")
     return layers
 
 

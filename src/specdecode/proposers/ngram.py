@@ -14,7 +14,8 @@ import numpy as np
 import torch
 
 from specdecode.proposers.base import ProposeContext, RowProposer, register
-from specdecode.types import Draft, SpecDecodeError
+from specdecode.types import Draft
+from specdecode.validate import check_ngram_sizes
 
 
 @dataclass(frozen=True)
@@ -25,10 +26,7 @@ class NgramConfig:
     max_ngram: int = 3
 
     def __post_init__(self) -> None:
-        if self.min_ngram < 1 or self.max_ngram < self.min_ngram:
-            raise SpecDecodeError(
-                f"ngram sizes need 1 <= min_ngram <= max_ngram, got {self.min_ngram}, {self.max_ngram}"
-            )
+        check_ngram_sizes(self.min_ngram, self.max_ngram)
 
 
 def find_continuation(tokens: np.ndarray, n: int, max_tokens: int) -> np.ndarray:

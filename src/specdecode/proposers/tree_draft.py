@@ -49,6 +49,7 @@ from specdecode.kv import FORWARD_BACKENDS
 from specdecode.proposers.base import DraftModelSlots, RowProposer, ProposeContext, draft_room, register
 from specdecode.sampling import logits_to_probs
 from specdecode.types import Draft, SpecDecodeError, VerifyResult
+from specdecode.validate import check_tree_nodes
 
 TREE_KINDS = ("static", "dynamic")
 
@@ -87,8 +88,7 @@ class TreeDraftConfig:
             raise SpecDecodeError(f"forward must be one of {FORWARD_BACKENDS}, got {self.forward!r}")
         if self.kind not in TREE_KINDS:
             raise SpecDecodeError(f"tree kind must be one of {TREE_KINDS}, got {self.kind!r}")
-        if not isinstance(self.num_nodes, int) or not 1 <= self.num_nodes <= 64:
-            raise SpecDecodeError(f"tree nodes must be an integer in [1, 64], got {self.num_nodes!r}")
+        check_tree_nodes(self.num_nodes)
         if not self.branching or any(not isinstance(b, int) or b < 1 for b in self.branching):
             raise SpecDecodeError(f"branching must be positive integers per depth, got {self.branching!r}")
         if not 1 <= self.top_k <= 16 or not 1 <= self.max_depth <= 64:

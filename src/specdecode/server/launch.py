@@ -25,22 +25,19 @@ import torch
 from specdecode.cliargs import add_serve_arguments  # the flags live with the CLI's, away from torch
 from specdecode.engine import EngineConfig, SpeculativeEngine
 from specdecode.models import LoadedModel, check_compatible
-from specdecode.options import WEIGHT_CHOICES
 from specdecode.policy import POLICIES, build_policy
 from specdecode.precision import load_target
 from specdecode.preflight import check_models
-from specdecode.proposers.factory import (
-    DraftChoice,
-    DrafterOptions,
-    check_drafter,
-    load_draft_model,
-    parse_draft,
-    proposer_factory,
-)
-from specdecode.proposers.layer_skip import parse_skip_layers
+from specdecode.proposers.factory import DraftChoice, DrafterOptions, load_draft_model, parse_draft, proposer_factory
 from specdecode.scheduler import Scheduler
 from specdecode.server.app import DEFAULT_MAX_REQUEST_BYTES, ServerConfig, ServingState, create_app
 from specdecode.types import SpecDecodeError
+from specdecode.validate import (  # the checks that need no model, shared with the command line
+    check_port,
+    check_serve_options,
+    check_server_limits,
+    parse_skip_layers,
+)
 
 logger = logging.getLogger("specdecode.server")
 
@@ -84,7 +81,8 @@ class ServeOptions:
 
 
 def check_options(opts: ServeOptions) -> DraftChoice:
-    """Every check that needs no model, so a bad flag fails before a slow load.
+    """Every check that needs no model, so a bad flag fails before a slow load (``validate.check_serve_options``,
+    which ``specdecode serve`` runs before importing this module, so a refused command never imports torch).
 
     Returns:
         the parsed ``--draft``.
@@ -93,28 +91,7 @@ def check_options(opts: ServeOptions) -> DraftChoice:
         SpecDecodeError: a value out of range, an unknown policy / precision / forward, a drafter
             whose options do not fit it.
     """
-    EngineConfig(num_speculative_tokens=opts.num_speculative_tokens, max_batch_size=opts.max_batch_size,
-                 forward=opts.forward)
-    build_policy(opts.policy, opts.num_speculative_tokens)
-    choice = parse_draft(opts.draft)
-    check_drafter(choice, opts.drafter_options())
-    for flag, precision in (("--weights", opts.weights), ("--draft-weights", opts.draft_weights or opts.weights)):
-        if precision not in WEIGHT_CHOICES:  # "auto": the library measures and picks one
-            raise SpecDecodeError(f"{flag}: unknown precision {precision!r}; choose one of {WEIGHT_CHOICES}")
-    if choice.kind == "layer-skip" and opts.forward == "hf":
-        raise SpecDecodeError("--draft layer-skip drafts through the project's own Llama / Qwen2 forward; "
-                              "use --forward auto or owned")
-    _check_server_limits(opts.max_queue, opts.max_request_bytes, opts.default_max_tokens)
-    return choice
-
-
-def _check_server_limits(max_queue: int, max_request_bytes: int, default_max_tokens: int) -> None:
-    if not isinstance(max_queue, int) or max_queue < 0:
-        raise SpecDecodeError(f"--max-queue must be an integer >= 0, got {max_queue!r}")
-    if not isinstance(max_request_bytes, int) or max_request_bytes < 1024:
-        raise SpecDecodeError(f"--max-request-bytes must be an integer >= 1024, got {max_request_bytes!r}")
-    if not isinstance(default_max_tokens, int) or default_max_tokens < 1:
-        raise SpecDecodeError(f"--default-max-tokens must be an integer >= 1, got {default_max_tokens!r}")
+    return check_serve_options(opts)
 
 
 def build_state(
@@ -158,7 +135,7 @@ def build_state(
         SpecDecodeError: bad settings, a draft-model choice without its loaded model;
         IncompatibleTokenizerError: a draft whose tokenizer differs from the target's.
     """
-    _check_server_limits(max_queue, max_request_bytes, default_max_tokens)
+    check_server_limits(max_queue, max_request_bytes, default_max_tokens)
     if isinstance(draft, LoadedModel):
         draft_model, choice = draft, DraftChoice(draft.name, "model")
     else:
@@ -254,8 +231,7 @@ def check_address(host: str, port: int) -> None:
     """
     import socket
 
-    if not isinstance(port, int) or not 0 <= port <= 65535:
-        raise SpecDecodeError(f"--port must be in 0..65535, got {port}")
+    check_port(port)
     try:
         with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

@@ -1,0 +1,346 @@
+"""The one copy of every range check that needs no model, in a module without torch.
+
+The library's own types call these (``SamplingParams``, ``EngineConfig``, ``NgramConfig``,
+``TreeDraftConfig``, ``proposers.factory.check_drafter``, ``policy.build_policy``,
+``server.launch.check_options``), and so does the command line before it imports anything heavy,
+so ``specdecode generate -k 0`` is refused at once with the library's own words. Only
+:mod:`specdecode.errors` and :mod:`specdecode.options` are imported here.
+
+An error about one setting carries its name in ``SpecDecodeError.field`` (``"top_p"``), so a
+front end can name its own flag for it (``--top-p: top_p must be in (0, 1] ...``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from specdecode.errors import InvalidSamplingParams, LayerSkipError, SpecDecodeError
+from specdecode.options import FORWARD_BACKENDS, POLICY_NAMES, TREE_KINDS, WEIGHT_CHOICES
+
+#: Upper bound on ``max_new_tokens`` accepted anywhere; anything larger is a typo.
+MAX_NEW_TOKENS_LIMIT = 1_000_000
+#: Largest gamma (``num_speculative_tokens``, a policy's ``max_tokens``) anything may choose.
+MAX_SPECULATIVE_TOKENS = 64
+#: Most rows one engine decodes together (KV cache slots).
+MAX_BATCH_SIZE = 256
+#: Largest node budget of a token tree (``--tree-nodes``) and of suffix decoding.
+MAX_TREE_NODES = 64
+#: Smallest request body limit a server takes, bytes.
+MIN_REQUEST_BYTES = 1024
+
+
+def _refuse(cls: type[SpecDecodeError], field: str | None, message: str) -> SpecDecodeError:
+    """An error of ``cls`` about the setting ``field`` (None: about no single setting)."""
+    err = cls(message)
+    err.field = field
+    return err
+
+
+# --------------------------------------------------------------------------- sampling
+
+
+def check_sampling(temperature, top_k, top_p, max_new_tokens, seed) -> None:
+    """Range-check one request's sampling values (the rules of :class:`specdecode.types.SamplingParams`).
+
+    Raises:
+        InvalidSamplingParams: temperature outside [0, 100] (or NaN), top_k < 0, top_p outside (0, 1],
+            max_new_tokens outside [1, MAX_NEW_TOKENS_LIMIT], a negative or non-integer seed.
+    """
+    t = temperature
+    if not isinstance(t, (int, float)) or math.isnan(t) or t < 0 or t > 100:
+        raise _refuse(InvalidSamplingParams, "temperature",
+                      f"temperature must be a number in [0, 100] (0 = greedy), got {t!r}")
+    if not isinstance(top_k, int) or top_k < 0:
+        raise _refuse(InvalidSamplingParams, "top_k", f"top_k must be an integer >= 0 (0 disables it), got {top_k!r}")
+    p = top_p
+    if not isinstance(p, (int, float)) or math.isnan(p) or not (0.0 < p <= 1.0):
+        raise _refuse(InvalidSamplingParams, "top_p", f"top_p must be in (0, 1] (1 disables it), got {p!r}")
+    n = max_new_tokens
+    if not isinstance(n, int) or n < 1 or n > MAX_NEW_TOKENS_LIMIT:
+        raise _refuse(InvalidSamplingParams, "max_new_tokens",
+                      f"max_new_tokens must be an integer in [1, {MAX_NEW_TOKENS_LIMIT}], got {n!r}")
+    if seed is not None and (not isinstance(seed, int) or seed < 0):
+        raise _refuse(InvalidSamplingParams, "seed", f"seed must be a non-negative integer or None, got {seed!r}")
+
+
+def check_stops(stop: str | Sequence[str] | None) -> list[str]:
+    """Stop strings as a list (one string, a sequence, or None = none).
+
+    Raises:
+        InvalidSamplingParams: an empty or non-string stop.
+    """
+    if stop is None:
+        return []
+    if isinstance(stop, str):
+        stop = [stop]
+    stops = list(stop)
+    for s in stops:
+        if not isinstance(s, str) or not s:
+            raise _refuse(InvalidSamplingParams, "stop", f"stop strings must be non-empty strings, got {s!r}")
+    return stops
+
+
+# --------------------------------------------------------------------------- engine and policy
+
+
+def check_gamma(name: str, value: int, low: int = 1) -> int:
+    """``value`` when it is an integer in [low, MAX_SPECULATIVE_TOKENS] (a draft length called ``name``).
+
+    Raises:
+        SpecDecodeError: otherwise (``field`` = ``name``).
+    """
+    if not isinstance(value, int) or not low <= value <= MAX_SPECULATIVE_TOKENS:
+        raise _refuse(SpecDecodeError, name,
+                      f"{name} must be an integer in [{low}, {MAX_SPECULATIVE_TOKENS}], got {value!r}")
+    return value
+
+
+def check_engine(num_speculative_tokens: int = 5, max_batch_size: int = 1, max_context: int | None = None,
+                 forward: str = "auto") -> None:
+    """The rules of :class:`specdecode.engine.EngineConfig` (see it for the meaning of each value).
+
+    Raises:
+        SpecDecodeError: an unknown forward, gamma outside 1..64, max_context < 2, batch outside 1..256.
+    """
+    if forward not in FORWARD_BACKENDS:
+        raise _refuse(SpecDecodeError, "forward", f"forward must be one of {FORWARD_BACKENDS}, got {forward!r}")
+    check_gamma("num_speculative_tokens", num_speculative_tokens)
+    if max_context is not None and (not isinstance(max_context, int) or max_context < 2):
+        raise _refuse(SpecDecodeError, "max_context",
+                      f"max_context must be None (the model's) or an integer >= 2, got {max_context!r}")
+    if not isinstance(max_batch_size, int) or not 1 <= max_batch_size <= MAX_BATCH_SIZE:
+        raise _refuse(SpecDecodeError, "max_batch_size",
+                      f"max_batch_size must be an integer in [1, {MAX_BATCH_SIZE}], got {max_batch_size!r}")
+
+
+def check_policy_name(name: str | None) -> str:
+    """The registry key of a draft-length policy name (case and spaces ignored).
+
+    Raises:
+        SpecDecodeError: an unknown name (the message lists :data:`~specdecode.options.POLICY_NAMES`).
+    """
+    key = (name or "").strip().lower()
+    if key not in POLICY_NAMES:
+        raise _refuse(SpecDecodeError, "policy",
+                      f"unknown draft-length policy {name!r}; choose one of {', '.join(POLICY_NAMES)}")
+    return key
+
+
+# --------------------------------------------------------------------------- drafters
+
+
+#: Drafter choices that mean "no proposer": plain decoding.
+NO_DRAFT = ("none", "")
+#: The drafter choice of prompt-lookup (n-gram) drafting.
+NGRAM_DRAFT = "ngram"
+#: The drafter choice of self-speculation: the target with some decoder layers skipped.
+LAYER_SKIP_DRAFT = "layer-skip"
+#: The drafter choice of suffix decoding; ``suffix:ngram`` / ``suffix:MODEL`` add a fallback drafter.
+SUFFIX_DRAFT = "suffix"
+#: Kinds of :class:`DraftChoice`: the four above and "model" (a draft-model spec).
+DRAFT_KINDS = ("none", NGRAM_DRAFT, LAYER_SKIP_DRAFT, SUFFIX_DRAFT, "model")
+#: Token-tree kinds a draft model builds (``proposers.tree_draft.TREE_KINDS``); "none" = chains.
+_TREE_KINDS = tuple(kind for kind in TREE_KINDS if kind != "none")
+
+
+@dataclass(frozen=True)
+class DraftChoice:
+    """A ``--draft`` value, read.
+
+    Attributes:
+        text: the value as given, stripped ("" for None); a draft-model spec keeps its case.
+        kind: one of :data:`DRAFT_KINDS`.
+        fallback: with kind "suffix", the inner drafter of ``suffix:INNER`` (kind "none" when there is none).
+    """
+
+    text: str
+    kind: str
+    fallback: DraftChoice | None = None
+
+    @property
+    def model_spec(self) -> str | None:
+        """The draft-model spec this choice loads (its own or its fallback's); None when it needs no model."""
+        if self.kind == "model":
+            return self.text
+        return self.fallback.model_spec if self.fallback is not None else None
+
+
+def parse_draft(draft: str | None) -> DraftChoice:
+    """Read a drafter choice (see ``proposers.factory``); names are case-insensitive, model specs are not."""
+    text = (draft or "").strip()
+    name = text.lower()
+    if name in NO_DRAFT:
+        return DraftChoice(text, "none")
+    if name in (NGRAM_DRAFT, LAYER_SKIP_DRAFT):
+        return DraftChoice(text, name)
+    if name.partition(":")[0] == SUFFIX_DRAFT:
+        return DraftChoice(text, SUFFIX_DRAFT, parse_draft(text.partition(":")[2] or "none"))
+    return DraftChoice(text, "model")
+
+
+@dataclass(frozen=True)
+class DrafterOptions:
+    """The settings that go with a drafter choice; each is used only by the drafters it names.
+
+    Attributes:
+        ngram_min, ngram_max: smallest and largest n-gram matched by ``ngram`` (tokens).
+        tree: "static" (top-k branching per depth) or "dynamic" (EAGLE-2) token trees of a draft
+            model; None / "none" = chains.
+        tree_nodes: node budget N (1..64) of a tree, and of ``suffix``.
+        skip_layers: the decoder layers ``layer-skip`` skips ("3,5,7" or indices); None = the set
+            cached for the model, or a search on the first prompt.
+        cache_dir: where ``layer-skip`` keeps its chosen sets (None = its default).
+    """
+
+    ngram_min: int = 1
+    ngram_max: int = 3
+    tree: str | None = None
+    tree_nodes: int = 16
+    skip_layers: str | Sequence[int] | None = None
+    cache_dir: str | None = None
+
+
+def check_ngram_sizes(min_ngram: int, max_ngram: int) -> None:
+    """The rule of ``proposers.ngram.NgramConfig``: 1 <= min_ngram <= max_ngram.
+
+    Raises:
+        SpecDecodeError: otherwise (``field`` = "ngram").
+    """
+    if min_ngram < 1 or max_ngram < min_ngram:
+        raise _refuse(SpecDecodeError, "ngram",
+                      f"ngram sizes need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
+
+
+def check_tree_nodes(num_nodes: int) -> None:
+    """A tree's (or suffix decoding's) node budget: an integer in [1, MAX_TREE_NODES].
+
+    Raises:
+        SpecDecodeError: otherwise (``field`` = "tree_nodes").
+    """
+    if not isinstance(num_nodes, int) or not 1 <= num_nodes <= MAX_TREE_NODES:
+        raise _refuse(SpecDecodeError, "tree_nodes",
+                      f"tree nodes must be an integer in [1, {MAX_TREE_NODES}], got {num_nodes!r}")
+
+
+def check_tree(tree: str | None, tree_nodes: int) -> str:
+    """The tree kind of ``tree`` ("none" for None / "none", chains), its node budget checked.
+
+    Raises:
+        SpecDecodeError: an unknown tree kind, a node budget outside 1..64.
+    """
+    kind = (tree or "none").strip().lower()
+    if kind != "none" and kind not in _TREE_KINDS:
+        raise _refuse(SpecDecodeError, "tree", f"tree must be one of none, {', '.join(_TREE_KINDS)}; got {tree!r}")
+    check_tree_nodes(tree_nodes)
+    return kind
+
+
+def parse_skip_layers(spec: str | Iterable[int] | None, num_layers: int | None = None) -> tuple[int, ...] | None:
+    """``"3,5,7"`` / ``[3, 5, 7]`` -> sorted unique tuple; None / ``""`` / ``"auto"`` -> None (search).
+
+    Raises:
+        LayerSkipError: not integers, an index outside [0, num_layers), or every layer skipped.
+    """
+    if spec is None:
+        return None
+    if isinstance(spec, str):
+        text = spec.strip().lower()
+        if text in ("", "auto"):
+            return None
+        try:
+            spec = [int(part) for part in text.replace(" ", "").split(",") if part]
+        except ValueError as exc:
+            raise LayerSkipError(f"--skip-layers takes comma-separated layer indices like 3,5,7; got {spec!r}") from exc
+    layers = tuple(sorted({int(i) for i in spec}))
+    if num_layers is not None:
+        bad = [i for i in layers if not 0 <= i < num_layers]
+        if bad:
+            raise LayerSkipError(f"skip layers {bad} are outside 0..{num_layers - 1} (the model has {num_layers} layers)")
+        if len(layers) >= num_layers:
+            raise LayerSkipError(f"cannot skip all {num_layers} layers: keep at least one")
+    return layers
+
+
+def check_drafter(choice: DraftChoice, options: DrafterOptions) -> None:
+    """Range-check a choice with its options, without loading anything (call it before slow loads).
+
+    Raises:
+        SpecDecodeError: bad skip layers, an unknown tree kind, a node budget outside 1..64, a
+            tree asked of a model-free drafter, or bad n-gram sizes (for the drafters that use them).
+    """
+    parse_skip_layers(options.skip_layers)
+    tree = check_tree(options.tree, options.tree_nodes)
+    if choice.kind == SUFFIX_DRAFT:
+        check_drafter(choice.fallback, options)
+        return
+    if tree != "none" and choice.kind != "model":
+        raise _refuse(SpecDecodeError, None, f"--tree {options.tree} needs a draft model (--draft MODEL or "
+                                             f"suffix:MODEL), not {choice.text!r}")
+    if choice.kind == NGRAM_DRAFT:
+        check_ngram_sizes(options.ngram_min, options.ngram_max)
+
+
+# --------------------------------------------------------------------------- the server
+
+
+def check_port(port: int) -> None:
+    """Raises SpecDecodeError for a port outside 0..65535."""
+    if not isinstance(port, int) or not 0 <= port <= 65535:
+        raise SpecDecodeError(f"--port must be in 0..65535, got {port}")
+
+
+def check_server_limits(max_queue: int, max_request_bytes: int, default_max_tokens: int) -> None:
+    """The server's own limits (``server.launch.build_state``).
+
+    Raises:
+        SpecDecodeError: max_queue < 0, max_request_bytes < 1024, default_max_tokens < 1.
+    """
+    if not isinstance(max_queue, int) or max_queue < 0:
+        raise SpecDecodeError(f"--max-queue must be an integer >= 0, got {max_queue!r}")
+    if not isinstance(max_request_bytes, int) or max_request_bytes < MIN_REQUEST_BYTES:
+        raise SpecDecodeError(f"--max-request-bytes must be an integer >= {MIN_REQUEST_BYTES}, "
+                              f"got {max_request_bytes!r}")
+    if not isinstance(default_max_tokens, int) or default_max_tokens < 1:
+        raise SpecDecodeError(f"--default-max-tokens must be an integer >= 1, got {default_max_tokens!r}")
+
+
+def check_serve_options(opts) -> DraftChoice:
+    """Every check of ``specdecode serve`` that needs no model (``server.launch.check_options``).
+
+    Args:
+        opts: a ``server.launch.ServeOptions``, or the ``argparse.Namespace`` of ``specdecode serve``
+            (the same attribute names).
+
+    Returns:
+        the parsed ``--draft``.
+
+    Raises:
+        SpecDecodeError: a value out of range, an unknown policy / precision / forward, a drafter
+            whose options do not fit it.
+    """
+    check_engine(num_speculative_tokens=opts.num_speculative_tokens, max_batch_size=opts.max_batch_size,
+                 forward=opts.forward)
+    check_policy_name(opts.policy)
+    choice = parse_draft(opts.draft)
+    check_drafter(choice, DrafterOptions(ngram_min=opts.ngram_min, ngram_max=opts.ngram_max, tree=opts.tree,
+                                         tree_nodes=opts.tree_nodes, skip_layers=opts.skip_layers))
+    for flag, precision in (("--weights", opts.weights), ("--draft-weights", opts.draft_weights or opts.weights)):
+        if precision not in WEIGHT_CHOICES:  # "auto": the library measures and picks one
+            raise SpecDecodeError(f"{flag}: unknown precision {precision!r}; choose one of {WEIGHT_CHOICES}")
+    if choice.kind == LAYER_SKIP_DRAFT and opts.forward == "hf":
+        raise SpecDecodeError("--draft layer-skip drafts through the project's own Llama / Qwen2 forward; "
+                              "use --forward auto or owned")
+    check_server_limits(opts.max_queue, opts.max_request_bytes, opts.default_max_tokens)
+    check_port(opts.port)
+    return choice
+
+
+__all__ = [
+    "DRAFT_KINDS", "LAYER_SKIP_DRAFT", "MAX_BATCH_SIZE", "MAX_NEW_TOKENS_LIMIT", "MAX_SPECULATIVE_TOKENS",
+    "MAX_TREE_NODES", "MIN_REQUEST_BYTES", "NGRAM_DRAFT", "NO_DRAFT", "SUFFIX_DRAFT", "DraftChoice",
+    "DrafterOptions", "check_drafter", "check_engine", "check_gamma", "check_ngram_sizes", "check_policy_name",
+    "check_port", "check_sampling", "check_serve_options", "check_server_limits", "check_stops", "check_tree",
+    "check_tree_nodes", "parse_draft", "parse_skip_layers",
+]
