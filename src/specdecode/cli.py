@@ -290,8 +290,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
     """``specdecode generate``: validate, read prompts, load models, run each prompt, report."""
     check_drafter_flags(args)  # contradictions first: they need not even torch
     _check_generate_args(args)  # nor do the range checks
+    from specdecode.cliargs import set_threads
     from specdecode.generator import SpecDecoder
 
+    set_threads(args.threads)
     jobs = _read_jobs(args)
     _preflight(args, jobs)
     _status(f"loading target {args.target!r}" + ("" if args.draft.lower() in ("none", "ngram") else

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specdecode.cliargs import add_serve_arguments  # the flags live with the CLI's, away from torch
+from specdecode.cliargs import add_serve_arguments, set_threads  # the flags live with the CLI's
 from specdecode.engine import EngineConfig, SpeculativeEngine
 from specdecode.models import LoadedModel, check_compatible
 from specdecode.policy import POLICIES, build_policy
@@ -73,6 +73,7 @@ class ServeOptions:
     served_model_name: str | None = None
     default_max_tokens: int = 256
     log_level: str = "info"
+    threads: int | None = None
 
     def drafter_options(self) -> DrafterOptions:
         return DrafterOptions(ngram_min=self.ngram_min, ngram_max=self.ngram_max, tree=self.tree,
@@ -248,6 +249,7 @@ def run(opts: ServeOptions) -> int:
     logging.basicConfig(level=getattr(logging, opts.log_level.upper(), logging.INFO),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     check_address(opts.host, opts.port)  # before the slow load
+    set_threads(opts.threads)
     state = load_state(opts)
     app = create_app(state)
     auth = "on" if opts.api_key else "off"
@@ -270,7 +272,7 @@ def options_from_args(args: argparse.Namespace) -> ServeOptions:
         draft_weights=args.draft_weights, forward=args.forward, cache_dir=args.cache_dir, host=args.host,
         port=args.port, max_batch_size=args.max_batch_size, max_queue=args.max_queue,
         max_request_bytes=args.max_request_bytes, api_key=args.api_key, served_model_name=args.served_model_name,
-        default_max_tokens=args.default_max_tokens, log_level=args.log_level,
+        default_max_tokens=args.default_max_tokens, log_level=args.log_level, threads=args.threads,
     )
 
 
