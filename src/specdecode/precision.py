@@ -368,22 +368,34 @@ def choose_precision(loaded, cache_dir: str | Path, *, status: Callable[[str], N
             ok, line = True, "the reference"
         else:
             ok, line = quality_gate(QualityReport(**quality[precision]))
-        cand = Candidate(precision, ok, line)
-        key = precision if forward == "auto" else f"{precision}/{forward}"
-        if ok:
-            if key not in machine:
-                say(f"measuring {precision} on this machine: batch invariance and step time (once per machine)")
-                model = loaded.model if precision == "fp32" else _copy_in(loaded.model, precision)
-                inv = check_batch_invariance(model, context=min(48, loaded.max_context // 4), forward=forward)
-                decode_s, verify_s = measure_step(model, context=min(256, loaded.max_context // 2), forward=forward)
-                machine[key] = {"exact": inv.exact, "detail": inv.detail, "row_kernel": inv.row_kernel,
-                                      "decode_s": decode_s, "verify_s": verify_s}
-                measured = True
-                del model
-            m = machine[key]
-            cand.exact, cand.exact_detail = m["exact"], m["detail"]
-            cand.decode_s, cand.verify_s = m["decode_s"], m["verify_s"]
-        result.append(cand)
+        result.append(Candidate(precision, ok, line))
+
+    def key(c: Candidate) -> str:
+        return c.precision if forward == "auto" else f"{c.precision}/{forward}"
+
+    kept = [c for c in result if c.quality_ok]
+    for c in kept:  # 1. step time of every precision that keeps the model
+        m = machine.setdefault(key(c), {})
+        if "decode_s" not in m:
+            say(f"measuring {c.precision} on this machine: step time (once per machine)")
+            model = loaded.model if c.precision == "fp32" else _copy_in(loaded.model, c.precision)
+            m["decode_s"], m["verify_s"] = measure_step(model, context=min(256, loaded.max_context // 2),
+                                                        forward=forward)
+            measured = True
+            del model
+        c.decode_s, c.verify_s = m["decode_s"], m["verify_s"]
+    for c in sorted(kept, key=_step_cost):  # 2. batch invariance, fastest first, until one holds
+        m = machine[key(c)]
+        if "exact" not in m:
+            say(f"checking that {c.precision} keeps speculation exact on this machine (once per machine)")
+            model = loaded.model if c.precision == "fp32" else _copy_in(loaded.model, c.precision)
+            inv = check_batch_invariance(model, context=min(48, loaded.max_context // 4), forward=forward)
+            m.update(exact=inv.exact, detail=inv.detail, row_kernel=inv.row_kernel)
+            measured = True
+            del model
+        c.exact, c.exact_detail = m["exact"], m["detail"]
+        if c.exact:
+            break  # slower ones need not be checked
     if measured:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")
@@ -404,7 +416,7 @@ def _decide(candidates: list[Candidate], cached: bool = False) -> PrecisionChoic
             continue
         if not c.quality_ok:
             others.append(f"{c.precision} changes the model ({c.quality})")
-        elif not c.exact:
+        elif c.exact is False:
             others.append(f"{c.precision} is not batch-invariant here ({c.exact_detail})")
         else:
             others.append(f"{c.precision} is slower ({1000 * _step_cost(c):.0f} ms a step)")
