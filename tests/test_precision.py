@@ -171,7 +171,7 @@ def test_choose_precision_measures_picks_an_exact_precision_and_caches(tiny_fp32
     machine = data["machines"][machine_key()]
     for c in choice.candidates:
         if c.quality_ok:
-            assert machine[c.precision]["exact"] == c.exact and machine[c.precision]["decode_s"] == c.decode_s
+            assert machine[c.precision].get("exact") == c.exact and machine[c.precision]["decode_s"] == c.decode_s
     # a second call reads it: nothing is measured
     _forbid(monkeypatch, "check_batch_invariance", "measure_step", "teacher_forced", "measure_quality")
     again = choose_precision(tiny_fp32, tmp_path, texts=_texts(), status=lines.append)
@@ -181,6 +181,36 @@ def test_choose_precision_measures_picks_an_exact_precision_and_caches(tiny_fp32
     # remeasure ignores the cache
     with pytest.raises(AssertionError, match="measured although"):
         choose_precision(tiny_fp32, tmp_path, texts=_texts(), remeasure=True)
+
+
+def test_choose_precision_checks_invariance_fastest_first_and_stops_at_the_first_exact(tiny_fp32, tmp_path,
+                                                                                        monkeypatch):
+    import specdecode.precision as precision
+
+    speed = {torch.bfloat16: 0.01, torch.float32: 0.03}  # bf16 faster than fp32; int8 fails the gate (below)
+    checked = []
+
+    def fake_step(model, **kw):
+        dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
+        return speed[dtype], speed[dtype]
+
+    def fake_check(model, **kw):
+        dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
+        checked.append(dtype)
+        return precision.ExactnessReport(dtype == torch.bfloat16, "checked", None)
+
+    monkeypatch.setattr(precision, "measure_step", fake_step)
+    monkeypatch.setattr(precision, "check_batch_invariance", fake_check)
+    choice = choose_precision(tiny_fp32, tmp_path, texts=_texts(), candidates=("bf16", "fp32"))
+    assert choice.precision == "bf16" and choice.exact
+    assert checked == [torch.bfloat16]  # fp32 is slower: its invariance is never measured
+    fp32 = next(c for c in choice.candidates if c.precision == "fp32")
+    assert fp32.exact is None and "fp32 is slower" in choice.reason
+    # when the fastest is not exact, the next one is checked
+    speed[torch.float32] = 0.005
+    checked.clear()
+    again = choose_precision(tiny_fp32, tmp_path / "other", texts=_texts(), candidates=("bf16", "fp32"))
+    assert checked == [torch.float32, torch.bfloat16] and again.precision == "bf16"
 
 
 def test_choose_precision_refuses_a_non_float32_reference_and_unknown_candidates(tiny_fp32, tmp_path):
