@@ -218,7 +218,7 @@ def _choose_skip_layers(state: ServingState) -> None:
         logger.warning("layer-skip: no calibration prompts (%s); the first request of %d+ tokens chooses the "
                        "skip set", exc, 32)
         return
-    logger.warning("layer-skip: choosing the layers to skip (cached per model; a first search takes a minute or two)")
+    logger.warning("layer-skip: choosing the layers to skip (cached per model; the search shows its progress and an estimate of its time)")
     r = proposer.calibrate(prompts)
     logger.warning("layer-skip: skipping layers %s of %d (%s)", ",".join(map(str, r.skip_layers)), r.num_layers,
                    "cached" if r.from_cache else f"searched in {r.seconds:.0f} s")
