@@ -261,3 +261,42 @@ def test_decide_skips_a_fast_precision_that_fails_the_quality_gate_and_names_it(
                       _cand("fp32", exact=False, ms=8)])
     assert (choice.precision, choice.exact) == ("fp32", False)
     assert "int8 changes the model" in choice.reason and "bf16 changes the model" in choice.reason
+
+
+# ----------------------------------------------------------------------------- load_target and the cache
+
+
+def test_load_target_with_an_explicit_precision_says_what_is_not_measured(tiny_model_dir, tmp_path):
+    loaded, choice = precision.load_target(str(tiny_model_dir), "bf16", cache_dir=tmp_path, progress=False)
+    assert next(loaded.model.parameters()).dtype == torch.bfloat16
+    assert choice.precision == "bf16" and choice.exact is None and "not measured" in choice.reason
+    # after auto measured this machine, an explicit choice reports what was measured (for its forward)
+    precision.load_target(str(tiny_model_dir), "auto", cache_dir=tmp_path, progress=False)
+    _, again = precision.load_target(str(tiny_model_dir), "bf16", cache_dir=tmp_path, progress=False)
+    _, hf = precision.load_target(str(tiny_model_dir), "bf16", cache_dir=tmp_path, progress=False, forward="hf")
+    assert again.exact in (True, False) and hf.exact is None  # the HF forward was never measured
+
+
+def test_load_target_refuses_auto_with_float16(tiny_model_dir, tmp_path):
+    from specdecode.errors import SpecDecodeError
+
+    with pytest.raises(SpecDecodeError, match="--weights fp32"):
+        precision.load_target(str(tiny_model_dir), "auto", dtype="float16", cache_dir=tmp_path, progress=False)
+    _, choice = precision.load_target(str(tiny_model_dir), "auto", dtype="bfloat16", cache_dir=tmp_path,
+                                      progress=False)
+    assert choice.precision == "bf16" and "--dtype" in choice.reason
+
+
+def test_a_malformed_or_unwritable_cache_costs_a_measurement_not_the_load(tiny_fp32, tmp_path, monkeypatch):
+    first = choose_precision(tiny_fp32, tmp_path, texts=_texts())
+    path = next((tmp_path / "precision").glob("*.json"))
+    data = json.loads(path.read_text())
+    data["quality"]["bf16"] = {"precision": "bf16"}  # fields missing
+    path.write_text(json.dumps(data))
+    again = choose_precision(tiny_fp32, tmp_path, texts=_texts())
+    assert not again.cached and again.precision == first.precision  # measured anew
+    lines = []
+    blocked = tmp_path / "file"
+    blocked.write_text("not a directory")
+    choice = choose_precision(tiny_fp32, blocked, texts=_texts(), status=lines.append)
+    assert choice.precision == first.precision and any("could not cache" in line for line in lines)

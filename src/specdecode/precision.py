@@ -17,7 +17,7 @@ Three questions per candidate precision (int8, bf16, fp32), answered by measurin
 :func:`choose_precision` picks the fastest candidate that passes 1 and 2 (else the fastest that
 passes 1, saying so) and says why in one line. Results are cached under
 ``<cache dir>/precision/`` as JSON: the first load on a machine measures (seconds for a 135M model,
-a minute or two for a 1.5B one), later loads read.
+one to three minutes for a 1.5B one on 2 cores), later loads read.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from pathlib import Path
 
 import torch
 
+from specdecode.errors import SpecDecodeError
 from specdecode.kernels import set_weight_precision
 
 #: Next-token argmax agreement with float32 a precision needs to keep the model.
@@ -278,14 +279,15 @@ class PrecisionChoice:
 
     Attributes:
         precision: the chosen precision ("int8", "bf16" or "fp32").
-        exact: speculative output equals plain decoding token for token (the contract held here).
+        exact: speculative output equals plain decoding token for token (the contract held here); None: not
+            measured (an explicit ``--weights`` that ``auto`` never measured on this machine).
         reason: one line for the user.
         candidates: every candidate's figures, fastest first.
         cached: read from the cache (nothing measured this time).
     """
 
     precision: str
-    exact: bool
+    exact: bool | None
     reason: str
     candidates: list[Candidate] = field(default_factory=list)
     cached: bool = False
@@ -309,11 +311,22 @@ def _cache_path(cache_dir: Path, loaded) -> Path:
 
 
 def _read_cache(path: Path) -> dict:
+    """The cached measurements, {} when missing, unreadable, of another version or malformed."""
     try:
         data = json.loads(path.read_text())
     except (OSError, ValueError):
         return {}
-    return data if data.get("version") == CACHE_VERSION else {}
+    if not isinstance(data, dict) or data.get("version") != CACHE_VERSION:
+        return {}
+    try:
+        for q in data.get("quality", {}).values():
+            QualityReport(**q)
+        for machine in data.get("machines", {}).values():
+            for m in machine.values():
+                float(m.get("decode_s", 0.0)), float(m.get("verify_s", 0.0))
+    except (TypeError, ValueError, AttributeError):
+        return {}
+    return data
 
 
 def choose_precision(loaded, cache_dir: str | Path, *, status: Callable[[str], None] | None = None,
@@ -352,10 +365,15 @@ def choose_precision(loaded, cache_dir: str | Path, *, status: Callable[[str], N
     machine = data.setdefault("machines", {}).setdefault(machine_key(), {})
     measured = False
     ref_scores = None
+    no_text = None
     for precision in candidates:
-        if precision != "fp32" and precision not in quality:
+        if precision != "fp32" and precision not in quality and no_text is None:
             if texts is None:  # a smaller sample than the catalog's: a first load stays short
-                texts = [t[: loaded.max_context] for t in quality_texts(loaded.tokenizer, 1, 256)]
+                try:
+                    texts = [t[: loaded.max_context] for t in quality_texts(loaded.tokenizer, 1, 256)]
+                except SpecDecodeError as exc:  # no ../shared/data and no HumanEval package to install
+                    no_text = f"its effect on the model could not be measured here ({exc}); --weights {precision} runs it"
+                    continue
             say(f"measuring what {precision} weights do to the model (teacher-forced, {len(texts)} prompts; once per model)")
             if ref_scores is None:
                 ref_scores = teacher_forced(loaded.model, texts)
@@ -366,6 +384,8 @@ def choose_precision(loaded, cache_dir: str | Path, *, status: Callable[[str], N
     for precision in candidates:
         if precision == "fp32":
             ok, line = True, "the reference"
+        elif precision not in quality:
+            ok, line = False, no_text or "not measured"
         else:
             ok, line = quality_gate(QualityReport(**quality[precision]))
         result.append(Candidate(precision, ok, line))
@@ -397,11 +417,24 @@ def choose_precision(loaded, cache_dir: str | Path, *, status: Callable[[str], N
         if c.exact:
             break  # slower ones need not be checked
     if measured:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(data, indent=1))
-        tmp.replace(path)
+        _write_cache(path, data, say)
     return _decide(result, cached=not measured)
+
+
+def _write_cache(path: Path, data: dict, say: Callable[[str], None]) -> None:
+    """Atomically (a temporary file of its own, then ``os.replace``); a cache that cannot be written costs a
+    measurement next time, never the load."""
+    import os
+    import tempfile
+
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.stem, suffix=".tmp")
+        with os.fdopen(fd, "w") as f:
+            f.write(json.dumps(data, indent=1))
+        os.replace(tmp, path)
+    except OSError as exc:
+        say(f"could not cache the precision measurements in {path.parent} ({exc}); they will be measured again")
 
 
 def _decide(candidates: list[Candidate], cached: bool = False) -> PrecisionChoice:
@@ -460,36 +493,50 @@ def load_target(spec: str, weights: str = "auto", *, dtype: torch.dtype | str = 
     """
     from specdecode.kernels import WEIGHT_PRECISIONS
     from specdecode.models import _normalize_dtype, default_cache_dir, load_model
-    from specdecode.types import SpecDecodeError
 
     if weights != "auto" and weights not in WEIGHT_PRECISIONS:
         raise SpecDecodeError(f"unknown weight precision {weights!r}; choose auto or one of {', '.join(WEIGHT_PRECISIONS)}")
     dtype = _normalize_dtype(dtype)
     cache = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
     if weights == "auto" and dtype != torch.float32:
-        weights = "bf16" if dtype == torch.bfloat16 else "fp32"
+        if dtype != torch.bfloat16:
+            raise SpecDecodeError(f"--weights auto chooses among {', '.join(CANDIDATES)} from the float32 model; "
+                                  f"with --dtype {str(dtype).removeprefix('torch.')} give --weights fp32 (the weights "
+                                  "stay in that dtype), or drop --dtype")
         loaded = load_model(spec, dtype=dtype, cache_dir=cache_dir, progress=progress)
-        set_weight_precision(loaded.model, weights)
-        return loaded, PrecisionChoice(weights, weights == "bf16", f"{weights}: the weights were loaded in {dtype}")
+        set_weight_precision(loaded.model, "bf16")
+        return loaded, _explicit(loaded, "bf16", cache, forward, why="the weights were loaded in bfloat16 (--dtype)")
     loaded = load_model(spec, dtype=torch.float32 if weights == "auto" else dtype, cache_dir=cache_dir,
                         progress=progress)
     if weights == "auto":
         choice = choose_precision(loaded, cache, status=status, forward=forward)
     else:
-        choice = _explicit(loaded, weights, cache)
+        choice = _explicit(loaded, weights, cache, forward)
     set_weight_precision(loaded.model, choice.precision)
     return loaded, choice
 
 
-def _explicit(loaded, weights: str, cache: Path) -> PrecisionChoice:
-    """The choice the user made, with the cached quality / exactness figures where there are some."""
+def _explicit(loaded, weights: str, cache: Path, forward: str = "auto",
+              why: str = "chosen with --weights") -> PrecisionChoice:
+    """The choice the user made, with the quality / exactness figures known for it (catalog, cache); its
+    exactness is None ("not measured") unless a first load with ``--weights auto`` measured it here."""
     data = _read_cache(_cache_path(cache, loaded))
     q = data.get("quality", {}).get(weights)
-    m = data.get("machines", {}).get(machine_key(), {}).get(weights, {})
-    reason = f"{weights}: chosen with --weights"
-    if q is not None:
-        ok, line = quality_gate(QualityReport(**q))
+    if q is None and weights in CATALOG_QUALITY.get(str(loaded.name).strip().lower(), {}):
+        q = asdict(CATALOG_QUALITY[str(loaded.name).strip().lower()][weights])
+    key = weights if forward == "auto" else f"{weights}/{forward}"
+    m = data.get("machines", {}).get(machine_key(), {}).get(key, {})
+    reason = f"{weights}: {why}"
+    if q is not None and weights != "fp32":
+        try:
+            ok, line = quality_gate(QualityReport(**q))
+        except TypeError:
+            ok, line = True, ""
         if not ok:
             reason += f"; it changes the model: {line}"
-    exact = weights in ("bf16", "int8") if not m else bool(m.get("exact"))
+    exact = m.get("exact")
+    if exact is None:
+        reason += "; whether speculation stays exact with it here was not measured (--weights auto measures it)"
+    elif not exact:
+        reason += f"; not batch-invariant here ({m.get('detail', '')}): output may leave plain decoding's path"
     return PrecisionChoice(weights, exact, reason)
