@@ -536,3 +536,25 @@ def test_pip_install_bars_watch_the_download_then_the_unpacked_file(tmp_path, mo
     assert result.returncode == 0
     sizes = [p.get("fake_pkg_part1-", 0) for p in polls]
     assert nondecreasing(sizes) and 0 < max(sizes) <= 300  # the bars saw the wheel grow
+
+
+def test_weights_missing_from_the_files_are_reported(tiny_model_dir, tmp_path, capsys):
+    """transformers' own warning is silenced with its other output: ours says the model is partly random."""
+    import shutil
+
+    import safetensors.torch
+
+    from specdecode.models import load_model
+
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_model_dir, broken)
+    weights = next(broken.glob("*.safetensors"))
+    tensors = safetensors.torch.load_file(str(weights))
+    dropped = next(k for k in tensors if k.endswith("mlp.down_proj.weight"))
+    del tensors[dropped]
+    safetensors.torch.save_file(tensors, str(weights), metadata={"format": "pt"})
+    load_model(str(broken), progress=False)
+    err = capsys.readouterr().err
+    assert "1 weight(s)" in err and dropped in err and "initialized at random" in err
+    load_model(str(tiny_model_dir), progress=False)
+    assert "initialized at random" not in capsys.readouterr().err

@@ -68,7 +68,7 @@ from specdecode.proposers.layer_skip import KNOWN_FAMILIES, LayerSkipConfig, Lay
 from specdecode.types import SamplingParams
 
 CACHE_FILE = "layer_skip.json"
-CACHE_FORMAT = 1
+CACHE_FORMAT = 2  # 2: timed with the batch-invariant forward
 
 
 @dataclass(frozen=True)

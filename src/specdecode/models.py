@@ -311,11 +311,24 @@ def _finish(model: transformers.PreTrainedModel, dtype: torch.dtype) -> transfor
 # --------------------------------------------------------------------------- plain HF loading
 
 
+def _from_pretrained(where, spec: str, **kwargs):
+    """``AutoModelForCausalLM.from_pretrained`` that says so when weights were missing from the files (they
+    are then random: transformers' own warning is silenced with the rest of its output, so we print it)."""
+    model, info = AutoModelForCausalLM.from_pretrained(where, output_loading_info=True, **kwargs)
+    missing = list(info.get("missing_keys") or [])
+    if missing:
+        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        print(f"specdecode: warning: {len(missing)} weight(s) of {spec!r} are not in its files and were initialized "
+              f"at random ({shown}): its output will be meaningless; check the model files", file=sys.stderr,
+              flush=True)
+    return model
+
+
 def _load_local_dir(spec: str, path: Path, dtype: torch.dtype, cache: Path, progress: bool) -> LoadedModel:
     """A Hugging Face model directory (config.json, weights, tokenizer files)."""
     try:
         with _hf_bars(progress):
-            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+            model = _from_pretrained(path, spec, dtype=dtype)
             tokenizer = AutoTokenizer.from_pretrained(path)
     except Exception as exc:  # noqa: BLE001 - any loader failure becomes one clear error
         raise ModelLoadError(f"could not load the model directory {str(path)!r}: {exc}") from exc
@@ -332,7 +345,7 @@ def _load_hub(spec: str, dtype: torch.dtype, progress: bool) -> LoadedModel:
                   file=sys.stderr, flush=True)
         try:
             with _hub_download_bars(progress and not offline):
-                model = AutoModelForCausalLM.from_pretrained(spec, dtype=dtype, local_files_only=offline)
+                model = _from_pretrained(spec, spec, dtype=dtype, local_files_only=offline)
                 tokenizer = AutoTokenizer.from_pretrained(spec, local_files_only=offline)
         except Exception as exc:  # noqa: BLE001
             raise ModelLoadError(_hub_failure_message(spec, exc)) from exc
@@ -1048,7 +1061,7 @@ def _load_converted(spec: str, out_dir: Path, sha256: str, dtype: torch.dtype, p
     """Load a converted directory and check that the weights tied at conversion are tied again."""
     try:
         with _hf_bars(progress):
-            model = AutoModelForCausalLM.from_pretrained(out_dir, dtype=dtype)
+            model = _from_pretrained(out_dir, spec, dtype=dtype)
             tokenizer = AutoTokenizer.from_pretrained(out_dir)
     except Exception as exc:  # noqa: BLE001
         raise ModelLoadError(
