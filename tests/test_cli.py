@@ -198,6 +198,8 @@ _REFUSED_WITHOUT_MODEL_CODE = [
     (["serve", "--draft", "ngram", "--tree", "dynamic"], "needs a draft model"),
     (["serve", "--draft", "layer-skip", "--forward", "hf"], "--forward auto or owned"),
     (["serve", "--port", "70000"], "--port"),
+    (["generate", "--threads", "0"], "--threads"),
+    (["serve", "--threads", "-2"], "--threads"),
 ]
 
 

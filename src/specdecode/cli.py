@@ -32,6 +32,8 @@ from specdecode.cliargs import (  # noqa: F401 - DRAFT_CHOICES_HELP re-exported
     add_drafter_arguments,
     add_serve_arguments,
     check_drafter_flags,
+    check_threads,
+    set_threads,
 )
 from specdecode.errors import SpecDecodeError
 from specdecode.options import DEFAULT_TARGET
@@ -227,6 +229,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     check_drafter_flags(args)  # before the server stack and torch are imported
     with _naming_flags():
         check_serve_options(args)  # launch.check_options' checks: a refusal never imports torch
+    check_threads(args.threads)
     from specdecode.server.launch import run_from_args
 
     return run_from_args(args)
@@ -290,7 +293,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     """``specdecode generate``: validate, read prompts, load models, run each prompt, report."""
     check_drafter_flags(args)  # contradictions first: they need not even torch
     _check_generate_args(args)  # nor do the range checks
-    from specdecode.cliargs import set_threads
+    check_threads(args.threads)
     from specdecode.generator import SpecDecoder
 
     set_threads(args.threads)

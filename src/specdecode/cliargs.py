@@ -174,18 +174,25 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                      help="server log level (default: %(default)s)")
 
 
+def check_threads(threads: int | None) -> None:
+    """``--threads`` must be None or a positive integer (no torch imported).
+
+    Raises:
+        SpecDecodeError: it is not.
+    """
+    if threads is not None and (not isinstance(threads, int) or threads < 1):
+        raise SpecDecodeError(f"--threads must be a positive integer, got {threads}")
+
+
 def set_threads(threads: int | None) -> None:
     """Apply ``--threads`` (None: torch's default).
 
     Raises:
         SpecDecodeError: not a positive integer.
     """
+    check_threads(threads)
     if threads is None:
         return
-    from specdecode.errors import SpecDecodeError
-
-    if not isinstance(threads, int) or threads < 1:
-        raise SpecDecodeError(f"--threads must be a positive integer, got {threads}")
     import torch
 
     torch.set_num_threads(threads)

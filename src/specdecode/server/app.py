@@ -192,6 +192,8 @@ class ServingState:
         self.engine: SpeculativeEngine = scheduler.engine
         self.target = target
         self.config = config
+        #: What the target's weights run in and why (``precision.PrecisionChoice``; set by ``launch.load_state``).
+        self.precision = None
         self.text = SpecDecoder(target, None)  # encode / encode_chat / decode, no engine use
         policy = self.engine.policy if self.engine.proposer is not None else None
         max_gamma = max(config.num_speculative_tokens, getattr(policy, "max_tokens", 0) or 0)

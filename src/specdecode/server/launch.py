@@ -254,7 +254,7 @@ def run(opts: ServeOptions) -> int:
     app = create_app(state)
     auth = "on" if opts.api_key else "off"
     print(f"specdecode: serving {state.config.model_name!r} (draft {state.config.draft}, gamma "
-          f"{opts.num_speculative_tokens}, policy {state.config.policy}, weights {state.precision.precision}, "
+          f"{opts.num_speculative_tokens}, policy {state.config.policy}, weights {getattr(state.precision, 'precision', opts.weights)}, "
           f"forward {type(state.engine.runner).__name__}, "
           f"batch {opts.max_batch_size}, queue {opts.max_queue}, api key {auth}) "
           f"at http://{opts.host}:{opts.port}/v1", file=sys.stderr, flush=True)
