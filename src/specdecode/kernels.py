@@ -60,7 +60,8 @@ def row_product(kernel: str, weight: torch.Tensor, x: torch.Tensor) -> torch.Ten
 
     ``padded`` (what the batch-invariant forward runs): every block padded with zero rows to exactly
     ROW_BLOCK rows, so every call has one shape, hence one kernel and one summation order: row i's
-    result cannot depend on how many rows share the call, on any CPU. ``linear`` (``F.linear`` per
+    result does not depend on how many rows share the call (by construction for the kernels of this
+    class of CPU, and checked on the machine at hand by ``precision.check_batch_invariance``). ``linear`` (``F.linear`` per
     block) and ``transposed`` (``(W @ x.T).T``) are the fast paths, for comparison: on this class of
     CPU a one-row bf16 ``F.linear`` differs from the same row in a multi-row call on rare inputs
     (about one row in 10^3-10^4 for small shapes; no finite probe rules that out), so exactness never

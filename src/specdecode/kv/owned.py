@@ -156,7 +156,8 @@ class OwnedRunner(SlotRunner):
     batch), so speculative output equals plain decoding token for token. Products: int8 weights
     (``kernels.RowwiseInt8Linear``) give integer sums that do not depend on the other rows; float
     weights run :func:`specdecode.kernels.row_product` as zero-padded blocks of exactly ``ROW_BLOCK``
-    rows (one shape, one kernel, one summation order, on any CPU; a one-token step then costs a
+    rows (one shape, one kernel, one summation order; checked per machine by
+    ``precision.check_batch_invariance``; a one-token step then costs a
     16-row product). Attention: float64 on a float64 cache (the keys and
     values are stored exactly), so its rounding, which depends on the query count and the cache
     length, is ~1e-16, below what a bfloat16 / float32 result can show. Norms, RoPE and residuals
