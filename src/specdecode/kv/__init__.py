@@ -25,7 +25,7 @@ from specdecode.kv.owned import OwnedRunner, supports
 from specdecode.types import SpecDecodeError
 
 #: Forward backends: "auto" (owned when the model is supported, else Hugging Face), "hf", "owned".
-FORWARD_BACKENDS = ("auto", "hf", "owned")
+from specdecode.options import FORWARD_BACKENDS  # noqa: E402 - the one copy (``--forward``)
 
 
 def make_runner(model: torch.nn.Module, backend: str = "auto", num_slots: int = 1,

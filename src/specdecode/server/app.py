@@ -48,10 +48,9 @@ from specdecode.server.schemas import (
     ModelCard,
     ModelList,
 )
+from specdecode.options import DEFAULT_MAX_REQUEST_BYTES  # noqa: F401 - largest body by default (bytes), re-exported
 from specdecode.types import PromptTooLongError, SamplingParams, SpecDecodeError
 
-#: Largest request body by default (bytes); ``--max-request-bytes``.
-DEFAULT_MAX_REQUEST_BYTES = 1 << 20
 
 
 # --------------------------------------------------------------------------- errors

@@ -25,7 +25,7 @@ import torch
 from specdecode.cliargs import add_serve_arguments, set_threads  # the flags live with the CLI's
 from specdecode.engine import EngineConfig, SpeculativeEngine
 from specdecode.models import LoadedModel, check_compatible
-from specdecode.policy import POLICIES, build_policy
+from specdecode.policy import build_policy
 from specdecode.precision import load_target
 from specdecode.preflight import check_models
 from specdecode.proposers.factory import DraftChoice, DrafterOptions, load_draft_model, parse_draft, proposer_factory
