@@ -199,6 +199,8 @@ _REFUSED_WITHOUT_MODEL_CODE = [
     (["serve", "--draft", "layer-skip", "--forward", "hf"], "--forward auto or owned"),
     (["serve", "--port", "70000"], "--port"),
     (["generate", "--threads", "0"], "--threads"),
+    (["generate", "--dataset", "nope"], "unknown dataset"),
+    (["generate", "--prompt-file", "/nonexistent/prompt.txt"], "prompt file not found"),
     (["serve", "--threads", "-2"], "--threads"),
 ]
 

@@ -60,3 +60,14 @@ def test_weights_default_to_auto_and_pass_through():
     from specdecode.server.launch import check_options, options_from_args
 
     check_options(options_from_args(_parse(add_serve_arguments, [])))  # "auto" is not refused before the library
+
+
+def test_auto_threads_leaves_the_cores_other_processes_keep_busy():
+    from specdecode.cliargs import auto_threads
+
+    assert auto_threads(cores=2, load=0.2) == (2, None)  # quiet: every core
+    assert auto_threads(cores=2, load=0.4) == (2, None)
+    threads, note = auto_threads(cores=2, load=1.1)  # one other busy process
+    assert threads == 1 and "1-minute load is 1.1" in note and "--threads 2" in note
+    assert auto_threads(cores=2, load=7.0)[0] == 1  # never fewer than one
+    assert auto_threads(cores=16, load=3.2)[0] == 13

@@ -558,3 +558,12 @@ def test_weights_missing_from_the_files_are_reported(tiny_model_dir, tmp_path, c
     assert "1 weight(s)" in err and dropped in err and "initialized at random" in err
     load_model(str(tiny_model_dir), progress=False)
     assert "initialized at random" not in capsys.readouterr().err
+
+
+def test_an_unwritable_cache_directory_is_a_clear_error(tmp_path):
+    from specdecode.models import ModelLoadError, _convert
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    with pytest.raises(ModelLoadError, match="writable directory"):
+        _convert(tmp_path / "model.gguf", blocker / "converted" / "m", "0" * 64, progress=False)

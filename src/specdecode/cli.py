@@ -294,10 +294,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
     check_drafter_flags(args)  # contradictions first: they need not even torch
     _check_generate_args(args)  # nor do the range checks
     check_threads(args.threads)
+    jobs = _read_jobs(args)  # a bad dataset or prompt file: refused before torch is imported
     from specdecode.generator import SpecDecoder
 
-    set_threads(args.threads)
-    jobs = _read_jobs(args)
+    set_threads(args.threads, say=_status)
     _preflight(args, jobs)
     _status(f"loading target {args.target!r}" + ("" if args.draft.lower() in ("none", "ngram") else
                                                   f" and draft {args.draft!r}"))
@@ -311,8 +311,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     _status(f"loaded in {time.perf_counter() - t0:.1f} s: target {decoder.target.source}, {_draft_label(args)}, "
             f"gamma {args.num_speculative_tokens}, context {decoder.target.max_context} tokens")
     if decoder.precision is not None:
-        _status(f"weights {decoder.precision.reason}" + (" (measured once, cached)" if decoder.precision.cached
-                                                         else ""))
+        p = decoder.precision
+        _status(f"weights {p.reason}" + (f" (measured once on this machine, cached in {p.cache_file}: delete it to "
+                                         "measure again)" if p.cached and p.cache_file else ""))
     baseline = decoder.plain() if args.compare_baseline else None
     if args.warmup:
         _warm_up(decoder, baseline)

@@ -131,9 +131,9 @@ def add_drafter_arguments(group: argparse._ArgumentGroup, *, policy_default: str
                        help="where converted GGUF models (and layer-skip sets) are cached (default: "
                             "$SPECDECODE_CACHE or ~/.cache/specdecode)")
     group.add_argument("--threads", type=int, default=None, metavar="N",
-                       help="torch threads (default: torch's, one per core). On a machine shared with other "
-                            "busy processes, fewer threads than cores avoids threads waiting on each other; "
-                            "--weights auto measures (and caches) per thread count")
+                       help="torch threads (default: one per core that other processes leave idle, from the "
+                            "1-minute load average: threads on busy cores wait on each other and a step can run "
+                            "10x slower; --weights auto measures, and caches, per thread count)")
 
 
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
@@ -184,15 +184,45 @@ def check_threads(threads: int | None) -> None:
         raise SpecDecodeError(f"--threads must be a positive integer, got {threads}")
 
 
-def set_threads(threads: int | None) -> None:
-    """Apply ``--threads`` (None: torch's default).
+def auto_threads(cores: int | None = None, load: float | None = None) -> tuple[int, str | None]:
+    """Threads for a machine that may be shared: one per core that other processes leave idle (the 1-minute
+    load average, read before we start, counts their busy cores), at least one.
+
+    Why: with a thread per core and another busy process on one of them, every parallel region waits
+    for the descheduled thread, and a decoding step of hundreds of regions runs 10-20x slower (measured
+    on 2 cores). Returns (threads, a one-line note when fewer than the cores, else None).
+    """
+    import os
+
+    if cores is None:
+        try:
+            cores = len(os.sched_getaffinity(0))
+        except (AttributeError, OSError):
+            cores = os.cpu_count() or 1
+    if load is None:
+        try:
+            load = os.getloadavg()[0]
+        except (AttributeError, OSError):
+            load = 0.0
+    threads = max(1, min(cores, int(cores - load + 0.5)))
+    if threads == cores:
+        return threads, None
+    return threads, (f"{threads} torch thread{'s' if threads > 1 else ''} of {cores} cores: the 1-minute load is "
+                     f"{load:.1f}, and threads on busy cores wait on each other (--threads {cores} to use every core)")
+
+
+def set_threads(threads: int | None, say=None) -> int:
+    """Apply ``--threads``; None: :func:`auto_threads` (``say`` gets its note). Returns the thread count.
 
     Raises:
         SpecDecodeError: not a positive integer.
     """
     check_threads(threads)
     if threads is None:
-        return
+        threads, note = auto_threads()
+        if note and say is not None:
+            say(note)
     import torch
 
     torch.set_num_threads(threads)
+    return threads

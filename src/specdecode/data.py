@@ -31,7 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from specdecode.types import SpecDecodeError
+from specdecode.errors import SpecDecodeError
 
 
 @dataclass(frozen=True)

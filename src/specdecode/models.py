@@ -793,8 +793,12 @@ def _convert(gguf: Path, out_dir: Path, sha256: str, progress: bool) -> None:
     tensor processor works one tensor at a time (Llama, Qwen2, Mistral, Gemma 2 / 3, ...); other
     GGUF files go through transformers' own loader, which holds the whole model in memory.
     """
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".tmp", dir=out_dir.parent))
+    try:
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".tmp", dir=out_dir.parent))
+    except OSError as exc:
+        raise ModelLoadError(f"cannot write the converted model under {str(out_dir.parent)!r} ({exc.strerror or exc}); "
+                             "pass --cache-dir (or set SPECDECODE_CACHE) to a writable directory") from None
     try:
         with _one_gguf_parse():
             with _status(f"reading the tensor list and metadata of {gguf.name}", progress):
