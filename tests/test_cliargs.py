@@ -63,11 +63,13 @@ def test_weights_default_to_auto_and_pass_through():
 
 
 def test_auto_threads_leaves_the_cores_other_processes_keep_busy():
-    from specdecode.cliargs import auto_threads
+    from specdecode.cliargs import auto_threads, busy_cores
 
-    assert auto_threads(cores=2, load=0.2) == (2, None)  # quiet: every core
-    assert auto_threads(cores=2, load=0.4) == (2, None)
-    threads, note = auto_threads(cores=2, load=1.1)  # one other busy process
-    assert threads == 1 and "1-minute load is 1.1" in note and "--threads 2" in note
-    assert auto_threads(cores=2, load=7.0)[0] == 1  # never fewer than one
-    assert auto_threads(cores=16, load=3.2)[0] == 13
+    assert auto_threads(cores=2, busy=0.2) == (2, None)  # quiet: every core
+    assert auto_threads(cores=2, busy=0.4) == (2, None)
+    threads, note = auto_threads(cores=2, busy=1.1)  # one other busy process
+    assert threads == 1 and "keep 1.1 cores busy" in note and "--threads 2" in note
+    assert auto_threads(cores=2, busy=7.0)[0] == 1  # never fewer than one
+    assert auto_threads(cores=16, busy=3.2)[0] == 13
+    busy = busy_cores(0.05)
+    assert busy is None or 0.0 <= busy <= 1024

@@ -131,9 +131,9 @@ def add_drafter_arguments(group: argparse._ArgumentGroup, *, policy_default: str
                        help="where converted GGUF models (and layer-skip sets) are cached (default: "
                             "$SPECDECODE_CACHE or ~/.cache/specdecode)")
     group.add_argument("--threads", type=int, default=None, metavar="N",
-                       help="torch threads (default: one per core that other processes leave idle, from the "
-                            "1-minute load average: threads on busy cores wait on each other and a step can run "
-                            "10x slower; --weights auto measures, and caches, per thread count)")
+                       help="torch threads (default: one per core that other processes leave idle, sampled at "
+                            "start: threads on busy cores wait on each other and a step can run 10x slower; "
+                            "--weights auto measures, and caches, per thread count)")
 
 
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
@@ -184,13 +184,40 @@ def check_threads(threads: int | None) -> None:
         raise SpecDecodeError(f"--threads must be a positive integer, got {threads}")
 
 
-def auto_threads(cores: int | None = None, load: float | None = None) -> tuple[int, str | None]:
-    """Threads for a machine that may be shared: one per core that other processes leave idle (the 1-minute
-    load average, read before we start, counts their busy cores), at least one.
+def busy_cores(seconds: float = 0.2) -> float | None:
+    """Cores other processes keep busy right now: /proc/stat sampled ``seconds`` apart (None off Linux).
 
-    Why: with a thread per core and another busy process on one of them, every parallel region waits
-    for the descheduled thread, and a decoding step of hundreds of regions runs 10-20x slower (measured
-    on 2 cores). Returns (threads, a one-line note when fewer than the cores, else None).
+    Measured before our own work starts, so it counts the others only (the 1-minute load average, by
+    contrast, still counts a run that has just ended)."""
+    import time
+
+    def sample() -> tuple[int, int]:
+        with open("/proc/stat") as f:
+            fields = [int(v) for v in f.readline().split()[1:]]
+        idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+        return idle, sum(fields)
+
+    try:
+        idle0, total0 = sample()
+        time.sleep(seconds)
+        idle1, total1 = sample()
+    except (OSError, ValueError, IndexError):
+        return None
+    if total1 <= total0:
+        return None
+    import os
+
+    cpus = os.cpu_count() or 1
+    return cpus * (1.0 - (idle1 - idle0) / (total1 - total0))
+
+
+def auto_threads(cores: int | None = None, busy: float | None = None) -> tuple[int, str | None]:
+    """Threads for a machine that may be shared: one per core other processes leave idle, at least one.
+
+    ``busy``: cores in use by others (default :func:`busy_cores`, else the 1-minute load average). Why:
+    with a thread per core and another busy process on one of them, every parallel region waits for the
+    descheduled thread, and a decoding step of hundreds of regions runs 10-20x slower (measured on 2
+    cores). Returns (threads, a one-line note when fewer than the cores, else None).
     """
     import os
 
@@ -199,16 +226,19 @@ def auto_threads(cores: int | None = None, load: float | None = None) -> tuple[i
             cores = len(os.sched_getaffinity(0))
         except (AttributeError, OSError):
             cores = os.cpu_count() or 1
-    if load is None:
+    if busy is None:
+        busy = busy_cores()
+    if busy is None:
         try:
-            load = os.getloadavg()[0]
+            busy = os.getloadavg()[0]
         except (AttributeError, OSError):
-            load = 0.0
-    threads = max(1, min(cores, int(cores - load + 0.5)))
+            busy = 0.0
+    threads = max(1, min(cores, int(cores - busy + 0.5)))
     if threads == cores:
         return threads, None
-    return threads, (f"{threads} torch thread{'s' if threads > 1 else ''} of {cores} cores: the 1-minute load is "
-                     f"{load:.1f}, and threads on busy cores wait on each other (--threads {cores} to use every core)")
+    return threads, (f"{threads} torch thread{'s' if threads > 1 else ''} of {cores} cores: other processes keep "
+                     f"{busy:.1f} cores busy, and threads on busy cores wait on each other (--threads {cores} to "
+                     "use every core)")
 
 
 def set_threads(threads: int | None, say=None) -> int:
