@@ -378,7 +378,7 @@ def choose_precision(loaded, cache_dir: str | Path, *, status: Callable[[str], N
             say(f"measuring what {precision} weights do to the model (teacher-forced, {len(texts)} prompts; once per model)")
             if ref_scores is None:
                 ref_scores = teacher_forced(loaded.model, texts)
-            quality[precision] = asdict(measure_quality(loaded.model, _copy_in(loaded.model, precision), precision,
+            quality[precision] = asdict(measure_quality(loaded.model, _copy_in(loaded, precision), precision,
                                                         texts, ref_scores))
             measured = True
     result = []
@@ -395,25 +395,31 @@ def choose_precision(loaded, cache_dir: str | Path, *, status: Callable[[str], N
         return c.precision if forward == "auto" else f"{c.precision}/{forward}"
 
     kept = [c for c in result if c.quality_ok]
+    copies: dict[str, torch.nn.Module] = {}  # one copy per candidate, for both passes
+
+    def model_in(precision: str) -> torch.nn.Module:
+        if precision == "fp32":
+            return loaded.model
+        if precision not in copies:
+            copies[precision] = _copy_in(loaded, precision)
+        return copies[precision]
+
     for c in kept:  # 1. step time of every precision that keeps the model
         m = machine.setdefault(key(c), {})
         if "decode_s" not in m:
             say(f"measuring {c.precision} on this machine: step time (once per machine)")
-            model = loaded.model if c.precision == "fp32" else _copy_in(loaded.model, c.precision)
-            m["decode_s"], m["verify_s"] = measure_step(model, context=min(256, loaded.max_context // 2),
-                                                        forward=forward)
+            m["decode_s"], m["verify_s"] = measure_step(model_in(c.precision),
+                                                        context=min(256, loaded.max_context // 2), forward=forward)
             measured = True
-            del model
         c.decode_s, c.verify_s = m["decode_s"], m["verify_s"]
     for c in sorted(kept, key=_step_cost):  # 2. batch invariance, fastest first, until one holds
         m = machine[key(c)]
         if "exact" not in m:
             say(f"checking that {c.precision} keeps speculation exact on this machine (once per machine)")
-            model = loaded.model if c.precision == "fp32" else _copy_in(loaded.model, c.precision)
-            inv = check_batch_invariance(model, context=min(48, loaded.max_context // 4), forward=forward)
+            inv = check_batch_invariance(model_in(c.precision), context=min(48, loaded.max_context // 4),
+                                         forward=forward)
             m.update(exact=inv.exact, detail=inv.detail, row_kernel=inv.row_kernel)
             measured = True
-            del model
         c.exact, c.exact_detail = m["exact"], m["detail"]
         if c.exact:
             break  # slower ones need not be checked
@@ -473,10 +479,26 @@ def _step_cost(c: Candidate) -> float:
     return (c.decode_s + c.verify_s) / 2
 
 
-def _copy_in(model: torch.nn.Module, precision: str) -> torch.nn.Module:
-    """A copy of ``model`` (float32) executing in ``precision`` (the original is untouched)."""
-    clone = copy.deepcopy(model)
-    clone.__dict__.pop("_specdecode_fused_layers", None)
+def _copy_in(loaded, precision: str) -> torch.nn.Module:
+    """A copy of ``loaded``'s float32 model executing in ``precision`` (the original is untouched).
+
+    A model from a local directory (the catalog's converted copies included) is read again in the
+    precision's load dtype, so a bf16 copy of a 1.5B model costs 3 GB, not a 6 GB float32 clone first;
+    otherwise the model is deep-copied.
+    """
+    source = Path(str(loaded.source))
+    if source.is_dir() and (source / "config.json").exists():
+        from specdecode.models import quiet_hf_output
+        from transformers import AutoModelForCausalLM
+
+        with quiet_hf_output():
+            clone = AutoModelForCausalLM.from_pretrained(
+                source, dtype=torch.bfloat16 if precision == "bf16" else torch.float32)
+        clone.eval()
+        clone.requires_grad_(False)
+    else:
+        clone = copy.deepcopy(loaded.model)
+        clone.__dict__.pop("_specdecode_fused_layers", None)
     return set_weight_precision(clone, precision)
 
 
