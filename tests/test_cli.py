@@ -201,6 +201,7 @@ _REFUSED_WITHOUT_MODEL_CODE = [
     (["generate", "--threads", "0"], "--threads"),
     (["generate", "--dataset", "nope"], "unknown dataset"),
     (["generate", "--prompt-file", "/nonexistent/prompt.txt"], "prompt file not found"),
+    (["generate", "--prompt-file", "/"], "is a directory"),
     (["serve", "--threads", "-2"], "--threads"),
 ]
 
@@ -326,3 +327,15 @@ def test_draft_kinds_agree_with_the_library():
         choice = parse_draft(text)
         runs = choice.fallback if choice.kind == "suffix" else choice
         assert _draft_kind(text) == runs.kind, text
+
+
+def test_an_empty_prompt_file_is_refused_like_an_empty_prompt(tmp_path):
+    from specdecode.cli import _read_prompt_file
+    from specdecode.errors import SpecDecodeError
+
+    empty = tmp_path / "empty.txt"
+    empty.write_text("  \n")
+    with pytest.raises(SpecDecodeError, match="is empty"):
+        _read_prompt_file(str(empty))
+    (tmp_path / "p.txt").write_text("def f(x):")
+    assert _read_prompt_file(str(tmp_path / "p.txt")) == "def f(x):"

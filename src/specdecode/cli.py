@@ -406,12 +406,17 @@ def _read_prompt_file(path: str) -> str:
     if path == "-":
         return sys.stdin.read()
     file = Path(path).expanduser()
+    if file.is_dir():
+        raise SpecDecodeError(f"--prompt-file {path!r} is a directory; give a text file (or - for stdin)")
     if not file.is_file():
         raise SpecDecodeError(f"prompt file not found: {path!r}")
     try:
-        return file.read_text(encoding="utf-8")
+        text = file.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         raise SpecDecodeError(f"cannot read prompt file {path!r}: {exc}") from exc
+    if not text.strip():
+        raise SpecDecodeError(f"prompt file {path!r} is empty; write the prompt in it (as --prompt refuses '')")
+    return text
 
 
 def _preview(text: str, width: int = 90) -> str:
