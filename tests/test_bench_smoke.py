@@ -109,3 +109,22 @@ def test_more_repeats_add_runs_and_the_fastest_counts(smoke_dir):
         walls = {r["prompt"]: min(x["wall_s"] for x in after if x["variant"] == key and x["prompt"] == r["prompt"])
                  for r in after if r["variant"] == key}
         assert cells["overall"]["wall_s"] == pytest.approx(sum(walls.values()))
+
+
+def test_bench_takes_weights_auto_and_records_the_precision_that_ran(tmp_path, monkeypatch):
+    """--weights auto in the benchmark too (the one precision choice of generate / serve); records and the
+    report carry what ran, never "auto"; a target that is not float32 has nothing to choose from."""
+    monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path / "cache"))
+    lines = []
+    out = tmp_path / "auto"
+    run_bench(smoke_config(output=str(out), limit=1, dtype="float32", weights="auto", methods=("ngram",),
+                           gammas=(), probe=False, peer=False), progress=False, log=lines.append)
+    chosen = [line for line in lines if line.startswith("weights ")]
+    assert len(chosen) == 1
+    precision = chosen[0].split()[1].rstrip(":")
+    assert precision in ("fp32", "bf16", "int8")
+    settings = json.loads((out / report.REPORT_JSON).read_text())["config"]
+    assert settings["weights"] == precision
+    with pytest.raises(SpecDecodeError, match="--weights auto"):
+        run_bench(smoke_config(output=str(tmp_path / "f64"), limit=1, weights="auto", methods=("ngram",),
+                               gammas=(), probe=False, peer=False), progress=False, log=lambda msg: None)

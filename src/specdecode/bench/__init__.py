@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 
 from specdecode.cliargs import check_precision_flags
-from specdecode.options import WEIGHT_PRECISIONS
+from specdecode.options import WEIGHT_CHOICES, WEIGHT_PRECISIONS
 
 PRESETS = ("full", "quick", "smoke")
 
@@ -64,10 +64,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kernel", choices=("default", "small-row"),
                    help="linear-layer execution: default (HF as shipped) or small-row (W @ x.T for few rows, "
                         "specdecode.kernels; applied to target and drafts, so the HF peer gets it too)")
-    p.add_argument("--weights", choices=WEIGHT_PRECISIONS,
-                   help="precision the target's weights execute in (int8: fbgemm int8 weights, activations per "
-                        "token; plain decoding, every method and the HF peer run the same target object, so "
-                        "outputs are compared like for like) (default: fp32)")
+    p.add_argument("--weights", choices=WEIGHT_CHOICES,
+                   help="precision the target's weights execute in (auto: what generate / serve pick, measured "
+                        "once per machine; int8: fbgemm int8 weights, activations per token; plain decoding, "
+                        "every method and the HF peer run the same target object, so outputs are compared like "
+                        "for like) (default: fp32, the reference the published reports use)")
     p.add_argument("--llama-cpp", action="store_true", default=None,
                    help="also run llama.cpp (llama-cpp-python) on the target's GGUF file: plain decoding and its "
                         "prompt lookup as the n-gram method's peer, timed the same way (optional dependency)")

@@ -275,9 +275,10 @@ class BenchConfig:
             raise SpecDecodeError(f"--threads must be >= 1, got {self.threads}")
         if not self.datasets:
             raise SpecDecodeError("no dataset selected")
-        for w in (self.weights, self.draft_weights):
-            if w not in ("fp32", "bf16", "int8"):
-                raise SpecDecodeError(f"unknown weight precision {w!r}; choose one of fp32, bf16, int8")
+        if self.weights not in ("auto", "fp32", "bf16", "int8"):
+            raise SpecDecodeError(f"unknown weight precision {self.weights!r}; choose one of auto, fp32, bf16, int8")
+        if self.draft_weights not in ("fp32", "bf16", "int8"):
+            raise SpecDecodeError(f"unknown weight precision {self.draft_weights!r}; choose one of fp32, bf16, int8")
         if self.kernel not in KERNELS:
             raise SpecDecodeError(f"unknown kernel {self.kernel!r}; choose one of {', '.join(KERNELS)}")
 
@@ -686,18 +687,28 @@ def run_bench(config: BenchConfig, *, progress: bool = True, log: Callable[[str]
     _quiet_transformers()
     prompts = select_prompts(config.datasets, config.limit)
     expand_methods(config)  # validate method specs before any slow load
-    store = RecordStore(out, config.settings_id())
-    if store.ignored:
-        status(f"{store.ignored} record(s) in {store.path} have other settings and are ignored")
 
     status(f"loading target {config.target!r}")
     t0 = time.perf_counter()
     models = Models(target=load_any(config.target, config.dtype, config.kernel))
+    if config.weights == "auto":  # what generate / serve run: measured once per machine (specdecode.precision)
+        from specdecode.models import default_cache_dir
+        from specdecode.precision import choose_precision
+
+        try:
+            choice = choose_precision(models.target, default_cache_dir(), status=status)
+        except ValueError as exc:  # not a float32 target: nothing to choose from
+            raise SpecDecodeError(f"--weights auto: {exc}; give --weights explicitly") from None
+        status(f"weights {choice.reason}")
+        config = dataclasses.replace(config, weights=choice.precision)  # records are keyed by what ran
     if config.weights != "fp32":
         from specdecode.kernels import set_weight_precision
 
         set_weight_precision(models.target.model, config.weights)
     models.load_seconds[config.target] = time.perf_counter() - t0
+    store = RecordStore(out, config.settings_id())
+    if store.ignored:
+        status(f"{store.ignored} record(s) in {store.path} have other settings and are ignored")
     variants = build_variants(config, models, config.dtype, status)
 
     encoded = _encode_all(prompts, models.target, config, status)
