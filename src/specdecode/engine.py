@@ -20,6 +20,7 @@ Scheduling (queue, admission, the server's thread, cancellation) lives in ``sche
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import secrets
 import time
@@ -32,7 +33,8 @@ from specdecode.kv import SlotRunner, make_runner
 from specdecode.metrics import RunMetrics
 from specdecode.policy import FixedPolicy
 from specdecode.proposers.base import ProposeContext, Proposer
-from specdecode.sampling import logits_to_probs
+from specdecode.coupled import CoupledNoise
+from specdecode.sampling import RequestSampler, chain_paths, tree_paths
 from specdecode.tree import tree_depth, verify_tree_greedy, verify_tree_sampling
 from specdecode.types import (
     PAD_TOKEN_ID,
@@ -47,8 +49,8 @@ from specdecode.types import (
     StepOutput,
     VerifyResult,
 )
-from specdecode.validate import check_engine  # the rules, without torch: the CLI checks with them too
-from specdecode.verify import verify_chains
+from specdecode.validate import check_engine, check_request_speculation  # the rules, without torch: the CLI checks with them too
+from specdecode.verify import verify_block, verify_chains
 
 
 @dataclass(frozen=True)
@@ -71,9 +73,33 @@ class EngineConfig:
     max_batch_size: int = 1
     max_context: int | None = None
     forward: str = "auto"
+    verification: str = "auto"
 
     def __post_init__(self) -> None:
-        check_engine(self.num_speculative_tokens, self.max_batch_size, self.max_context, self.forward)
+        check_engine(self.num_speculative_tokens, self.max_batch_size, self.max_context, self.forward,
+                     self.verification)
+
+
+@dataclass(frozen=True)
+class RequestSpeculation:
+    """One request's own speculation settings (the server's ``"speculative"`` extension field).
+
+    Attributes:
+        enabled: False decodes this request plainly (one token per step) whatever the engine's proposer.
+        num_speculative_tokens: this request's gamma (1..64) in place of the draft-length policy's
+            choice; None follows the policy.
+        verification: "token" | "block" | None (the engine's setting) for this request's sampled chains.
+
+    Raises:
+        SpecDecodeError: gamma outside 1..64 or an unknown verification method.
+    """
+
+    enabled: bool = True
+    num_speculative_tokens: int | None = None
+    verification: str | None = None
+
+    def __post_init__(self) -> None:
+        check_request_speculation(self.enabled, self.num_speculative_tokens, self.verification)
 
 
 _request_ids = itertools.count()
@@ -100,7 +126,12 @@ class Request:
     error: str | None = None
     tag: object = None
     seed: int | None = None
+    speculation: RequestSpeculation = field(default_factory=RequestSpeculation)
     id: int = field(default_factory=_request_ids.__next__)
+
+    @property
+    def sampler(self) -> RequestSampler:
+        return self.ctx.sampler
 
     @property
     def params(self) -> SamplingParams:
@@ -162,24 +193,36 @@ class SpeculativeEngine:
         return check_prompt(prompt_ids, params, self.vocab_size, self.max_context)
 
     def add(self, prompt_ids: Sequence[int], params: SamplingParams, logprobs: int | None = None,
-            tag: object = None) -> tuple[Request, StepOutput]:
+            tag: object = None, constraint=None, speculation: RequestSpeculation | None = None
+            ) -> tuple[Request, StepOutput]:
         """Admit a request: validate, prefill the target in a free slot, sample the first token, start
         the proposer. A request that finishes at once (EOS, max_new_tokens = 1) leaves at once.
+
+        Args:
+            prompt_ids: [L] int token ids. params: SamplingParams. logprobs: None or the top-n count.
+            tag: anything the caller attaches. constraint: a structured-output constraint
+                (``specdecode.grammar``) applied to the target and the drafts. speculation: this
+                request's own RequestSpeculation (None: the engine's settings).
 
         Returns:
             (the Request, the StepOutput of its first token).
 
         Raises:
-            EmptyPromptError, PromptTooLongError, SpecDecodeError, EngineFullError (no free slot).
+            EmptyPromptError, PromptTooLongError, SpecDecodeError (also: token ids of the sampling
+            parameters outside the vocabulary), EngineFullError (no free slot).
         """
         prompt = self.check_prompt(prompt_ids, params)
         if len(self.rows) >= self.runner.num_slots:
             raise EngineFullError(f"all {self.runner.num_slots} slots are taken; wait for a request to finish")
+        sampler = RequestSampler(params, prompt, self.vocab_size, constraint)
         slot = len(self.rows)
         seed = params.seed if params.seed is not None else secrets.randbits(63)  # unseeded: a fresh seed, kept
+        noise = CoupledNoise(seed, self.vocab_size) if params.uses_coupled else None
         ctx = ProposeContext(prompt, len(prompt), params, torch.Generator().manual_seed(seed), self.vocab_size,
-                             should_continue=getattr(self.policy, "should_continue", None), slot=slot)
-        req = Request(ctx, RunMetrics(num_prompt_tokens=len(prompt)), time.perf_counter(), logprobs, tag=tag, seed=seed)
+                             should_continue=getattr(self.policy, "should_continue", None), slot=slot,
+                             sampler=sampler, noise=noise)
+        req = Request(ctx, RunMetrics(num_prompt_tokens=len(prompt)), time.perf_counter(), logprobs, tag=tag, seed=seed,
+                      speculation=speculation or RequestSpeculation())
         self.runner.clear(slot)
         logits = self.runner.forward(slice(slot, slot + 1), [prompt], last_only=True)[:, -1:]  # [1, 1, V]
         self.rows.append(req)
@@ -236,11 +279,12 @@ class SpeculativeEngine:
     def _propose(self, rows: list[Request]) -> list[Draft]:
         gamma = self.policy.next_length(len(rows)) if self.proposer is not None else 0
         self.last_gamma = gamma
-        caps = [max(0, min(gamma, row.remaining - 1)) for row in rows]
+        caps = [max(0, min(_row_gamma(row, gamma), row.remaining - 1)) for row in rows]
         if max(caps, default=0) <= 0:
             return [Draft.empty() for _ in rows]
         drafts = self.proposer.propose([row.ctx for row in rows], caps)
-        return self._check_drafts(rows, drafts, caps)
+        drafts = self._check_drafts(rows, drafts, caps)
+        return [_cut_draft(row, d) for row, d in zip(rows, drafts)]
 
     def _verify(self, rows: list[Request], drafts: list[Draft]) -> tuple[list[VerifyResult], torch.Tensor]:
         """Score ``[last committed token, draft...]`` of every row in ONE target forward; verify."""
@@ -264,38 +308,74 @@ class SpeculativeEngine:
         return results, logits  # type: ignore[return-value]
 
     def _verify_chains(self, rows: list[Request], drafts: list[Draft], logits: torch.Tensor) -> list[VerifyResult]:
-        """Greedy and sampled chain rows together (``verify.verify_chains``); per-row results [1, ...]."""
+        """Greedy and sampled chain rows together (``verify.verify_chains``); per-row results [1, ...].
+
+        Every row's target distribution at verified position j is processed with the context that
+        position has (``RequestSampler``: committed tokens + draft tokens before j). A coupled row is
+        verified as a greedy row on the one-hot of the target's Gumbel-max choices; a row with
+        block verification goes through ``verify.verify_block``."""
         b = len(rows)
         k = max(d.num_tokens for d in drafts)
         v = logits.shape[-1]
         ids = torch.full((b, k), PAD_TOKEN_ID, dtype=torch.int64)
         counts = torch.tensor([d.num_tokens for d in drafts], dtype=torch.int64)
-        greedy = torch.tensor([r.params.greedy for r in rows])
-        target = logits[:, : k + 1]  # [b, k+1, V]; greedy rows verify on raw logits
+        exact_match = torch.tensor([r.params.greedy or r.ctx.noise is not None for r in rows])
+        target = logits[:, : k + 1]  # [b, k+1, V]; plain greedy rows verify on raw logits
         q = None
         uniforms = torch.zeros(b, k + 1, dtype=torch.float64)
-        if not bool(greedy.all()):
+        if any(not r.params.greedy or r.sampler.active for r in rows):
             target = target.clone()
+        block = torch.zeros(b, dtype=torch.bool)
         for i, (row, d) in enumerate(zip(rows, drafts)):
             n = d.num_tokens
             ids[i, :n] = d.token_ids[0]
+            paths = chain_paths(d.token_ids[0].tolist())
             if row.params.greedy:
+                if row.sampler.active:
+                    target[i, : n + 1] = row.sampler.process(logits[i, : n + 1], paths)
                 continue
-            target[i, : n + 1] = logits_to_probs(logits[i, : n + 1], row.params)
+            probs = row.sampler.probs(logits[i, : n + 1], paths)
+            if row.ctx.noise is not None:  # coupled: the target's own choice at each position, one-hot
+                start = len(row.generated)
+                choice = row.ctx.noise.choose(probs, [start + j for j in range(n + 1)])
+                target[i, : n + 1] = torch.nn.functional.one_hot(choice, v).float()
+                continue
+            target[i, : n + 1] = probs
             uniforms[i, : n + 1] = torch.rand(n + 1, generator=row.ctx.generator, dtype=torch.float64)
+            block[i] = n > 0 and self._verification(row) == "block"
             if d.draft_probs is not None and n:
                 if q is None:
                     q = torch.zeros(b, k, v)
                 q[i, :n, : d.draft_probs.shape[-1]] = d.draft_probs[0]
-        res = verify_chains(ids, counts, q, target, greedy, uniforms)
+        res = verify_chains(ids, counts, q, target, exact_match, uniforms)
+        if bool(block.any()):
+            sel = block.nonzero().squeeze(1)
+            blk = verify_block(ids[sel], counts[sel], None if q is None else q[sel], target[sel], uniforms[sel])
+            res.num_accepted[sel] = blk.num_accepted
+            res.new_token_ids[sel] = blk.new_token_ids
+            res.kept_nodes[sel] = blk.kept_nodes
         return [VerifyResult(res.num_accepted[i : i + 1], res.new_token_ids[i : i + 1, : drafts[i].num_tokens + 1],
                              res.kept_nodes[i : i + 1, : drafts[i].num_tokens + 1]) for i in range(b)]
 
+    def _verification(self, row: Request) -> str:
+        """The verification method of a sampled chain row: the request's, else the engine's ("auto" = block)."""
+        method = row.speculation.verification or self.config.verification
+        return "token" if method == "auto" else method
+
     def _verify_tree(self, row: Request, draft: Draft, logits: torch.Tensor) -> VerifyResult:
-        """Multi-candidate verification of one row's token tree (``specdecode.tree``)."""
+        """Multi-candidate verification of one row's token tree (``specdecode.tree``), each node's
+        target distribution processed with its own path's context."""
+        paths = tree_paths(draft.token_ids[0].tolist(), draft.parents[0].tolist())
         if row.params.greedy:
-            return verify_tree_greedy(draft.token_ids, draft.parents, logits)
-        target_probs = logits_to_probs(logits, row.params)  # [1, N+1, V]
+            return verify_tree_greedy(draft.token_ids, draft.parents,
+                                      row.sampler.greedy_logits(logits[0], paths).unsqueeze(0))
+        target_probs = row.sampler.probs(logits[0], paths).unsqueeze(0)  # [1, N+1, V]
+        if row.ctx.noise is not None:  # coupled: walk the tree along the target's own choices
+            depths = [len(p) for p in paths]
+            start = len(row.generated)
+            choice = row.ctx.noise.choose(target_probs[0], [start + dep for dep in depths])
+            one_hot = torch.nn.functional.one_hot(choice, target_probs.shape[-1]).float().unsqueeze(0)
+            return verify_tree_greedy(draft.token_ids, draft.parents, one_hot)
         q = draft.draft_probs
         if q is not None and q.shape[-1] != target_probs.shape[-1]:
             q = torch.nn.functional.pad(q, (0, target_probs.shape[-1] - q.shape[-1]))
@@ -322,6 +402,9 @@ class SpeculativeEngine:
         row.finish_reason = row.finish_reason or reason
         row.generated.extend(tokens)
         row.ctx.token_ids.extend(tokens)
+        row.sampler.commit(tokens)
+        if row.ctx.noise is not None:
+            row.ctx.noise.forget_before(len(row.generated))
         if self.runner.has_pending_tree(slot):
             self.runner.keep_tree_path(slot, [0, *(i + 1 for i in kept)])
         self.runner.rollback(slot, min(len(self.runner.ids[slot]), len(row.ctx.token_ids) - 1))
@@ -458,6 +541,32 @@ class SpeculativeEngine:
                                 metrics=req.metrics, prompt_token_ids=req.ctx.token_ids[: req.ctx.num_prompt_tokens])
 
 
+def _row_gamma(row: Request, gamma: int) -> int:
+    """The draft length of one row this step: 0 with speculation off for it, its own gamma when it
+    set one, else the policy's."""
+    spec = row.speculation
+    if not spec.enabled:
+        return 0
+    return spec.num_speculative_tokens if spec.num_speculative_tokens is not None else gamma
+
+
+def _cut_draft(row: Request, d: Draft) -> Draft:
+    """Drop draft tokens the request could never generate (a banned token, a stop token before
+    min_tokens, a token the grammar forbids) before verification: a chain ends before the first one. Cutting changes no output distribution: verification
+    would reject such a token (target probability 0) and sample from p at that position anyway. A token
+    tree is left whole (the drafter's own cache maps its nodes): verification rejects such nodes."""
+    n = d.num_tokens
+    if not n or not row.sampler.active:
+        return d
+    if d.parents[0].tolist() == list(range(-1, n - 1)):
+        keep = row.sampler.valid_prefix(d.token_ids[0].tolist())
+        if keep == n:
+            return d
+        return Draft.chain(d.token_ids[:, :keep], None if d.draft_probs is None else d.draft_probs[:, :keep],
+                           catch_up_s=d.catch_up_s) if keep else dataclasses.replace(Draft.empty(), catch_up_s=d.catch_up_s)
+    return d  # a token tree is not cut (the drafter's own cache maps its nodes); such nodes are rejected
+
+
 #: Most draft nodes a row may propose per step (the slot cache's scratch columns hold them past the context).
 MAX_DRAFT_NODES = 128
 
@@ -522,7 +631,7 @@ def apply_stopping_rules(tokens: list[int], params: SamplingParams, num_generate
 
     Args:
         tokens: [n] token ids a step would commit, in order.
-        params: the request's SamplingParams (max_new_tokens, eos_token_ids, ignore_eos).
+        params: the request's SamplingParams (max_new_tokens, eos_token_ids, ignore_eos, stop_token_ids).
         num_generated: tokens the request generated before these.
 
     Returns:
@@ -531,8 +640,9 @@ def apply_stopping_rules(tokens: list[int], params: SamplingParams, num_generate
     """
     remaining = params.max_new_tokens - num_generated
     tokens = tokens[:remaining]
-    if not params.ignore_eos and params.eos_token_ids:
+    stops = params.stop_ids
+    if stops:
         for i, tok in enumerate(tokens):
-            if tok in params.eos_token_ids:
+            if tok in stops:
                 return tokens[: i + 1], "stop"
     return tokens, "length" if len(tokens) >= remaining else None

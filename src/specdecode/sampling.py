@@ -1,35 +1,51 @@
-"""Logits -> probabilities, identically for target p and draft q.
+"""Logits -> probabilities, identically for target p and draft q, at every position of a draft path.
 
-Speculative sampling is lossless only if p and q are the distributions *after*
-the same temperature / top-k / top-p (Leviathan et al. 2023, section 2.3);
-every caller goes through :func:`logits_to_probs`.
+Speculative sampling is lossless only if p and q are the distributions *after* the same processing
+(Leviathan et al. 2023, section 2.3), and processing that depends on the text so far (penalties, a
+grammar, min_tokens) must see, at draft position i, the context that position would have: prompt +
+committed tokens + draft tokens 1..i-1. :class:`RequestSampler` is that processing for one request;
+the engine asks it for the target's p along the draft path, the proposers ask it for q along the
+same path, and only :meth:`RequestSampler.commit` changes its state, so a rejection needs no rollback.
+
+The order (vLLM's): allowed / banned ids, min_tokens, a grammar's mask, logit_bias, repetition /
+frequency / presence penalties, then temperature, min_p, top-k, top-p.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
-from specdecode.types import SamplingParams
+from specdecode.types import SamplingParams, SpecDecodeError
+
+NEG_INF = float("-inf")
 
 
 def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Turn raw logits into the sampling distribution of ``params``.
+    """Turn already-processed logits into the sampling distribution of ``params`` (no context terms).
 
     Args:
-        logits: [..., V] float logits.
-        params: temperature (> 0 here), top_k, top_p.
+        logits: [..., V] float logits (after penalties / biases / masks, if any).
+        params: temperature, min_p, top_k, top_p.
 
     Returns:
-        [..., V] float32 probabilities summing to 1 on the last axis. For a greedy
-        request (temperature 0) the result is one-hot on the argmax.
+        [..., V] float32 probabilities summing to 1 on the last axis. A greedy request (temperature 0)
+        gets a one-hot on the argmax. Temperatures near 0 cannot overflow: the logits are shifted by
+        their maximum before the division, so the result tends to the one-hot, never NaN.
     """
     logits = logits.float()
     if params.greedy:
         return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
-    logits = logits / params.temperature
+    top = logits.amax(-1, keepdim=True)
+    top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
+    logits = (logits - top) / params.temperature
+    if params.min_p > 0.0:
+        # p(x) < min_p * p_max  <=>  logit(x) - logit_max < log(min_p); the shifted maximum is 0.
+        logits = logits.masked_fill(logits < torch.log(torch.tensor(params.min_p)), NEG_INF)
     if params.top_k > 0 and params.top_k < logits.shape[-1]:
         kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
+        logits = logits.masked_fill(logits < kth, NEG_INF)
     if params.top_p < 1.0:
         logits = _top_p_filter(logits, params.top_p)
     return torch.softmax(logits, dim=-1)
@@ -42,7 +58,7 @@ def _top_p_filter(logits: torch.Tensor, top_p: float) -> torch.Tensor:
     mass_before = probs.cumsum(-1) - probs  # mass of strictly more likely tokens
     drop_sorted = mass_before >= top_p  # the most likely token always stays
     drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-    return logits.masked_fill(drop, float("-inf"))
+    return logits.masked_fill(drop, NEG_INF)
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
@@ -57,3 +73,196 @@ def next_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Ge
     if params.greedy:
         return logits.argmax(-1)
     return sample(logits_to_probs(logits, params), generator)
+
+
+def chain_paths(draft_tokens: Sequence[int]) -> list[list[int]]:
+    """The draft path of each verified position of a chain: [[], [x1], [x1, x2], ...] (k + 1 paths)."""
+    toks = [int(t) for t in draft_tokens]
+    return [toks[:j] for j in range(len(toks) + 1)]
+
+
+def tree_paths(draft_tokens: Sequence[int], parents: Sequence[int]) -> list[list[int]]:
+    """The path of every verified position of a token tree: position 0 is the last committed token
+    (empty path), position i + 1 is draft node i (its ancestors' tokens and its own)."""
+    toks, par = [int(t) for t in draft_tokens], [int(p) for p in parents]
+    paths: list[list[int]] = [[]]
+    for i, (t, p) in enumerate(zip(toks, par)):
+        paths.append(paths[p + 1] + [t])
+    return paths
+
+
+class RequestSampler:
+    """One request's logits processing and its state (penalty counts, grammar matcher).
+
+    Args:
+        params: the request's SamplingParams.
+        prompt_ids: [L] the prompt (the repetition penalty counts its tokens).
+        vocab_size: V of the target's logits.
+        constraint: a structured-output constraint (``specdecode.grammar``) or None. It must offer
+            ``masks(paths) -> [N, V] bool`` (allowed tokens after each path), ``valid_prefix(tokens)
+            -> int`` and ``commit(tokens)``.
+
+    Raises:
+        SpecDecodeError: a token id in logit_bias / allowed / banned / stop ids outside [0, V), or
+            settings that leave no token allowed.
+    """
+
+    def __init__(self, params: SamplingParams, prompt_ids: Sequence[int], vocab_size: int, constraint=None) -> None:
+        self.params = params
+        self.vocab_size = v = vocab_size
+        self.constraint = constraint
+        self.num_generated = 0
+        for name, ids in (("logit_bias", list((params.logit_bias or {}).keys())),
+                          ("allowed_token_ids", list(params.allowed_token_ids or ())),
+                          ("banned_token_ids", list(params.banned_token_ids)),
+                          ("stop_token_ids", list(params.stop_token_ids))):
+            bad = [t for t in ids if not 0 <= t < v]
+            if bad:
+                err = SpecDecodeError(f"{name} names token ids outside the vocabulary [0, {v}): {bad[:5]}")
+                err.field = name
+                raise err
+        static = torch.zeros(v)
+        if params.logit_bias:
+            ids = torch.tensor(list(params.logit_bias.keys()), dtype=torch.int64)
+            bias = torch.tensor(list(params.logit_bias.values()), dtype=torch.float32)
+            static[ids] = torch.where(bias <= -100.0, torch.tensor(NEG_INF), bias)
+        if params.allowed_token_ids is not None:
+            keep = torch.zeros(v, dtype=torch.bool)
+            keep[list(params.allowed_token_ids)] = True
+            static = static.masked_fill(~keep, NEG_INF)
+        if params.banned_token_ids:
+            static[list(params.banned_token_ids)] = NEG_INF
+        if not bool(torch.isfinite(static).any()):
+            err = SpecDecodeError("allowed_token_ids, banned_token_ids and logit_bias leave no token that can be "
+                                  "generated: allow at least one")
+            err.field = "allowed_token_ids"
+            raise err
+        self._static = static if (params.logit_bias or params.allowed_token_ids is not None
+                                  or params.banned_token_ids) else None
+        self._stop = torch.tensor(sorted(set(params.stop_ids)), dtype=torch.int64)
+        self._penalties = params.has_penalties
+        self._counts = torch.zeros(v, dtype=torch.int64)  # occurrences in the output
+        self._seen = torch.zeros(v, dtype=torch.bool)  # in the prompt or the output (repetition penalty)
+        if params.repetition_penalty != 1.0:
+            p = torch.tensor([t for t in prompt_ids if 0 <= t < v], dtype=torch.int64)
+            self._seen[p] = True
+
+    @property
+    def active(self) -> bool:
+        """Whether processing goes beyond temperature / min_p / top-k / top-p (then even greedy rows
+        verify on processed logits)."""
+        return (self._static is not None or self._penalties or self.constraint is not None
+                or (self.params.min_tokens > self.num_generated and self._stop.numel() > 0))
+
+    # Processing ------------------------------------------------------------------------------
+
+    def process(self, logits: torch.Tensor, paths: Sequence[Sequence[int]]) -> torch.Tensor:
+        """The context-dependent part: masks, biases and penalties, position by position.
+
+        Args:
+            logits: [N, V'] raw logits (V' <= V: a draft model's vocabulary may be smaller).
+            paths: [N] the draft tokens between the last committed token and each position.
+
+        Returns:
+            [N, V'] float32 processed logits (-inf for tokens that cannot come next). A position whose
+            path the constraints forbid (it follows a token verification will reject) keeps its
+            unmasked logits, so its row stays a distribution; it is never sampled from.
+        """
+        out = logits.float().clone()
+        if not self.active:
+            return out
+        n, vp = out.shape
+        if self._static is not None:
+            out += self._static[:vp]
+        if self.params.min_tokens > self.num_generated and self._stop.numel():
+            stop = self._stop[self._stop < vp]
+            for j, path in enumerate(paths):
+                if self.num_generated + len(path) < self.params.min_tokens:
+                    out[j, stop] = NEG_INF
+        if self.constraint is not None:
+            allowed = self.constraint.masks(paths)[:, :vp]  # [N, V'] bool
+            out = out.masked_fill(~allowed, NEG_INF)
+        if self._penalties:
+            raw = logits.float()
+            out = self._penalise(out, raw, paths)
+        dead = ~torch.isfinite(out).any(-1)
+        if bool(dead.any()):
+            out[dead] = logits.float()[dead]
+        return out
+
+    def _penalise(self, out: torch.Tensor, raw: torch.Tensor, paths: Sequence[Sequence[int]]) -> torch.Tensor:
+        """Apply the penalties with the committed counts to every row, then redo the path's own tokens
+        of each row with the counts that row would have (committed + path)."""
+        p = self.params
+        vp = out.shape[1]
+        counts, seen = self._counts[:vp], self._seen[:vp]
+        out = _penalty(out, counts.unsqueeze(0).float(), seen.unsqueeze(0), p)
+        for j, path in enumerate(paths):
+            toks = [t for t in path if t < vp]
+            if not toks:
+                continue
+            ids, extra = torch.unique(torch.tensor(toks, dtype=torch.int64), return_counts=True)
+            c = (counts[ids] + extra).float().unsqueeze(0)
+            base = self._base(raw[j], out[j], ids)
+            out[j, ids] = _penalty(base.unsqueeze(0), c, torch.ones_like(c, dtype=torch.bool), p)[0]
+        return out
+
+    def _base(self, raw_row: torch.Tensor, out_row: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """The logits of ``ids`` after everything but the penalties (raw + static bias, masks kept)."""
+        base = raw_row[ids].clone()
+        if self._static is not None:
+            base += self._static[ids]
+        return torch.where(torch.isinf(out_row[ids]) & (out_row[ids] < 0), out_row[ids], base)
+
+    def probs(self, logits: torch.Tensor, paths: Sequence[Sequence[int]]) -> torch.Tensor:
+        """[N, V'] raw logits -> [N, V'] float32 distributions at each path (greedy: one-hot on the
+        processed argmax)."""
+        return logits_to_probs(self.process(logits, paths), self.params)
+
+    def greedy_logits(self, logits: torch.Tensor, paths: Sequence[Sequence[int]]) -> torch.Tensor:
+        """What a greedy row verifies on: the raw logits when nothing changes the argmax, else the
+        processed logits ([N, V'])."""
+        return self.process(logits, paths) if self.active else logits
+
+    def valid_prefix(self, tokens: Sequence[int]) -> int:
+        """How many leading draft tokens could be generated at all (not banned, not a stop token
+        before min_tokens, allowed by the grammar): the engine cuts the rest before verification."""
+        toks = [int(t) for t in tokens]
+        n = len(toks)
+        if self._static is not None:
+            for i, t in enumerate(toks):
+                if not bool(torch.isfinite(self._static[t])):
+                    n = i
+                    break
+        if self.params.min_tokens > self.num_generated and self._stop.numel():
+            stops = set(self._stop.tolist())
+            for i, t in enumerate(toks[:n]):
+                if t in stops and self.num_generated + i < self.params.min_tokens:
+                    n = i
+                    break
+        if self.constraint is not None and n:
+            n = min(n, int(self.constraint.valid_prefix(toks[:n])))
+        return n
+
+    def commit(self, tokens: Sequence[int]) -> None:
+        """Tokens joined the output: count them, advance the grammar."""
+        toks = [int(t) for t in tokens]
+        if not toks:
+            return
+        ids = torch.tensor([t for t in toks if 0 <= t < self.vocab_size], dtype=torch.int64)
+        if self._penalties and ids.numel():
+            self._counts.index_add_(0, ids, torch.ones_like(ids))
+            self._seen[ids] = True
+        if self.constraint is not None:
+            self.constraint.commit(toks)
+        self.num_generated += len(toks)
+
+
+def _penalty(logits: torch.Tensor, counts: torch.Tensor, seen: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """Repetition (on ``seen``), then frequency and presence penalties (on ``counts``), broadcast."""
+    if p.repetition_penalty != 1.0:
+        r = p.repetition_penalty
+        logits = torch.where(seen, torch.where(logits > 0, logits / r, logits * r), logits)
+    if p.frequency_penalty != 0.0 or p.presence_penalty != 0.0:
+        logits = logits - p.frequency_penalty * counts - p.presence_penalty * (counts > 0).float()
+    return logits

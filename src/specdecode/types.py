@@ -6,6 +6,7 @@ The engine works on token ids only; text lives at the edges (CLI, server).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -33,16 +34,35 @@ class EmptyPromptError(SpecDecodeError):
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How one request samples.
+    """How one request samples: the whole OpenAI / vLLM sampling surface, applied identically to the
+    target's p and the drafter's q at every verified position (``specdecode.sampling``).
+
+    The processing order (vLLM's): allowed / banned token ids, min_tokens (stop tokens masked),
+    logit_bias, then the repetition, frequency and presence penalties, temperature, then min_p,
+    top-k and top-p. A greedy request (temperature 0) takes the argmax of the processed logits.
 
     Attributes:
         temperature: 0 means greedy (argmax); > 0 divides the logits. Range [0, 100].
         top_k: keep the k most likely tokens; 0 disables.
         top_p: nucleus sampling mass in (0, 1]; 1 disables.
+        min_p: drop tokens whose probability is below ``min_p`` times the most likely one's; [0, 1], 0 disables.
+        repetition_penalty: (0, 100]; a token already in the prompt or the output has its logit divided
+            by it when positive, multiplied when negative (Keskar et al. 2019; HF / vLLM). 1 disables.
+        presence_penalty: [-2, 2]; subtracted once from the logit of every token already generated (OpenAI).
+        frequency_penalty: [-2, 2]; subtracted once per earlier occurrence in the output (OpenAI).
+        logit_bias: token id -> additive bias in [-100, 100]; -100 bans the token (OpenAI).
+        allowed_token_ids: only these tokens may be generated (None: all).
+        banned_token_ids: these tokens are never generated.
+        min_tokens: EOS and ``stop_token_ids`` are masked until this many tokens were generated.
+        stop_token_ids: more tokens that end generation like EOS (included in the output ids).
         max_new_tokens: hard cap on generated tokens (never exceeded), >= 1.
-        seed: seeds the request's own ``torch.Generator``; None draws a random seed.
+        seed: seeds the request's randomness; None draws a random seed.
         eos_token_ids: generation ends at (and includes) the first of these tokens.
         ignore_eos: keep generating past EOS (benchmarks with a fixed length).
+        coupled: the coupled sampling mode (``specdecode.coupled``): every random draw keyed by
+            (seed, position, purpose), so a seeded speculative run reproduces seeded plain decoding
+            token for token whatever the drafter, gamma or batch. None = auto: coupled when a seed
+            is given, standard rejection sampling otherwise.
 
     Raises:
         InvalidSamplingParams: on construction, for any value out of range (``validate.check_sampling``).
@@ -55,13 +75,51 @@ class SamplingParams:
     seed: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: Mapping[int, float] | None = None
+    allowed_token_ids: tuple[int, ...] | None = None
+    banned_token_ids: tuple[int, ...] = ()
+    min_tokens: int = 0
+    stop_token_ids: tuple[int, ...] = ()
+    coupled: bool | None = None
 
     def __post_init__(self) -> None:
-        check_sampling(self.temperature, self.top_k, self.top_p, self.max_new_tokens, self.seed)
+        check_sampling(self.temperature, self.top_k, self.top_p, self.max_new_tokens, self.seed,
+                       min_p=self.min_p, repetition_penalty=self.repetition_penalty,
+                       presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+                       logit_bias=self.logit_bias, allowed_token_ids=self.allowed_token_ids,
+                       banned_token_ids=self.banned_token_ids, min_tokens=self.min_tokens,
+                       stop_token_ids=self.stop_token_ids, coupled=self.coupled)
+        # Frozen, hashable-friendly forms of the collections (a dict or list given by a caller).
+        if self.logit_bias is not None:
+            object.__setattr__(self, "logit_bias", {int(k): float(v) for k, v in self.logit_bias.items()})
+        if self.allowed_token_ids is not None:
+            object.__setattr__(self, "allowed_token_ids", tuple(int(t) for t in self.allowed_token_ids))
+        for name in ("banned_token_ids", "stop_token_ids", "eos_token_ids"):
+            object.__setattr__(self, name, tuple(int(t) for t in getattr(self, name)))
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def stop_ids(self) -> tuple[int, ...]:
+        """Every token that ends generation: EOS (unless ``ignore_eos``) and ``stop_token_ids``."""
+        return (() if self.ignore_eos else self.eos_token_ids) + self.stop_token_ids
+
+    @property
+    def uses_coupled(self) -> bool:
+        """Whether this request samples in the coupled mode (greedy requests draw nothing)."""
+        if self.greedy:
+            return False
+        return self.seed is not None if self.coupled is None else self.coupled
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
 
 @dataclass

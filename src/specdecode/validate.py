@@ -41,28 +41,79 @@ def _refuse(cls: type[SpecDecodeError], field: str | None, message: str) -> Spec
 # --------------------------------------------------------------------------- sampling
 
 
-def check_sampling(temperature, top_k, top_p, max_new_tokens, seed) -> None:
+def check_sampling(temperature, top_k, top_p, max_new_tokens, seed, *, min_p=0.0, repetition_penalty=1.0,
+                   presence_penalty=0.0, frequency_penalty=0.0, logit_bias=None, allowed_token_ids=None,
+                   banned_token_ids=(), min_tokens=0, stop_token_ids=(), coupled=None) -> None:
     """Range-check one request's sampling values (the rules of :class:`specdecode.types.SamplingParams`).
+
+    Token ids (``logit_bias`` keys, allowed / banned / stop ids) are checked against the vocabulary
+    later, by the engine, which knows it.
 
     Raises:
         InvalidSamplingParams: temperature outside [0, 100] (or NaN), top_k < 0, top_p outside (0, 1],
-            max_new_tokens outside [1, MAX_NEW_TOKENS_LIMIT], a negative or non-integer seed.
+            min_p outside [0, 1], repetition_penalty outside (0, 100], presence / frequency penalty
+            outside [-2, 2], a logit_bias value outside [-100, 100] or a key that is not a token id,
+            an empty allowed_token_ids, min_tokens outside [0, max_new_tokens], max_new_tokens outside
+            [1, MAX_NEW_TOKENS_LIMIT], a negative or non-integer seed, coupled not None / bool.
     """
     t = temperature
-    if not isinstance(t, (int, float)) or math.isnan(t) or t < 0 or t > 100:
+    if not _is_number(t) or t < 0 or t > 100:
         raise _refuse(InvalidSamplingParams, "temperature",
                       f"temperature must be a number in [0, 100] (0 = greedy), got {t!r}")
-    if not isinstance(top_k, int) or top_k < 0:
+    if not _is_int(top_k) or top_k < 0:
         raise _refuse(InvalidSamplingParams, "top_k", f"top_k must be an integer >= 0 (0 disables it), got {top_k!r}")
     p = top_p
-    if not isinstance(p, (int, float)) or math.isnan(p) or not (0.0 < p <= 1.0):
+    if not _is_number(p) or not (0.0 < p <= 1.0):
         raise _refuse(InvalidSamplingParams, "top_p", f"top_p must be in (0, 1] (1 disables it), got {p!r}")
+    if not _is_number(min_p) or not 0.0 <= min_p <= 1.0:
+        raise _refuse(InvalidSamplingParams, "min_p", f"min_p must be in [0, 1] (0 disables it), got {min_p!r}")
+    r = repetition_penalty
+    if not _is_number(r) or not 0.0 < r <= 100.0:
+        raise _refuse(InvalidSamplingParams, "repetition_penalty",
+                      f"repetition_penalty must be in (0, 100] (1 disables it; > 1 discourages repeats), got {r!r}")
+    for name, value in (("presence_penalty", presence_penalty), ("frequency_penalty", frequency_penalty)):
+        if not _is_number(value) or not -2.0 <= value <= 2.0:
+            raise _refuse(InvalidSamplingParams, name, f"{name} must be in [-2, 2] (0 disables it), got {value!r}")
+    if logit_bias is not None:
+        if not hasattr(logit_bias, "items"):
+            raise _refuse(InvalidSamplingParams, "logit_bias",
+                          f"logit_bias must map token ids to biases, got {type(logit_bias).__name__}")
+        for tok, bias in logit_bias.items():
+            if not _is_int(tok) or tok < 0:
+                raise _refuse(InvalidSamplingParams, "logit_bias", f"logit_bias keys must be token ids >= 0, got {tok!r}")
+            if not _is_number(bias) or not -100.0 <= bias <= 100.0:
+                raise _refuse(InvalidSamplingParams, "logit_bias",
+                              f"logit_bias values must be in [-100, 100] (-100 bans the token), got {bias!r} "
+                              f"for token {tok}")
+    for name, ids in (("allowed_token_ids", allowed_token_ids), ("banned_token_ids", banned_token_ids),
+                      ("stop_token_ids", stop_token_ids)):
+        if ids is None:
+            continue
+        ids = list(ids)
+        if any(not _is_int(i) or i < 0 for i in ids):
+            raise _refuse(InvalidSamplingParams, name, f"{name} must be token ids >= 0, got {ids[:8]!r}")
+        if name == "allowed_token_ids" and not ids:
+            raise _refuse(InvalidSamplingParams, name, "allowed_token_ids must name at least one token (None allows all)")
     n = max_new_tokens
-    if not isinstance(n, int) or n < 1 or n > MAX_NEW_TOKENS_LIMIT:
+    if not _is_int(n) or n < 1 or n > MAX_NEW_TOKENS_LIMIT:
         raise _refuse(InvalidSamplingParams, "max_new_tokens",
                       f"max_new_tokens must be an integer in [1, {MAX_NEW_TOKENS_LIMIT}], got {n!r}")
-    if seed is not None and (not isinstance(seed, int) or seed < 0):
+    if not _is_int(min_tokens) or not 0 <= min_tokens <= n:
+        raise _refuse(InvalidSamplingParams, "min_tokens",
+                      f"min_tokens must be an integer in [0, max_new_tokens = {n}], got {min_tokens!r}")
+    if seed is not None and (not _is_int(seed) or seed < 0):
         raise _refuse(InvalidSamplingParams, "seed", f"seed must be a non-negative integer or None, got {seed!r}")
+    if coupled is not None and not isinstance(coupled, bool):
+        raise _refuse(InvalidSamplingParams, "coupled", f"coupled must be None (auto), True or False, got {coupled!r}")
+
+
+def _is_number(x) -> bool:
+    """A real, finite-or-infinite, non-NaN number (bool excluded)."""
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and not math.isnan(x)
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
 
 
 def check_stops(stop: str | Sequence[str] | None) -> list[str]:
@@ -91,19 +142,50 @@ def check_gamma(name: str, value: int, low: int = 1) -> int:
     Raises:
         SpecDecodeError: otherwise (``field`` = ``name``).
     """
-    if not isinstance(value, int) or not low <= value <= MAX_SPECULATIVE_TOKENS:
+    if not _is_int(value) or not low <= value <= MAX_SPECULATIVE_TOKENS:
         raise _refuse(SpecDecodeError, name,
                       f"{name} must be an integer in [{low}, {MAX_SPECULATIVE_TOKENS}], got {value!r}")
     return value
 
 
+#: How sampled chains are verified: "token" (Leviathan et al.), "block" (Sun et al. 2024), "auto".
+VERIFICATION_METHODS = ("auto", "token", "block")
+
+
+def check_verification(method, field: str = "verification") -> str:
+    """``method`` when it is one of VERIFICATION_METHODS.
+
+    Raises:
+        SpecDecodeError: otherwise.
+    """
+    if method not in VERIFICATION_METHODS:
+        raise _refuse(SpecDecodeError, field, f"{field} must be one of {VERIFICATION_METHODS}, got {method!r}")
+    return method
+
+
+def check_request_speculation(enabled, num_speculative_tokens, verification) -> None:
+    """The rules of :class:`specdecode.engine.RequestSpeculation`.
+
+    Raises:
+        SpecDecodeError: enabled not a bool, gamma outside 1..64, an unknown verification method.
+    """
+    if not isinstance(enabled, bool):
+        raise _refuse(SpecDecodeError, "enabled", f"speculative.enabled must be true or false, got {enabled!r}")
+    if num_speculative_tokens is not None:
+        check_gamma("num_speculative_tokens", num_speculative_tokens)
+    if verification is not None:
+        check_verification(verification)
+
+
 def check_engine(num_speculative_tokens: int = 5, max_batch_size: int = 1, max_context: int | None = None,
-                 forward: str = "auto") -> None:
+                 forward: str = "auto", verification: str = "auto") -> None:
     """The rules of :class:`specdecode.engine.EngineConfig` (see it for the meaning of each value).
 
     Raises:
-        SpecDecodeError: an unknown forward, gamma outside 1..64, max_context < 2, batch outside 1..256.
+        SpecDecodeError: an unknown forward or verification, gamma outside 1..64, max_context < 2,
+            batch outside 1..256.
     """
+    check_verification(verification)
     if forward not in FORWARD_BACKENDS:
         raise _refuse(SpecDecodeError, "forward", f"forward must be one of {FORWARD_BACKENDS}, got {forward!r}")
     check_gamma("num_speculative_tokens", num_speculative_tokens)

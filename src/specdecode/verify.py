@@ -126,3 +126,15 @@ def verify_chains(
     sampled_tok = torch.searchsorted(cdf, (u_final * cdf[:, -1]).unsqueeze(1), right=True).squeeze(1).clamp(max=v - 1)
     next_ids = torch.where(greedy, greedy_tok, sampled_tok)
     return _result(num_accepted, draft_ids, next_ids)
+
+
+def verify_block(
+    draft_ids: torch.Tensor,
+    num_drafted: torch.Tensor,
+    draft_probs: torch.Tensor | None,
+    target_probs: torch.Tensor,
+    uniforms: torch.Tensor,
+) -> VerifyResult:
+    """Block verification of sampled chains (Sun et al. 2024). Same arguments as :func:`verify_chains`
+    for sampled rows (no greedy rows)."""
+    raise NotImplementedError("block verification: being written")

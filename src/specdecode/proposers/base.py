@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specdecode.kv import make_runner
+from specdecode.sampling import logits_to_probs
 from specdecode.types import Draft, SamplingParams, SpecDecodeError, VerifyResult
 
 
@@ -38,6 +39,8 @@ class ProposeContext:
             the token came from (greedy: softmax of the raw logits); False ends the chain.
         slot: the row's slot in the engine's KV cache (rows occupy slots 0..B-1, in batch order).
         state: per-request state owned by the proposer (lookup indexes, tree regions).
+        sampler: the request's ``sampling.RequestSampler`` (penalties, biases, masks, grammar), or None.
+        noise: the request's ``coupled.CoupledNoise`` in the coupled mode, else None.
     """
 
     token_ids: list[int]
@@ -48,6 +51,30 @@ class ProposeContext:
     should_continue: Callable[[torch.Tensor], bool] | None = None
     slot: int = 0
     state: dict = field(default_factory=dict)
+    sampler: object = None
+    noise: object = None
+
+    def draft_dist(self, logits: torch.Tensor, path: Sequence[int] = ()) -> torch.Tensor:
+        """q at one draft position: [V'] raw draft logits -> [V'] float32, after the request's whole
+        processing with the context that position has (committed tokens + ``path``, the tokens drafted
+        before it on its branch). Greedy requests get the softmax of the processed logits (a score
+        for candidate ranking and the policy's hook)."""
+        if self.sampler is None:
+            return torch.softmax(logits.float(), -1) if self.params.greedy else logits_to_probs(logits, self.params)
+        processed = self.sampler.process(logits.unsqueeze(0), [list(path)])[0]
+        if self.params.greedy:
+            return torch.softmax(processed, -1)
+        return logits_to_probs(processed, self.params)
+
+    def draft_token(self, q: torch.Tensor, depth: int) -> int:
+        """Draw a draft token from [V'] q at ``depth`` draft tokens past the committed ones: the argmax
+        for greedy requests, the coupled mode's Gumbel-max choice (the target's own noise at that
+        output position), else a sample from the request's generator."""
+        if self.params.greedy:
+            return int(q.argmax())
+        if self.noise is not None:
+            return int(self.noise.choose(q.unsqueeze(0), [len(self.token_ids) - self.num_prompt_tokens + depth])[0])
+        return int(torch.multinomial(q, 1, generator=self.generator))
 
     def keep_drafting(self, probs: torch.Tensor) -> bool:
         """Ask the policy hook whether to draft another token after one drawn from ``probs`` [V]."""

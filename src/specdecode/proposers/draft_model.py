@@ -21,7 +21,6 @@ import torch
 
 from specdecode.kv import FORWARD_BACKENDS, model_context
 from specdecode.proposers.base import DraftModelSlots, ProposeContext, draft_room, register
-from specdecode.sampling import logits_to_probs, sample
 from specdecode.types import Draft, SpecDecodeError
 
 
@@ -78,16 +77,12 @@ class DraftModelProposer(DraftModelSlots):
                 if not live[i]:
                     feed.append([])  # done: padding only
                     continue
-                row_logits = logits[i, : ctx.vocab_size]
-                if ctx.params.greedy:
-                    tok, q = int(row_logits.argmax()), None
-                else:
-                    q = logits_to_probs(row_logits, ctx.params)
-                    tok = int(sample(q, ctx.generator))
+                q = ctx.draft_dist(logits[i, : ctx.vocab_size], tokens[i])  # processed along the draft path
+                tok = ctx.draft_token(q, len(tokens[i]))
+                if not ctx.params.greedy:
                     probs[i].append(q)
                 tokens[i].append(tok)
-                live[i] = pos + 1 < caps[i] and (ctx.should_continue is None or ctx.keep_drafting(
-                    q if q is not None else torch.softmax(row_logits.float(), -1)))
+                live[i] = pos + 1 < caps[i] and (ctx.should_continue is None or ctx.keep_drafting(q))
                 feed.append([tok] if live[i] else [])  # a row's last draft token is never fed
             if not any(live):
                 break

@@ -44,7 +44,6 @@ import torch
 # The error and the parsing of a skip set live without torch (the command line checks --skip-layers with them).
 from specdecode.errors import LayerSkipError
 from specdecode.proposers.base import ProposeContext, Proposer, register
-from specdecode.sampling import logits_to_probs, sample
 from specdecode.types import Draft
 from specdecode.validate import parse_skip_layers
 
@@ -226,22 +225,20 @@ class LayerSkipProposer(Proposer):
             for i, ctx in enumerate(batch):
                 if not live[i]:
                     continue
-                row_logits = logits[i, : ctx.vocab_size]
-                q = logits_to_probs(row_logits, ctx.params) if not ctx.params.greedy else None
-                tok = int(row_logits.argmax()) if q is None else int(sample(q, ctx.generator))
+                q = ctx.draft_dist(logits[i, : ctx.vocab_size], tokens[i])  # processed along the draft path
+                tok = ctx.draft_token(q, len(tokens[i]))
                 tokens[i].append(tok)
-                if q is not None:
+                if not ctx.params.greedy:
                     probs[i].append(q)
                 last[i] = tok
-                live[i] = pos + 1 < max_tokens[i] and self._keep_going(ctx, row_logits, q)
+                live[i] = pos + 1 < max_tokens[i] and self._keep_going(ctx, q)
         return [Draft.chain(torch.tensor([t], dtype=torch.int64), torch.stack(p).unsqueeze(0) if p else None)
                 if t else Draft.empty() for t, p in zip(tokens, probs)]
 
-    def _keep_going(self, ctx: ProposeContext, logits: torch.Tensor, q: torch.Tensor | None) -> bool:
-        """Confidence stop (own threshold) and the policy's hook, on the token just drafted."""
+    def _keep_going(self, ctx: ProposeContext, dist: torch.Tensor) -> bool:
+        """Confidence stop (own threshold) and the policy's hook, on the token just drafted ([V] q)."""
         if self.config.min_confidence <= 0.0 and ctx.should_continue is None:
             return True
-        dist = q if q is not None else torch.softmax(logits, -1)
         if self.config.min_confidence > 0.0 and float(dist.max()) < self.config.min_confidence:
             return False
         return ctx.keep_drafting(dist)

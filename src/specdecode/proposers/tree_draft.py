@@ -47,7 +47,6 @@ import torch
 from specdecode.kv import model_context
 from specdecode.kv import FORWARD_BACKENDS
 from specdecode.proposers.base import DraftModelSlots, RowProposer, ProposeContext, draft_room, register
-from specdecode.sampling import logits_to_probs
 from specdecode.types import Draft, SpecDecodeError, VerifyResult
 from specdecode.validate import check_tree_nodes
 
@@ -187,16 +186,17 @@ class TreeDraftProposer(DraftModelSlots, RowProposer):
 
     # Scoring ---------------------------------------------------------------------
 
-    def _dist(self, logits: torch.Tensor, ctx: ProposeContext) -> torch.Tensor:
-        """[..., V] scores of the candidates: q after the request's processing (greedy: softmax)."""
-        if ctx.params.greedy:
-            return torch.softmax(logits.float(), dim=-1)
-        return logits_to_probs(logits, ctx.params)
+    def _dist(self, logits: torch.Tensor, ctx: ProposeContext, paths: list[list[int]]) -> torch.Tensor:
+        """[n, V] candidate scores: q after the request's processing with each node's own path of
+        draft tokens (greedy: the softmax of the processed logits)."""
+        return torch.stack([ctx.draft_dist(row, path) for row, path in zip(logits, paths)])
 
-    def _feed(self, tokens: list[int], region_parents: list[int], ctx: ProposeContext) -> torch.Tensor:
-        """Run the draft on nodes (parents among the fed nodes); [n, V] candidate distributions."""
+    def _feed(self, tokens: list[int], region_parents: list[int], ctx: ProposeContext,
+              paths: list[list[int]]) -> torch.Tensor:
+        """Run the draft on nodes (parents among the fed nodes); [n, V] candidate distributions
+        (``paths[i]``: the draft tokens from the root to node i, itself included)."""
         logits = self._view.forward_tree(tokens, region_parents)[:, : ctx.vocab_size]
-        return self._dist(logits, ctx)
+        return self._dist(logits, ctx, paths)
 
     # Static ----------------------------------------------------------------------
 
@@ -206,7 +206,7 @@ class TreeDraftProposer(DraftModelSlots, RowProposer):
         index = {(): -1}
         has_kids = {p[:-1] for p in shape}
         tokens, parents, rows, self._region = [], [], [], []
-        dists = {(): self._dist(root_logits, ctx)}
+        dists = {(): self._dist(root_logits.unsqueeze(0), ctx, [[]])[0]}
         fed = 0
         for depth in range(1, max((len(p) for p in shape), default=0) + 1):
             level = [p for p in shape if len(p) == depth]
@@ -214,7 +214,8 @@ class TreeDraftProposer(DraftModelSlots, RowProposer):
                 if parent_path not in dists:  # the parent itself was not drafted (q had too few tokens)
                     continue
                 kids = [p for p in level if p[:-1] == parent_path]
-                toks, qrows = _children(dists[parent_path], len(kids), sampled, ctx.generator)
+                toks, qrows = _children(dists[parent_path], len(kids), sampled, ctx.generator,
+                                        _coupled_noise(ctx, len(parent_path)))
                 for path, tok, q in zip(kids, toks, qrows):
                     index[path] = len(tokens)
                     tokens.append(tok)
@@ -224,7 +225,8 @@ class TreeDraftProposer(DraftModelSlots, RowProposer):
             expand = [p for p in level if p in has_kids and p in index]
             if expand:
                 region_parents = [self._region[index[p[:-1]]] if p[:-1] else -1 for p in expand]
-                out = self._feed([tokens[index[p]] for p in expand], region_parents, ctx)
+                token_paths = [[tokens[index[p[:d]]] for d in range(1, len(p) + 1)] for p in expand]
+                out = self._feed([tokens[index[p]] for p in expand], region_parents, ctx, token_paths)
                 for i, p in enumerate(expand):
                     dists[p] = out[i]
                     self._region[index[p]] = fed + i
@@ -238,7 +240,7 @@ class TreeDraftProposer(DraftModelSlots, RowProposer):
         cfg = self.config
         depth_cap = min(cfg.max_depth, max_tokens)
         tokens, parents, scores, depths, self._region = [], [], [], [], []
-        frontier = [(-1, 1.0, self._dist(root_logits, ctx))]  # (node, cumulative score, q at the node)
+        frontier = [(-1, 1.0, self._dist(root_logits.unsqueeze(0), ctx, [[]])[0])]  # (node, score, q at the node)
         fed = 0
         for depth in range(1, depth_cap + 1):
             new = []
@@ -257,7 +259,7 @@ class TreeDraftProposer(DraftModelSlots, RowProposer):
                 break
             expand = heapq.nlargest(cfg.top_k, new, key=lambda i: scores[i])
             region_parents = [self._region[parents[i]] if parents[i] >= 0 else -1 for i in expand]
-            out = self._feed([tokens[i] for i in expand], region_parents, ctx)
+            out = self._feed([tokens[i] for i in expand], region_parents, ctx, [_path(tokens, parents, i) for i in expand])
             for j, i in enumerate(expand):
                 self._region[i] = fed + j
             fed += len(expand)
@@ -269,8 +271,19 @@ class TreeDraftProposer(DraftModelSlots, RowProposer):
         return _draft([tokens[i] for i in order], [new_index.get(parents[i], -1) for i in order], None)
 
 
-def _children(q: torch.Tensor, k: int, sampled: bool, generator: torch.Generator) -> tuple[list[int], list]:
-    """k candidate tokens from [V] q: top-k, or k draws without replacement (Gumbel-top-k).
+def _coupled_noise(ctx: ProposeContext, depth: int) -> torch.Tensor | None:
+    """In the coupled mode, the [V] Gumbel noise of the output position ``depth`` tokens past the
+    committed ones (the target's own noise there), else None."""
+    if ctx.noise is None:
+        return None
+    return ctx.noise.at(len(ctx.token_ids) - ctx.num_prompt_tokens + depth)
+
+
+def _children(q: torch.Tensor, k: int, sampled: bool, generator: torch.Generator,
+              noise: torch.Tensor | None = None) -> tuple[list[int], list]:
+    """k candidate tokens from [V] q: top-k, or k draws without replacement (Gumbel-top-k). In the
+    coupled mode ``noise`` is the position's own [V] Gumbel noise, so the first child is the token
+    the target picks when it agrees with q.
 
     Returns:
         (tokens, rows): rows[i] is the [V] law child i was drawn from given the earlier
@@ -280,14 +293,26 @@ def _children(q: torch.Tensor, k: int, sampled: bool, generator: torch.Generator
     k = min(k, int((q > 0).sum()))
     if not sampled:
         return torch.topk(q, k).indices.tolist(), [None] * k
-    u = torch.rand(q.shape, generator=generator, dtype=torch.float64).clamp_min_(1e-300)
-    keys = q.double().log() - (-u.log()).log()  # log q + Gumbel noise
+    if noise is not None:
+        keys = q.double().log() + noise[: q.shape[-1]].double()
+    else:
+        u = torch.rand(q.shape, generator=generator, dtype=torch.float64).clamp_min_(1e-300)
+        keys = q.double().log() - (-u.log()).log()  # log q + Gumbel noise
     toks = torch.topk(keys, k).indices.tolist()
     rows, rest = [], q.clone()
     for tok in toks:
         rows.append(rest / rest.sum())
         rest[tok] = 0.0
     return toks, rows
+
+
+def _path(tokens: list[int], parents: list[int], node: int) -> list[int]:
+    """The draft tokens from the root to ``node``, itself included."""
+    out = []
+    while node >= 0:
+        out.append(tokens[node])
+        node = parents[node]
+    return out[::-1]
 
 
 def _draft(tokens: list[int], parents: list[int], probs: torch.Tensor | None) -> Draft:
