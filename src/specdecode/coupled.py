@@ -19,8 +19,10 @@ rejection sampling; a sampling drafter is accepted with the probability that the
 choices agree, ``P[argmax(log p + G) = argmax(log q + G)]``, which is at most ``sum min(p, q)``
 (the standard acceptance), so the default keeps standard rejection sampling for unseeded requests.
 
-Noise comes from ``torch.Generator`` (Mersenne Twister) seeded with a 63-bit BLAKE2b hash of the key:
-the same on every machine and every torch build with the same generator.
+The choice is computed as the exponential race ``argmin(E / p)`` with ``E = -log U`` (equivalent to
+``argmax(log p + G)`` with ``G = -log E``). Noise comes from ``torch.Generator`` (Mersenne Twister)
+seeded with a 63-bit BLAKE2b hash of the key, so it is the same run after run and request after
+request; across CPUs only the last bit of the vectorised logarithm could differ.
 """
 
 from __future__ import annotations
@@ -40,15 +42,19 @@ def key(seed: int, position: int, purpose: str = TOKEN) -> int:
     return int.from_bytes(digest, "little") & (2**63 - 1)
 
 
-def gumbel(seed: int, position: int, vocab_size: int, purpose: str = TOKEN) -> torch.Tensor:
-    """[V] float32 i.i.d. standard Gumbel noise for output position ``position`` of request ``seed``."""
+def exponential(seed: int, position: int, vocab_size: int, purpose: str = TOKEN) -> torch.Tensor:
+    """[V] float32 i.i.d. standard exponential noise E for output position ``position`` of request ``seed``.
+
+    The Gumbel-max choice ``argmax(log p + G)`` with ``G = -log E`` is ``argmin(E / p)`` (the
+    exponential race): one logarithm per token instead of two, no logarithm of p.
+    """
     g = torch.Generator().manual_seed(key(seed, position, purpose))
-    u = torch.rand(vocab_size, generator=g, dtype=torch.float64).clamp_(1e-300, 1.0 - 1e-16)
-    return (-torch.log(-torch.log(u))).float()
+    u = torch.rand(vocab_size, generator=g)  # [0, 1) in steps of 2**-24
+    return torch.log1p(-u).neg_()
 
 
 class CoupledNoise:
-    """The Gumbel noise of one request, by output position, cached while it may still be needed.
+    """The noise of one request (exponential E; Gumbel G = -log E), by output position, cached while it may still be needed.
 
     Args:
         seed: the request's seed. vocab_size: V of the target.
@@ -60,10 +66,10 @@ class CoupledNoise:
         self._cache: dict[int, torch.Tensor] = {}
 
     def at(self, position: int) -> torch.Tensor:
-        """[V] float32 noise of output position ``position`` (0 = the first generated token)."""
+        """[V] float32 exponential noise of output position ``position`` (0 = the first generated token)."""
         g = self._cache.get(position)
         if g is None:
-            g = self._cache[position] = gumbel(self.seed, position, self.vocab_size)
+            g = self._cache[position] = exponential(self.seed, position, self.vocab_size)
         return g
 
     def forget_before(self, position: int) -> None:
@@ -79,7 +85,9 @@ class CoupledNoise:
         """
         vp = probs.shape[-1]
         noise = torch.stack([self.at(p)[:vp] for p in positions])
-        return (torch.log(probs.float()) + noise).argmax(-1)
+        p = probs.float()
+        race = torch.where(p > 0, noise / p, torch.full_like(p, float("inf")))
+        return race.argmin(-1)
 
 
 def verify_chain_coupled(draft_ids: Sequence[int], target_choices: torch.Tensor) -> tuple[int, int]:

@@ -272,7 +272,7 @@ class TreeDraftProposer(DraftModelSlots, RowProposer):
 
 
 def _coupled_noise(ctx: ProposeContext, depth: int) -> torch.Tensor | None:
-    """In the coupled mode, the [V] Gumbel noise of the output position ``depth`` tokens past the
+    """In the coupled mode, the [V] exponential noise E of the output position ``depth`` tokens past the
     committed ones (the target's own noise there), else None."""
     if ctx.noise is None:
         return None
@@ -294,7 +294,7 @@ def _children(q: torch.Tensor, k: int, sampled: bool, generator: torch.Generator
     if not sampled:
         return torch.topk(q, k).indices.tolist(), [None] * k
     if noise is not None:
-        keys = q.double().log() + noise[: q.shape[-1]].double()
+        keys = q.double().log() - noise[: q.shape[-1]].double().log()  # log q + Gumbel, G = -log E
     else:
         u = torch.rand(q.shape, generator=generator, dtype=torch.float64).clamp_min_(1e-300)
         keys = q.double().log() - (-u.log()).log()  # log q + Gumbel noise
