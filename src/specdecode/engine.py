@@ -115,6 +115,9 @@ class Request:
         generated: committed output tokens; finish_reason: None while running; error: why it failed.
         tag: anything the caller attaches (the scheduler's event sink).
         seed: the seed of the request's generator (the one given, or the fresh one drawn for it).
+        prompt_logprobs: None unless asked (``add(prompt_logprobs=n)``): per prompt token
+            (logprob, rank, top n [(token id, logprob)]) under the target given the tokens before it;
+            the first token has (None, None, []).
     """
 
     ctx: ProposeContext
@@ -127,6 +130,7 @@ class Request:
     tag: object = None
     seed: int | None = None
     speculation: RequestSpeculation = field(default_factory=RequestSpeculation)
+    prompt_logprobs: list[tuple[float | None, int | None, list[tuple[int, float]]]] | None = None
     id: int = field(default_factory=_request_ids.__next__)
 
     @property
@@ -193,8 +197,8 @@ class SpeculativeEngine:
         return check_prompt(prompt_ids, params, self.vocab_size, self.max_context)
 
     def add(self, prompt_ids: Sequence[int], params: SamplingParams, logprobs: int | None = None,
-            tag: object = None, constraint=None, speculation: RequestSpeculation | None = None
-            ) -> tuple[Request, StepOutput]:
+            tag: object = None, constraint=None, speculation: RequestSpeculation | None = None,
+            prompt_logprobs: int | None = None) -> tuple[Request, StepOutput]:
         """Admit a request: validate, prefill the target in a free slot, sample the first token, start
         the proposer. A request that finishes at once (EOS, max_new_tokens = 1) leaves at once.
 
@@ -202,7 +206,9 @@ class SpeculativeEngine:
             prompt_ids: [L] int token ids. params: SamplingParams. logprobs: None or the top-n count.
             tag: anything the caller attaches. constraint: a structured-output constraint
                 (``specdecode.grammar``) applied to the target and the drafts. speculation: this
-                request's own RequestSpeculation (None: the engine's settings).
+                request's own RequestSpeculation (None: the engine's settings). prompt_logprobs: None, or
+                n >= 0: score every prompt token (``Request.prompt_logprobs``, also on the first StepOutput)
+                with the top n alternatives, in a forward of its own before the prefill.
 
         Returns:
             (the Request, the StepOutput of its first token).
@@ -223,6 +229,8 @@ class SpeculativeEngine:
                              sampler=sampler, noise=noise)
         req = Request(ctx, RunMetrics(num_prompt_tokens=len(prompt)), time.perf_counter(), logprobs, tag=tag, seed=seed,
                       speculation=speculation or RequestSpeculation())
+        if prompt_logprobs is not None:
+            req.prompt_logprobs = self._score_prompt(slot, prompt, prompt_logprobs)
         self.runner.clear(slot)
         logits = self.runner.forward(slice(slot, slot + 1), [prompt], last_only=True)[:, -1:]  # [1, 1, V]
         self.rows.append(req)
@@ -231,6 +239,7 @@ class SpeculativeEngine:
         m.num_target_forwards += 1
         m.prefill_time_s = m.time_to_first_token_s = time.perf_counter() - req.started_at
         out = self._commit(req, Draft.empty(), first, logits[0], prefill=True)
+        out.prompt_logprobs = req.prompt_logprobs
         if req.finish_reason is None and self.proposer is not None:
             self.proposer.start(ctx)
         if req.finish_reason is not None:
@@ -449,6 +458,31 @@ class SpeculativeEngine:
         vals, idx = lsm.topk(n_top, dim=-1)
         return chosen, [list(zip(i, v)) for i, v in zip(idx.tolist(), vals.tolist())]
 
+    def _score_prompt(self, slot: int, prompt: list[int], n_top: int):
+        """log_softmax of the target's raw logits at every prompt token given the tokens before it: (logprob,
+        rank, top ``n_top``) per token, (None, None, []) for the first. The prompt is fed in chunks of
+        PROMPT_SCORE_CHUNK positions (a [chunk, V] logits block at a time) with every position's logits, then
+        the slot is cleared: the request's own prefill (last position only) runs as for any request, so its
+        cache and first token do not depend on whether prompt logprobs were asked."""
+        if not 0 <= n_top <= self.vocab_size:
+            raise SpecDecodeError(f"prompt_logprobs must be in [0, {self.vocab_size}], got {n_top}")
+        out: list[tuple[float | None, int | None, list[tuple[int, float]]]] = [(None, None, [])]
+        self.runner.clear(slot)
+        feed = prompt[:-1]  # position i scores token i + 1
+        for start in range(0, len(feed), PROMPT_SCORE_CHUNK):
+            chunk = feed[start : start + PROMPT_SCORE_CHUNK]
+            lsm = torch.log_softmax(self.runner.forward(slice(slot, slot + 1), [chunk])[0].float(), dim=-1)  # [c, V]
+            nxt = torch.tensor(prompt[start + 1 : start + 1 + len(chunk)]).unsqueeze(1)
+            chosen = lsm.gather(1, nxt)  # [c, 1]
+            ranks = ((lsm > chosen).sum(-1) + 1).tolist()
+            if n_top > 0:
+                vals, idx = lsm.topk(n_top, dim=-1)
+                tops = [list(zip(i, v)) for i, v in zip(idx.tolist(), vals.tolist())]
+            else:
+                tops = [[] for _ in chunk]
+            out.extend(zip(chosen.squeeze(1).tolist(), ranks, tops))
+        return out
+
     def _check_drafts(self, rows: list[Request], drafts: list[Draft], caps: list[int]) -> list[Draft]:
         """The proposer contract, at the engine's door: one draft per row, [1, N] int64 ids in [0, V),
         parents of a tree (or a chain when the proposer makes no trees), depth within the cap. A row
@@ -566,6 +600,9 @@ def _cut_draft(row: Request, d: Draft) -> Draft:
                            catch_up_s=d.catch_up_s) if keep else dataclasses.replace(Draft.empty(), catch_up_s=d.catch_up_s)
     return d  # a token tree is not cut (the drafter's own cache maps its nodes); such nodes are rejected
 
+
+#: Prompt positions scored per forward for prompt logprobs (bounds the [positions, V] logits held at once).
+PROMPT_SCORE_CHUNK = 128
 
 #: Most draft nodes a row may propose per step (the slot cache's scratch columns hold them past the context).
 MAX_DRAFT_NODES = 128

@@ -18,7 +18,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from specdecode.engine import Request, SpeculativeEngine
+from specdecode.engine import Request, RequestSpeculation, SpeculativeEngine
 from specdecode.metrics import RunMetrics
 from specdecode.types import SamplingParams, SpecDecodeError, StepOutput
 
@@ -52,12 +52,16 @@ class BatchRequest:
         params: SamplingParams (greedy when temperature is 0; seed seeds the row's own generator).
         on_event: called with each RowEvent on the scheduler thread (keep it short: hand off to a queue).
         logprobs: None = no logprobs; n >= 0 = the chosen token's logprob plus the top n.
+        speculation: the request's own ``engine.RequestSpeculation`` (None: the engine's settings).
+        prompt_logprobs: None, or n >= 0: score the prompt tokens too (on the first event).
     """
 
     prompt_ids: list[int]
     params: SamplingParams
     on_event: Callable[[RowEvent], None]
     logprobs: int | None = None
+    speculation: RequestSpeculation | None = None
+    prompt_logprobs: int | None = None
     id: int = field(default_factory=itertools.count().__next__)
     cancelled: bool = False
     submitted_at: float = field(default_factory=time.perf_counter)
@@ -221,7 +225,9 @@ class Scheduler:
                 self._end(request, None, "cancelled")
                 continue
             try:
-                row, first = self.engine.add(request.prompt_ids, request.params, request.logprobs, tag=request)
+                row, first = self.engine.add(request.prompt_ids, request.params, request.logprobs, tag=request,
+                                             speculation=request.speculation,
+                                             prompt_logprobs=request.prompt_logprobs)
             except Exception as exc:  # noqa: BLE001 - this request fails alone; the batch goes on
                 self._end(request, None, "error", f"{type(exc).__name__}: {exc}")
                 continue
@@ -231,7 +237,8 @@ class Scheduler:
     def _emit(self, row: Request, out: StepOutput) -> None:
         request: BatchRequest = row.tag
         event = RowEvent(out.token_ids, out.num_drafted, out.num_accepted, out.finished, out.finish_reason,
-                         out.logprobs, out.top_logprobs, out.error or row.error, metrics=row.metrics)
+                         out.logprobs, out.top_logprobs, out.error or row.error, out.prompt_logprobs,
+                         metrics=row.metrics)
         try:
             request.on_event(event)
         except Exception:  # noqa: BLE001 - a broken listener cancels its own request, not the engine

@@ -195,6 +195,8 @@ class StepOutput:
         logprobs: log p_target (raw logits, temperature 1) of each committed token, when asked.
         top_logprobs: per committed token, the n most likely (token id, logprob), when asked.
         error: a message when the request failed (finish_reason "error").
+        prompt_logprobs: on a request's first output only, when asked: per prompt token (logprob,
+            rank, top n [(token id, logprob)]) given the tokens before it; (None, None, []) for the first.
     """
 
     token_ids: list[int]
@@ -205,6 +207,7 @@ class StepOutput:
     logprobs: list[float] | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None
     error: str | None = None
+    prompt_logprobs: list[tuple[float | None, int | None, list[tuple[int, float]]]] | None = None
 
 
 @dataclass
