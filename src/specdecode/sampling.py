@@ -168,9 +168,9 @@ class RequestSampler:
             path the constraints forbid (it follows a token verification will reject) keeps its
             unmasked logits, so its row stays a distribution; it is never sampled from.
         """
-        out = logits.float().clone()
         if not self.active:
-            return out
+            return logits.float()
+        out = logits.float().clone()
         n, vp = out.shape
         if self._static is not None:
             out += self._static[:vp]
