@@ -138,8 +138,8 @@ def test_completion_matches_plain_decoding_and_its_stream(live, tiny64):
     assert out.usage.prompt_tokens == len(prompt_ids)
     assert out.usage.completion_tokens == len(choice.token_ids)
     spec = out.usage.speculative
-    assert spec["drafted_tokens"] > 0 and spec["mean_accepted_length"] >= 1.0
-    assert spec["target_forwards"] < out.usage.completion_tokens + 1  # drafts were accepted
+    assert spec["num_drafted_tokens"] > 0 and spec["mean_accepted_length"] >= 1.0
+    assert spec["num_target_forwards"] < out.usage.completion_tokens + 1  # drafts were accepted
 
     chunks = list(client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=40, temperature=0, stream=True,
                                             stream_options={"include_usage": True}))
@@ -236,8 +236,8 @@ def test_each_drafter_serves_losslessly(tiny64, noisy_draft, kind):
             ids = tiny64.tokenizer(p)["input_ids"]
             assert out.choices[0].token_ids == _plain_greedy(tiny64, ids, 40), p
             assert out.choices[0].text == tiny64.tokenizer.decode(out.choices[0].token_ids, skip_special_tokens=True)
-        assert sum(o.usage.speculative["drafted_tokens"] for o in outs) > 0
-        assert sum(o.usage.speculative["accepted_tokens"] for o in outs) > 0
+        assert sum(o.usage.speculative["num_drafted_tokens"] for o in outs) > 0
+        assert sum(o.usage.speculative["num_accepted_tokens"] for o in outs) > 0
 
         chunks = list(client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=40, temperature=0,
                                                 stream=True))
@@ -518,9 +518,10 @@ BAD_REQUESTS = [
     ("/v1/completions", {"model": MODEL, "prompt": [1, 99999]}, 400, "prompt", "token ids must be in"),
     ("/v1/completions", {"model": MODEL, "prompt": "x " * 300}, 400, "prompt", "context"),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "stop": ["a", ""]}, 400, "stop", "non-empty"),
-    ("/v1/completions", {"model": MODEL, "prompt": "x", "echo": True}, 400, None, "echo is not supported"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "suffix": "y"}, 400, "suffix", "suffix is not supported"),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "logprobs": 50}, 400, "logprobs", "[0, 20]"),
-    ("/v1/completions", {"model": MODEL, "prompt": "x", "presence_penalty": 1}, 400, None, "not supported"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "presence_penalty": 3}, 400, "presence_penalty", "[-2, 2]"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "temprature": 1}, 400, "temprature", "unknown field"),
     ("/v1/chat/completions", {"model": MODEL, "messages": []}, 400, "messages", "at least one message"),
     ("/v1/chat/completions", {"model": MODEL}, 400, "messages", "missing required field 'messages'"),
     ("/v1/chat/completions", {"model": MODEL, "messages": "hi"}, 400, "messages", "list"),
@@ -530,7 +531,7 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
                               "max_completion_tokens": 0}, 400, "max_completion_tokens", ">= 1"),
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
-                              "tools": [{"type": "function"}]}, 400, None, "tools"),
+                              "tools": [{"type": "function"}]}, 400, "tools", "tools"),
 ]
 
 
@@ -629,7 +630,7 @@ def test_metrics_totals_equal_the_summed_usage(tiny64):
         m = server.metrics()
     assert m["specdecode_prompt_tokens_total"] == sum(u.prompt_tokens for u in usages)
     assert m["specdecode_generation_tokens_total"] == sum(u.completion_tokens for u in usages)
-    assert m["specdecode_draft_tokens_total"] == sum(u.speculative["drafted_tokens"] for u in usages)
-    assert m["specdecode_accepted_tokens_total"] == sum(u.speculative["accepted_tokens"] for u in usages)
+    assert m["specdecode_draft_tokens_total"] == sum(u.speculative["num_drafted_tokens"] for u in usages)
+    assert m["specdecode_accepted_tokens_total"] == sum(u.speculative["num_accepted_tokens"] for u in usages)
     assert m["specdecode_draft_tokens_total"] > 0
     assert m["specdecode_requests_total{endpoint=completions,outcome=ok}"] == len(usages) - 1

@@ -57,7 +57,7 @@ def test_usage_hook_adds_the_usage_figures():
     m = ServerMetrics(4)
     for prompt, completion, drafted, accepted, steps in ((10, 20, 16, 9, 6), (3, 1, 0, 0, 0)):
         m.observe_usage({"prompt_tokens": prompt, "completion_tokens": completion,
-                         "speculative": {"drafted_tokens": drafted, "accepted_tokens": accepted}}, steps)
+                         "speculative": {"num_drafted_tokens": drafted, "num_accepted_tokens": accepted}}, steps)
     s = _samples(m)
     assert s["specdecode_prompt_tokens_total"] == 13 and s["specdecode_generation_tokens_total"] == 21
     assert s["specdecode_draft_tokens_total"] == 16 and s["specdecode_accepted_tokens_total"] == 9

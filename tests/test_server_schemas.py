@@ -32,7 +32,7 @@ def test_a_minimal_completion_and_its_defaults():
                                                                                         None)
     assert req.stops == [] and not req.include_usage and not req.stream and req.prompts() == ["x"]
     req = CompletionRequest(model="m", prompt="x", stop="\n", stream=True, stream_options={"include_usage": True},
-                            user="someone", metadata={"a": 1})  # unknown fields are ignored
+                            user="someone", metadata={"a": "1"}, store=False, service_tier="auto")  # harmless
     assert req.stops == ["\n"] and req.include_usage
 
 
@@ -65,22 +65,56 @@ def test_completion_values_out_of_range_name_the_field(body, field, needle):
     assert field in message and needle in message
 
 
-@pytest.mark.parametrize("body, needle", [
-    (dict(presence_penalty=0.5), "presence_penalty is not supported"),
-    (dict(frequency_penalty=-1.0), "frequency_penalty is not supported"),
-    (dict(repetition_penalty=1.2), "repetition_penalty is not supported"),
-    (dict(logit_bias={"5": 10}), "logit_bias is not supported"),
-    (dict(echo=True), "echo is not supported"),
-    (dict(suffix="tail"), "suffix is not supported"),
-    (dict(best_of=3), "best_of is not supported"),
+@pytest.mark.parametrize("body, field, needle", [
+    (dict(presence_penalty=2.5), "presence_penalty", "[-2, 2]"),
+    (dict(frequency_penalty=-3.0), "frequency_penalty", "[-2, 2]"),
+    (dict(repetition_penalty=0.0), "repetition_penalty", "(0, 100]"),
+    (dict(repetition_penalty=101.0), "repetition_penalty", "(0, 100]"),
+    (dict(min_p=1.5), "min_p", "[0, 1]"),
+    (dict(min_tokens=-1), "min_tokens", ">= 0"),
+    (dict(logit_bias={"5": 101}), "logit_bias", "[-100, 100]"),
+    (dict(logit_bias={"five": 1}), "logit_bias", "token ids as strings"),
+    (dict(logit_bias={"5": "1"}), "logit_bias", "number"),
+    (dict(stop_token_ids=[-1]), "stop_token_ids", ">= 0"),
+    (dict(allowed_token_ids=[]), "allowed_token_ids", "at least one"),
+    (dict(prompt_logprobs=21), "prompt_logprobs", "[0, 20]"),
+    (dict(best_of=0), "best_of", "[1, 64]"),
+    (dict(best_of=1, n=2), "best_of", "must be >= n"),
+    (dict(best_of=3, stream=True), "best_of", "cannot stream"),
+    (dict(speculative={"num_speculative_tokens": 0}), "num_speculative_tokens", "[1, 64]"),
+    (dict(speculative={"verification": "magic"}), "verification", "token"),
+    (dict(speculative={"enabled": 1}), "enabled", "boolean"),
+    (dict(store=True), "store", "not supported"),
+    (dict(service_tier="priority"), "service_tier", "not supported"),
+    (dict(suffix="tail"), "suffix", "not supported"),
 ])
-def test_fields_this_server_cannot_honour_are_refused(body, needle):
-    assert needle in _error(CompletionRequest, model="m", prompt="x", **body)
+def test_sampling_fields_out_of_range_name_the_field(body, field, needle):
+    message = _error(CompletionRequest, **{"model": "m", "prompt": "x", **body})
+    assert field in message and needle in message, message
 
 
-def test_neutral_values_of_unsupported_fields_are_accepted():
-    CompletionRequest(model="m", prompt="x", presence_penalty=0, frequency_penalty=0.0, repetition_penalty=1,
-                      logit_bias={}, echo=False, best_of=2, n=2, top_k=-1)
+@pytest.mark.parametrize("cls, extra", [
+    (CompletionRequest, {"prompt": "x"}), (ChatCompletionRequest, {"messages": USER}),
+])
+@pytest.mark.parametrize("field", ["bogus_field", "tools_choice", "audio", "bad_words", "modalities"])
+def test_unknown_and_unsupported_fields_are_refused(cls, extra, field):
+    with pytest.raises(ValidationError) as info:
+        cls.model_validate({"model": "m", **extra, field: 1})
+    err = info.value.errors()[0]
+    assert err["type"] == "extra_forbidden" and err["loc"] == (field,)
+
+
+def test_the_whole_sampling_surface_is_accepted():
+    req = CompletionRequest(model="m", prompt="x", presence_penalty=0.5, frequency_penalty=-1.0,
+                            repetition_penalty=1.2, min_p=0.1, logit_bias={"5": 10, "7": -100}, echo=True,
+                            best_of=3, n=2, top_k=-1, min_tokens=3, stop_token_ids=[4], allowed_token_ids=[4, 5],
+                            prompt_logprobs=2, seed=1, ignore_eos=True,
+                            speculative={"enabled": False, "num_speculative_tokens": 2, "verification": "block"})
+    assert req.candidates == 3 and req.speculative.verification == "block" and req.logit_bias == {"5": 10.0,
+                                                                                                  "7": -100.0}
+    assert CompletionRequest(model="m", prompt="x", n=2).candidates == 2
+    ChatCompletionRequest(model="m", messages=USER, presence_penalty=1, logit_bias={"3": 1.5}, min_p=0.0,
+                          speculative={}, prompt_logprobs=0)
 
 
 def test_chat_messages_roles_parts_and_developer_as_system():
@@ -104,6 +138,7 @@ def test_chat_max_completion_tokens_wins_over_max_tokens():
     (dict(messages=[{"role": "wizard", "content": "x"}]), "role"),
     (dict(messages=[{"role": "user"}]), "messages[0] (user) has no content"),
     (dict(messages=[{"role": "user", "content": [{"type": "image_url", "text": "x"}]}]), "text"),
+    (dict(messages=[{"role": "user", "content": "x", "tool_calls": []}]), "tool_calls"),
     (dict(messages=USER, tools=[{"type": "function"}]), "tools / function calling are not supported"),
     (dict(messages=USER, tool_choice="auto"), "tools / function calling are not supported"),
     (dict(messages=USER, response_format={"type": "json_object"}), "response_format"),

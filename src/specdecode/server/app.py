@@ -37,17 +37,21 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from specdecode import __version__
-from specdecode.engine import SpeculativeEngine
+from specdecode.engine import RequestSpeculation, SpeculativeEngine
 from specdecode.generator import SpecDecoder, TextTracker
 from specdecode.models import LoadedModel
 from specdecode.scheduler import BatchRequest, EngineStoppedError, QueueFullError, RowEvent, Scheduler, StepStats
 from specdecode.server.metrics import CONTENT_TYPE_LATEST, ServerMetrics
+from specdecode.sampling import RequestSampler
 from specdecode.server.schemas import (
+    NOT_SUPPORTED,
     ChatCompletionRequest,
     CompletionRequest,
     ModelCard,
     ModelList,
+    SpeculativeOptions,
 )
+from specdecode.token_bytes import TokenBytes
 from specdecode.options import DEFAULT_MAX_REQUEST_BYTES  # noqa: F401 - largest body by default (bytes), re-exported
 from specdecode.types import PromptTooLongError, SamplingParams, SpecDecodeError
 
@@ -87,13 +91,26 @@ def _validation_error(exc: ValidationError) -> APIError:
                              f"JSON object", code="invalid_json")
     if kind == "model_type" and not loc:
         return APIError(400, "the request body must be a JSON object", code="invalid_json")
+    if kind == "extra_forbidden":  # nothing is silently ignored: an unknown or unsupported field is named
+        name = str(loc[-1])
+        param = "".join(f"[{p}]" if isinstance(p, int) else (f".{p}" if i else p) for i, p in enumerate(loc))
+        if name in NOT_SUPPORTED and len(loc) == 1:
+            return APIError(400, f"{name} is not supported by this server ({NOT_SUPPORTED[name]}); omit it",
+                            param=param, code="unsupported_field")
+        return APIError(400, f"unknown field '{param}': this server does not take it (a typo? see the fields "
+                             f"of the OpenAI API and specdecode.server.schemas); omit it", param=param,
+                        code="unknown_field")
     # keep the field path, drop pydantic's union-member tags ("str", "list[int]", ...)
     path = [p for p in loc if isinstance(p, int) or p in _FIELD_NAMES]
     param = "".join(f"[{p}]" if isinstance(p, int) else (f".{p}" if i else p) for i, p in enumerate(path)) or None
     if kind == "missing":
         return APIError(400, f"missing required field '{param}'", param=param, code="missing_field")
     if kind == "value_error":
-        return APIError(400, msg.removeprefix("Value error, "), param=param, code="invalid_value")
+        msg = msg.removeprefix("Value error, ")
+        if param is None:  # a check across fields: its message starts with the field it refuses
+            first = msg.split(" ", 1)[0].rstrip(":")
+            param = first if first in _FIELD_NAMES else None
+        return APIError(400, msg, param=param, code="invalid_value")
     field = path[-1] if path and isinstance(path[-1], str) else (path[-2] if len(path) > 1 else None)
     hint = _TYPE_HINTS.get(field) if isinstance(field, str) else None
     got = json.dumps(err.get("input"), default=str)[:60]
@@ -101,8 +118,8 @@ def _validation_error(exc: ValidationError) -> APIError:
     return APIError(400, f"{param}: {what} (got {got})", param=param, code="invalid_type")
 
 
-_FIELD_NAMES = set(CompletionRequest.model_fields) | set(ChatCompletionRequest.model_fields) | {
-    "role", "content", "name", "type", "text", "include_usage"}
+_FIELD_NAMES = set(CompletionRequest.model_fields) | set(ChatCompletionRequest.model_fields) | set(
+    SpeculativeOptions.model_fields) | {"role", "content", "name", "type", "text", "include_usage"}
 
 
 def _too_large(size: int, limit: int, declared: bool) -> APIError:
@@ -194,6 +211,7 @@ class ServingState:
         #: What the target's weights run in and why (``precision.PrecisionChoice``; set by ``launch.load_state``).
         self.precision = None
         self.text = SpecDecoder(target, None)  # encode / encode_chat / decode, no engine use
+        self.token_bytes = TokenBytes(target.tokenizer)  # each token's own bytes and string, for logprobs
         policy = self.engine.policy if self.engine.proposer is not None else None
         max_gamma = max(config.num_speculative_tokens, getattr(policy, "max_tokens", 0) or 0)
         self.metrics = metrics or ServerMetrics(max_gamma)
@@ -232,16 +250,30 @@ class _Snapshot:
 
 
 class _Choice:
-    """One choice: an engine request, its text tracker and what has been sent."""
+    """One choice: an engine request, its text tracker and what has been sent.
+
+    ``logprobs_n`` is what the engine computes (best_of needs every candidate's logprobs to rank them),
+    ``report_logprobs`` what the client asked to see (None: no logprobs in the response)."""
 
     def __init__(self, index: int, prompt_ids: list[int], params: SamplingParams, stops: list[str],
-                 decode, logprobs: int | None) -> None:
+                 decode, logprobs: int | None, *, report_logprobs: int | None = None,
+                 speculation: RequestSpeculation | None = None, prompt_logprobs: int | None = None,
+                 echo: bool = False) -> None:
         self.index = index
         self.prompt_ids = prompt_ids
         self.params = params
         self.decode = decode
         self.tracker = TextTracker(decode, stops)
         self.logprobs_n = logprobs
+        self.report_logprobs = report_logprobs
+        self.speculation = speculation
+        self.prompt_logprobs_n = prompt_logprobs  # what the engine scores (echo with logprobs needs it too)
+        self.report_prompt_logprobs: int | None = None  # the client's prompt_logprobs
+        self.prompt_logprobs: list | None = None  # from the engine's first event
+        self.echo = echo
+        self.prompt_text = decode(prompt_ids) if echo else ""
+        self.first_chunk_pending = True  # the stream's first chunk of this choice (echo, prompt logprobs)
+        self._prefix_lens: dict[int, int] = {}
         self.lps: list[float] = []
         self.tops: list[list[tuple[int, float]]] = []
         self.sent = 0  # ids whose text has been handed out
@@ -258,6 +290,8 @@ class _Choice:
     def feed(self, ev: RowEvent) -> tuple[str, list[int], int]:
         """Take an engine event; return (new text, the ids it covers, index of the first of them)."""
         self.events += 1
+        if ev.prompt_logprobs is not None:
+            self.prompt_logprobs = ev.prompt_logprobs
         if ev.logprobs is not None:
             self.lps.extend(ev.logprobs)
             self.tops.extend(ev.top_logprobs or [[] for _ in ev.logprobs])
@@ -290,6 +324,19 @@ class _Choice:
     @property
     def completion_tokens(self) -> int:
         return len(self.tracker.ids)
+
+    @property
+    def cumulative_logprob(self) -> float:
+        """Sum of the target's logprobs of the returned tokens (best_of ranks candidates by it)."""
+        return float(sum(self.lps[: len(self.tracker.ids)]))
+
+    def offset(self, j: int) -> int:
+        """Where generated token j starts in the choice's text: the length of the text of the tokens before
+        it, less a trailing incomplete character (a token that continues a character starts where it does)."""
+        hit = self._prefix_lens.get(j)
+        if hit is None:
+            hit = self._prefix_lens[j] = len(self.decode(self.tracker.ids[:j]).rstrip("\ufffd")) if j else 0
+        return hit
 
 
 def _snapshot(ev: RowEvent) -> _Snapshot:
@@ -333,7 +380,8 @@ class _Job:
             def on_event(ev: RowEvent, i=choice.index) -> None:  # scheduler thread
                 loop.call_soon_threadsafe(self.queue.put_nowait, (i, ev, _snapshot(ev)))
 
-            req = BatchRequest(choice.prompt_ids, choice.params, on_event, logprobs=choice.logprobs_n)
+            req = BatchRequest(choice.prompt_ids, choice.params, on_event, logprobs=choice.logprobs_n,
+                               speculation=choice.speculation, prompt_logprobs=choice.prompt_logprobs_n)
             try:
                 scheduler.submit(req)
             except (QueueFullError, EngineStoppedError) as exc:
@@ -434,11 +482,11 @@ class _Job:
             "completion_tokens": completion,
             "total_tokens": prompt + completion,
             "speculative": {
-                "drafted_tokens": drafted,
-                "accepted_tokens": accepted,
+                "num_drafted_tokens": drafted,
+                "num_accepted_tokens": accepted,
                 "acceptance_rate": accepted / drafted if drafted else 0.0,
                 "mean_accepted_length": sum(s.step_tokens for s in snaps) / steps if steps else 0.0,
-                "target_forwards": sum(s.target_forwards for s in snaps),
+                "num_target_forwards": sum(s.target_forwards for s in snaps),
             },
         }
 
@@ -481,9 +529,15 @@ def _encode_chat(state: ServingState, messages: list[dict]) -> list[int]:
         raise APIError(400, f"the chat template rejected the messages: {exc}", param="messages") from None
 
 
+#: SamplingParams' names of the settings whose wire field has another name.
+_WIRE_NAME = {"max_new_tokens": "max_tokens", "enabled": "speculative.enabled",
+              "num_speculative_tokens": "speculative.num_speculative_tokens", "verification": "speculative.verification"}
+
+
 def _params(state: ServingState, body, prompt_ids: list[int], max_new: int | None, default: int,
             index: int) -> SamplingParams:
-    """SamplingParams of choice ``index``; 400 when the prompt plus max_tokens overflows the context."""
+    """SamplingParams of choice ``index``; 400 when the prompt plus max_tokens overflows the context, or a
+    value is out of range (``param`` = the wire field)."""
     context = state.engine.max_context
     room = context - len(prompt_ids)
     field = "max_completion_tokens" if getattr(body, "max_completion_tokens", None) is not None else "max_tokens"
@@ -500,66 +554,182 @@ def _params(state: ServingState, body, prompt_ids: list[int], max_new: int | Non
     top_k = body.top_k if body.top_k not in (None, -1) else 0
     seed = None if body.seed is None else (body.seed + index) % 2**63
     try:
-        return SamplingParams(
+        params = SamplingParams(
             temperature=1.0 if body.temperature is None else float(body.temperature),
             top_k=top_k, top_p=1.0 if body.top_p is None else float(body.top_p),
-            max_new_tokens=max_new, seed=seed, eos_token_ids=state.target.eos_token_ids,
+            min_p=0.0 if body.min_p is None else float(body.min_p),
+            presence_penalty=0.0 if body.presence_penalty is None else float(body.presence_penalty),
+            frequency_penalty=0.0 if body.frequency_penalty is None else float(body.frequency_penalty),
+            repetition_penalty=1.0 if body.repetition_penalty is None else float(body.repetition_penalty),
+            logit_bias={int(k): float(v) for k, v in body.logit_bias.items()} if body.logit_bias else None,
+            allowed_token_ids=body.allowed_token_ids, stop_token_ids=tuple(body.stop_token_ids or ()),
+            min_tokens=body.min_tokens, max_new_tokens=max_new, seed=seed, eos_token_ids=state.target.eos_token_ids,
             ignore_eos=body.ignore_eos,
         )
+        # the engine's own checks of the token ids (in the vocabulary, some token left), before submitting
+        RequestSampler(params, (), state.engine.vocab_size)
     except SpecDecodeError as exc:
-        raise APIError(400, str(exc), code="invalid_value") from None
+        name = getattr(exc, "field", None)
+        param = field if name == "max_new_tokens" else _WIRE_NAME.get(name, name)
+        raise APIError(400, str(exc), param=param, code="invalid_value") from None
+    return params
+
+
+def _speculation(body) -> RequestSpeculation | None:
+    """The request's ``"speculative"`` extension as the engine's RequestSpeculation (None: the server's)."""
+    spec = body.speculative
+    if spec is None:
+        return None
+    try:
+        return RequestSpeculation(enabled=spec.enabled, num_speculative_tokens=spec.num_speculative_tokens,
+                                  verification=None if spec.verification in (None, "auto") else spec.verification)
+    except SpecDecodeError as exc:
+        raise APIError(400, str(exc), param=_WIRE_NAME.get(getattr(exc, "field", None), "speculative"),
+                       code="invalid_value") from None
 
 
 def _job(state: ServingState, endpoint: str, body, prompts: list[list[int]], max_new: int | None,
-         default_max: int, logprobs: int | None) -> _Job:
-    n = body.n
-    if len(prompts) * n > 64:
-        raise APIError(400, f"{len(prompts)} prompts x n={n} = {len(prompts) * n} choices; at most 64 per request",
-                       param="n", code="invalid_value")
+         default_max: int, logprobs: int | None, *, echo: bool = False) -> _Job:
+    """The engine requests of one HTTP request: per prompt, ``n`` choices (``best_of`` candidates on
+    completions; they are ranked at the end). ``logprobs``: what the client asked to see."""
+    per_prompt = getattr(body, "candidates", body.n)
+    if len(prompts) * per_prompt > 64:
+        what = "best_of" if per_prompt != body.n else "n"
+        raise APIError(400, f"{len(prompts)} prompts x {what}={per_prompt} = {len(prompts) * per_prompt} choices; at "
+                            f"most 64 per request", param=what, code="invalid_value")
+    engine_logprobs = logprobs if per_prompt == body.n else (logprobs or 0)  # best_of ranks by logprobs
+    prompt_n = body.prompt_logprobs
+    if echo and logprobs is not None:
+        prompt_n = max(prompt_n or 0, logprobs)
+    speculation = _speculation(body)
     choices = []
     for p, ids in enumerate(prompts):
-        for j in range(n):
-            index = p * n + j
+        for j in range(per_prompt):
+            index = p * per_prompt + j
             params = _params(state, body, ids, max_new, default_max, index)
-            choices.append(_Choice(index, ids, params, body.stops, state.text.decode, logprobs))
-    return _Job(state, endpoint, choices, n)
+            choice = _Choice(index, ids, params, body.stops, state.text.decode, engine_logprobs,
+                             report_logprobs=logprobs, speculation=speculation, prompt_logprobs=prompt_n, echo=echo)
+            choice.report_prompt_logprobs = body.prompt_logprobs
+            choices.append(choice)
+    return _Job(state, endpoint, choices, per_prompt)
+
+
+def _best(job: _Job, n: int) -> list[tuple[int, _Choice]]:
+    """best_of: per prompt, the n candidates with the highest cumulative logprob (ties: the earlier one),
+    renumbered 0.. in that order; every candidate still counts in usage."""
+    per_prompt = job.n
+    if per_prompt == n:
+        return [(c.index, c) for c in job.choices]
+    out = []
+    for p in range(len(job.choices) // per_prompt):
+        group = job.choices[p * per_prompt : (p + 1) * per_prompt]
+        ranked = sorted(group, key=lambda c: (-c.cumulative_logprob, c.index))[:n]
+        out.extend((p * n + j, c) for j, c in enumerate(ranked))
+    return out
 
 
 # --------------------------------------------------------------------------- response bodies
 
 
-def _completion_logprobs(state: ServingState, c: _Choice, start: int, ids: list[int], offset: int) -> dict | None:
-    if c.logprobs_n is None:
+def _top_dict(tb: TokenBytes, top: list[tuple[int, float]]) -> dict[str, float]:
+    """Completions' top_logprobs of one token: {token string: logprob}, every alternative kept (a string
+    already taken by a more likely alternative is keyed ``token_id:ID``)."""
+    out: dict[str, float] = {}
+    for t, lp in top:
+        key = tb.text_of(t)
+        out[key if key not in out else f"token_id:{t}"] = lp
+    return out
+
+
+def _completion_logprobs(state: ServingState, c: _Choice, start: int, ids: list[int],
+                         with_prompt: bool = False) -> dict | None:
+    """The completions ``logprobs`` object of ``ids`` (generated tokens ``start``..): tokens, their logprobs,
+    the top alternatives and where each token starts in the returned text; ``with_prompt`` (echo) puts the
+    prompt's tokens first (the first one's logprob None)."""
+    n = c.report_logprobs
+    if n is None:
         return None
-    tok = state.text.decode
-    tokens = [tok([t]) for t in ids]
-    offsets, pos = [], offset
-    for s in tokens:
-        offsets.append(pos)
-        pos += len(s)
-    return {
-        "tokens": tokens,
-        "token_logprobs": c.lps[start : start + len(ids)],
-        "top_logprobs": [{tok([t]): lp for t, lp in top} for top in c.tops[start : start + len(ids)]],
-        "text_offset": offsets,
-    }
+    tb = state.token_bytes
+    tokens, lps, tops, offsets = [], [], [], []
+    if with_prompt:
+        scored = c.prompt_logprobs or [(None, None, [])] * len(c.prompt_ids)
+        for j, (t, (lp, _, top)) in enumerate(zip(c.prompt_ids, scored)):
+            tokens.append(tb.text_of(t))
+            lps.append(lp)
+            tops.append(None if lp is None else _top_dict(tb, top[:n]))
+            offsets.append(len(c.decode(c.prompt_ids[:j]).rstrip("\ufffd")) if j else 0)
+    base = len(c.prompt_text)
+    for k, t in enumerate(ids):
+        tokens.append(tb.text_of(t))
+        lps.append(c.lps[start + k])
+        tops.append(_top_dict(tb, c.tops[start + k][:n]))
+        offsets.append(base + c.offset(start + k))
+    return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
 
 
 def _chat_logprobs(state: ServingState, c: _Choice, start: int, ids: list[int]) -> dict | None:
-    if c.logprobs_n is None:
+    if c.report_logprobs is None:
         return None
-    tok = state.text.decode
+    tb = state.token_bytes
 
     def entry(t: int, lp: float) -> dict:
-        s = tok([t])
-        return {"token": s, "logprob": lp, "bytes": list(s.encode("utf-8"))}
+        data, text = tb.entry(t)
+        return {"token": text, "logprob": lp, "bytes": list(data)}
 
     content = []
     for k, t in enumerate(ids):
         e = entry(t, c.lps[start + k])
-        e["top_logprobs"] = [entry(a, lp) for a, lp in c.tops[start + k]]
+        e["top_logprobs"] = [entry(a, lp) for a, lp in c.tops[start + k][: c.report_logprobs]]
         content.append(e)
     return {"content": content}
+
+
+def _prompt_logprobs(state: ServingState, c: _Choice) -> list | None:
+    """vLLM's ``prompt_logprobs`` of a choice: None for the first prompt token, then per token {token id:
+    {logprob, rank, decoded_token}} for the prompt token itself and the top ``prompt_logprobs`` alternatives."""
+    n = c.report_prompt_logprobs
+    if n is None or c.prompt_logprobs is None:
+        return None
+    tb = state.token_bytes
+    out: list[dict | None] = [None]
+    for t, (lp, rank, top) in zip(c.prompt_ids[1:], c.prompt_logprobs[1:]):
+        entry = {str(t): {"logprob": lp, "rank": rank, "decoded_token": tb.text_of(t)}}
+        for r, (a, alp) in enumerate(top[:n], start=1):
+            entry.setdefault(str(a), {"logprob": alp, "rank": r, "decoded_token": tb.text_of(a)})
+        out.append(entry)
+    return out
+
+
+def _completion_choice(state: ServingState, c: _Choice, piece: str, ids: list[int], start: int, fin,
+                       index: int | None = None, final: bool = False) -> dict:
+    """One completions choice: a stream chunk's (``piece``: its new text; the first chunk also carries the echoed
+    prompt and the prompt logprobs) or, with ``final``, the whole choice."""
+    first = final or c.first_chunk_pending
+    c.first_chunk_pending = False
+    echo = c.echo and first
+    out = {"index": c.index if index is None else index, "text": (c.prompt_text if echo else "") + piece,
+           "token_ids": ids, "logprobs": _completion_logprobs(state, c, start, ids, with_prompt=echo),
+           "finish_reason": fin}
+    if echo:
+        out["prompt_token_ids"] = list(c.prompt_ids)
+    if first and c.report_prompt_logprobs is not None:
+        out["prompt_logprobs"] = _prompt_logprobs(state, c)
+    return out
+
+
+def _chat_choice(state: ServingState, c: _Choice, piece: str, ids: list[int], start: int, fin,
+                 final: bool = False) -> dict:
+    """One chat choice: a stream chunk's delta or, with ``final``, the whole message."""
+    first = final or c.first_chunk_pending
+    c.first_chunk_pending = False
+    if final:
+        out = {"index": c.index, "message": {"role": "assistant", "content": piece}}
+    else:
+        out = {"index": c.index, "delta": {"content": piece} if piece or not fin else {}}
+    out.update({"token_ids": ids, "logprobs": _chat_logprobs(state, c, start, ids), "finish_reason": fin})
+    if first and c.report_prompt_logprobs is not None:
+        out["prompt_logprobs"] = _prompt_logprobs(state, c)
+    return out
 
 
 def _response_base(state: ServingState, id_prefix: str, obj: str) -> dict:
@@ -683,19 +853,15 @@ def create_app(state: ServingState) -> FastAPI:
         with _counted_if_invalid(state, endpoint):
             body: CompletionRequest = await _parse(request, CompletionRequest, state)
             prompts = await run_in_threadpool(_encode_prompts, state, body.prompts())
-            job = _job(state, endpoint, body, prompts, body.max_tokens, 16, body.logprobs)
+            job = _job(state, endpoint, body, prompts, body.max_tokens, 16, body.logprobs, echo=body.echo)
             job.submit()
         base = _response_base(state, "cmpl", "text_completion")
         if body.stream:
             return _sse(job, body, lambda c, piece, ids, start, fin: {
-                **base, "choices": [{"index": c.index, "text": piece, "token_ids": ids,
-                                     "logprobs": _completion_logprobs(state, c, start, ids,
-                                                                      len(c.tracker.shown) - len(piece)),
-                                     "finish_reason": fin}]}, base, None)
+                **base, "choices": [_completion_choice(state, c, piece, ids, start, fin)]}, base, None)
         await _collect(job, request)
-        choices = [{"index": c.index, "text": c.tracker.text, "token_ids": list(c.tracker.ids),
-                    "logprobs": _completion_logprobs(state, c, 0, list(c.tracker.ids), 0),
-                    "finish_reason": _finish_reason(c)} for c in job.choices]
+        choices = [_completion_choice(state, c, c.tracker.text, list(c.tracker.ids), 0, _finish_reason(c), index=i,
+                                      final=True) for i, c in _best(job, body.n)]
         return {**base, "choices": choices, "usage": job.usage()}
 
     @app.post("/v1/chat/completions")
@@ -712,14 +878,10 @@ def create_app(state: ServingState) -> FastAPI:
             first = {**base, "choices": [{"index": c.index, "delta": {"role": "assistant", "content": ""},
                                           "logprobs": None, "finish_reason": None} for c in job.choices]}
             return _sse(job, body, lambda c, piece, ids, start, fin: {
-                **base, "choices": [{"index": c.index, "delta": {"content": piece} if piece or not fin else {},
-                                     "token_ids": ids, "logprobs": _chat_logprobs(state, c, start, ids),
-                                     "finish_reason": fin}]}, base, first)
+                **base, "choices": [_chat_choice(state, c, piece, ids, start, fin)]}, base, first)
         await _collect(job, request)
-        choices = [{"index": c.index, "message": {"role": "assistant", "content": c.tracker.text},
-                    "token_ids": list(c.tracker.ids),
-                    "logprobs": _chat_logprobs(state, c, 0, list(c.tracker.ids)),
-                    "finish_reason": _finish_reason(c)} for c in job.choices]
+        choices = [_chat_choice(state, c, c.tracker.text, list(c.tracker.ids), 0, _finish_reason(c), final=True)
+                   for c in job.choices]
         return {**base, "object": "chat.completion", "choices": choices, "usage": job.usage()}
 
     return app
@@ -783,7 +945,7 @@ def _sse(job: _Job, body, chunk, base: dict, first: dict | None) -> StreamingRes
                 yield _event({"error": err})
                 continue
             fin = _finish_reason(c) if c.done else None
-            if piece or ids or fin:
+            if piece or ids or fin or (c.first_chunk_pending and (c.echo or c.report_prompt_logprobs is not None)):
                 yield _event(chunk(c, piece, ids, start, fin))
         job.close(job.outcome())  # before the last bytes: a client that reads [DONE] sees the metrics moved
         if body.include_usage:

@@ -38,9 +38,9 @@ class ServerMetrics:
         self.generation_tokens = Counter("specdecode_generation_tokens", "Committed tokens of ended requests "
                                          "(usage.completion_tokens)", registry=r)
         self.drafted = Counter("specdecode_draft_tokens", "Draft tokens verified by the target, of ended requests "
-                               "(usage.speculative.drafted_tokens)", registry=r)
+                               "(usage.speculative.num_drafted_tokens)", registry=r)
         self.accepted = Counter("specdecode_accepted_tokens", "Draft tokens kept by verification, of ended requests "
-                                "(usage.speculative.accepted_tokens)", registry=r)
+                                "(usage.speculative.num_accepted_tokens)", registry=r)
         self.verify_steps = Counter("specdecode_verify_steps", "Target forwards after the prefill, per request, of "
                                     "ended requests", registry=r)
         self.drafted_at = Counter("specdecode_draft_tokens_by_position", "Steps whose draft reached this position "
@@ -91,8 +91,8 @@ class ServerMetrics:
         """An ended request: the figures of its ``usage`` body (and its target forwards after the prefill)."""
         self.prompt_tokens.inc(usage["prompt_tokens"])
         self.generation_tokens.inc(usage["completion_tokens"])
-        self.drafted.inc(usage["speculative"]["drafted_tokens"])
-        self.accepted.inc(usage["speculative"]["accepted_tokens"])
+        self.drafted.inc(usage["speculative"]["num_drafted_tokens"])
+        self.accepted.inc(usage["speculative"]["num_accepted_tokens"])
         self.verify_steps.inc(verify_steps)
 
     def _grow(self, n: int) -> None:

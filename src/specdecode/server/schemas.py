@@ -1,13 +1,38 @@
 """Wire schemas of the OpenAI-compatible API (pydantic; only the server uses pydantic).
 
-Requests are parsed strictly (``"5"`` is not an integer, ``1`` is not a boolean) so
-a client bug gets a 400 that names the field instead of a silent coercion. Unknown
-fields are ignored (OpenAI clients send ``user``, ``metadata`` and the like);
-known OpenAI fields this server cannot honour get a 400 that says so.
+Requests are parsed strictly (``"5"`` is not an integer, ``1`` is not a boolean) so a client bug
+gets a 400 that names the field instead of a silent coercion. Nothing is silently ignored: a field
+this server does not know gets a 400 naming it (``param`` = the field), and so does a known OpenAI
+field it cannot honour (tools, audio, ...: :data:`NOT_SUPPORTED`). Accepted without effect on the
+output: ``user``, ``metadata`` (echoed nowhere), ``store: false`` and ``service_tier: "auto" / "default"``.
 
-Extensions beyond the OpenAI API: ``top_k`` (0 or -1 disables), ``ignore_eos``;
-responses add ``usage.speculative`` and, per choice (also in stream chunks),
-``token_ids``: the ids whose text that choice / chunk carries.
+Sampling fields, on /v1/completions and /v1/chat/completions alike (OpenAI's unless marked vLLM):
+``temperature`` [0, 2], ``top_p`` (0, 1], ``top_k`` (vLLM; 0 or -1 disables), ``min_p`` (vLLM, [0, 1]),
+``presence_penalty`` / ``frequency_penalty`` [-2, 2], ``repetition_penalty`` (vLLM, (0, 100]),
+``logit_bias`` (token id as a string -> bias in [-100, 100]; -100 bans the token), ``seed``, ``n``,
+``stop`` (at most 4 strings), ``min_tokens`` (vLLM: EOS and stop_token_ids held back until then),
+``stop_token_ids`` (vLLM), ``ignore_eos`` (vLLM), ``allowed_token_ids`` (vLLM), ``prompt_logprobs``
+(vLLM: the top n alternatives of every prompt token, per choice). Completions also take ``echo``
+(the prompt, and with ``logprobs`` its tokens' logprobs, first None) and ``best_of`` (that many
+candidates per prompt, the ``n`` with the highest cumulative logprob returned; not with ``stream``).
+
+The extension ``"speculative"``: this request's own speculation, ``{"enabled": bool (default true;
+false decodes it plainly: usage.speculative.num_drafted_tokens is 0 and the output is the same),
+"num_speculative_tokens": 1..64 (this request's gamma in place of the server's draft-length policy),
+"verification": "token" | "block" | "auto" (how its sampled drafts are verified: token-wise rejection
+sampling, Leviathan et al. 2023, or block verification, Sun et al. 2024; both keep the target's
+distribution)}``.
+
+Responses add ``usage.speculative`` (num_drafted_tokens, num_accepted_tokens, acceptance_rate,
+mean_accepted_length, num_target_forwards of the request's choices together) and, per choice (also in
+stream chunks), ``token_ids``: the ids whose text that choice / chunk carries.
+
+Logprobs are log-softmax of the target's raw logits (temperature 1, before penalties and biases) at
+each committed token. A token's ``bytes`` are its own bytes from the vocabulary (``specdecode.token_bytes``:
+a character split across tokens gives each token its partial bytes); its ``token`` string is its UTF-8
+text, ``bytes:\\xNN...`` when it holds only part of a character, and a special token's name
+(``<|im_end|>``). Completions' ``top_logprobs`` dicts keep every alternative: when two alternatives'
+strings collide, the later one is keyed ``token_id:ID``.
 """
 
 from __future__ import annotations
@@ -17,12 +42,30 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
-#: Most choices one request may ask for (prompts x n).
+from specdecode.validate import MAX_SPECULATIVE_TOKENS
+
+#: Most choices one request may ask for (prompts x n, prompts x best_of).
 MAX_CHOICES = 64
 #: Most logprobs alternatives per token.
 MAX_TOP_LOGPROBS = 20
 #: Most stop strings per request (OpenAI's limit).
 MAX_STOP = 4
+#: Most token ids in stop_token_ids / allowed_token_ids / logit_bias.
+MAX_TOKEN_IDS = 4096
+
+#: Known OpenAI / vLLM request fields this server refuses, and what each would ask for.
+NOT_SUPPORTED = {
+    "tools": "tools / function calling", "tool_choice": "tools / function calling",
+    "functions": "tools / function calling", "function_call": "tools / function calling",
+    "parallel_tool_calls": "tools / function calling", "audio": "audio output", "modalities": "output modalities",
+    "prediction": "predicted outputs", "reasoning_effort": "reasoning effort", "web_search_options": "web search",
+    "bad_words": "bad_words (ban a word's tokens with logit_bias -100 instead)",
+    "use_beam_search": "beam search", "length_penalty": "beam search", "guided_json": "vLLM's guided_* fields",
+    "guided_regex": "vLLM's guided_* fields", "guided_choice": "vLLM's guided_* fields",
+    "guided_grammar": "vLLM's guided_* fields", "include_stop_str_in_output": "include_stop_str_in_output",
+    "skip_special_tokens": "skip_special_tokens", "spaces_between_special_tokens": "spaces_between_special_tokens",
+    "truncate_prompt_tokens": "prompt truncation", "logprobs_mode": "logprobs_mode",
+}
 
 
 def _token_limit(v: int | None, info: ValidationInfo) -> int | None:
@@ -33,9 +76,22 @@ def _token_limit(v: int | None, info: ValidationInfo) -> int | None:
 
 
 def _logprob_count(v: int | None, info: ValidationInfo) -> int | None:
-    """``logprobs`` (completions) / ``top_logprobs`` (chat): unset, or 0 .. MAX_TOP_LOGPROBS alternatives."""
+    """``logprobs`` (completions) / ``top_logprobs`` (chat) / ``prompt_logprobs``: unset, or 0 ..
+    MAX_TOP_LOGPROBS alternatives."""
     if v is not None and not 0 <= v <= MAX_TOP_LOGPROBS:
         raise ValueError(f"{info.field_name} must be in [0, {MAX_TOP_LOGPROBS}], got {v}")
+    return v
+
+
+def _token_ids(v: list[int] | None, info: ValidationInfo) -> list[int] | None:
+    """``stop_token_ids`` / ``allowed_token_ids``: token ids >= 0 (the vocabulary is checked by the app)."""
+    if v is None:
+        return v
+    if len(v) > MAX_TOKEN_IDS:
+        raise ValueError(f"{info.field_name} takes at most {MAX_TOKEN_IDS} token ids, got {len(v)}")
+    bad = [t for t in v if t < 0]
+    if bad:
+        raise ValueError(f"{info.field_name} must hold token ids >= 0, got {bad[0]}")
     return v
 
 
@@ -43,14 +99,40 @@ def _logprob_count(v: int | None, info: ValidationInfo) -> int | None:
 TokenLimit = Annotated[int | None, AfterValidator(_token_limit)]
 #: An optional number of logprobs alternatives per token.
 LogprobCount = Annotated[int | None, AfterValidator(_logprob_count)]
+#: An optional list of token ids.
+TokenIds = Annotated[list[int] | None, AfterValidator(_token_ids)]
+
+
+def _in_range(name: str, v: float | None, low: float, high: float, what: str, low_open: bool = False):
+    if v is None:
+        return v
+    ok = (low < v if low_open else low <= v) and v <= high
+    if math.isnan(v) or not ok:
+        raise ValueError(f"{name} must be in {'(' if low_open else '['}{low:g}, {high:g}] ({what}), got {v}")
+    return v
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+    model_config = ConfigDict(strict=True, extra="forbid")
 
 
 class StreamOptions(_Strict):
     include_usage: bool = False
+
+
+class SpeculativeOptions(_Strict):
+    """The ``"speculative"`` extension: this request's own speculation (see the module docstring)."""
+
+    enabled: bool = True
+    num_speculative_tokens: int | None = None
+    verification: Literal["auto", "token", "block"] | None = None
+
+    @field_validator("num_speculative_tokens")
+    @classmethod
+    def _gamma(cls, v):
+        if v is not None and not 1 <= v <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(f"num_speculative_tokens must be in [1, {MAX_SPECULATIVE_TOKENS}], got {v}")
+        return v
 
 
 class _SamplingFields(_Strict):
@@ -61,6 +143,7 @@ class _SamplingFields(_Strict):
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
+    min_p: float | None = None
     n: int = 1
     seed: int | None = None
     stop: str | list[str] | None = None
@@ -70,20 +153,57 @@ class _SamplingFields(_Strict):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
-    logit_bias: dict[str, Any] | None = None
+    logit_bias: dict[str, float] | None = None
+    min_tokens: int = 0
+    stop_token_ids: TokenIds = None
+    allowed_token_ids: TokenIds = None
+    prompt_logprobs: LogprobCount = None
+    speculative: SpeculativeOptions | None = None
+    # accepted, and changing nothing in the output
+    user: str | None = None
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
 
     @field_validator("temperature")
     @classmethod
     def _temperature(cls, v):
-        if v is not None and (math.isnan(v) or not 0.0 <= v <= 2.0):
-            raise ValueError(f"temperature must be in [0, 2] (0 = greedy), got {v}")
-        return v
+        return _in_range("temperature", v, 0.0, 2.0, "0 = greedy")
 
     @field_validator("top_p")
     @classmethod
     def _top_p(cls, v):
-        if v is not None and (math.isnan(v) or not 0.0 < v <= 1.0):
-            raise ValueError(f"top_p must be in (0, 1] (1 disables it), got {v}")
+        return _in_range("top_p", v, 0.0, 1.0, "1 disables it", low_open=True)
+
+    @field_validator("min_p")
+    @classmethod
+    def _min_p(cls, v):
+        return _in_range("min_p", v, 0.0, 1.0, "0 disables it")
+
+    @field_validator("presence_penalty", "frequency_penalty")
+    @classmethod
+    def _penalty(cls, v, info: ValidationInfo):
+        return _in_range(info.field_name, v, -2.0, 2.0, "0 disables it")
+
+    @field_validator("repetition_penalty")
+    @classmethod
+    def _repetition(cls, v):
+        return _in_range("repetition_penalty", v, 0.0, 100.0, "1 disables it; > 1 discourages repeats",
+                         low_open=True)
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias(cls, v):
+        if v is None:
+            return v
+        if len(v) > MAX_TOKEN_IDS:
+            raise ValueError(f"logit_bias takes at most {MAX_TOKEN_IDS} token ids, got {len(v)}")
+        for key, bias in v.items():
+            if not key.isdigit():
+                raise ValueError(f"logit_bias keys must be token ids as strings (\"1234\"), got {key!r}")
+            if math.isnan(bias) or not -100.0 <= bias <= 100.0:
+                raise ValueError(f"logit_bias values must be in [-100, 100] (-100 bans the token), got {bias} "
+                                 f"for token {key}")
         return v
 
     @field_validator("top_k")
@@ -91,6 +211,20 @@ class _SamplingFields(_Strict):
     def _top_k(cls, v):
         if v is not None and v < -1:
             raise ValueError(f"top_k must be >= 0 (0 or -1 disables it), got {v}")
+        return v
+
+    @field_validator("min_tokens")
+    @classmethod
+    def _min_tokens(cls, v):
+        if v < 0:
+            raise ValueError(f"min_tokens must be >= 0, got {v}")
+        return v
+
+    @field_validator("allowed_token_ids")
+    @classmethod
+    def _allowed(cls, v):
+        if v is not None and not v:
+            raise ValueError("allowed_token_ids must name at least one token (omit it to allow all)")
         return v
 
     @field_validator("n")
@@ -117,17 +251,20 @@ class _SamplingFields(_Strict):
             raise ValueError("stop strings must be non-empty")
         return v
 
-    @model_validator(mode="after")
-    def _unsupported(self):
-        for name in ("presence_penalty", "frequency_penalty"):
-            value = getattr(self, name)
-            if value not in (None, 0, 0.0):
-                raise ValueError(f"{name} is not supported by this server; omit it or send 0")
-        if self.repetition_penalty not in (None, 1, 1.0):
-            raise ValueError("repetition_penalty is not supported by this server; omit it or send 1")
-        if self.logit_bias:
-            raise ValueError("logit_bias is not supported by this server; omit it")
-        return self
+    @field_validator("store")
+    @classmethod
+    def _store(cls, v):
+        if v:
+            raise ValueError("store: true is not supported: this server stores no completions; omit it or send false")
+        return v
+
+    @field_validator("service_tier")
+    @classmethod
+    def _service_tier(cls, v):
+        if v not in (None, "auto", "default"):
+            raise ValueError(f"service_tier {v!r} is not supported: this server has one tier; omit it or send "
+                             f"\"auto\"")
+        return v
 
     @property
     def stops(self) -> list[str]:
@@ -156,15 +293,28 @@ class CompletionRequest(_SamplingFields):
             raise ValueError("each token-id prompt must hold at least one token")
         return v
 
+    @field_validator("best_of")
+    @classmethod
+    def _best_of(cls, v):
+        if v is not None and not 1 <= v <= MAX_CHOICES:
+            raise ValueError(f"best_of must be in [1, {MAX_CHOICES}], got {v}")
+        return v
+
     @model_validator(mode="after")
     def _completion_unsupported(self):
-        if self.echo:
-            raise ValueError("echo is not supported by this server; omit it or send false")
         if self.suffix:
-            raise ValueError("suffix is not supported by this server; omit it")
-        if self.best_of is not None and self.best_of != self.n:
-            raise ValueError("best_of is not supported (only best_of == n); omit it")
+            raise ValueError("suffix is not supported by this server (no fill-in-the-middle); omit it")
+        if self.best_of is not None and self.best_of < self.n:
+            raise ValueError(f"best_of ({self.best_of}) must be >= n ({self.n}): best_of candidates are generated "
+                             f"and the n best returned")
+        if self.stream and self.candidates > self.n:
+            raise ValueError("best_of > n cannot stream (the best are known only at the end); send stream: false")
         return self
+
+    @property
+    def candidates(self) -> int:
+        """Choices generated per prompt: best_of (when given), else n."""
+        return self.best_of if self.best_of is not None else self.n
 
     def prompts(self) -> list[str | list[int]]:
         """The prompts as a list: strings or token-id lists."""
@@ -243,11 +393,11 @@ class ChatCompletionRequest(_SamplingFields):
 class SpeculativeUsage(BaseModel):
     """The speculative-decoding figures of one request (all its choices)."""
 
-    drafted_tokens: int
-    accepted_tokens: int
-    acceptance_rate: float
+    num_drafted_tokens: int = Field(description="draft tokens verified (0 with speculative.enabled false)")
+    num_accepted_tokens: int = Field(description="draft tokens verification kept")
+    acceptance_rate: float = Field(description="num_accepted_tokens / num_drafted_tokens (0 when none drafted)")
     mean_accepted_length: float = Field(description="tau: tokens committed per target forward after the prefill")
-    target_forwards: int
+    num_target_forwards: int
 
 
 class Usage(BaseModel):
