@@ -147,7 +147,9 @@ def test_help_in_process(capsys):
     assert code == 0
     for flag in ("--target", "--draft", "--prompt", "--prompt-file", "--dataset", "--chat", "--max-new-tokens",
                  "--temperature", "--top-k", "--top-p", "--seed", "--num-speculative-tokens", "--ngram-min",
-                 "--ngram-max", "--stop", "--ignore-eos", "--compare-baseline", "--json", "--cache-dir", "--dtype"):
+                 "--ngram-max", "--stop", "--ignore-eos", "--compare-baseline", "--json", "--cache-dir", "--dtype",
+                 "--min-p", "--repetition-penalty", "--presence-penalty", "--frequency-penalty", "--logit-bias",
+                 "--min-tokens", "--stop-token-id", "--sampling-mode", "--verification"):
         assert flag in out
     assert cli.main([]) == 2
     assert "choose a command" in capsys.readouterr().err
@@ -203,6 +205,18 @@ _REFUSED_WITHOUT_MODEL_CODE = [
     (["generate", "--prompt-file", "/nonexistent/prompt.txt"], "prompt file not found"),
     (["generate", "--prompt-file", "/"], "is a directory"),
     (["serve", "--threads", "-2"], "--threads"),
+    (["generate", "--min-p", "2"], "--min-p: min_p"),
+    (["generate", "--repetition-penalty", "0"], "--repetition-penalty: repetition_penalty"),
+    (["generate", "--presence-penalty", "3"], "--presence-penalty: presence_penalty"),
+    (["generate", "--frequency-penalty", "-3"], "--frequency-penalty: frequency_penalty"),
+    (["generate", "--logit-bias", "5=200"], "--logit-bias: logit_bias values"),
+    (["generate", "--logit-bias", "5"], "TOKEN_ID=BIAS"),
+    (["generate", "--logit-bias=-1=3"], "--logit-bias: logit_bias keys"),
+    (["generate", "--max-new-tokens", "5", "--min-tokens", "9"], "--min-tokens: min_tokens"),
+    (["generate", "--stop-token-id", "-4"], "--stop-token-id: stop_token_ids"),
+    (["generate", "--sampling-mode", "weird"], "invalid choice"),
+    (["generate", "--verification", "tree"], "invalid choice"),
+    (["serve", "--verification", "tree"], "invalid choice"),
 ]
 
 
@@ -339,3 +353,45 @@ def test_an_empty_prompt_file_is_refused_like_an_empty_prompt(tmp_path):
         _read_prompt_file(str(empty))
     (tmp_path / "p.txt").write_text("def f(x):")
     assert _read_prompt_file(str(tmp_path / "p.txt")) == "def f(x):"
+
+
+def test_sampling_flags_reach_the_library(capsys, tiny_model_dir, tiny_loaded):
+    """Each sampling flag gives what the library gives with the same setting (and greedy = plain decoding)."""
+    from specdecode.generator import SpecDecoder
+
+    plain = SpecDecoder(tiny_loaded)
+    prompt = "the cat and the dog and the"
+    z = tiny_loaded.tokenizer.convert_tokens_to_ids("z")
+    eos = tiny_loaded.eos_token_ids[0]
+    cases = [
+        (["--frequency-penalty", "1.5", "--presence-penalty", "0.5", "--repetition-penalty", "1.3"],
+         dict(frequency_penalty=1.5, presence_penalty=0.5, repetition_penalty=1.3, ignore_eos=True)),
+        (["--logit-bias", f"{z}=100", "--logit-bias", "5=-100"], dict(logit_bias={z: 100.0, 5: -100.0},
+                                                                       ignore_eos=True)),
+        (["--logit-bias", f"{eos}=100", "--min-tokens", "3"], dict(logit_bias={eos: 100.0}, min_tokens=3)),
+        (["--temperature", "0.9", "--seed", "4", "--min-p", "0.1", "--sampling-mode", "coupled", "--verification",
+          "block"], dict(temperature=0.9, seed=4, min_p=0.1, coupled=True, ignore_eos=True)),
+    ]
+    for flags, kw in cases:
+        argv = ["generate", "--target", str(tiny_model_dir), "--prompt", prompt, "--max-new-tokens", "12", "--json",
+                "--no-warmup", *flags]
+        if kw.get("ignore_eos"):
+            argv.append("--ignore-eos")
+        code, out, err = _run(capsys, *argv)
+        assert code == 0, err
+        (rec,) = _json_lines(out)
+        want = plain.generate(plain.encode(prompt), max_new_tokens=12, **kw)
+        assert rec["token_ids"] == want.token_ids, flags
+    assert len(rec["token_ids"]) == 12
+    greedy = plain.generate(plain.encode(prompt), max_new_tokens=20, ignore_eos=True).token_ids
+    code, out, err = _run(capsys, "generate", "--target", str(tiny_model_dir), "--prompt", prompt, "--json",
+                          "--max-new-tokens", "20", "--ignore-eos", "--stop-token-id", str(greedy[3]))
+    (rec,) = _json_lines(out)
+    assert rec["finish_reason"] == "stop" and rec["token_ids"] == greedy[: greedy.index(greedy[3]) + 1]
+
+
+def test_token_ids_outside_the_vocabulary_are_refused_before_any_output(capsys, tiny_model_dir):
+    for flag, value in (("--logit-bias", "99999=1"), ("--stop-token-id", "99999")):
+        code, out, err = _run(capsys, "generate", "--target", str(tiny_model_dir), "--prompt", "hi", flag, value)
+        errors = [line for line in err.splitlines() if line.startswith("error:")]
+        assert code == 2 and out == "" and len(errors) == 1 and flag in errors[0] and "vocabulary" in errors[0], err

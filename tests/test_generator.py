@@ -271,3 +271,52 @@ def test_explain_difference_names_the_position_the_tokens_and_their_margin(ngram
     margin = float(line.split("differ by ")[1].split()[0])
     assert margin > 0
     assert "stops at token 4" in ngram.explain_difference(prompt, same[:4], same)
+
+
+# The whole sampling surface through the text API -------------------------------------------------
+
+
+def test_generate_takes_every_sampling_setting(tiny_loaded):
+    """Penalties, logit bias, allowed / banned / stop ids and min_tokens reach the engine, greedy speculative
+    output equals greedy plain output under each, and seeded coupled sampling reproduces plain decoding."""
+    dec = SpecDecoder(tiny_loaded, NgramProposer(NgramConfig(1, 3)), num_speculative_tokens=4)
+    plain = dec.plain()
+    prompt = "the cat and the dog and the cat and the"
+    base = plain.generate(prompt, max_new_tokens=30, ignore_eos=True).token_ids
+    z = dec.tokenizer.convert_tokens_to_ids("z")
+    eos = tiny_loaded.eos_token_ids[0]
+    settings = [
+        dict(frequency_penalty=2.0), dict(presence_penalty=1.5), dict(repetition_penalty=2.0),
+        dict(logit_bias={base[0]: -100}), dict(banned_token_ids=[base[0], base[1]]),
+        dict(allowed_token_ids=[z, base[2], base[3]]), dict(stop_token_ids=[base[5]]),
+    ]
+    for kw in settings:
+        want = plain.generate(prompt, max_new_tokens=30, ignore_eos=True, **kw)
+        got = dec.generate(prompt, max_new_tokens=30, ignore_eos=True, **kw)
+        assert got.token_ids == want.token_ids and got.text == want.text, kw
+        assert got.token_ids != base or "stop_token_ids" in kw, kw
+    stopped = dec.generate(prompt, max_new_tokens=30, ignore_eos=True, stop_token_ids=[base[5]])
+    assert stopped.token_ids == base[: base.index(base[5]) + 1] and stopped.finish_reason == "stop"
+    assert dec.generate(prompt, max_new_tokens=5, logit_bias={z: 100}).text == "zzzzz"
+    held = dec.generate(prompt, max_new_tokens=10, logit_bias={eos: 100}, min_tokens=4)
+    assert len(held.token_ids) == 5 and held.token_ids[-1] == eos and held.finish_reason == "stop"
+    sampled = dict(max_new_tokens=30, temperature=1.0, seed=7, ignore_eos=True, min_p=0.05)
+    coupled = dec.generate(prompt, coupled=True, **sampled)
+    assert coupled.token_ids == plain.generate(prompt, coupled=True, **sampled).token_ids  # coupled: token for token
+    assert dec.generate(prompt, coupled=False, **sampled).token_ids == dec.generate(prompt, coupled=False,
+                                                                                   **sampled).token_ids
+    with pytest.raises(InvalidSamplingParams, match="presence_penalty"):
+        dec.generate(prompt, presence_penalty=3.0)
+    with pytest.raises(SpecDecodeError, match="outside the vocabulary"):
+        dec.generate(prompt, stop_token_ids=[10**6])
+
+
+def test_verification_reaches_the_engine(tiny_loaded):
+    for method in ("token", "block"):
+        dec = SpecDecoder(tiny_loaded, NgramProposer(NgramConfig(1, 3)), num_speculative_tokens=4,
+                          verification=method)
+        assert dec.engine.config.verification == method and dec.plain().engine.config.verification == method
+        out = dec.generate("the cat and the cat and the", max_new_tokens=20, temperature=0.8, seed=2, coupled=False)
+        assert len(out.token_ids) <= 20
+    with pytest.raises(SpecDecodeError, match="verification"):
+        SpecDecoder(tiny_loaded, None, verification="tree")

@@ -29,7 +29,9 @@ from pathlib import Path
 from specdecode import __version__
 from specdecode.cliargs import (  # noqa: F401 - DRAFT_CHOICES_HELP re-exported
     DRAFT_CHOICES_HELP,
+    SAMPLING_MODES,
     add_drafter_arguments,
+    add_sampling_arguments,
     add_serve_arguments,
     check_drafter_flags,
     check_threads,
@@ -168,6 +170,7 @@ def _add_generate(commands) -> None:
                           help="stop when this text appears; the output ends before it. Repeatable")
     sampling.add_argument("--ignore-eos", action="store_true",
                           help="keep generating past the end-of-sequence token (fixed-length runs)")
+    add_sampling_arguments(sampling)
 
     output = p.add_argument_group("output and measurement")
     output.add_argument("--compare-baseline", action="store_true",
@@ -306,7 +309,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         args.target, args.draft, num_speculative_tokens=args.num_speculative_tokens,
         ngram_min=args.ngram_min, ngram_max=args.ngram_max, dtype=args.dtype, cache_dir=args.cache_dir,
         weights=args.weights, draft_weights=args.draft_weights, tree=args.tree, tree_nodes=args.tree_nodes,
-        policy=args.policy, skip_layers=args.skip_layers, status=_status,
+        policy=args.policy, skip_layers=args.skip_layers, verification=args.verification, status=_status,
     )
     _status(f"loaded in {time.perf_counter() - t0:.1f} s: target {decoder.target.source}, {_draft_label(args)}, "
             f"gamma {args.num_speculative_tokens}, context {decoder.target.max_context} tokens")
@@ -314,6 +317,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         p = decoder.precision
         _status(f"weights {p.reason}" + (f" (measured once on this machine, cached in {p.cache_file}: delete it to "
                                          "measure again)" if p.cached and p.cache_file else ""))
+    _check_token_ids(args, decoder.engine.vocab_size)
     baseline = decoder.plain() if args.compare_baseline else None
     if args.warmup:
         _warm_up(decoder, baseline)
@@ -331,12 +335,33 @@ def _check_generate_args(args: argparse.Namespace) -> None:
     """Range-check every number before anything heavy is imported or loaded (SpecDecodeError on the first bad
     one): the checks of SamplingParams, EngineConfig and the drafter factory (``specdecode.validate``)."""
     with _naming_flags():
-        check_sampling(args.temperature, args.top_k, args.top_p, args.max_new_tokens, args.seed)
-        check_engine(num_speculative_tokens=args.num_speculative_tokens)
+        check_sampling(args.temperature, args.top_k, args.top_p, args.max_new_tokens, args.seed,
+                       **_sampling_kwargs(args))
+        check_engine(num_speculative_tokens=args.num_speculative_tokens, verification=args.verification)
         check_drafter(parse_draft(args.draft), DrafterOptions(ngram_min=args.ngram_min, ngram_max=args.ngram_max,
                                                               tree=args.tree, tree_nodes=args.tree_nodes,
                                                               skip_layers=args.skip_layers))
         check_stops(args.stop)
+
+
+def _sampling_kwargs(args: argparse.Namespace) -> dict:
+    """The sampling flags beyond temperature / top-k / top-p / seed, as the keywords of ``SpecDecoder.generate``
+    and ``validate.check_sampling`` (the same names: ``SamplingParams``' fields)."""
+    bias = args.logit_bias
+    return dict(min_p=args.min_p, repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
+                frequency_penalty=args.frequency_penalty, logit_bias=dict(bias) if bias else None,
+                min_tokens=args.min_tokens, stop_token_ids=tuple(args.stop_token_ids or ()),
+                coupled=SAMPLING_MODES[args.sampling_mode])
+
+
+def _check_token_ids(args: argparse.Namespace, vocab_size: int) -> None:
+    """--logit-bias and --stop-token-id name tokens of the target's vocabulary (checked once it is loaded,
+    before any output)."""
+    for flag, ids in (("--logit-bias", [t for t, _ in args.logit_bias or ()]), ("--stop-token-id",
+                                                                               args.stop_token_ids or ())):
+        bad = [t for t in ids if not 0 <= t < vocab_size]
+        if bad:
+            raise SpecDecodeError(f"{flag}: token id {bad[0]} is outside the target's vocabulary [0, {vocab_size})")
 
 
 #: The flag of each setting the library's errors name (``SpecDecodeError.field``), so a refusal names both.
@@ -344,7 +369,10 @@ _FLAG_OF = {
     "num_speculative_tokens": "-k/--num-speculative-tokens", "temperature": "--temperature", "top_k": "--top-k",
     "top_p": "--top-p", "max_new_tokens": "--max-new-tokens", "seed": "--seed", "stop": "--stop", "tree": "--tree",
     "tree_nodes": "--tree-nodes", "ngram": "--ngram-min/--ngram-max", "max_batch_size": "--max-batch-size",
-    "forward": "--forward", "policy": "--policy",
+    "forward": "--forward", "policy": "--policy", "verification": "--verification", "min_p": "--min-p",
+    "repetition_penalty": "--repetition-penalty", "presence_penalty": "--presence-penalty",
+    "frequency_penalty": "--frequency-penalty", "logit_bias": "--logit-bias", "min_tokens": "--min-tokens",
+    "stop_token_ids": "--stop-token-id", "coupled": "--sampling-mode",
 }
 
 
@@ -480,7 +508,8 @@ def _encode_job(args, decoder, job: _Job) -> tuple[_Job, bool, list[int]]:
 def _run_job(args, decoder, baseline, job: _Job, chat: bool, prompt_ids: list[int], index: int, total: int) -> dict:
     """Baseline first (when asked), then the speculative run (streamed unless --json); print; return the record."""
     kwargs = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                  top_p=args.top_p, seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos)
+                  top_p=args.top_p, seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos,
+                  **_sampling_kwargs(args))
     if not args.json:
         where = f" ({job.dataset}, {job.category})" if job.dataset else ""
         _rule(f"prompt {index + 1}/{total}: {job.id}{where}, {len(prompt_ids)} tokens, "

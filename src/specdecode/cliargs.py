@@ -82,11 +82,65 @@ def check_drafter_flags(args: argparse.Namespace) -> None:
     check_precision_flags(args.dtype, args.weights, args.draft_weights)
 
 
+#: ``--verification`` choices (``validate.VERIFICATION_METHODS``, spelled out here to stay light).
+VERIFICATION_CHOICES = ("auto", "token", "block")
+#: ``--sampling-mode`` choices and the ``SamplingParams.coupled`` each means.
+SAMPLING_MODES = {"auto": None, "standard": False, "coupled": True}
+
+
+def logit_bias_entry(text: str) -> tuple[int, float]:
+    """One ``--logit-bias ID=BIAS`` value: (token id, bias); the ranges are checked with the others.
+
+    Raises:
+        argparse.ArgumentTypeError: not ``INTEGER=NUMBER``.
+    """
+    tok, sep, bias = text.partition("=")
+    try:
+        if not sep:
+            raise ValueError
+        return int(tok), float(bias)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected TOKEN_ID=BIAS like 50256=-100, got {text!r}") from None
+
+
+def add_sampling_arguments(group: argparse._ArgumentGroup) -> None:
+    """The sampling flags of ``specdecode generate`` beyond temperature / top-k / top-p / seed: min-p, the
+    penalties, logit biases, min tokens, stop token ids and the sampling mode (``SamplingParams``' fields;
+    all applied identically to the target's and the drafter's distributions, so nothing is lost)."""
+    group.add_argument("--min-p", type=float, default=0.0, metavar="P",
+                       help="drop tokens less likely than P times the most likely one, in [0, 1]; 0 disables "
+                            "(default: %(default)s)")
+    group.add_argument("--repetition-penalty", type=float, default=1.0, metavar="R",
+                       help="divide the (positive) logit of every token already in the prompt or the output by R, "
+                            "in (0, 100]; > 1 discourages repeats, 1 disables (default: %(default)s)")
+    group.add_argument("--presence-penalty", type=float, default=0.0, metavar="X",
+                       help="subtract X from the logit of every token already generated, in [-2, 2] (OpenAI's); "
+                            "0 disables (default: %(default)s)")
+    group.add_argument("--frequency-penalty", type=float, default=0.0, metavar="X",
+                       help="subtract X times its count so far from each generated token's logit, in [-2, 2] "
+                            "(OpenAI's); 0 disables (default: %(default)s)")
+    group.add_argument("--logit-bias", type=logit_bias_entry, action="append", default=None, metavar="ID=BIAS",
+                       help="add BIAS in [-100, 100] to token ID's logit; -100 bans it, +100 all but forces it. "
+                            "Repeatable")
+    group.add_argument("--min-tokens", type=int, default=0, metavar="N",
+                       help="hold back the end-of-sequence token (and --stop-token-id ones) until N tokens were "
+                            "generated (default: %(default)s)")
+    group.add_argument("--stop-token-id", type=int, action="append", default=None, metavar="ID", dest="stop_token_ids",
+                       help="also stop at this token id, like end-of-sequence (the token is kept). Repeatable")
+    group.add_argument("--sampling-mode", default="auto", choices=tuple(SAMPLING_MODES),
+                       help="how sampled drafts are accepted (the output distribution is the target's in every "
+                            "mode): standard = rejection sampling with the request's own random generator; "
+                            "coupled = every random draw keyed by (seed, position, purpose), so a seeded "
+                            "speculative run reproduces seeded plain decoding token for token, whatever the "
+                            "drafter or gamma; auto = coupled when --seed is given, standard otherwise "
+                            "(default: %(default)s)")
+
+
 def add_drafter_arguments(group: argparse._ArgumentGroup, *, policy_default: str = "fixed",
                           gamma_help: str = "gamma: tokens drafted per step, 1..64",
                           policy_group: argparse._ActionsContainer | None = None) -> None:
-    """Add --draft, -k, --ngram-min/max, --skip-layers, --policy, --tree, --tree-nodes, --dtype, --weights,
-    --draft-weights and --cache-dir to ``group`` (--policy to ``policy_group`` when given: serve's
+    """Add --draft, -k, --ngram-min/max, --skip-layers, --policy, --tree, --tree-nodes, --verification, --dtype,
+    --weights, --draft-weights and --cache-dir to ``group`` (--policy to ``policy_group`` when given: serve's
     mutually exclusive group with --adaptive / --no-adaptive)."""
     group.add_argument("--draft", default="ngram", metavar="SPEC",
                        help=f"the proposer: {DRAFT_CHOICES_HELP}; a draft model must share the target's "
@@ -112,6 +166,11 @@ def add_drafter_arguments(group: argparse._ArgumentGroup, *, policy_default: str
                             "best N); -k caps the depth (default: %(default)s = chains)")
     group.add_argument("--tree-nodes", type=int, default=16, metavar="N",
                        help="node budget N of --tree and of suffix decoding, 1..64 (default: %(default)s)")
+    group.add_argument("--verification", default="auto", choices=VERIFICATION_CHOICES,
+                       help="how sampled draft chains are verified, both keeping the target's distribution: token "
+                            "(token-wise rejection sampling, Leviathan et al. 2023), block (block verification, "
+                            "Sun et al. 2024: the draft judged as a whole, at least as many tokens accepted), or "
+                            "auto (block for drafters that sample, token-wise for deterministic ones, where block keeps no more); greedy decoding is unaffected (default: %(default)s)")
     group.add_argument("--dtype", default="float32", choices=DTYPES,
                        help="dtype the weights are loaded in; bfloat16 halves the bytes and verifies k tokens at "
                             "about one step's cost on AVX512-BF16 CPUs (see also --weights) (default: %(default)s)")

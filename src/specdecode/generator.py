@@ -21,7 +21,7 @@ Quick start::
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -85,9 +85,12 @@ class SpecDecoder:
             reference and reuse; the proposer holds its own cache).
         policy: draft-length policy: a name for :func:`specdecode.policy.build_policy`
             ("fixed", "heuristic", "confidence", "cost-model") or a policy object.
+        verification: how sampled draft chains are verified (``EngineConfig.verification``): "token"
+            (token-wise rejection sampling), "block" (block verification, Sun et al. 2024: accepts at
+            least as many tokens), "auto" (the engine's choice). Either keeps the target's distribution.
 
     Raises:
-        SpecDecodeError: gamma out of range.
+        SpecDecodeError: gamma out of range, an unknown verification.
     """
 
     def __init__(
@@ -98,6 +101,7 @@ class SpecDecoder:
         num_speculative_tokens: int = 5,
         draft: LoadedModel | None = None,
         policy="fixed",
+        verification: str = "auto",
     ) -> None:
         self.target = target
         self.proposer = proposer
@@ -105,7 +109,9 @@ class SpecDecoder:
         #: What ``from_pretrained`` ran the target's weights in, and why (None when built from modules).
         self.precision: PrecisionChoice | None = None
         self.num_speculative_tokens = num_speculative_tokens
-        config = EngineConfig(num_speculative_tokens=num_speculative_tokens, max_context=target.max_context)
+        self.verification = verification
+        config = EngineConfig(num_speculative_tokens=num_speculative_tokens, max_context=target.max_context,
+                              verification=verification)
         self.policy = build_policy(policy, num_speculative_tokens) if isinstance(policy, str) else policy
         self.engine = SpeculativeEngine(target.model, proposer, config, policy=self.policy)
 
@@ -127,6 +133,7 @@ class SpecDecoder:
         skip_layers: str | Sequence[int] | None = None,
         tree: str | None = None,
         tree_nodes: int = 16,
+        verification: str = "auto",
         status=None,
     ) -> "SpecDecoder":
         """Load a target (and a draft model) by spec and build the decoder.
@@ -156,12 +163,13 @@ class SpecDecoder:
             tree_nodes: node budget N of a tree (1..64); also the node budget of ``draft="suffix"``
                 (suffix decoding, model-free token trees; ``"suffix:ngram"`` / ``"suffix:MODEL"``
                 fall back to that drafter when the suffix match scores low).
+            verification: "auto", "token" or "block": how sampled drafts are verified (see the class).
 
         Raises:
             ModelLoadError, IncompatibleTokenizerError, SpecDecodeError (bad gamma or
             n-gram sizes; checked before any model is loaded).
         """
-        EngineConfig(num_speculative_tokens=num_speculative_tokens)  # fail fast, before slow loads
+        EngineConfig(num_speculative_tokens=num_speculative_tokens, verification=verification)  # fail fast
         build_policy(policy, num_speculative_tokens)
         choice = parse_draft(draft)
         options = DrafterOptions(ngram_min=ngram_min, ngram_max=ngram_max, tree=tree, tree_nodes=tree_nodes,
@@ -182,10 +190,10 @@ class SpecDecoder:
         factory = proposer_factory(choice, options, target=loaded.model,
                                    draft=None if draft_model is None else draft_model.model)
         if factory is None:  # plain decoding: no draft length to choose
-            decoder = cls(loaded, None, num_speculative_tokens=num_speculative_tokens)
+            decoder = cls(loaded, None, num_speculative_tokens=num_speculative_tokens, verification=verification)
         else:
             decoder = cls(loaded, factory(), num_speculative_tokens=num_speculative_tokens, draft=draft_model,
-                          policy=policy)
+                          policy=policy, verification=verification)
         decoder.precision = precision_choice
         return decoder
 
@@ -219,7 +227,8 @@ class SpecDecoder:
 
     def plain(self) -> "SpecDecoder":
         """The baseline: same target and engine code, no proposer (one token per target forward)."""
-        plain = SpecDecoder(self.target, None, num_speculative_tokens=self.num_speculative_tokens)
+        plain = SpecDecoder(self.target, None, num_speculative_tokens=self.num_speculative_tokens,
+                            verification=self.verification)
         plain.precision = self.precision
         return plain
 
@@ -295,13 +304,32 @@ class SpecDecoder:
         stop: Sequence[str] | None = None,
         ignore_eos: bool = False,
         on_text: Callable[[str], None] | None = None,
+        min_p: float = 0.0,
+        repetition_penalty: float = 1.0,
+        presence_penalty: float = 0.0,
+        frequency_penalty: float = 0.0,
+        logit_bias: Mapping[int, float] | None = None,
+        allowed_token_ids: Sequence[int] | None = None,
+        banned_token_ids: Sequence[int] = (),
+        min_tokens: int = 0,
+        stop_token_ids: Sequence[int] = (),
+        coupled: bool | None = None,
     ) -> TextOutput:
         """Generate text for one prompt with lossless speculative decoding.
+
+        Every sampling setting is applied identically to the target's and the drafter's distributions, so
+        the output follows the target's distribution under it (greedy: the same tokens as plain decoding).
 
         Args:
             prompt: text (encoded with :meth:`encode`) or token ids (used as they are; ``chat`` ignored).
             chat: apply the chat template to a text prompt.
             max_new_tokens, temperature, top_k, top_p, seed, ignore_eos: see SamplingParams.
+            min_p, repetition_penalty, presence_penalty, frequency_penalty, logit_bias (token id -> bias in
+                [-100, 100]), allowed_token_ids, banned_token_ids, min_tokens, stop_token_ids: see
+                :class:`~specdecode.types.SamplingParams`.
+            coupled: the sampling mode: None (auto: coupled when ``seed`` is given), True (every random draw
+                keyed by (seed, position, purpose), so a seeded speculative run reproduces seeded plain
+                decoding token for token), False (standard rejection sampling).
             stop: strings that end generation; the returned text stops before the first one found.
             on_text: called with each new piece of text as tokens are committed. Text is held back
                 while it could be the start of a stop string or ends in an incomplete UTF-8
@@ -316,7 +344,12 @@ class SpecDecoder:
         stops = check_stops(stop)
         params = SamplingParams(
             temperature=temperature, top_k=top_k, top_p=top_p, max_new_tokens=max_new_tokens, seed=seed,
-            eos_token_ids=self.target.eos_token_ids, ignore_eos=ignore_eos,
+            eos_token_ids=self.target.eos_token_ids, ignore_eos=ignore_eos, min_p=min_p,
+            repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
+            frequency_penalty=frequency_penalty, logit_bias=logit_bias,
+            allowed_token_ids=None if allowed_token_ids is None else tuple(allowed_token_ids),
+            banned_token_ids=tuple(banned_token_ids), min_tokens=min_tokens, stop_token_ids=tuple(stop_token_ids),
+            coupled=coupled,
         )
         prompt_ids = self.encode(prompt, chat=chat) if isinstance(prompt, str) else [int(t) for t in prompt]
         tracker = TextTracker(self.decode, stops)

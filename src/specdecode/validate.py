@@ -403,7 +403,7 @@ def check_serve_options(opts) -> DraftChoice:
             whose options do not fit it.
     """
     check_engine(num_speculative_tokens=opts.num_speculative_tokens, max_batch_size=opts.max_batch_size,
-                 forward=opts.forward)
+                 forward=opts.forward, verification=getattr(opts, "verification", "auto"))
     check_policy_name(opts.policy)
     choice = parse_draft(opts.draft)
     check_drafter(choice, DrafterOptions(ngram_min=opts.ngram_min, ngram_max=opts.ngram_max, tree=opts.tree,

@@ -58,6 +58,7 @@ class ServeOptions:
     skip_layers: str | None = None
     tree: str = "none"
     tree_nodes: int = 16
+    verification: str = "auto"
     policy: str = "cost-model"
     dtype: str = "float32"
     weights: str = "auto"
@@ -111,6 +112,7 @@ def build_state(
     skip_layers: str | list[int] | None = None,
     tree: str | None = None,
     tree_nodes: int = 16,
+    verification: str = "auto",
     cache_dir: str | None = None,
     api_key: str | None = None,
     default_max_tokens: int = 256,
@@ -128,6 +130,8 @@ def build_state(
         max_batch_size: rows decoded together (KV cache slots); max_queue: requests waiting for one.
         policy: draft-length policy name (``specdecode.policy.build_policy``).
         forward: target forward backend ("auto", "hf", "owned").
+        verification: how sampled drafts are verified ("auto", "token", "block"; ``EngineConfig.verification``);
+            a request's ``"speculative": {"verification": ...}`` overrides it.
         ngram_min, ngram_max, skip_layers, tree, tree_nodes, cache_dir: the drafter's settings
             (``proposers.factory.DrafterOptions``).
         api_key, default_max_tokens, max_request_bytes: see :class:`~specdecode.server.app.ServerConfig`.
@@ -153,7 +157,7 @@ def build_state(
     proposer = factory() if factory is not None else None  # batched: one proposer for the whole engine
     draft_policy = build_policy(policy, num_speculative_tokens) if proposer is not None else None
     config = EngineConfig(num_speculative_tokens=num_speculative_tokens, max_batch_size=max_batch_size,
-                          max_context=target.max_context, forward=forward)
+                          max_context=target.max_context, forward=forward, verification=verification)
     engine = SpeculativeEngine(target.model, proposer, config, policy=draft_policy)
     scheduler = Scheduler(engine, max_queue=max_queue)
     server_config = ServerConfig(model_name=model_name or target.name, draft=_describe(choice, options),
@@ -192,7 +196,7 @@ def load_state(opts: ServeOptions, progress: bool = True) -> ServingState:
         num_speculative_tokens=opts.num_speculative_tokens, max_batch_size=opts.max_batch_size,
         max_queue=opts.max_queue, policy=opts.policy, forward=opts.forward, ngram_min=opts.ngram_min,
         ngram_max=opts.ngram_max, skip_layers=opts.skip_layers, tree=opts.tree, tree_nodes=opts.tree_nodes,
-        cache_dir=opts.cache_dir, api_key=opts.api_key, default_max_tokens=opts.default_max_tokens,
+        verification=opts.verification, cache_dir=opts.cache_dir, api_key=opts.api_key, default_max_tokens=opts.default_max_tokens,
         max_request_bytes=opts.max_request_bytes,
     )
     state.precision = precision  # what the weights run in, and why
@@ -268,7 +272,7 @@ def options_from_args(args: argparse.Namespace) -> ServeOptions:
     return ServeOptions(
         target=args.target, draft=args.draft, num_speculative_tokens=args.num_speculative_tokens,
         ngram_min=args.ngram_min, ngram_max=args.ngram_max, skip_layers=args.skip_layers, tree=args.tree,
-        tree_nodes=args.tree_nodes, policy=args.policy, dtype=args.dtype, weights=args.weights,
+        tree_nodes=args.tree_nodes, verification=args.verification, policy=args.policy, dtype=args.dtype, weights=args.weights,
         draft_weights=args.draft_weights, forward=args.forward, cache_dir=args.cache_dir, host=args.host,
         port=args.port, max_batch_size=args.max_batch_size, max_queue=args.max_queue,
         max_request_bytes=args.max_request_bytes, api_key=args.api_key, served_model_name=args.served_model_name,
