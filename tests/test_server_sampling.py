@@ -14,7 +14,6 @@ import contextlib
 import json
 from pathlib import Path
 
-import httpx
 import openai
 import pytest
 import torch

@@ -170,7 +170,8 @@ def add_drafter_arguments(group: argparse._ArgumentGroup, *, policy_default: str
                        help="how sampled draft chains are verified, both keeping the target's distribution: token "
                             "(token-wise rejection sampling, Leviathan et al. 2023), block (block verification, "
                             "Sun et al. 2024: the draft judged as a whole, at least as many tokens accepted), or "
-                            "auto (block for drafters that sample, token-wise for deterministic ones, where block keeps no more); greedy decoding is unaffected (default: %(default)s)")
+                            "auto (block for drafters that sample, token-wise for deterministic ones, where block "
+                            "keeps no more); greedy decoding is unaffected (default: %(default)s)")
     group.add_argument("--dtype", default="float32", choices=DTYPES,
                        help="dtype the weights are loaded in; bfloat16 halves the bytes and verifies k tokens at "
                             "about one step's cost on AVX512-BF16 CPUs (see also --weights) (default: %(default)s)")

@@ -29,7 +29,7 @@ from functools import lru_cache
 def byte_decoder() -> dict[str, int]:
     """The GPT-2 byte-level alphabet, inverted: the printable character standing for each byte -> the byte
     (Radford et al. 2019's ``bytes_to_unicode``, which every byte-level BPE vocabulary uses)."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    bs = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
     cs = bs[:]
     n = 0
     for b in range(256):

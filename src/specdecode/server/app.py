@@ -531,7 +531,8 @@ def _encode_chat(state: ServingState, messages: list[dict]) -> list[int]:
 
 #: SamplingParams' names of the settings whose wire field has another name.
 _WIRE_NAME = {"max_new_tokens": "max_tokens", "enabled": "speculative.enabled",
-              "num_speculative_tokens": "speculative.num_speculative_tokens", "verification": "speculative.verification"}
+              "num_speculative_tokens": "speculative.num_speculative_tokens",
+              "verification": "speculative.verification"}
 
 
 def _params(state: ServingState, body, prompt_ids: list[int], max_new: int | None, default: int,
