@@ -64,6 +64,10 @@ class EngineConfig:
         max_context: positions per row; None reads the target's config.
         forward: target forward backend: "auto" (the project's own Llama / Qwen2 forward when the
             model is supported, else Hugging Face), "hf", or "owned".
+        verification: how sampled chains are verified: "token" (Leviathan et al. 2023), "block"
+            (Sun et al. 2024, ``verify.verify_block``), or "auto": block for sampling drafters,
+            token-level for deterministic ones (where block keeps exactly as much). Greedy and
+            coupled rows are verified by exact match either way; token trees by ``specdecode.tree``.
 
     Raises:
         SpecDecodeError: a value out of range.
@@ -351,25 +355,37 @@ class SpeculativeEngine:
                 continue
             target[i, : n + 1] = probs
             uniforms[i, : n + 1] = torch.rand(n + 1, generator=row.ctx.generator, dtype=torch.float64)
-            block[i] = n > 0 and self._verification(row) == "block"
+            block[i] = n > 0 and self._verification(row, d) == "block"
             if d.draft_probs is not None and n:
                 if q is None:
                     q = torch.zeros(b, k, v)
                 q[i, :n, : d.draft_probs.shape[-1]] = d.draft_probs[0]
-        res = verify_chains(ids, counts, q, target, exact_match, uniforms)
-        if bool(block.any()):
-            sel = block.nonzero().squeeze(1)
-            blk = verify_block(ids[sel], counts[sel], None if q is None else q[sel], target[sel], uniforms[sel])
-            res.num_accepted[sel] = blk.num_accepted
-            res.new_token_ids[sel] = blk.new_token_ids
-            res.kept_nodes[sel] = blk.kept_nodes
+        if bool(block.any()):  # block rows and the others, each verified once
+            res = VerifyResult(torch.zeros(b, dtype=torch.int64), torch.full((b, k + 1), PAD_TOKEN_ID),
+                               torch.full((b, k + 1), -1))
+            for sel, fn in ((block.nonzero().squeeze(1), "block"), ((~block).nonzero().squeeze(1), "token")):
+                if not sel.numel():
+                    continue
+                qs = None if q is None else q[sel]
+                part = (verify_block(ids[sel], counts[sel], qs, target[sel], uniforms[sel]) if fn == "block" else
+                        verify_chains(ids[sel], counts[sel], qs, target[sel], exact_match[sel], uniforms[sel]))
+                res.num_accepted[sel] = part.num_accepted
+                res.new_token_ids[sel] = part.new_token_ids
+                res.kept_nodes[sel] = part.kept_nodes
+        else:
+            res = verify_chains(ids, counts, q, target, exact_match, uniforms)
         return [VerifyResult(res.num_accepted[i : i + 1], res.new_token_ids[i : i + 1, : drafts[i].num_tokens + 1],
                              res.kept_nodes[i : i + 1, : drafts[i].num_tokens + 1]) for i in range(b)]
 
-    def _verification(self, row: Request) -> str:
-        """The verification method of a sampled chain row: the request's, else the engine's ("auto" = block)."""
+    def _verification(self, row: Request, draft: Draft) -> str:
+        """The verification method of a sampled chain row: the request's, else the engine's. "auto" is
+        block verification for a sampling drafter (its expected accepted length is never below
+        token-level verification's) and token-level for a deterministic one (one-hot q: block
+        verification keeps exactly as much, at a higher cost)."""
         method = row.speculation.verification or self.config.verification
-        return "token" if method == "auto" else method
+        if method == "auto":
+            return "block" if draft.draft_probs is not None else "token"
+        return method
 
     def _verify_tree(self, row: Request, draft: Draft, logits: torch.Tensor) -> VerifyResult:
         """Multi-candidate verification of one row's token tree (``specdecode.tree``), each node's
@@ -586,7 +602,8 @@ def _row_gamma(row: Request, gamma: int) -> int:
 
 def _cut_draft(row: Request, d: Draft) -> Draft:
     """Drop draft tokens the request could never generate (a banned token, a stop token before
-    min_tokens, a token the grammar forbids) before verification: a chain ends before the first one. Cutting changes no output distribution: verification
+    min_tokens, a token the grammar forbids) before verification: a chain ends before the first one.
+    Cutting changes no output distribution: verification
     would reject such a token (target probability 0) and sample from p at that position anyway. A token
     tree is left whole (the drafter's own cache maps its nodes): verification rejects such nodes."""
     n = d.num_tokens
