@@ -30,8 +30,9 @@ def test_flags_override_the_preset_and_unset_ones_keep_it():
     args = _parse("--smoke", "--limit", "1", "--max-new-tokens", "9", "--temperature", "0.5", "--seed", "3",
                   "--gamma", "2", "--no-peer", "--no-chat", "--no-probe", "--no-warmup", "--repeats", "2",
                   "--kernel", "small-row", "--weights", "int8", "--draft-weights", "bf16", "--threads", "2",
-                  "--output", "out-dir")
+                  "--output", "out-dir", "--verification", "block")
     c = config_from_args(args)
+    assert c.verification == "block" and config_from_args(_parse("--smoke")).verification == "auto"
     assert (c.limit, c.max_new_tokens, c.temperature, c.seed, c.gamma) == (1, 9, 0.5, 3, 2)
     assert (c.peer, c.chat, c.probe, c.warmup, c.repeats) == (False, False, False, False, 2)
     assert (c.kernel, c.weights, c.draft_weights, c.threads, c.output) == ("small-row", "int8", "bf16", 2, "out-dir")

@@ -112,6 +112,7 @@ def test_settings_added_later_keep_old_output_dirs_resumable():
     assert set(base.settings()) == {"target", "max_new_tokens", "temperature", "seed", "dtype", "chat", "batch_size",
                                     "kernel"}
     assert dataclasses.replace(base, draft_weights="int8").settings_id() != base.settings_id()
+    assert dataclasses.replace(base, verification="block").settings()["verification"] == "block"
     assert dataclasses.replace(base, gammas=(1, 2), limit=9, repeats=3).settings_id() == base.settings_id()
 
 
@@ -130,6 +131,7 @@ def test_method_spec_options_and_the_draft_model_it_uses():
     (dict(gamma=0), "gamma"), (dict(gammas=(2, 65)), "gamma"), (dict(limit=0), "--limit"),
     (dict(repeats=0), "--repeats"), (dict(threads=0), "--threads"), (dict(datasets=()), "no dataset"),
     (dict(weights="int4"), "precision"), (dict(draft_weights="fp16"), "precision"), (dict(kernel="fast"), "kernel"),
+    (dict(verification="tree"), "--verification"),
 ])
 def test_bench_config_is_validated(kwargs, needle):
     with pytest.raises(SpecDecodeError, match=needle):
@@ -181,5 +183,8 @@ def test_variants_of_the_smoke_models_agree_greedily(tmp_path):
     assert all(o.token_ids == outs[0].token_ids for o in outs) and len(outs[0].token_ids) == config.max_new_tokens
     assert outs[0].metrics["num_drafted_tokens"] == 0 and outs[2].metrics["num_drafted_tokens"] > 0
     assert outs[3].metrics is None and all(o.wall_s > 0 for o in outs)
+    assert all(v.run.engine.config.verification == "auto" for v in variants if v.engine == "specdecode")
+    blocky = build_variants(dataclasses.replace(config, verification="block"), models, "float64", lambda msg: None)
+    assert blocky[1].run.engine.config.verification == "block"
     described = models.describe()
     assert described["target"]["layers"] == 2 and SMOKE_DRAFT in described["drafts"]

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import argparse
 
-from specdecode.cliargs import check_precision_flags
+from specdecode.cliargs import VERIFICATION_CHOICES, check_precision_flags
 from specdecode.options import WEIGHT_CHOICES, WEIGHT_PRECISIONS
 
 PRESETS = ("full", "quick", "smoke")
@@ -43,6 +43,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-new-tokens", type=int, metavar="N", help="new tokens per prompt (default: 128)")
     p.add_argument("--temperature", type=float, metavar="T",
                    help="0 = greedy (default; outputs are checked against plain decoding and HF); > 0 samples")
+    p.add_argument("--verification", choices=VERIFICATION_CHOICES,
+                   help="how our engine verifies sampled drafts (with --temperature > 0): token-wise rejection "
+                        "sampling, block verification, or auto, as 'specdecode generate --verification' (default: "
+                        "auto)")
     p.add_argument("--seed", type=int, metavar="N", help="base seed; prompt i uses seed + i (default: 0)")
     p.add_argument("--gamma", type=int, metavar="G", help="draft length of methods without k= (default: 4)")
     p.add_argument("--gammas", metavar="LIST",
@@ -95,7 +99,8 @@ def config_from_args(args: argparse.Namespace):
 
     preset = args.preset or "full"
     over: dict = {}
-    for name in ("target", "draft", "limit", "max_new_tokens", "temperature", "seed", "gamma", "peer", "chat",
+    for name in ("target", "draft", "limit", "max_new_tokens", "temperature", "verification", "seed", "gamma",
+                 "peer", "chat",
                  "probe", "warmup", "repeats", "dtype", "kernel", "draft_weights", "weights", "llama_cpp", "threads",
                  "output"):
         value = getattr(args, name, None)

@@ -218,6 +218,8 @@ class BenchConfig:
         limit: prompts per category (None = all).
         max_new_tokens: per prompt.
         temperature: 0 = greedy (outputs compared across methods and with HF); > 0 samples.
+        verification: how our engine verifies sampled drafts ("auto", "token", "block";
+            ``EngineConfig.verification``); the HF peer has its own. Greedy runs are unaffected.
         seed: base seed; prompt i uses seed + i in every variant.
         gamma: draft length of methods whose spec has no ``k``.
         gammas: extra sweep: every method family also runs at each of these gammas.
@@ -243,6 +245,7 @@ class BenchConfig:
     limit: int | None = 5
     max_new_tokens: int = 128
     temperature: float = 0.0
+    verification: str = "auto"
     seed: int = 0
     gamma: int = 4
     gammas: tuple[int, ...] = ()
@@ -263,7 +266,10 @@ class BenchConfig:
     def __post_init__(self) -> None:
         from specdecode.types import SamplingParams
 
+        from specdecode.validate import check_verification
+
         SamplingParams(temperature=self.temperature, max_new_tokens=self.max_new_tokens)  # range checks
+        check_verification(self.verification, "--verification")
         for g in (self.gamma, *self.gammas):
             if not isinstance(g, int) or not 1 <= g <= 64:
                 raise SpecDecodeError(f"gamma values must be integers in [1, 64], got {g!r}")
@@ -292,6 +298,8 @@ class BenchConfig:
             out["draft_weights"] = self.draft_weights
         if self.weights != "fp32":
             out["weights"] = self.weights
+        if self.verification != "auto":
+            out["verification"] = self.verification
         return out
 
     def settings_id(self) -> str:
@@ -435,12 +443,13 @@ class Variant:
 
 
 def _engine_runner(target, proposer, gamma: int, max_new_tokens: int, temperature: float, eos: tuple[int, ...],
-                   max_context: int):
+                   max_context: int, verification: str = "auto"):
     from specdecode.engine import EngineConfig, SpeculativeEngine
     from specdecode.types import SamplingParams
 
     engine = SpeculativeEngine(target.model, proposer, EngineConfig(num_speculative_tokens=max(1, gamma),
-                                                                    max_context=max_context))
+                                                                    max_context=max_context,
+                                                                    verification=verification))
 
     def run(ids: list[int], seed: int, limit: int | None = None) -> RunOutput:
         params = SamplingParams(temperature=temperature, max_new_tokens=limit or max_new_tokens, seed=seed,
@@ -450,6 +459,7 @@ def _engine_runner(target, proposer, gamma: int, max_new_tokens: int, temperatur
         wall = time.perf_counter() - start
         return RunOutput(list(out.token_ids), wall, out.finish_reason, out.metrics.to_dict())
 
+    run.engine = engine
     return run
 
 
@@ -609,13 +619,14 @@ def build_variants(config: BenchConfig, models: Models, dtype: str, status: Call
 
     build = BuildContext(target=target, load_draft=load_draft, default_draft=config.draft)
     variants = [Variant("specdecode/plain", "specdecode", "plain", 0, "plain",
-                        _engine_runner(target, None, 1, n, temp, eos, ctx_len))]
+                        _engine_runner(target, None, 1, n, temp, eos, ctx_len, config.verification))]
     specs = expand_methods(config)
     for spec in specs:
         proposer = build_proposer_for(spec, build)
         draft = draft_model_of(spec, config.draft)
         variants.append(Variant(f"specdecode/{spec.canonical}", "specdecode", spec.name, spec.gamma, spec.family,
-                                _engine_runner(target, proposer, spec.gamma, n, temp, eos, ctx_len), draft=draft))
+                                _engine_runner(target, proposer, spec.gamma, n, temp, eos, ctx_len,
+                                               config.verification), draft=draft))
     if config.peer:
         variants.append(Variant("hf/plain", "hf", "plain", 0, "hf/plain",
                                 _peer_runner(target, "plain", 1, None, 3, n, temp, eos)))
