@@ -104,6 +104,16 @@ def test_unknown_and_unsupported_fields_are_refused(cls, extra, field):
     assert err["type"] == "extra_forbidden" and err["loc"] == (field,)
 
 
+def test_null_values_of_refused_openai_fields_ask_for_nothing():
+    req = ChatCompletionRequest.model_validate({"model": "m", "parallel_tool_calls": None, "audio": None,
+                                                "messages": [{"role": "assistant", "content": "a", "refusal": None,
+                                                              "tool_calls": None}, *USER]})
+    assert len(req.messages) == 2
+    for body in ({"bogus": None}, {"messages": [{"role": "user", "content": "x", "tool_calls": []}]}):
+        with pytest.raises(ValidationError):
+            ChatCompletionRequest.model_validate({"model": "m", "messages": USER, **body})
+
+
 def test_the_whole_sampling_surface_is_accepted():
     req = CompletionRequest(model="m", prompt="x", presence_penalty=0.5, frequency_penalty=-1.0,
                             repetition_penalty=1.2, min_p=0.1, logit_bias={"5": 10, "7": -100}, echo=True,

@@ -165,6 +165,15 @@ class _SamplingFields(_Strict):
     store: bool | None = None
     service_tier: str | None = None
 
+    @model_validator(mode="before")
+    @classmethod
+    def _null_asks_for_nothing(cls, data):
+        """A known OpenAI field this server refuses is accepted as null (``"tools": null`` asks for nothing);
+        an unknown name is refused even when null (a typo)."""
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if not (v is None and k in NOT_SUPPORTED)}
+        return data
+
     @field_validator("temperature")
     @classmethod
     def _temperature(cls, v):
@@ -331,10 +340,21 @@ class TextPart(_Strict):
     text: str
 
 
+#: Message fields of OpenAI's API this server takes only as null (what a client copying a response back sends).
+_NULL_MESSAGE_FIELDS = ("refusal", "tool_calls", "function_call", "audio", "annotations")
+
+
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_fields(cls, data):
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if not (v is None and k in _NULL_MESSAGE_FIELDS)}
+        return data
 
     def text(self) -> str | None:
         if isinstance(self.content, list):
