@@ -224,7 +224,9 @@ BAD = [
     ({"temprature": 0.5}, "temprature", "unknown field"),
     ({"bad_words": ["cat"]}, "bad_words", "not supported"),
     ({"use_beam_search": True}, "use_beam_search", "not supported"),
-    ({"stream_options": {"include_usage": True, "extra": 1}}, "stream_options.extra", "unknown field"),
+    ({"stream_options": {"include_usage": True, "extra": 1}, "stream": True}, "stream_options.extra",
+     "unknown field"),
+    ({"stream_options": {"include_usage": True}}, "stream_options", "only allowed with stream: true"),
 ]
 
 

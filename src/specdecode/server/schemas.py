@@ -275,6 +275,12 @@ class _SamplingFields(_Strict):
                              f"\"auto\"")
         return v
 
+    @model_validator(mode="after")
+    def _stream_options_need_stream(self):
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed with stream: true (as OpenAI's API); omit it")
+        return self
+
     @property
     def stops(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
