@@ -151,7 +151,6 @@ def test_chat_max_completion_tokens_wins_over_max_tokens():
     (dict(messages=[{"role": "user", "content": "x", "tool_calls": []}]), "tool_calls"),
     (dict(messages=USER, tools=[{"type": "function"}]), "tools / function calling are not supported"),
     (dict(messages=USER, tool_choice="auto"), "tools / function calling are not supported"),
-    (dict(messages=USER, response_format={"type": "json_object"}), "response_format"),
     (dict(messages=USER, top_logprobs=3), "top_logprobs needs logprobs: true"),
     (dict(messages=USER, top_logprobs=21, logprobs=True), "[0, 20]"),
     (dict(messages=USER, max_completion_tokens=0), "max_completion_tokens must be >= 1"),

@@ -171,6 +171,14 @@ def _add_generate(commands) -> None:
     sampling.add_argument("--ignore-eos", action="store_true",
                           help="keep generating past the end-of-sequence token (fixed-length runs)")
     add_sampling_arguments(sampling)
+    structured = sampling.add_mutually_exclusive_group()
+    structured.add_argument("--json-schema", metavar="FILE",
+                            help="structured output: the text is JSON valid under the JSON schema in FILE ('-' reads "
+                                 "standard input), written on one line, then end-of-sequence. The grammar masks the "
+                                 "target and the drafts alike, so the output is constrained plain decoding's")
+    structured.add_argument("--regex", metavar="PATTERN",
+                            help="structured output: the whole text matches PATTERN (Rust regex syntax: no "
+                                 "lookarounds or backreferences), then end-of-sequence")
 
     output = p.add_argument_group("output and measurement")
     output.add_argument("--compare-baseline", action="store_true",
@@ -318,6 +326,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         _status(f"weights {p.reason}" + (f" (measured once on this machine, cached in {p.cache_file}: delete it to "
                                          "measure again)" if p.cached and p.cache_file else ""))
     _check_token_ids(args, decoder.engine.vocab_size)
+    with _naming_flags():  # an invalid schema or regex: refused before any output
+        decoder.compile_structured(json_schema=args.json_schema_text, regex=args.regex)
     baseline = decoder.plain() if args.compare_baseline else None
     if args.warmup:
         _warm_up(decoder, baseline)
@@ -342,6 +352,28 @@ def _check_generate_args(args: argparse.Namespace) -> None:
                                                               tree=args.tree, tree_nodes=args.tree_nodes,
                                                               skip_layers=args.skip_layers))
         check_stops(args.stop)
+    args.json_schema_text = _read_json_schema(args.json_schema)
+    if args.regex is not None and not args.regex:
+        raise SpecDecodeError("--regex: the pattern is empty")
+
+
+def _read_json_schema(path: str | None) -> str | None:
+    """The text of --json-schema FILE, checked to be a JSON object (the schema itself is checked when the
+    target's tokenizer compiles it, before any output)."""
+    if path is None:
+        return None
+    try:
+        text = sys.stdin.read() if path == "-" else Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise SpecDecodeError(f"--json-schema: cannot read {path!r}: {exc}") from None
+    try:
+        schema = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise SpecDecodeError(f"--json-schema: {path!r} is not valid JSON ({exc.msg} at line {exc.lineno} column "
+                              f"{exc.colno})") from None
+    if not isinstance(schema, dict):
+        raise SpecDecodeError(f"--json-schema: {path!r} holds a JSON {type(schema).__name__}, not a schema object")
+    return text
 
 
 def _sampling_kwargs(args: argparse.Namespace) -> dict:
@@ -372,7 +404,8 @@ _FLAG_OF = {
     "forward": "--forward", "policy": "--policy", "verification": "--verification", "min_p": "--min-p",
     "repetition_penalty": "--repetition-penalty", "presence_penalty": "--presence-penalty",
     "frequency_penalty": "--frequency-penalty", "logit_bias": "--logit-bias", "min_tokens": "--min-tokens",
-    "stop_token_ids": "--stop-token-id", "coupled": "--sampling-mode",
+    "stop_token_ids": "--stop-token-id", "coupled": "--sampling-mode", "json_schema": "--json-schema",
+    "regex": "--regex",
 }
 
 
@@ -509,7 +542,7 @@ def _run_job(args, decoder, baseline, job: _Job, chat: bool, prompt_ids: list[in
     """Baseline first (when asked), then the speculative run (streamed unless --json); print; return the record."""
     kwargs = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                   top_p=args.top_p, seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos,
-                  **_sampling_kwargs(args))
+                  json_schema=args.json_schema_text, regex=args.regex, **_sampling_kwargs(args))
     if not args.json:
         where = f" ({job.dataset}, {job.category})" if job.dataset else ""
         _rule(f"prompt {index + 1}/{total}: {job.id}{where}, {len(prompt_ids)} tokens, "

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specdecode.engine import EngineConfig, SpeculativeEngine
+from specdecode.grammar import compile_grammar, structured_output
 from specdecode.kernels import WEIGHT_PRECISIONS
 from specdecode.metrics import RunMetrics
 from specdecode.models import LoadedModel
@@ -291,6 +292,20 @@ class SpecDecoder:
 
     # Generation ------------------------------------------------------------------
 
+    def compile_structured(self, *, json_schema: dict | str | None = None, regex: str | None = None,
+                           response_format: dict | None = None):
+        """The compiled grammar of a structured output for this target (``grammar.CompiledGrammar``), None when
+        none is asked for. Compiled once per spec (``grammar.compile_grammar`` caches by tokenizer and spec).
+
+        Raises:
+            SpecDecodeError: more than one given, a malformed response_format, an invalid schema or regex
+                (``field``: json_schema / regex / response_format).
+        """
+        structured = structured_output(json_schema=json_schema, regex=regex, response_format=response_format)
+        if structured is None:
+            return None
+        return compile_grammar(self.tokenizer, self.engine.vocab_size, structured, self.target.eos_token_ids)
+
     def generate(
         self,
         prompt: str | Sequence[int],
@@ -314,6 +329,9 @@ class SpecDecoder:
         min_tokens: int = 0,
         stop_token_ids: Sequence[int] = (),
         coupled: bool | None = None,
+        json_schema: dict | str | None = None,
+        regex: str | None = None,
+        response_format: dict | None = None,
     ) -> TextOutput:
         """Generate text for one prompt with lossless speculative decoding.
 
@@ -331,6 +349,11 @@ class SpecDecoder:
                 keyed by (seed, position, purpose), so a seeded speculative run reproduces seeded plain
                 decoding token for token), False (standard rejection sampling).
             stop: strings that end generation; the returned text stops before the first one found.
+            json_schema, regex, response_format: structured output (at most one): the text must be JSON valid
+                under the schema (a dict or its JSON text), match the regex (whole), or follow OpenAI's
+                ``response_format`` (``{"type": "json_object"}`` / ``{"type": "json_schema", ...}``). The grammar
+                masks the target and the drafts alike, so the output is constrained plain decoding's (see
+                :mod:`specdecode.grammar`); it ends with EOS right after the JSON.
             on_text: called with each new piece of text as tokens are committed. Text is held back
                 while it could be the start of a stop string or ends in an incomplete UTF-8
                 character; the pieces concatenate to ``TextOutput.text``.
@@ -351,10 +374,12 @@ class SpecDecoder:
             banned_token_ids=tuple(banned_token_ids), min_tokens=min_tokens, stop_token_ids=tuple(stop_token_ids),
             coupled=coupled,
         )
+        grammar = self.compile_structured(json_schema=json_schema, regex=regex, response_format=response_format)
         prompt_ids = self.encode(prompt, chat=chat) if isinstance(prompt, str) else [int(t) for t in prompt]
         tracker = TextTracker(self.decode, stops)
         # The engine's add / step / abort: the same loop as every front end, stoppable at a stop string.
-        state, first = self.engine.add(prompt_ids, params)
+        state, first = self.engine.add(prompt_ids, params,
+                                       constraint=None if grammar is None else grammar.new_constraint())
         committed = first.token_ids
         while True:
             piece = tracker.add(committed)

@@ -54,6 +54,8 @@ class BatchRequest:
         logprobs: None = no logprobs; n >= 0 = the chosen token's logprob plus the top n.
         speculation: the request's own ``engine.RequestSpeculation`` (None: the engine's settings).
         prompt_logprobs: None, or n >= 0: score the prompt tokens too (on the first event).
+        constraint: a structured-output constraint of this request alone (``grammar.CompiledGrammar.new_constraint()``),
+            or None.
     """
 
     prompt_ids: list[int]
@@ -62,6 +64,7 @@ class BatchRequest:
     logprobs: int | None = None
     speculation: RequestSpeculation | None = None
     prompt_logprobs: int | None = None
+    constraint: object = None
     id: int = field(default_factory=itertools.count().__next__)
     cancelled: bool = False
     submitted_at: float = field(default_factory=time.perf_counter)
@@ -227,7 +230,7 @@ class Scheduler:
             try:
                 row, first = self.engine.add(request.prompt_ids, request.params, request.logprobs, tag=request,
                                              speculation=request.speculation,
-                                             prompt_logprobs=request.prompt_logprobs)
+                                             prompt_logprobs=request.prompt_logprobs, constraint=request.constraint)
             except Exception as exc:  # noqa: BLE001 - this request fails alone; the batch goes on
                 self._end(request, None, "error", f"{type(exc).__name__}: {exc}")
                 continue

@@ -39,6 +39,7 @@ from starlette.requests import ClientDisconnect
 from specdecode import __version__
 from specdecode.engine import RequestSpeculation, SpeculativeEngine
 from specdecode.generator import SpecDecoder, TextTracker
+from specdecode.grammar import CompiledGrammar, StructuredOutput, compile_grammar
 from specdecode.models import LoadedModel
 from specdecode.scheduler import BatchRequest, EngineStoppedError, QueueFullError, RowEvent, Scheduler, StepStats
 from specdecode.server.metrics import CONTENT_TYPE_LATEST, ServerMetrics
@@ -282,6 +283,7 @@ class _Choice:
         self.snapshot = _Snapshot()
         self.events = 0
         self.request: BatchRequest | None = None
+        self.constraint = None  # this choice's own structured-output constraint (response_format)
 
     @property
     def done(self) -> bool:
@@ -381,7 +383,8 @@ class _Job:
                 loop.call_soon_threadsafe(self.queue.put_nowait, (i, ev, _snapshot(ev)))
 
             req = BatchRequest(choice.prompt_ids, choice.params, on_event, logprobs=choice.logprobs_n,
-                               speculation=choice.speculation, prompt_logprobs=choice.prompt_logprobs_n)
+                               speculation=choice.speculation, prompt_logprobs=choice.prompt_logprobs_n,
+                               constraint=choice.constraint)
             try:
                 scheduler.submit(req)
             except (QueueFullError, EngineStoppedError) as exc:
@@ -589,10 +592,25 @@ def _speculation(body) -> RequestSpeculation | None:
                        code="invalid_value") from None
 
 
+def _grammar(state: ServingState, body) -> CompiledGrammar | None:
+    """The request's ``response_format`` compiled for the target (None: plain text; thread pool, the first
+    compile builds the tokenizer's llguidance copy); a 400 naming response_format when it is malformed or
+    its schema invalid."""
+    try:
+        structured = StructuredOutput.from_response_format(body.response_format)
+        if structured is None:
+            return None
+        return compile_grammar(state.target.tokenizer, state.engine.vocab_size, structured,
+                               state.target.eos_token_ids)
+    except SpecDecodeError as exc:
+        raise APIError(400, str(exc), param="response_format", code="invalid_value") from None
+
+
 def _job(state: ServingState, endpoint: str, body, prompts: list[list[int]], max_new: int | None,
-         default_max: int, logprobs: int | None, *, echo: bool = False) -> _Job:
+         default_max: int, logprobs: int | None, *, echo: bool = False, grammar: CompiledGrammar | None = None) -> _Job:
     """The engine requests of one HTTP request: per prompt, ``n`` choices (``best_of`` candidates on
-    completions; they are ranked at the end). ``logprobs``: what the client asked to see."""
+    completions; they are ranked at the end). ``logprobs``: what the client asked to see; ``grammar``: the
+    response_format every choice follows (each with its own constraint)."""
     per_prompt = getattr(body, "candidates", body.n)
     if len(prompts) * per_prompt > 64:
         what = "best_of" if per_prompt != body.n else "n"
@@ -611,6 +629,7 @@ def _job(state: ServingState, endpoint: str, body, prompts: list[list[int]], max
             choice = _Choice(index, ids, params, body.stops, state.text.decode, engine_logprobs,
                              report_logprobs=logprobs, speculation=speculation, prompt_logprobs=prompt_n, echo=echo)
             choice.report_prompt_logprobs = body.prompt_logprobs
+            choice.constraint = None if grammar is None else grammar.new_constraint()
             choices.append(choice)
     return _Job(state, endpoint, choices, per_prompt)
 
@@ -854,7 +873,9 @@ def create_app(state: ServingState) -> FastAPI:
         with _counted_if_invalid(state, endpoint):
             body: CompletionRequest = await _parse(request, CompletionRequest, state)
             prompts = await run_in_threadpool(_encode_prompts, state, body.prompts())
-            job = _job(state, endpoint, body, prompts, body.max_tokens, 16, body.logprobs, echo=body.echo)
+            grammar = await run_in_threadpool(_grammar, state, body)
+            job = _job(state, endpoint, body, prompts, body.max_tokens, 16, body.logprobs, echo=body.echo,
+                       grammar=grammar)
             job.submit()
         base = _response_base(state, "cmpl", "text_completion")
         if body.stream:
@@ -871,8 +892,10 @@ def create_app(state: ServingState) -> FastAPI:
         with _counted_if_invalid(state, endpoint):
             body: ChatCompletionRequest = await _parse(request, ChatCompletionRequest, state)
             ids = await run_in_threadpool(_encode_chat, state, body.chat_messages())
+            grammar = await run_in_threadpool(_grammar, state, body)
             logprobs = (body.top_logprobs or 0) if body.logprobs else None
-            job = _job(state, endpoint, body, [ids], body.max_new_tokens, state.config.default_max_tokens, logprobs)
+            job = _job(state, endpoint, body, [ids], body.max_new_tokens, state.config.default_max_tokens, logprobs,
+                       grammar=grammar)
             job.submit()
         base = _response_base(state, "chatcmpl", "chat.completion.chunk")
         if body.stream:

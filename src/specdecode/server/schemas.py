@@ -16,6 +16,12 @@ Sampling fields, on /v1/completions and /v1/chat/completions alike (OpenAI's unl
 (the prompt, and with ``logprobs`` its tokens' logprobs, first None) and ``best_of`` (that many
 candidates per prompt, the ``n`` with the highest cumulative logprob returned; not with ``stream``).
 
+Structured output, on both endpoints: ``response_format`` as OpenAI's ``{"type": "text"}``, ``{"type":
+"json_object"}`` or ``{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}, "strict": ...}}``
+(checked and compiled by ``specdecode.grammar``; a malformed one or an invalid schema is a 400 with
+``param: "response_format"``). The grammar masks the target and the drafts alike: the output is constrained
+plain decoding's, one-line JSON followed by EOS (``finish_reason: "stop"``).
+
 The extension ``"speculative"``: this request's own speculation, ``{"enabled": bool (default true;
 false decodes it plainly: usage.speculative.num_drafted_tokens is 0 and the output is the same),
 "num_speculative_tokens": 1..64 (this request's gamma in place of the server's draft-length policy),
@@ -159,6 +165,7 @@ class _SamplingFields(_Strict):
     allowed_token_ids: TokenIds = None
     prompt_logprobs: LogprobCount = None
     speculative: SpeculativeOptions | None = None
+    response_format: dict[str, Any] | None = None
     # accepted, and changing nothing in the output
     user: str | None = None
     metadata: dict[str, str] | None = None
@@ -378,7 +385,6 @@ class ChatCompletionRequest(_SamplingFields):
     tools: list[Any] | None = None
     tool_choice: Any = None
     functions: list[Any] | None = None
-    response_format: dict[str, Any] | None = None
 
     @field_validator("messages")
     @classmethod
@@ -394,8 +400,6 @@ class ChatCompletionRequest(_SamplingFields):
     def _chat_unsupported(self):
         if self.tools or self.functions or self.tool_choice not in (None, "none"):
             raise ValueError("tools / function calling are not supported by this server; omit them")
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise ValueError("response_format other than {\"type\": \"text\"} is not supported; omit it")
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs: true")
         return self
