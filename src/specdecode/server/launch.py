@@ -252,6 +252,7 @@ def run(opts: ServeOptions) -> int:
 
     logging.basicConfig(level=getattr(logging, opts.log_level.upper(), logging.INFO),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    check_options(opts)  # every flag, before anything is printed or loaded
     check_address(opts.host, opts.port)  # before the slow load
     set_threads(opts.threads, say=lambda line: print(f"specdecode: {line}", file=sys.stderr, flush=True))
     state = load_state(opts)
