@@ -167,6 +167,15 @@ def test_compiled_grammars_and_tokenizers_are_cached(tok):
     assert compile_grammar(tok, len(tok) + 1, StructuredOutput.json_schema(PERSON)) is not a
 
 
+def test_property_order_is_part_of_the_grammar(tok):
+    """The output writes properties in the schema's order: a reordered schema is another grammar."""
+    flipped = {**PERSON, "properties": dict(reversed(list(PERSON["properties"].items())))}
+    a = compile_grammar(tok, len(tok), StructuredOutput.json_schema(PERSON)).new_constraint()
+    b = compile_grammar(tok, len(tok), StructuredOutput.json_schema(flipped)).new_constraint()
+    name_first = _encode(tok, '{"name": "A", "age": 1}')
+    assert a.valid_prefix(name_first) == len(name_first) and b.valid_prefix(name_first) < len(name_first)
+
+
 # --------------------------------------------------------------------------- units: errors
 
 
@@ -202,6 +211,8 @@ def test_schema_text_that_is_not_json_is_refused():
         StructuredOutput.json_schema("[1, 2]")
     with pytest.raises(SpecDecodeError, match="non-empty"):
         StructuredOutput.regex("")
+    with pytest.raises(SpecDecodeError, match="JSON cannot represent"):
+        StructuredOutput.json_schema({"type": "object", "default": {1, 2}})
 
 
 def test_response_format_forms():

@@ -14,20 +14,24 @@ keeps exactly that distribution:
    the target distribution at every position is plain decoding's p~.
 2. **The same mask on the draft.** Model drafters compute q with the same ``RequestSampler`` along
    the same path (``ProposeContext.draft_dist``), so q~ is masked and renormalised exactly like p~:
-   a drafter never proposes a forbidden token, and rejection sampling with target p~ and any
-   proposal q~ returns samples of p~ (Leviathan et al. 2023, theorem 1): position by position the
-   output follows constrained plain decoding, hence so does the whole sequence. Greedy requests
-   take the argmax of the masked logits, plain decoding's constrained argmax.
+   a drafter never proposes a forbidden token, and verification with target p~ and any proposal
+   q~ returns samples of p~ (token-wise rejection sampling, Leviathan et al. 2023, theorem 1; block
+   verification, Sun et al. 2024; the coupled mode's exact match): position by position the output
+   follows constrained plain decoding, hence so does the whole sequence. Greedy requests take the
+   argmax of the masked logits, plain decoding's constrained argmax.
 3. **Drafts cut before verification.** Deterministic drafters (n-gram, suffix) know no grammar.
    ``valid_prefix`` reports how many leading draft tokens the masks allow, and the engine ends a
    chain before the first forbidden one (``engine._cut_draft``). For such a draft q is a point mass
    on the drafted token x; verification would reject x (p~(x) = 0) and sample from
    ``norm(max(0, p~ - q)) = p~``: what the engine does at the cut, as it samples position j from
-   p~ (the bonus). The cut saves the wasted target positions and changes no distribution. It would
-   NOT be lossless for a drafter whose q gave a forbidden token mass (the residual differs from p~
-   then): that is why q must carry the same mask, and ``tests/test_grammar.py`` checks that a
-   drafter that skips the renormalisation fails the distribution test. Token trees are not cut;
-   the tree verifier rejects forbidden nodes (p~ = 0) like any other.
+   p~ (the bonus); put otherwise, the cut draft is still a deterministic function of the context,
+   and any such draft is verified losslessly. The cut saves the wasted target positions and
+   changes no distribution. It would NOT be lossless for a sampling drafter whose q gave a
+   forbidden token mass (the cut then depends on the draw, and the residual differs from p~):
+   the proposer contract's q is the law *after* the request's processing, mask included, and
+   ``tests/test_grammar.py`` checks that drafters whose q skips the mask, or its renormalisation,
+   fail the distribution test. Token trees are not cut; the tree verifier rejects forbidden
+   nodes (p~ = 0) like any other.
 
 ``valid_prefix`` is defined by the masks themselves (a token is valid where the mask at its path
 allows it), so the cut happens exactly where p~ is zero. A path the grammar rejects gets an
@@ -97,6 +101,11 @@ class StructuredOutput:
                          where if self.field else "response_format")
         if self.kind == "json_schema" and not isinstance(self.spec, dict):
             raise _error(f"a JSON schema must be a JSON object, got {type(self.spec).__name__}", where)
+        if self.kind == "json_schema":
+            try:
+                json.dumps(self.spec)
+            except (TypeError, ValueError) as e:
+                raise _error(f"the JSON schema holds a value JSON cannot represent ({e})", where) from None
         if self.kind == "regex" and (not isinstance(self.spec, str) or not self.spec):
             raise _error("a regular expression must be a non-empty string", where)
         if self.kind == "json_object" and self.spec is not None:
@@ -111,8 +120,9 @@ class StructuredOutput:
 
     @property
     def key(self) -> str:
-        """A canonical text of kind + spec (the compiled-grammar cache key)."""
-        return f"{self.kind}:{json.dumps(self.spec, sort_keys=True)}"
+        """kind + the spec's JSON text (the compiled-grammar cache key). Keys keep their order: the order of a
+        schema's properties is the order the output writes them in."""
+        return f"{self.kind}:{json.dumps(self.spec)}"
 
     # Constructors ------------------------------------------------------------------------------
 
