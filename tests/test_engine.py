@@ -122,8 +122,10 @@ def test_seed_makes_sampling_reproducible(target, draft):
     assert a == b
 
 
-def test_sampled_output_follows_target_distribution_through_the_engine():
-    """First three sampled tokens, speculative (draft-model, gamma 2) vs the target's exact joint."""
+@pytest.mark.parametrize("coupled", [False, True])
+def test_sampled_output_follows_target_distribution_through_the_engine(coupled):
+    """First three sampled tokens, speculative (draft-model, gamma 2) vs the target's exact joint, in the
+    standard (rejection sampling) and the coupled mode."""
     vocab = 5
     tgt = tiny_llama(vocab_size=vocab, seed=3, layers=1, hidden=32, scale=4.0)
     drf = tiny_llama(vocab_size=vocab, seed=4, layers=1, hidden=32, scale=4.0)
@@ -132,7 +134,7 @@ def test_sampled_output_follows_target_distribution_through_the_engine():
     engine = _engine(tgt, DraftModelProposer(drf), 2)
     counts = np.zeros(vocab**3)
     for s in range(2000):
-        out = engine.generate(prompt, SamplingParams(temperature=1.0, max_new_tokens=3, seed=s))
+        out = engine.generate(prompt, SamplingParams(temperature=1.0, max_new_tokens=3, seed=s, coupled=coupled))
         counts[np.ravel_multi_index(out.token_ids, (vocab,) * 3)] += 1
     assert chi2_pvalue(counts, exact) > 1e-3
 
@@ -280,17 +282,21 @@ def small_pair():
     return tgt, tiny_llama(vocab_size=VOCAB, seed=4, layers=1, hidden=32, scale=4.0)
 
 
-@pytest.mark.parametrize("kind", list(DRAFTERS))
-def test_sampled_distribution_in_a_busy_batch_is_the_targets(small_pair, kind):
+@pytest.mark.parametrize("kind, coupled", [*((k, False) for k in DRAFTERS), ("draft-model", True),
+                                           ("tree-dynamic", True)])
+def test_sampled_distribution_in_a_busy_batch_is_the_targets(small_pair, kind, coupled):
     """3-token samples of one prompt, decoded among other requests (other prompts, greedy and sampled,
-    joining and leaving) in batches of up to 8: chi-square against the target's exact joint."""
+    joining and leaving) in batches of up to 8: chi-square against the target's exact joint. Standard
+    rejection sampling for every drafter; the coupled mode (draft-independent token for token, so two
+    drafters stand for all) among coupled background rows."""
     tgt, drf = small_pair
     engine = SpeculativeEngine(tgt, DRAFTERS[kind](tgt, drf), EngineConfig(num_speculative_tokens=2, max_batch_size=8))
     background = [([4, 3, 2, 1], SamplingParams(max_new_tokens=9)),
                   ([2, 2, 2], SamplingParams(temperature=0.7, max_new_tokens=6, seed=1)),
                   ([0, 1, 0, 1, 0, 1], SamplingParams(temperature=1.5, top_p=0.9, max_new_tokens=11, seed=2))]
     samples = 1000
-    measured = [(DIST_PROMPT, SamplingParams(temperature=1.0, max_new_tokens=3, seed=s)) for s in range(samples)]
+    measured = [(DIST_PROMPT, SamplingParams(temperature=1.0, max_new_tokens=3, seed=s, coupled=coupled))
+                for s in range(samples)]
     requests = []
     for i, m in enumerate(measured):
         requests.append(m)

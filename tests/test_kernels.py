@@ -34,14 +34,17 @@ def test_int8_draft_with_float_target_greedy_equals_plain_decoding():
             assert out.metrics.acceptance_rate > 0.5  # an int8 copy of the target mostly agrees with it
 
 
-def _two_token_distribution_pvalue(target, draft, backend: str, vocab: int = 5, samples: int = 1500) -> float:
+def _two_token_distribution_pvalue(target, draft, backend: str, vocab: int = 5, samples: int = 1500,
+                                   coupled: bool = False) -> float:
     """Chi-square p-value of speculative samples (gamma 1, T=1, 2 tokens, batches of 8) against the
-    target's exact two-token distribution computed with the ``backend`` forward (the one the engine runs)."""
+    target's exact two-token distribution computed with the ``backend`` forward (the one the engine runs);
+    standard rejection sampling unless ``coupled`` (a seeded request is coupled by default)."""
     prompt = [1, 2]
     exact = exact_joint(target, prompt, 2, backend=backend)
     engine = SpeculativeEngine(target, DraftModelProposer(draft), EngineConfig(num_speculative_tokens=1,
                                                                                max_batch_size=8))
-    outs = engine.generate_batch([prompt] * samples, [SamplingParams(temperature=1.0, max_new_tokens=2, seed=s)
+    outs = engine.generate_batch([prompt] * samples, [SamplingParams(temperature=1.0, max_new_tokens=2, seed=s,
+                                                                     coupled=coupled)
                                                       for s in range(samples)])
     counts = np.zeros(vocab**2)
     for out in outs:
@@ -49,10 +52,11 @@ def _two_token_distribution_pvalue(target, draft, backend: str, vocab: int = 5, 
     return chi2_pvalue(counts, exact)
 
 
-def test_int8_draft_sampling_follows_the_float_target_distribution():
+@pytest.mark.parametrize("coupled", [False, True])
+def test_int8_draft_sampling_follows_the_float_target_distribution(coupled):
     target = tiny_llama(seed=3, vocab_size=5, layers=1, hidden=32, scale=4.0)
     draft = _int8(4, vocab_size=5, layers=1, hidden=32, scale=4.0)
-    assert _two_token_distribution_pvalue(target, draft, "owned") > 1e-3
+    assert _two_token_distribution_pvalue(target, draft, "owned", coupled=coupled) > 1e-3
 
 
 def test_rowwise_int8_rows_are_independent_bit_for_bit():

@@ -69,9 +69,10 @@ def test_nothing_skipped_accepts_everything(target):
     assert sampled.metrics.acceptance_rate > 0.97
 
 
-def test_sampled_output_follows_target_distribution():
+@pytest.mark.parametrize("coupled", [False, True])
+def test_sampled_output_follows_target_distribution(coupled):
     """First three sampled tokens through the engine (layer-skip, gamma 2, batches of 8) vs the target's
-    exact joint."""
+    exact joint, in the standard (rejection sampling) and the coupled mode."""
     vocab = 5
     tgt = tiny_llama(vocab_size=vocab, seed=3, layers=3, hidden=32, scale=4.0)
     with torch.no_grad():  # make the layers matter, so skipping two of them changes the draft
@@ -84,7 +85,8 @@ def test_sampled_output_follows_target_distribution():
     counts = np.zeros(vocab**3)
     rejected = 0
     samples = 2000
-    outs = engine.generate_batch([prompt] * samples, [SamplingParams(temperature=1.0, max_new_tokens=3, seed=s)
+    outs = engine.generate_batch([prompt] * samples, [SamplingParams(temperature=1.0, max_new_tokens=3, seed=s,
+                                                                     coupled=coupled)
                                                       for s in range(samples)])
     for out in outs:
         counts[np.ravel_multi_index(out.token_ids, (vocab,) * 3)] += 1
