@@ -5,7 +5,8 @@ decoding with the request's whole processing applied at each step. The processin
 from the rules alone, in float64 numpy, without ``specdecode.sampling`` (so a shared mistake cannot hide):
 
 1. masks: tokens outside ``allowed_token_ids``, ``banned_token_ids``, and the stop tokens (EOS unless
-   ``ignore_eos``, ``stop_token_ids``) while fewer than ``min_tokens`` tokens were generated;
+   ``ignore_eos``, ``stop_token_ids``) while fewer than ``min_tokens`` tokens were generated, unless the
+   other masks leave nothing else;
 2. ``logit_bias`` added (a bias of -100 bans the token);
 3. repetition penalty on every token of prompt + output so far (positive logits divided, negative
    multiplied), then frequency (per occurrence) and presence (once) penalties on output tokens only;
@@ -36,11 +37,16 @@ def process(raw: np.ndarray, prompt: Sequence[int], output: Sequence[int], param
         keep[list(params.allowed_token_ids)] = True
         x[~keep] = -np.inf
     x[list(params.banned_token_ids)] = -np.inf
+    x[[t for t, b in (params.logit_bias or {}).items() if b <= -100]] = -np.inf  # a ban is a mask
     stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(params.eos_token_ids))
     if len(output) < params.min_tokens:
-        x[sorted(stops)] = -np.inf
+        masked = x.copy()
+        masked[sorted(stops)] = -np.inf
+        if np.isfinite(masked).any():  # min_tokens yields when the other masks leave only stop tokens
+            x = masked
     for tok, b in (params.logit_bias or {}).items():
-        x[tok] = -np.inf if b <= -100 else x[tok] + b
+        if b > -100:
+            x[tok] += b
     if params.repetition_penalty != 1.0:
         r = params.repetition_penalty
         for tok in set(prompt) | set(output):

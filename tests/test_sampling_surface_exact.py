@@ -384,6 +384,21 @@ def test_caps_and_stops_inside_an_accepted_block(target4, gamma, temperature):
             assert full[f] not in expected[: f + 3]
 
 
+@pytest.mark.parametrize("kind", [None, "ngram", "draft-model"])
+def test_min_tokens_yields_when_only_stop_tokens_are_allowed(target4, draft, kind):
+    """allowed_token_ids = the stop tokens, with min_tokens: the request stops at once rather than generate a
+    token it does not allow (the sampler used to fall back to the raw logits there: any token), plainly and
+    speculatively, greedy and sampled in both modes; with one other token allowed it waits for min_tokens."""
+    proposer = None if kind is None else DRAFTERS[kind](target4, draft)
+    engine = _engine(target4, proposer, 3)
+    for mode in (dict(), dict(temperature=1.0, seed=1, coupled=False), dict(temperature=1.0, seed=1, coupled=True)):
+        only_stop = SamplingParams(max_new_tokens=8, allowed_token_ids=(5,), eos_token_ids=(5,), min_tokens=3, **mode)
+        waits = SamplingParams(max_new_tokens=8, allowed_token_ids=(5, 6), stop_token_ids=(5,), min_tokens=4,
+                               logit_bias={5: 100.0}, **mode)
+        outs = _texts(engine, [(p, only_stop) for p in PROMPTS] + [(p, waits) for p in PROMPTS])
+        assert outs == [[5]] * 3 + [[6, 6, 6, 6, 5]] * 3, mode
+
+
 # --------------------------------------------------------------------------- 6. extreme values
 
 

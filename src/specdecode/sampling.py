@@ -8,7 +8,9 @@ the engine asks it for the target's p along the draft path, the proposers ask it
 same path, and only :meth:`RequestSampler.commit` changes its state, so a rejection needs no rollback.
 
 The order (vLLM's): allowed / banned ids, min_tokens, a grammar's mask, logit_bias, repetition /
-frequency / presence penalties, then temperature, min_p, top-k, top-p.
+frequency / presence penalties, then temperature, min_p, top-k, top-p. min_tokens yields where the other
+masks leave nothing but stop tokens (then a stop token may end the output early), so a request never
+generates a token its allowed / banned ids, logit_bias bans or grammar forbid.
 """
 
 from __future__ import annotations
@@ -174,14 +176,16 @@ class RequestSampler:
         n, vp = out.shape
         if self._static is not None:
             out += self._static[:vp]
+        if self.constraint is not None:
+            allowed = self.constraint.masks(paths)[:, :vp]  # [N, V'] bool
+            out = out.masked_fill(~allowed, NEG_INF)
         if self.params.min_tokens > self.num_generated and self._stop.numel():
             stop = self._stop[self._stop < vp]
             for j, path in enumerate(paths):
                 if self.num_generated + len(path) < self.params.min_tokens:
-                    out[j, stop] = NEG_INF
-        if self.constraint is not None:
-            allowed = self.constraint.masks(paths)[:, :vp]  # [N, V'] bool
-            out = out.masked_fill(~allowed, NEG_INF)
+                    masked = out[j].index_fill(0, stop, NEG_INF)
+                    if bool(torch.isfinite(masked).any()):  # min_tokens yields when only stop tokens are left
+                        out[j] = masked
         if self._penalties:
             raw = logits.float()
             out = self._penalise(out, raw, paths)

@@ -53,7 +53,8 @@ class SamplingParams:
         logit_bias: token id -> additive bias in [-100, 100]; -100 bans the token (OpenAI).
         allowed_token_ids: only these tokens may be generated (None: all).
         banned_token_ids: these tokens are never generated.
-        min_tokens: EOS and ``stop_token_ids`` are masked until this many tokens were generated.
+        min_tokens: EOS and ``stop_token_ids`` are masked until this many tokens were generated (unless
+            they are all that the other masks leave).
         stop_token_ids: more tokens that end generation like EOS (included in the output ids).
         max_new_tokens: hard cap on generated tokens (never exceeded), >= 1.
         seed: seeds the request's randomness; None draws a random seed.
