@@ -602,19 +602,22 @@ def _row_gamma(row: Request, gamma: int) -> int:
 
 def _cut_draft(row: Request, d: Draft) -> Draft:
     """Drop draft tokens the request could never generate (a banned token, a stop token before
-    min_tokens, a token the grammar forbids) before verification: a chain ends before the first one.
-    Cutting changes no output distribution: verification
-    would reject such a token (target probability 0) and sample from p at that position anyway. A token
-    tree is left whole (the drafter's own cache maps its nodes): verification rejects such nodes."""
+    min_tokens, a token the grammar forbids) before verification: a deterministic chain ends before
+    the first one. Cutting changes no output distribution there: q is a point mass, verification
+    would reject such a token (target probability 0) and sample from p at that position, which is
+    what the shortened chain's next position does. A sampling drafter's chain is not cut (its q,
+    processed like p, gives such tokens no mass; a q that did would make a cut depend on the draw,
+    and verification, not a cut, is then exact), nor is a token tree (the drafter's own cache maps
+    its nodes): verification rejects such nodes."""
     n = d.num_tokens
-    if not n or not row.sampler.active:
+    if not n or d.draft_probs is not None or not row.sampler.active:
         return d
     if d.parents[0].tolist() == list(range(-1, n - 1)):
         keep = row.sampler.valid_prefix(d.token_ids[0].tolist())
         if keep == n:
             return d
-        return Draft.chain(d.token_ids[:, :keep], None if d.draft_probs is None else d.draft_probs[:, :keep],
-                           catch_up_s=d.catch_up_s) if keep else dataclasses.replace(Draft.empty(), catch_up_s=d.catch_up_s)
+        return Draft.chain(d.token_ids[:, :keep], catch_up_s=d.catch_up_s) if keep else \
+            dataclasses.replace(Draft.empty(), catch_up_s=d.catch_up_s)
     return d  # a token tree is not cut (the drafter's own cache maps its nodes); such nodes are rejected
 
 
