@@ -145,6 +145,8 @@ def main(argv=None) -> int:
     report = {"target": f"{args.target} bf16 (batch-invariant forward)", "draft_model": f"{args.target} int8",
               "layer_skip": [2, 3, 4], "gamma": args.gamma, "max_new_tokens": args.max_new_tokens,
               "policy": "fixed", "environment": env,
+              "note": "tau and acceptance do not depend on machine load; tokens_per_s does (read it as a "
+                      "measurement only from a run alone on the machine)",
               "summary": {name: summarize(runs, None if name == "plain" else results["plain"])
                           for name, runs in results.items()},
               "requests": [{"id": rid, "prompt": msg, "schema": schema,

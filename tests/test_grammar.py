@@ -123,9 +123,10 @@ def test_masks_and_valid_prefix_leave_no_trace(tok):
 
 def test_a_rejected_path_gets_an_all_true_row_and_the_rest_are_exact(tok):
     grammar = compile_grammar(tok, len(tok), StructuredOutput.json_schema(PERSON))
-    ids = _encode(tok, '{"name"')
+    ids = _encode(tok, '{"name":')
     bad = _encode(tok, "x")[0]
     c = grammar.new_constraint()
+    assert c.valid_prefix(ids) == len(ids)
     rows = c.masks([ids, ids + [bad], ids + [bad, bad], [bad]])
     assert rows[1:].all() and not rows[0].all()
 
@@ -436,10 +437,11 @@ class _FixedChain(RowProposer):
 
 class _MaskedDraft(RowProposer):
     """A draft model (no cache) with q built three ways from its softmax: ``"renormalised"`` (masked by the
-    grammar and renormalised: right), ``"unnormalised"`` (masked, not renormalised) and ``"unmasked"`` (the
-    grammar ignored: the engine cuts the chain at a forbidden draft token, lossless only for a q that gives
-    forbidden tokens no mass). Its logits lean to "x", which the grammar forbids after the first token, and
-    to "abc": much of q's mass is masked away, and what is left has another shape than the target's."""
+    grammar and renormalised: right), ``"unmasked"`` (the grammar ignored: forbidden tokens are drafted and
+    must be rejected by verification, the chain is not cut) and ``"unnormalised"`` (masked, not renormalised:
+    not the law the tokens were drawn from, the negative control). Its logits lean to "x", which the grammar
+    forbids after the first token, and to "abc": much of q's mass is masked away, and what is left has another
+    shape than the target's."""
 
     name = "masked-draft"
     BIAS = torch.tensor([0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 3.0, 4.0])
@@ -491,24 +493,24 @@ def _pvalue(counts: Counter, exact: dict) -> float:
 
 
 @pytest.mark.parametrize("coupled", [False, True])
-@pytest.mark.parametrize("drafter", ["draft-model", "fixed-chain", "tree-dynamic", "renormalised"])
+@pytest.mark.parametrize("drafter", ["draft-model", "fixed-chain", "tree-dynamic", "renormalised", "unmasked"])
 def test_sampled_speculative_distribution_equals_constrained_plain(dist_setup, drafter, coupled):
     grammar, target, draft, exact = dist_setup
     proposer = {"draft-model": lambda: DraftModelProposer(draft),
                 "fixed-chain": _FixedChain,
                 "tree-dynamic": lambda: TreeDraftProposer(draft, TreeDraftConfig(kind="dynamic", num_nodes=6, top_k=2)),
-                "renormalised": lambda: _MaskedDraft(draft, "renormalised")}[drafter]()
+                "renormalised": lambda: _MaskedDraft(draft, "renormalised"),
+                "unmasked": lambda: _MaskedDraft(draft, "unmasked")}[drafter]()
     counts = _sample_counts(grammar, target, proposer, coupled)
     assert _pvalue(counts, exact) > 1e-3, (counts, exact)
 
 
-@pytest.mark.parametrize("mode", ["unnormalised", "unmasked"])
-def test_negative_controls_a_wrong_draft_law_breaks_the_distribution(dist_setup, mode):
-    """q masked but not renormalised (verification's min(1, p/q) and residual read the wrong law), or q not
-    masked at all (the engine's cut at a forbidden draft token then samples p where the residual was due):
-    the chi-square test must see both. The same drafter with q renormalised passes above."""
+def test_negative_control_an_unnormalised_draft_breaks_the_distribution(dist_setup):
+    """q masked but not renormalised: not the law the draft tokens were drawn from, so verification's
+    min(1, p/q) and residual read the wrong law, and the chi-square test must see it. The same drafter with
+    q renormalised, or not masked at all, passes above."""
     grammar, target, draft, exact = dist_setup
-    counts = _sample_counts(grammar, target, _MaskedDraft(draft, mode), coupled=False)
+    counts = _sample_counts(grammar, target, _MaskedDraft(draft, "unnormalised"), coupled=False)
     assert _pvalue(counts, exact) < 1e-6, (counts, exact)
 
 

@@ -19,19 +19,18 @@ keeps exactly that distribution:
    verification, Sun et al. 2024; the coupled mode's exact match): position by position the output
    follows constrained plain decoding, hence so does the whole sequence. Greedy requests take the
    argmax of the masked logits, plain decoding's constrained argmax.
-3. **Drafts cut before verification.** Deterministic drafters (n-gram, suffix) know no grammar.
-   ``valid_prefix`` reports how many leading draft tokens the masks allow, and the engine ends a
-   chain before the first forbidden one (``engine._cut_draft``). For such a draft q is a point mass
-   on the drafted token x; verification would reject x (p~(x) = 0) and sample from
-   ``norm(max(0, p~ - q)) = p~``: what the engine does at the cut, as it samples position j from
-   p~ (the bonus); put otherwise, the cut draft is still a deterministic function of the context,
-   and any such draft is verified losslessly. The cut saves the wasted target positions and
-   changes no distribution. It would NOT be lossless for a sampling drafter whose q gave a
-   forbidden token mass (the cut then depends on the draw, and the residual differs from p~):
-   the proposer contract's q is the law *after* the request's processing, mask included, and
-   ``tests/test_grammar.py`` checks that drafters whose q skips the mask, or its renormalisation,
-   fail the distribution test. Token trees are not cut; the tree verifier rejects forbidden
-   nodes (p~ = 0) like any other.
+3. **Deterministic drafts cut before verification.** Deterministic drafters (n-gram, suffix) know
+   no grammar. ``valid_prefix`` reports how many leading draft tokens the masks allow, and the
+   engine ends such a chain before the first forbidden one (``engine._cut_draft``). Its q is a
+   point mass on the drafted token x; verification would reject x (p~(x) = 0) and sample from
+   ``norm(max(0, p~ - q)) = p~``: what the shortened chain's next position does (the bonus). Put
+   otherwise, the cut draft is still a deterministic function of the context, and any such draft
+   is verified losslessly; the cut saves the wasted target positions. A sampling drafter's chain is
+   never cut: a cut would depend on its draw, which is lossy for a q that gave a forbidden token
+   mass (the residual is not p~ then). Such a q (a drafter that skipped the mask) is still verified
+   exactly, only less efficiently; ``tests/test_grammar.py`` checks both, and that a q masked but
+   not renormalised (not the law the token was drawn from) fails the distribution test. Token
+   trees are not cut; the tree verifier rejects forbidden nodes (p~ = 0) like any other.
 
 ``valid_prefix`` is defined by the masks themselves (a token is valid where the mask at its path
 allows it), so the cut happens exactly where p~ is zero. A path the grammar rejects gets an
