@@ -3,8 +3,8 @@
 Plain decoding in this mode samples the token at output position t as the Gumbel-max choice
 ``argmax_x(log p_t(x) + G_t(x))`` with ``G_t`` i.i.d. Gumbel noise drawn from a generator seeded by
 a hash of (seed, t, purpose) (Gumbel 1954; the Gumbel-max trick, e.g. Maddison et al. 2014). This is
-an exact sample of p_t: G_t is independent of everything before t, and the Gumbel-max of ``log p +
-G`` is distributed as p. Because the noise of a position does not depend on how the position is
+an exact sample of p_t (up to the 2**-53 resolution of the uniforms): G_t is independent of
+everything before t, and the Gumbel-max of ``log p + G`` is distributed as p. Because the noise of a position does not depend on how the position is
 reached, speculation can reproduce it exactly:
 
 - a sampling drafter draws its token at position t with the same noise, ``argmax(log q_t + G_t)``
@@ -13,7 +13,10 @@ reached, speculation can reproduce it exactly:
   they equal it, and commits the target's choice at the first mismatch (or the bonus position).
 
 The committed text is then token for token the text of seeded plain decoding in this mode, for any
-drafter, any gamma, any batch and any draft-length policy ("seeds that mean something"). A
+drafter, any gamma, any batch and any draft-length policy ("seeds that mean something"), as long as
+the target's logits of a token do not depend on how many tokens share its forward: the batch-invariant
+forward (bf16 / int8 with the owned forward, ``kv/owned.py``) guarantees it; with float32 a near-tie
+can flip, as for greedy decoding. A
 deterministic drafter (n-gram, suffix) is accepted with probability p_t(x), as under standard
 rejection sampling; a sampling drafter is accepted with the probability that the two Gumbel-max
 choices agree, ``P[argmax(log p + G) = argmax(log q + G)]``, which is at most ``sum min(p, q)``
@@ -43,14 +46,16 @@ def key(seed: int, position: int, purpose: str = TOKEN) -> int:
 
 
 def exponential(seed: int, position: int, vocab_size: int, purpose: str = TOKEN) -> torch.Tensor:
-    """[V] float32 i.i.d. standard exponential noise E for output position ``position`` of request ``seed``.
+    """[V] float64 i.i.d. standard exponential noise E for output position ``position`` of request ``seed``.
 
     The Gumbel-max choice ``argmax(log p + G)`` with ``G = -log E`` is ``argmin(E / p)`` (the
-    exponential race): one logarithm per token instead of two, no logarithm of p.
+    exponential race): one logarithm per token instead of two, no logarithm of p. Float64 uniforms
+    (53-bit steps) keep E away from 0: a float32 uniform is 0 with probability 2**-24 per token, and
+    a token with E = 0 would win the race whatever its probability.
     """
     g = torch.Generator().manual_seed(key(seed, position, purpose))
-    u = torch.rand(vocab_size, generator=g)  # [0, 1) in steps of 2**-24
-    return torch.log1p(-u).neg_()
+    u = torch.rand(vocab_size, generator=g, dtype=torch.float64)  # [0, 1) in steps of 2**-53
+    return torch.log1p(-u).neg_().clamp_(min=torch.finfo(torch.float64).tiny)
 
 
 class CoupledNoise:
@@ -66,7 +71,7 @@ class CoupledNoise:
         self._cache: dict[int, torch.Tensor] = {}
 
     def at(self, position: int) -> torch.Tensor:
-        """[V] float32 exponential noise of output position ``position`` (0 = the first generated token)."""
+        """[V] float64 exponential noise of output position ``position`` (0 = the first generated token)."""
         g = self._cache.get(position)
         if g is None:
             g = self._cache[position] = exponential(self.seed, position, self.vocab_size)
@@ -85,25 +90,6 @@ class CoupledNoise:
         """
         vp = probs.shape[-1]
         noise = torch.stack([self.at(p)[:vp] for p in positions])
-        p = probs.float()
+        p = probs.double()
         race = torch.where(p > 0, noise / p, torch.full_like(p, float("inf")))
         return race.argmin(-1)
-
-
-def verify_chain_coupled(draft_ids: Sequence[int], target_choices: torch.Tensor) -> tuple[int, int]:
-    """Coupled verification of one chain.
-
-    Args:
-        draft_ids: [k] the drafted tokens.
-        target_choices: [k + 1] int64 the target's Gumbel-max choice at each verified position.
-
-    Returns:
-        (number of draft tokens kept, the token committed after them: the target's choice there).
-    """
-    choices = target_choices.tolist()
-    n = 0
-    for tok, want in zip(draft_ids, choices):
-        if int(tok) != want:
-            break
-        n += 1
-    return n, choices[n]

@@ -457,9 +457,16 @@ class SpeculativeEngine:
             row.metrics.verify_time_s += verify_s / b
         if self.proposer is not None and any(d.num_tokens for d in drafts):
             self.proposer.observe([r.ctx for r in rows], results)
-        depths = [(tree_depth(d.parents[0]) if self.trees else d.num_tokens) if d.num_tokens else 0 for d in drafts]
-        self.policy.update(depths, [int(r.num_accepted[0]) for r in results],
-                           draft_time_s=max(0.0, draft_s - catch_up), verify_time_s=verify_s)
+        # The policy learns only from rows that followed it (not those with their own gamma or speculation off).
+        own = [i for i, r in enumerate(rows) if r.speculation.enabled and r.speculation.num_speculative_tokens is None]
+        if not own:
+            return
+        depths = [(tree_depth(drafts[i].parents[0]) if self.trees else drafts[i].num_tokens)
+                  if drafts[i].num_tokens else 0 for i in own]
+        whole = len(own) == len(rows)  # the step's times belong to the whole batch: learn them only from one
+        self.policy.update(depths, [int(results[i].num_accepted[0]) for i in own],
+                           draft_time_s=max(0.0, draft_s - catch_up) if whole else None,
+                           verify_time_s=verify_s if whole else None)
 
     def _logprobs(self, row: Request, logits: torch.Tensor, tokens: list[int], kept: list[int]):
         """log_softmax of the target's raw logits at the committed tokens (and the top n), when asked."""

@@ -7,10 +7,14 @@ committed tokens + draft tokens 1..i-1. :class:`RequestSampler` is that processi
 the engine asks it for the target's p along the draft path, the proposers ask it for q along the
 same path, and only :meth:`RequestSampler.commit` changes its state, so a rejection needs no rollback.
 
-The order (vLLM's): allowed / banned ids, min_tokens, a grammar's mask, logit_bias, repetition /
-frequency / presence penalties, then temperature, min_p, top-k, top-p. min_tokens yields where the other
-masks leave nothing but stop tokens (then a stop token may end the output early), so a request never
-generates a token its allowed / banned ids, logit_bias bans or grammar forbid.
+The order: logit_bias and the allowed / banned ids (one static additive vector, -inf for a ban), a
+grammar's mask, min_tokens (stop tokens masked), the repetition / frequency / presence penalties, then
+temperature, min_p, top-k, top-p (vLLM's order, with min_tokens after the masks so that it can yield:
+where the other masks leave nothing but stop tokens, a stop token may end the output early, so a
+request never generates a token its allowed / banned ids, logit_bias bans or grammar forbid). Where
+the request's own constraints contradict each other at a committed position (a complete grammar allows
+only EOS, and allowed_token_ids lacks it), the request ends there with a stop token; without stop
+tokens the grammar yields to the static masks.
 """
 
 from __future__ import annotations
@@ -142,6 +146,8 @@ class RequestSampler:
         self._static = static if (params.logit_bias or params.allowed_token_ids is not None
                                   or params.banned_token_ids) else None
         self._stop = torch.tensor(sorted(set(params.stop_ids)), dtype=torch.int64)
+        self._stop_set = set(params.stop_ids)
+        self._static_ok: list[bool] | None = None  # per token: not banned (built on first use)
         self._penalties = params.has_penalties
         self._counts = torch.zeros(v, dtype=torch.int64)  # occurrences in the output
         self._seen = torch.zeros(v, dtype=torch.bool)  # in the prompt or the output (repetition penalty)
@@ -191,8 +197,21 @@ class RequestSampler:
             out = self._penalise(out, raw, paths)
         dead = ~torch.isfinite(out).any(-1)
         if bool(dead.any()):
-            out[dead] = logits.float()[dead]
+            out[dead] = self._fallback(logits.float())[dead]
         return out
+
+    def _fallback(self, raw: torch.Tensor) -> torch.Tensor:
+        """[N, V'] what a position gets when its masks leave no token (see the module docstring): only
+        the stop tokens (the request ends), else the static masks alone, else the raw logits."""
+        vp = raw.shape[1]
+        stop = self._stop[self._stop < vp]
+        if stop.numel():
+            out = torch.full_like(raw, NEG_INF)
+            out[:, stop] = raw[:, stop]
+            return out
+        if self._static is not None and bool(torch.isfinite(self._static[:vp]).any()):
+            return raw + self._static[:vp]
+        return raw
 
     def _penalise(self, out: torch.Tensor, raw: torch.Tensor, paths: Sequence[Sequence[int]]) -> torch.Tensor:
         """Apply the penalties with the committed counts to every row, then redo the path's own tokens
@@ -234,12 +253,14 @@ class RequestSampler:
         toks = [int(t) for t in tokens]
         n = len(toks)
         if self._static is not None:
+            if self._static_ok is None:
+                self._static_ok = torch.isfinite(self._static).tolist()
             for i, t in enumerate(toks):
-                if not bool(torch.isfinite(self._static[t])):
+                if not self._static_ok[t]:
                     n = i
                     break
         if self.params.min_tokens > self.num_generated and self._stop.numel():
-            stops = set(self._stop.tolist())
+            stops = self._stop_set
             for i, t in enumerate(toks[:n]):
                 if t in stops and self.num_generated + i < self.params.min_tokens:
                     n = i

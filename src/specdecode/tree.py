@@ -231,7 +231,7 @@ def verify_tree_sampling(
             from given its path and earlier siblings; None = deterministic candidates
             (every q one-hot: the without-replacement form).
         target_probs: [B, N+1, V] float32 p of the input ``[root, node 0, ...]`` after the
-            same temperature / top-k / top-p as q.
+            same processing as q (``sampling.RequestSampler`` along the node's path).
         generators: one ``torch.Generator`` per row.
 
     Returns:

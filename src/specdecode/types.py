@@ -37,9 +37,10 @@ class SamplingParams:
     """How one request samples: the whole OpenAI / vLLM sampling surface, applied identically to the
     target's p and the drafter's q at every verified position (``specdecode.sampling``).
 
-    The processing order (vLLM's): allowed / banned token ids, min_tokens (stop tokens masked),
-    logit_bias, then the repetition, frequency and presence penalties, temperature, then min_p,
-    top-k and top-p. A greedy request (temperature 0) takes the argmax of the processed logits.
+    The processing order: logit_bias with the allowed / banned token ids, a grammar's mask (if any),
+    min_tokens (stop tokens masked), the repetition, frequency and presence penalties, temperature,
+    then min_p, top-k and top-p (``specdecode.sampling``). A greedy request (temperature 0) takes the
+    argmax of the processed logits.
 
     Attributes:
         temperature: 0 means greedy (argmax); > 0 divides the logits. Range [0, 100].
@@ -132,8 +133,9 @@ class Draft:
         parents: [B, N] int64 parent node index, -1 = child of the last committed
             token. A chain has parents -1, 0, 1, ...
         draft_probs: [B, N, V] float32 distribution q each token was drawn from,
-            after the request's temperature / top-k / top-p; None for a
-            deterministic drafter (q is then one-hot on the token).
+            after the request's whole processing along the token's draft path
+            (``ProposeContext.draft_dist``); None for a deterministic drafter (q is
+            then one-hot on the token).
         catch_up_s: seconds of this proposal spent bringing the drafter's own cache up to
             tokens committed earlier (a draft model's prompt prefill, or the tokens of plain
             decoding steps it skipped). A one-off cost, not a per-token one: draft-length

@@ -80,7 +80,8 @@ def verify_chains(
             see ``has_q`` below), or None when no row has q.
         target_probs: [B, K+1, V] float32 p after the request's processing (greedy rows: anything
             whose argmax is the target's argmax, e.g. the raw logits).
-        greedy: [B] bool.
+        greedy: [B] bool: rows verified by exact match on the target's argmax (greedy rows, and the
+            coupled mode's rows, whose target_probs are one-hot on the target's own choices).
         uniforms: [B, K+1] float64 in [0, 1): each row's first k_i + 1 entries are used.
 
     Returns:

@@ -36,7 +36,7 @@ class ProposeContext:
         vocab_size: the target's output vocabulary V; drafts must stay below it.
         should_continue: the draft-length policy's per-token hook, or None. Model-based
             drafters call it after each drafted token with the [V] float32 distribution
-            the token came from (greedy: softmax of the raw logits); False ends the chain.
+            the token came from (greedy: softmax of the processed logits); False ends the chain.
         slot: the row's slot in the engine's KV cache (rows occupy slots 0..B-1, in batch order).
         state: per-request state owned by the proposer (lookup indexes, tree regions).
         sampler: the request's ``sampling.RequestSampler`` (penalties, biases, masks, grammar), or None.

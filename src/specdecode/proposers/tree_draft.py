@@ -294,7 +294,8 @@ def _children(q: torch.Tensor, k: int, sampled: bool, generator: torch.Generator
     if not sampled:
         return torch.topk(q, k).indices.tolist(), [None] * k
     if noise is not None:
-        keys = q.double().log() - noise[: q.shape[-1]].double().log()  # log q + Gumbel, G = -log E
+        keys = torch.where(q > 0, q.double().log() - noise[: q.shape[-1]].log(),  # log q + Gumbel, G = -log E
+                           torch.tensor(float("-inf"), dtype=torch.float64))
     else:
         u = torch.rand(q.shape, generator=generator, dtype=torch.float64).clamp_min_(1e-300)
         keys = q.double().log() - (-u.log()).log()  # log q + Gumbel noise
