@@ -76,12 +76,64 @@ def test_auto_threads_leaves_the_cores_other_processes_keep_busy():
     assert busy is None or 0.0 <= busy <= 1024
 
 
+def test_verification_methods_and_sampling_modes_have_one_copy():
+    """options.py holds them; validate, the parsers (generate, serve, bench) and the server's schema use it."""
+    from typing import get_args
+
+    from specdecode import bench, cliargs, validate
+    from specdecode.server.schemas import SpeculativeOptions
+
+    assert validate.VERIFICATION_METHODS is options.VERIFICATION_METHODS
+    assert cliargs.SAMPLING_MODES is options.SAMPLING_MODES
+    for add in (lambda p: add_drafter_arguments(p.add_argument_group("m")), bench.add_arguments):
+        p = argparse.ArgumentParser()
+        add(p)
+        (action,) = [a for a in p._actions if a.dest == "verification"]
+        assert tuple(action.choices) == options.VERIFICATION_METHODS
+    fields = SpeculativeOptions.model_fields
+    assert get_args(get_args(fields["verification"].annotation)[0]) == options.VERIFICATION_METHODS
+    assert get_args(fields["sampling_mode"].annotation) == tuple(options.SAMPLING_MODES)
+
+
+def test_check_token_ids_is_the_samplers_rule():
+    """validate.check_token_ids (torch-free, for the CLI and the server) refuses what RequestSampler refuses,
+    with the same field."""
+    import pytest
+
+    from specdecode.errors import InvalidSamplingParams, SpecDecodeError
+    from specdecode.sampling import RequestSampler
+    from specdecode.types import SamplingParams
+    from specdecode.validate import check_token_ids
+
+    cases = [
+        ({}, None), ({"logit_bias": {9: 1.0}}, None), ({"logit_bias": {10: 1.0}}, "logit_bias"),
+        ({"allowed_token_ids": (3, 10)}, "allowed_token_ids"), ({"banned_token_ids": (12,)}, "banned_token_ids"),
+        ({"stop_token_ids": (0, 99)}, "stop_token_ids"), ({"allowed_token_ids": (5,), "logit_bias": {5: -100.0}},
+                                                           "allowed_token_ids"),
+        ({"allowed_token_ids": (5, 6), "banned_token_ids": (5,)}, None),
+        ({"allowed_token_ids": (5, 6), "banned_token_ids": (5,), "logit_bias": {6: -100.0}}, "allowed_token_ids"),
+        ({"banned_token_ids": tuple(range(9)), "logit_bias": {9: -100.0}}, "allowed_token_ids"),
+        ({"banned_token_ids": tuple(range(9)), "logit_bias": {9: -99.0}}, None),
+    ]
+    for kw, field in cases:
+        params = SamplingParams(max_new_tokens=4, **kw)
+        values = dict(logit_bias=params.logit_bias, allowed_token_ids=params.allowed_token_ids,
+                      banned_token_ids=params.banned_token_ids, stop_token_ids=params.stop_token_ids)
+        if field is None:
+            check_token_ids(10, **values)
+            RequestSampler(params, (), 10)
+            continue
+        with pytest.raises(InvalidSamplingParams) as info:
+            check_token_ids(10, **values)
+        assert info.value.field == field, kw
+        with pytest.raises(SpecDecodeError) as info:
+            RequestSampler(params, (), 10)
+        assert info.value.field == field, kw
+
+
 def test_verification_reaches_the_serve_options_and_the_engine():
     from specdecode.server.launch import check_options, options_from_args
-    from specdecode.validate import VERIFICATION_METHODS
-    from specdecode.cliargs import VERIFICATION_CHOICES
 
-    assert VERIFICATION_CHOICES == VERIFICATION_METHODS
     opts = options_from_args(_parse(add_serve_arguments, ["--verification", "token"]))
     assert opts.verification == "token"
     check_options(opts)
@@ -100,7 +152,8 @@ def test_build_state_passes_verification_to_the_engine(tiny_loaded):
 
 
 def test_logit_bias_entries_parse_and_sampling_modes_map():
-    from specdecode.cliargs import SAMPLING_MODES, add_sampling_arguments
+    from specdecode.cliargs import add_sampling_arguments
+    from specdecode.options import SAMPLING_MODES
 
     args = _parse(lambda p: add_sampling_arguments(p.add_argument_group("s")),
                   ["--logit-bias", "5=-100", "--logit-bias", "7=2.5", "--stop-token-id", "3", "--stop-token-id", "9"])

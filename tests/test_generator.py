@@ -216,6 +216,27 @@ def test_tracker_stop_inside_a_token_drops_the_whole_token():
     assert tracker.ids == [] and tracker.text == "" == shown
 
 
+def test_tracker_can_keep_the_stop_string():
+    """include_stop (vLLM's include_stop_str_in_output): the text ends with the stop string, the ids run to the
+    token that completed it (a token running past it keeps its id, not its text beyond the stop)."""
+    vocab = ["ab", "c.", "\nd", "e"]
+
+    def decode(ids):
+        return "".join(vocab[i] for i in ids)
+
+    for stop, text, ids in ((".", "abc.", [0, 1]), (".\n", "abc.\n", [0, 1, 2]), ("c.\nd", "abc.\nd", [0, 1, 2])):
+        tracker = TextTracker(decode, [stop], include_stop=True)
+        shown = tracker.add([0]) + tracker.add([1, 2, 3]) + tracker.finish()
+        assert tracker.stop_string == stop
+        assert (tracker.text, tracker.ids, shown) == (text, ids, text), stop
+        cut = TextTracker(decode, [stop])  # the default: before it, the token that starts it dropped
+        cut.add([0, 1, 2, 3])
+        assert (cut.text, cut.ids) == ("ab", [0])
+    spanning = TextTracker(_bytes_decode, ["END"], include_stop=True)
+    shown = spanning.add(list(b"abcEN")) + spanning.add(list(b"Dxyz"))
+    assert spanning.ids == list(b"abcEND") and spanning.text == "abcEND" == shown
+
+
 # from_pretrained ---------------------------------------------------------------------
 
 

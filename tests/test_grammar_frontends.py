@@ -231,3 +231,68 @@ def test_a_bad_response_format_gets_a_400_naming_it(served, rf, needle):
         assert r.status_code == 400, r.text
         err = r.json()["error"]
         assert err["param"] == "response_format" and needle in err["message"], err
+
+
+def _text(path: str, resp: dict) -> str:
+    choice = resp["choices"][0]
+    return choice["text"] if path == "/v1/completions" else choice["message"]["content"]
+
+
+ENDPOINTS = (("/v1/chat/completions", {"messages": [{"role": "user", "content": "Describe a shirt."}]}),
+             ("/v1/completions", {"prompt": "A shirt:"}))
+CHOICES = ["yes", "no", "a.b (c)|d", "1+1=2?", "-~#&^$ \\ [x]{y}*", "two\nlines"]
+
+
+@pytest.mark.parametrize("path, body", ENDPOINTS)
+def test_vllm_guided_fields_on_both_endpoints(served, path, body):
+    """guided_json (an object or its JSON text) = response_format's json_schema, guided_regex matches whole,
+    guided_choice returns one of the strings exactly (regex syntax in them is literal)."""
+    _, http = served
+
+    def post(**kw):
+        r = http.post(path, json={"model": "tiny", "max_tokens": 96, "temperature": 0, **body, **kw})
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    want = _text(path, post(response_format=RF))
+    _valid(want)
+    assert _text(path, post(guided_json=SCHEMA)) == want == _text(path, post(guided_json=json.dumps(SCHEMA)))
+    assert re.fullmatch(REGEX, _text(path, post(guided_regex=REGEX)))
+    assert _text(path, post(guided_choice=CHOICES)) in CHOICES
+    sampled = post(guided_choice=CHOICES, temperature=1.0, seed=3, n=6)
+    assert all((c.get("text") if "text" in c else c["message"]["content"]) in CHOICES for c in sampled["choices"])
+    for only in CHOICES[2:]:  # the one choice, syntax characters and all, comes out exactly
+        assert _text(path, post(guided_choice=[only])) == only
+
+
+def test_choice_regex_escapes_the_syntax_characters():
+    from specdecode.grammar import StructuredOutput, escape_regex
+
+    assert escape_regex("a.b (c)|d") == r"a\.b \(c\)\|d"
+    assert StructuredOutput.choice(["x", "y.z"], "guided_choice") == StructuredOutput.regex(r"(x|y\.z)")
+    for bad in ([], "yes", ["a", 1]):
+        with pytest.raises(SpecDecodeError, match="non-empty list of strings") as info:
+            StructuredOutput.choice(bad, "guided_choice")
+        assert info.value.field == "guided_choice"
+
+
+@pytest.mark.parametrize("fields, param, needle", [
+    ({"guided_json": {"type": "foo"}}, "guided_json", "Invalid type: foo"),
+    ({"guided_json": "{\"type\": "}, "guided_json", "not valid JSON"),
+    ({"guided_json": "[1]"}, "guided_json", "must be a JSON object"),
+    ({"guided_regex": "(ab"}, "guided_regex", "unclosed"),
+    ({"guided_regex": ""}, "guided_regex", "non-empty"),
+    ({"guided_choice": []}, "guided_choice", "at least one"),
+    ({"guided_json": SCHEMA, "response_format": RF}, "guided_json", "cannot be combined with response_format"),
+    ({"guided_choice": ["a"], "guided_regex": "a"}, "guided_choice", "cannot be combined with guided_regex"),
+])
+def test_a_bad_guided_field_gets_a_400_naming_it(served, fields, param, needle):
+    _, http = served
+    for path, body in ENDPOINTS:
+        r = http.post(path, json={"model": "tiny", "max_tokens": 8, **body, **fields})
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["param"] == param and needle in err["message"], err
+    ok = http.post("/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 4,
+                                            "response_format": {"type": "text"}, "guided_regex": "[a-z]{4}"})
+    assert ok.status_code == 200 and re.fullmatch("[a-z]{4}", ok.json()["choices"][0]["text"])

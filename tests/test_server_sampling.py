@@ -159,6 +159,161 @@ def test_speculative_extension_switches_and_caps_speculation(live, tiny64):
         assert _greedy(client, **kw).choices[0].text == _greedy(client, **kw).choices[0].text
 
 
+@contextlib.contextmanager
+def _submitted(state):
+    """The BatchRequests the server submits meanwhile."""
+    submitted, submit = [], state.scheduler.submit
+
+    def spy(req):
+        submitted.append(req)
+        return submit(req)
+
+    state.scheduler.submit = spy
+    try:
+        yield submitted
+    finally:
+        del state.scheduler.submit  # the method again
+
+
+def test_sampling_mode_sets_the_coupled_mode(live):
+    client, _, state = live
+    kw = dict(max_tokens=30, temperature=1.0, seed=11)
+
+    def run(mode, enabled=True):
+        spec = {"enabled": enabled} if mode is None else {"enabled": enabled, "sampling_mode": mode}
+        with _submitted(state) as submitted:
+            out = _greedy(client, **kw, extra_body={"speculative": spec}).choices[0]
+        assert out.finish_reason in ("length", "stop")
+        return out.token_ids, submitted[0].params.coupled
+
+    plain, coupled = run("coupled", enabled=False)
+    assert coupled is True
+    assert run("coupled") == (plain, True)  # seeded speculative = seeded plain decoding, token for token
+    assert run("auto") == (plain, None) == run(None)  # auto: coupled, since a seed is given
+    assert run("standard")[1] is False and run("standard", enabled=False)[1] is False
+    with _submitted(state) as submitted:
+        _greedy(client, max_tokens=5, temperature=1.0, extra_body={"speculative": {"sampling_mode": "coupled"}})
+    assert submitted[0].params.coupled is True and submitted[0].params.seed is None  # unseeded: allowed
+
+
+def test_include_stop_str_in_output(live, tiny64):
+    client = live[0]
+    plain = _greedy(client, max_tokens=30, extra_body={"ignore_eos": True}).choices[0]
+    stop = plain.text[6:9]
+    at = plain.text.index(stop)
+    for stream in (False, True):
+        kw = dict(max_tokens=30, stop=[stop], stream=stream)
+        out = [_greedy(client, **kw, extra_body={"ignore_eos": True, **extra}) for extra in
+               ({}, {"include_stop_str_in_output": False}, {"include_stop_str_in_output": True})]
+        if stream:
+            texts = ["".join(c.choices[0].text for c in chunks) for chunks in out]
+        else:
+            texts = [o.choices[0].text for o in out]
+            ids = out[2].choices[0].token_ids
+            decode = tiny64.tokenizer.decode
+            # the ids up to the token that completed the stop string
+            assert decode(ids).startswith(texts[2]) and not decode(ids[:-1]).startswith(texts[2])
+            assert ids == plain.token_ids[: len(ids)] and out[2].choices[0].finish_reason == "stop"
+        assert texts == [plain.text[:at], plain.text[:at], plain.text[: at + len(stop)]]
+    messages = [{"role": "user", "content": "the cat"}]
+    chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=20, temperature=0,
+                                          extra_body={"ignore_eos": True}).choices[0].message.content
+    stop = chat[4:6]
+    cut = [client.chat.completions.create(model=MODEL, messages=messages, max_tokens=20, temperature=0, stop=[stop],
+                                          extra_body={"ignore_eos": True, **extra}).choices[0].message.content
+           for extra in ({}, {"include_stop_str_in_output": True})]
+    at = chat.index(stop)
+    assert cut == [chat[:at], chat[: at + len(stop)]]
+
+
+def test_skip_special_tokens_false_keeps_their_text(live, tiny64):
+    client = live[0]
+    eos = tiny64.eos_token_ids[0]
+    kw = dict(max_tokens=6, logprobs=1, logit_bias={str(eos): 100})
+    skipped = _greedy(client, **kw, extra_body={"min_tokens": 3}).choices[0]
+    kept = _greedy(client, **kw, extra_body={"min_tokens": 3, "skip_special_tokens": False}).choices[0]
+    assert kept.token_ids == skipped.token_ids and kept.token_ids[-1] == eos
+    assert kept.text == tiny64.tokenizer.decode(kept.token_ids, skip_special_tokens=False) == skipped.text + "<eos>"
+    lp = kept.logprobs
+    for k, tok in enumerate(lp.tokens):  # the offsets point into the text with the special token in it
+        assert kept.text[lp.text_offset[k] : lp.text_offset[k] + len(tok)] == tok
+    prompt_ids = _ids(tiny64, "the cat")
+    echoed = _greedy(client, prompt="the cat", max_tokens=2, echo=True,
+                     extra_body={"skip_special_tokens": False}).choices[0]
+    assert echoed.text.startswith(tiny64.tokenizer.decode(prompt_ids, skip_special_tokens=False))
+    streamed = _greedy(client, **kw, stream=True, extra_body={"min_tokens": 3, "skip_special_tokens": False})
+    assert "".join(c.choices[0].text for c in streamed) == kept.text
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+                                          temperature=0, logit_bias={str(eos): 100},
+                                          extra_body={"min_tokens": 2, "skip_special_tokens": False})
+    assert chat.choices[0].message.content.endswith("<eos>")
+
+
+def test_the_prompt_is_scored_once_per_prompt(live):
+    """n > 1 and best_of: the prompt's first choice alone asks the engine for prompt logprobs; every choice of
+    that prompt returns them, equal to a single choice's."""
+    _, http, state = live
+    prompts = ["the cat and", "the dog"]
+    body = {"model": MODEL, "prompt": prompts, "max_tokens": 3, "temperature": 1.0, "seed": 2, "prompt_logprobs": 2,
+            "echo": True, "logprobs": 1}
+    single = [http.post("/v1/completions", json={**body, "prompt": p}).json()["choices"][0] for p in prompts]
+    for extra, per_prompt in (({"n": 3}, 3), ({"n": 2, "best_of": 3}, 3)):
+        with _submitted(state) as submitted:
+            resp = http.post("/v1/completions", json={**body, **extra})
+        assert resp.status_code == 200, resp.text
+        assert [r.prompt_logprobs for r in submitted] == ([2] + [None] * (per_prompt - 1)) * 2
+        choices = resp.json()["choices"]
+        n = extra["n"]
+        for i, c in enumerate(choices):
+            one = single[i // n]
+            assert c["prompt_logprobs"] == one["prompt_logprobs"]
+            count = len(one["prompt_token_ids"])
+            assert c["logprobs"]["token_logprobs"][:count] == one["logprobs"]["token_logprobs"][:count]
+            assert c["logprobs"]["text_offset"][:count] == one["logprobs"]["text_offset"][:count]
+    with _submitted(state) as submitted:
+        resp = http.post("/v1/completions", json={**body, "n": 2, "stream": True})
+    firsts = {}
+    for line in resp.text.splitlines():
+        if line.startswith("data: {"):
+            for c in json.loads(line[6:])["choices"]:
+                firsts.setdefault(c["index"], c.get("prompt_logprobs"))
+    assert [r.prompt_logprobs for r in submitted] == [2, None, 2, None]
+    assert [firsts[i] for i in range(4)] == [single[0]["prompt_logprobs"]] * 2 + [single[1]["prompt_logprobs"]] * 2
+
+
+def test_text_offsets_are_the_whole_prefixes_lengths(tiny64):
+    """The server's one-pass offsets (_TextOffsets) equal len(decode(ids[:j]).rstrip(U+FFFD)) for every j, on a
+    character vocabulary, a byte-level BPE one (characters split across tokens) and SmolLM2's, specials too."""
+    import random
+
+    from specdecode.server.app import _TextOffsets
+
+    rng = random.Random(0)
+    from specdecode.models import default_cache_dir
+
+    tokenizers = [tiny64.tokenizer, _byte_level_tokenizer()]
+    smol = default_cache_dir() / "converted" / "smollm2-135m"  # SmolLM2's tokenizer, when it is in the cache
+    if (smol / "tokenizer.json").exists():
+        from transformers import AutoTokenizer
+
+        tokenizers.append(AutoTokenizer.from_pretrained(smol))
+    for tok in tokenizers:
+        text = "the cat 中文 naïve \u00b2 <|im_end|> and\n\tmore 🙂!"
+        ids = tok(text)["input_ids"] + [rng.randrange(len(tok)) for _ in range(60)]
+        for skip in (True, False):
+            def decode(x, skip=skip):
+                return tok.decode(list(x), skip_special_tokens=skip, clean_up_tokenization_spaces=False)
+
+            growing: list[int] = []
+            offsets = _TextOffsets(decode, growing)
+            got = []
+            for t in ids:  # asked for as the ids grow, as a streamed choice does
+                growing.append(t)
+                got.append(offsets.at(len(growing) - 1))
+            want = [len(decode(ids[:j]).rstrip("\ufffd")) for j in range(len(ids))]
+            assert got == want, (type(tok).__name__, skip)
+
+
 def test_seeded_choices_differ_and_reproduce(live):
     client = live[0]
     kw = dict(max_tokens=25, temperature=1.0, seed=21, n=2)
@@ -195,10 +350,13 @@ BAD = [
     ({"presence_penalty": 2.5}, "presence_penalty", "[-2, 2]"),
     ({"frequency_penalty": -2.5}, "frequency_penalty", "[-2, 2]"),
     ({"repetition_penalty": 0}, "repetition_penalty", "(0, 100]"),
+    ({"repetition_penalty": 101.5}, "repetition_penalty", "(0, 100]"),
     ({"min_p": -0.1}, "min_p", "[0, 1]"),
+    ({"min_p": 1.5}, "min_p", "[0, 1]"),
     ({"top_k": -5}, "top_k", ">= 0"),
     ({"temperature": 2.1}, "temperature", "[0, 2]"),
     ({"top_p": 0}, "top_p", "(0, 1]"),
+    ({"top_p": 1.5}, "top_p", "(0, 1]"),
     ({"seed": -1}, "seed", "2**63"),
     ({"n": 65}, "n", "[1, 64]"),
     ({"n": 2, "best_of": 1}, "best_of", ">= n"),
@@ -206,16 +364,22 @@ BAD = [
     ({"stop": ["a", "b", "c", "d", "e"]}, "stop", "at most 4"),
     ({"logit_bias": {"5": 150}}, "logit_bias", "[-100, 100]"),
     ({"logit_bias": {"x5": 1}}, "logit_bias", "token ids as strings"),
+    ({"logit_bias": {"\u00b2": 1}}, "logit_bias", "token ids as strings"),  # a digit to str.isdigit, not to int()
+    ({"logit_bias": {"5": -100.5}}, "logit_bias", "[-100, 100]"),
     ({"logit_bias": {"99999": 1}}, "logit_bias", "outside the vocabulary"),
     ({"stop_token_ids": [99999]}, "stop_token_ids", "outside the vocabulary"),
     ({"allowed_token_ids": [99999]}, "allowed_token_ids", "outside the vocabulary"),
     ({"allowed_token_ids": [5], "logit_bias": {"5": -100}}, "allowed_token_ids", "no token"),
+    ({"allowed_token_ids": []}, "allowed_token_ids", "at least one"),
+    ({"stop_token_ids": [-1]}, "stop_token_ids", ">= 0"),
     ({"min_tokens": 50, "max_tokens": 10}, "min_tokens", "max_new_tokens = 10"),
-    ({"min_tokens": -1}, "min_tokens", ">= 0"),
+    ({"min_tokens": -1}, "min_tokens", "[0, max_new_tokens = 5]"),
     ({"prompt_logprobs": 30}, "prompt_logprobs", "[0, 20]"),
     ({"logprobs": 21}, "logprobs", "[0, 20]"),
     ({"speculative": {"num_speculative_tokens": 0}}, "speculative.num_speculative_tokens", "[1, 64]"),
+    ({"speculative": {"num_speculative_tokens": 65}}, "speculative.num_speculative_tokens", "[1, 64]"),
     ({"speculative": {"verification": "tree"}}, "speculative.verification", "token"),
+    ({"speculative": {"sampling_mode": "always"}}, "speculative.sampling_mode", "coupled"),
     ({"speculative": {"enabled": "no"}}, "speculative.enabled", "boolean"),
     ({"speculative": {"gamma": 3}}, "speculative.gamma", "unknown field"),
     ({"store": True}, "store", "not supported"),
@@ -224,6 +388,10 @@ BAD = [
     ({"temprature": 0.5}, "temprature", "unknown field"),
     ({"bad_words": ["cat"]}, "bad_words", "not supported"),
     ({"use_beam_search": True}, "use_beam_search", "not supported"),
+    ({"guided_grammar": "root ::= x"}, "guided_grammar", "not supported"),
+    ({"spaces_between_special_tokens": False}, "spaces_between_special_tokens", "not supported"),
+    ({"tools": [{"type": "function"}]}, "tools", "not supported"),
+    ({"guided_regex": "a", "guided_choice": ["b"]}, "guided_choice", "cannot be combined with guided_regex"),
     ({"stream_options": {"include_usage": True, "extra": 1}, "stream": True}, "stream_options.extra",
      "unknown field"),
     ({"stream_options": {"include_usage": True}}, "stream_options", "only allowed with stream: true"),
@@ -245,7 +413,8 @@ CHAT_BAD = [
     ({"prediction": {"type": "content"}}, "prediction", "not supported"),
     ({"parallel_tool_calls": False}, "parallel_tool_calls", "not supported"),
     ({"tools": [{"type": "function"}]}, "tools", "not supported"),
-    ({"tool_choice": "auto"}, "tools", "not supported"),
+    ({"tool_choice": "auto"}, "tool_choice", "not supported"),
+    ({"functions": [{"name": "f"}]}, "functions", "not supported"),
     ({"echo": True}, "echo", "unknown field"),
     ({"best_of": 2}, "best_of", "unknown field"),
     ({"messages": [{"role": "user", "content": "x", "refusal": "no"}]}, "messages[0].refusal", "unknown field"),
@@ -280,6 +449,9 @@ def test_the_openai_client_gets_a_bad_request_naming_the_field(live):
     ok = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=3,
                                         user="u1", metadata={"k": "v"}, store=False, service_tier="auto")
     assert ok.choices[0].finish_reason in ("length", "stop")
+    nothing = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=3,
+                                             tool_choice="none", extra_body={"tools": [], "functions": None})
+    assert nothing.choices[0].finish_reason in ("length", "stop")  # values that ask for nothing are accepted
 
 
 # --------------------------------------------------------------------------- logprobs

@@ -46,6 +46,7 @@ from specdecode.validate import (  # the library's own checks, without torch
     check_sampling,
     check_serve_options,
     check_stops,
+    check_token_ids,
     parse_draft,
 )
 
@@ -388,12 +389,11 @@ def _sampling_kwargs(args: argparse.Namespace) -> dict:
 
 def _check_token_ids(args: argparse.Namespace, vocab_size: int) -> None:
     """--logit-bias and --stop-token-id name tokens of the target's vocabulary (checked once it is loaded,
-    before any output)."""
-    for flag, ids in (("--logit-bias", [t for t, _ in args.logit_bias or ()]), ("--stop-token-id",
-                                                                               args.stop_token_ids or ())):
-        bad = [t for t in ids if not 0 <= t < vocab_size]
-        if bad:
-            raise SpecDecodeError(f"{flag}: token id {bad[0]} is outside the target's vocabulary [0, {vocab_size})")
+    before any output; ``validate.check_token_ids``, the flag named)."""
+    bias = args.logit_bias
+    with _naming_flags():
+        check_token_ids(vocab_size, logit_bias=dict(bias) if bias else None,
+                        stop_token_ids=tuple(args.stop_token_ids or ()))
 
 
 #: The flag of each setting the library's errors name (``SpecDecodeError.field``), so a refusal names both.

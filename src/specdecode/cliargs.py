@@ -18,7 +18,9 @@ from specdecode.options import (
     DTYPES,
     FORWARD_BACKENDS,
     POLICY_NAMES,
+    SAMPLING_MODES,
     TREE_KINDS,
+    VERIFICATION_METHODS,
     WEIGHT_CHOICES,
     WEIGHT_PRECISIONS,
 )
@@ -81,11 +83,6 @@ def check_drafter_flags(args: argparse.Namespace) -> None:
                               "draft model: drop --draft-weights (--weights sets the target's)")
     check_precision_flags(args.dtype, args.weights, args.draft_weights)
 
-
-#: ``--verification`` choices (``validate.VERIFICATION_METHODS``, spelled out here to stay light).
-VERIFICATION_CHOICES = ("auto", "token", "block")
-#: ``--sampling-mode`` choices and the ``SamplingParams.coupled`` each means.
-SAMPLING_MODES = {"auto": None, "standard": False, "coupled": True}
 
 
 def logit_bias_entry(text: str) -> tuple[int, float]:
@@ -166,7 +163,7 @@ def add_drafter_arguments(group: argparse._ArgumentGroup, *, policy_default: str
                             "best N); -k caps the depth (default: %(default)s = chains)")
     group.add_argument("--tree-nodes", type=int, default=16, metavar="N",
                        help="node budget N of --tree and of suffix decoding, 1..64 (default: %(default)s)")
-    group.add_argument("--verification", default="auto", choices=VERIFICATION_CHOICES,
+    group.add_argument("--verification", default="auto", choices=VERIFICATION_METHODS,
                        help="how sampled draft chains are verified, both keeping the target's distribution: token "
                             "(token-wise rejection sampling, Leviathan et al. 2023), block (block verification, "
                             "Sun et al. 2024: the draft judged as a whole, at least as many tokens accepted), or "

@@ -277,9 +277,11 @@ class SpecDecoder:
         ids = list(self.tokenizer(text, add_special_tokens=False)["input_ids"])  # the template places BOS
         return ids or self._bos_only()
 
-    def decode(self, token_ids: Sequence[int]) -> str:
-        """Ids -> text, special tokens (EOS, chat markers) left out. ``generate`` uses exactly this."""
-        return self.tokenizer.decode(list(token_ids), skip_special_tokens=True, clean_up_tokenization_spaces=False)
+    def decode(self, token_ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
+        """Ids -> text, special tokens (EOS, chat markers) left out unless ``skip_special_tokens`` is False.
+        ``generate`` uses exactly this (with the default)."""
+        return self.tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens,
+                                     clean_up_tokenization_spaces=False)
 
     def _bos_only(self) -> list[int]:
         bos = getattr(self.tokenizer, "bos_token_id", None)
@@ -415,16 +417,22 @@ class TextTracker:
     start of a stop string; so a stop string found later (also one spanning two steps)
     never cuts into text already shown. After a stop string, ``ids`` is the longest prefix
     of the generated ids whose text is a prefix of the text before the stop string, and
-    ``text == decode(ids)``.
+    ``text == decode(ids)``. With ``include_stop`` (vLLM's ``include_stop_str_in_output``) the
+    text ends with the stop string instead, and ``ids`` is the shortest prefix whose text holds
+    it: ``text`` is ``decode(ids)`` cut right after the stop string (equal to it unless the last
+    token runs past the stop string).
 
     Args:
         decode: ids -> text (the decoder's own ``decode``).
         stops: non-empty stop strings.
+        include_stop: keep the stop string that ended generation at the end of the text.
     """
 
-    def __init__(self, decode: Callable[[Sequence[int]], str], stops: Sequence[str] = ()) -> None:
+    def __init__(self, decode: Callable[[Sequence[int]], str], stops: Sequence[str] = (),
+                 include_stop: bool = False) -> None:
         self._decode = decode
         self.stops = list(stops)
+        self.include_stop = include_stop
         self.ids: list[int] = []
         self.shown = ""  # text handed out so far
         self._shown_ids = 0  # token boundary the shown text ends at
@@ -445,7 +453,7 @@ class TextTracker:
         hit = self._find_stop(text)
         if hit is not None:
             pos, self.stop_string = hit
-            self._cut(text[:pos])
+            self._cut(text[: pos + len(self.stop_string)] if self.include_stop else text[:pos])
             return self._show(self._final, len(self.ids))
         end = len(text) - self._held_back(text)
         if end == len(text):
@@ -492,7 +500,15 @@ class TextTracker:
         return bad + partial
 
     def _cut(self, before: str) -> None:
-        """Keep the longest id prefix whose text is a prefix of ``before``; fix the final text."""
+        """Keep the longest id prefix whose text is a prefix of ``before``; fix the final text. With
+        ``include_stop`` (``before`` ends with the stop string): the shortest id prefix whose text starts
+        with ``before``, the final text ``before``."""
+        if self.include_stop:
+            for j in range(self._shown_ids, len(self.ids) + 1):  # the whole text starts with it: j found
+                if self._decode(self.ids[:j]).startswith(before):
+                    del self.ids[j:]
+                    self._final = before
+                    return
         for j in range(len(self.ids), -1, -1):
             prefix = self._decode(self.ids[:j])
             if before.startswith(prefix):

@@ -146,6 +146,17 @@ class StructuredOutput:
         return cls("regex", pattern, field_name)
 
     @classmethod
+    def choice(cls, choices: Sequence[str], field_name: str = "choice") -> "StructuredOutput":
+        """Exactly one of ``choices`` (vLLM's ``guided_choice``): the regex of the escaped alternatives.
+
+        Raises:
+            SpecDecodeError: no choices, or one that is not a string.
+        """
+        if isinstance(choices, str) or not choices or not all(isinstance(c, str) for c in choices):
+            raise _error("the choices must be a non-empty list of strings", field_name)
+        return cls.regex("(" + "|".join(escape_regex(c) for c in choices) + ")", field_name)
+
+    @classmethod
     def json_object(cls, field_name: str = "response_format") -> "StructuredOutput":
         """Any JSON object (OpenAI's ``{"type": "json_object"}``)."""
         return cls("json_object", None, field_name)
@@ -189,6 +200,16 @@ class StructuredOutput:
         if not isinstance(schema, dict):
             raise _error(f"response_format.json_schema.schema must be a JSON object, got {type(schema).__name__}", f)
         return cls("json_schema", schema, f)
+
+
+#: The characters llguidance's regex syntax (Rust's ``regex``) reads as syntax (``regex_syntax::is_meta_character``).
+_REGEX_META = frozenset("\\.+*?()|[]{}^$#&-~")
+
+
+def escape_regex(text: str) -> str:
+    """A regex that matches exactly ``text``: its syntax characters backslash-escaped, the rest literal
+    (Rust ``regex_syntax::escape``'s rule)."""
+    return "".join("\\" + ch if ch in _REGEX_META else ch for ch in text)
 
 
 def structured_output(json_schema: dict | str | None = None, regex: str | None = None,

@@ -29,8 +29,18 @@ TREE_KINDS = ("none", "static", "dynamic")
 #: Target forward backends (``specdecode.kv.FORWARD_BACKENDS``).
 FORWARD_BACKENDS = ("auto", "hf", "owned")
 
+#: How sampled draft chains are verified (``--verification``, ``EngineConfig.verification``, the server's
+#: ``speculative.verification``): "token" (token-wise rejection sampling, Leviathan et al. 2023), "block"
+#: (block verification, Sun et al. 2024), "auto" (the engine's choice per drafter).
+VERIFICATION_METHODS = ("auto", "token", "block")
+
+#: Sampling modes (``--sampling-mode``, the server's ``speculative.sampling_mode``) and the
+#: ``SamplingParams.coupled`` each means: auto (coupled when a seed is given), standard rejection
+#: sampling, the coupled mode (``specdecode.coupled``).
+SAMPLING_MODES = {"auto": None, "standard": False, "coupled": True}
+
 #: Largest request body the server reads, bytes (``specdecode.server.app.DEFAULT_MAX_REQUEST_BYTES``).
 DEFAULT_MAX_REQUEST_BYTES = 1 << 20
 
 __all__ = ["DEFAULT_MAX_REQUEST_BYTES", "DEFAULT_TARGET", "DTYPES", "FORWARD_BACKENDS", "POLICY_NAMES",
-           "TREE_KINDS", "WEIGHT_CHOICES", "WEIGHT_PRECISIONS"]
+           "SAMPLING_MODES", "TREE_KINDS", "VERIFICATION_METHODS", "WEIGHT_CHOICES", "WEIGHT_PRECISIONS"]

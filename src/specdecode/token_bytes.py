@@ -24,20 +24,15 @@ import json
 from collections.abc import Sequence
 from functools import lru_cache
 
+from transformers.convert_slow_tokenizer import bytes_to_unicode
+
 
 @lru_cache(maxsize=1)
 def byte_decoder() -> dict[str, int]:
     """The GPT-2 byte-level alphabet, inverted: the printable character standing for each byte -> the byte
-    (Radford et al. 2019's ``bytes_to_unicode``, which every byte-level BPE vocabulary uses)."""
-    bs = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return {chr(c): b for b, c in zip(bs, cs)}
+    (the inverse of Radford et al. 2019's ``bytes_to_unicode``, which every byte-level BPE vocabulary uses;
+    transformers' copy)."""
+    return {ch: b for b, ch in bytes_to_unicode().items()}
 
 
 def display(data: bytes) -> str:

@@ -17,7 +17,13 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from specdecode.errors import InvalidSamplingParams, LayerSkipError, SpecDecodeError
-from specdecode.options import FORWARD_BACKENDS, POLICY_NAMES, TREE_KINDS, WEIGHT_CHOICES
+from specdecode.options import (  # noqa: F401 - VERIFICATION_METHODS re-exported
+    FORWARD_BACKENDS,
+    POLICY_NAMES,
+    TREE_KINDS,
+    VERIFICATION_METHODS,
+    WEIGHT_CHOICES,
+)
 
 #: Upper bound on ``max_new_tokens`` accepted anywhere; anything larger is a typo.
 MAX_NEW_TOKENS_LIMIT = 1_000_000
@@ -47,7 +53,7 @@ def check_sampling(temperature, top_k, top_p, max_new_tokens, seed, *, min_p=0.0
     """Range-check one request's sampling values (the rules of :class:`specdecode.types.SamplingParams`).
 
     Token ids (``logit_bias`` keys, allowed / banned / stop ids) are checked against the vocabulary
-    later, by the engine, which knows it.
+    by :func:`check_token_ids`, once it is known.
 
     Raises:
         InvalidSamplingParams: temperature outside [0, 100] (or NaN), top_k < 0, top_p outside (0, 1],
@@ -107,6 +113,35 @@ def check_sampling(temperature, top_k, top_p, max_new_tokens, seed, *, min_p=0.0
         raise _refuse(InvalidSamplingParams, "coupled", f"coupled must be None (auto), True or False, got {coupled!r}")
 
 
+def check_token_ids(vocab_size: int, *, logit_bias=None, allowed_token_ids=None, banned_token_ids=(),
+                    stop_token_ids=()) -> None:
+    """The token ids of one request's sampling values against a vocabulary of ``vocab_size`` ids (the
+    rules ``sampling.RequestSampler`` applies; call :func:`check_sampling` first for the rest).
+
+    Args:
+        vocab_size: V, the width of the target's logits.
+        logit_bias: token id -> bias (a bias of -100 or less bans the token), or None.
+        allowed_token_ids: only these may be generated (None: all); banned_token_ids, stop_token_ids: ids.
+
+    Raises:
+        InvalidSamplingParams: an id outside [0, V) (``field``: the setting that names it), or allowed /
+            banned ids and -100 biases that leave no token to generate (``field = "allowed_token_ids"``).
+    """
+    bias = dict(logit_bias or {})
+    for name, ids in (("logit_bias", list(bias)), ("allowed_token_ids", list(allowed_token_ids or ())),
+                      ("banned_token_ids", list(banned_token_ids)), ("stop_token_ids", list(stop_token_ids))):
+        bad = [t for t in ids if not 0 <= t < vocab_size]
+        if bad:
+            raise _refuse(InvalidSamplingParams, name,
+                          f"{name} names token ids outside the vocabulary [0, {vocab_size}): {bad[:5]}")
+    gone = set(banned_token_ids) | {t for t, b in bias.items() if b <= -100.0}
+    left = (vocab_size > len(gone)) if allowed_token_ids is None else any(t not in gone for t in allowed_token_ids)
+    if not left:
+        raise _refuse(InvalidSamplingParams, "allowed_token_ids",
+                      "allowed_token_ids, banned_token_ids and logit_bias leave no token that can be generated: "
+                      "allow at least one")
+
+
 def _is_number(x) -> bool:
     """A real, finite-or-infinite, non-NaN number (bool excluded)."""
     return isinstance(x, (int, float)) and not isinstance(x, bool) and not math.isnan(x)
@@ -146,10 +181,6 @@ def check_gamma(name: str, value: int, low: int = 1) -> int:
         raise _refuse(SpecDecodeError, name,
                       f"{name} must be an integer in [{low}, {MAX_SPECULATIVE_TOKENS}], got {value!r}")
     return value
-
-
-#: How sampled chains are verified: "token" (Leviathan et al.), "block" (Sun et al. 2024), "auto".
-VERIFICATION_METHODS = ("auto", "token", "block")
 
 
 def check_verification(method, field: str = "verification") -> str:
@@ -423,6 +454,6 @@ __all__ = [
     "DRAFT_KINDS", "LAYER_SKIP_DRAFT", "MAX_BATCH_SIZE", "MAX_NEW_TOKENS_LIMIT", "MAX_SPECULATIVE_TOKENS",
     "MAX_TREE_NODES", "MIN_REQUEST_BYTES", "NGRAM_DRAFT", "NO_DRAFT", "SUFFIX_DRAFT", "DraftChoice",
     "DrafterOptions", "check_drafter", "check_engine", "check_gamma", "check_ngram_sizes", "check_policy_name",
-    "check_port", "check_sampling", "check_serve_options", "check_server_limits", "check_stops", "check_tree",
-    "check_tree_nodes", "parse_draft", "parse_skip_layers",
+    "check_port", "check_sampling", "check_serve_options", "check_server_limits", "check_stops", "check_token_ids",
+    "check_tree", "check_tree_nodes", "parse_draft", "parse_skip_layers",
 ]

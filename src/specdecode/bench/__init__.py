@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import argparse
 
-from specdecode.cliargs import VERIFICATION_CHOICES, check_precision_flags
-from specdecode.options import WEIGHT_CHOICES, WEIGHT_PRECISIONS
+from specdecode.cliargs import check_precision_flags
+from specdecode.options import VERIFICATION_METHODS, WEIGHT_CHOICES, WEIGHT_PRECISIONS
 
 PRESETS = ("full", "quick", "smoke")
 
@@ -43,7 +43,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-new-tokens", type=int, metavar="N", help="new tokens per prompt (default: 128)")
     p.add_argument("--temperature", type=float, metavar="T",
                    help="0 = greedy (default; outputs are checked against plain decoding and HF); > 0 samples")
-    p.add_argument("--verification", choices=VERIFICATION_CHOICES,
+    p.add_argument("--verification", choices=VERIFICATION_METHODS,
                    help="how our engine verifies sampled drafts (with --temperature > 0): token-wise rejection "
                         "sampling, block verification, or auto, as 'specdecode generate --verification' (default: "
                         "auto)")

@@ -19,6 +19,7 @@ with a 4xx status (5xx only for the server's own failures), and the server keeps
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
 import json
 import time
@@ -43,7 +44,6 @@ from specdecode.grammar import CompiledGrammar, StructuredOutput, compile_gramma
 from specdecode.models import LoadedModel
 from specdecode.scheduler import BatchRequest, EngineStoppedError, QueueFullError, RowEvent, Scheduler, StepStats
 from specdecode.server.metrics import CONTENT_TYPE_LATEST, ServerMetrics
-from specdecode.sampling import RequestSampler
 from specdecode.server.schemas import (
     NOT_SUPPORTED,
     ChatCompletionRequest,
@@ -55,6 +55,7 @@ from specdecode.server.schemas import (
 from specdecode.token_bytes import TokenBytes
 from specdecode.options import DEFAULT_MAX_REQUEST_BYTES  # noqa: F401 - largest body by default (bytes), re-exported
 from specdecode.types import PromptTooLongError, SamplingParams, SpecDecodeError
+from specdecode.validate import check_token_ids
 
 
 
@@ -250,31 +251,80 @@ class _Snapshot:
     target_forwards: int = 0
 
 
+class _TextOffsets:
+    """Where each token of a growing id list starts in its text: ``at(j) == len(decode(ids[:j]).rstrip("\ufffd"))``
+    (a token that continues a character starts where the character does), in one pass.
+
+    Decoding every prefix would cost O(L^2). Instead the text after an *anchor* (the last token boundary
+    whose text ends with a whole character) is decoded in a window that starts ``CONTEXT`` tokens before
+    it, and extends the anchor's text: a decoder's start-of-text rules (SentencePiece's dropped leading
+    space, a partial byte sequence) fall on the same window tokens with and without the new ones. Where
+    the window's text does not extend the anchor's (a decoder this does not fit), the prefix is decoded
+    whole, so every offset is the one the whole prefix gives.
+
+    Args:
+        decode: ids -> text; ids: the id list, only ever appended to while offsets are asked for.
+    """
+
+    CONTEXT = 4
+
+    def __init__(self, decode, ids: list[int]) -> None:
+        self.decode, self.ids = decode, ids
+        self.offsets: list[int] = [0]
+        self._anchor, self._base, self._head = 0, 0, ""  # token boundary, len(text of ids[:anchor]), window head
+
+    def at(self, j: int) -> int:
+        """Where token j starts (0 <= j <= len(ids))."""
+        while len(self.offsets) <= j:
+            self._next()
+        return self.offsets[j]
+
+    def _next(self) -> None:
+        j = len(self.offsets)  # the text of ids[:j]: the anchor's, then the window's beyond its head
+        window = self.decode(self.ids[max(0, self._anchor - self.CONTEXT) : j])
+        if window.startswith(self._head):
+            tail = window[len(self._head) :]
+            length, whole = self._base + len(tail), not tail.endswith("\ufffd")
+            self.offsets.append(self._base + len(tail.rstrip("\ufffd")))
+        else:
+            text = self.decode(self.ids[:j])
+            length, whole = len(text), not text.endswith("\ufffd")
+            self.offsets.append(len(text.rstrip("\ufffd")))
+        if whole:  # a new anchor
+            self._anchor, self._base = j, length
+            self._head = self.decode(self.ids[max(0, j - self.CONTEXT) : j])
+
+
 class _Choice:
     """One choice: an engine request, its text tracker and what has been sent.
 
     ``logprobs_n`` is what the engine computes (best_of needs every candidate's logprobs to rank them),
-    ``report_logprobs`` what the client asked to see (None: no logprobs in the response)."""
+    ``report_logprobs`` what the client asked to see (None: no logprobs in the response). ``prompt_source``:
+    the prompt's first choice, whose engine request alone scores the prompt (its prompt logprobs are this
+    choice's too); None when this choice scores it (or nobody asked)."""
 
     def __init__(self, index: int, prompt_ids: list[int], params: SamplingParams, stops: list[str],
                  decode, logprobs: int | None, *, report_logprobs: int | None = None,
                  speculation: RequestSpeculation | None = None, prompt_logprobs: int | None = None,
-                 echo: bool = False) -> None:
+                 echo: bool = False, include_stop: bool = False, prompt_source: _Choice | None = None) -> None:
         self.index = index
         self.prompt_ids = prompt_ids
         self.params = params
         self.decode = decode
-        self.tracker = TextTracker(decode, stops)
+        self.tracker = TextTracker(decode, stops, include_stop)
         self.logprobs_n = logprobs
         self.report_logprobs = report_logprobs
         self.speculation = speculation
-        self.prompt_logprobs_n = prompt_logprobs  # what the engine scores (echo with logprobs needs it too)
+        self.prompt_source = prompt_source
+        # what the engine scores (echo with logprobs needs it too); only the prompt's first choice asks
+        self.prompt_logprobs_n = prompt_logprobs if prompt_source is None else None
         self.report_prompt_logprobs: int | None = None  # the client's prompt_logprobs
-        self.prompt_logprobs: list | None = None  # from the engine's first event
+        self._prompt_logprobs: list | None = None  # from the engine's first event
         self.echo = echo
         self.prompt_text = decode(prompt_ids) if echo else ""
         self.first_chunk_pending = True  # the stream's first chunk of this choice (echo, prompt logprobs)
-        self._prefix_lens: dict[int, int] = {}
+        self._offsets = _TextOffsets(decode, self.tracker.ids)
+        self._prompt_offsets: _TextOffsets | None = None
         self.lps: list[float] = []
         self.tops: list[list[tuple[int, float]]] = []
         self.sent = 0  # ids whose text has been handed out
@@ -289,11 +339,17 @@ class _Choice:
     def done(self) -> bool:
         return self.finish_reason is not None
 
+    @property
+    def prompt_logprobs(self) -> list | None:
+        """The engine's scores of the prompt tokens: this choice's own, or its prompt source's (whose engine
+        request is admitted first, so they have arrived before this choice's first event)."""
+        return self._prompt_logprobs if self.prompt_source is None else self.prompt_source.prompt_logprobs
+
     def feed(self, ev: RowEvent) -> tuple[str, list[int], int]:
         """Take an engine event; return (new text, the ids it covers, index of the first of them)."""
         self.events += 1
         if ev.prompt_logprobs is not None:
-            self.prompt_logprobs = ev.prompt_logprobs
+            self._prompt_logprobs = ev.prompt_logprobs
         if ev.logprobs is not None:
             self.lps.extend(ev.logprobs)
             self.tops.extend(ev.top_logprobs or [[] for _ in ev.logprobs])
@@ -335,10 +391,13 @@ class _Choice:
     def offset(self, j: int) -> int:
         """Where generated token j starts in the choice's text: the length of the text of the tokens before
         it, less a trailing incomplete character (a token that continues a character starts where it does)."""
-        hit = self._prefix_lens.get(j)
-        if hit is None:
-            hit = self._prefix_lens[j] = len(self.decode(self.tracker.ids[:j]).rstrip("\ufffd")) if j else 0
-        return hit
+        return self._offsets.at(j)
+
+    def prompt_offset(self, j: int) -> int:
+        """Where prompt token j starts in the echoed prompt text (the rule of :meth:`offset`)."""
+        if self._prompt_offsets is None:
+            self._prompt_offsets = _TextOffsets(self.decode, self.prompt_ids)
+        return self._prompt_offsets.at(j)
 
 
 def _snapshot(ev: RowEvent) -> _Snapshot:
@@ -568,10 +627,12 @@ def _params(state: ServingState, body, prompt_ids: list[int], max_new: int | Non
             logit_bias={int(k): float(v) for k, v in body.logit_bias.items()} if body.logit_bias else None,
             allowed_token_ids=body.allowed_token_ids, stop_token_ids=tuple(body.stop_token_ids or ()),
             min_tokens=body.min_tokens, max_new_tokens=max_new, seed=seed, eos_token_ids=state.target.eos_token_ids,
-            ignore_eos=body.ignore_eos,
+            ignore_eos=body.ignore_eos, coupled=None if body.speculative is None else body.speculative.coupled,
         )
-        # the engine's own checks of the token ids (in the vocabulary, some token left), before submitting
-        RequestSampler(params, (), state.engine.vocab_size)
+        # the engine's own rules for the token ids (in the vocabulary, some token left), before submitting
+        check_token_ids(state.engine.vocab_size, logit_bias=params.logit_bias,
+                        allowed_token_ids=params.allowed_token_ids, banned_token_ids=params.banned_token_ids,
+                        stop_token_ids=params.stop_token_ids)
     except SpecDecodeError as exc:
         name = getattr(exc, "field", None)
         param = field if name == "max_new_tokens" else _WIRE_NAME.get(name, name)
@@ -592,25 +653,43 @@ def _speculation(body) -> RequestSpeculation | None:
                        code="invalid_value") from None
 
 
+def _structured(body) -> StructuredOutput | None:
+    """The request's structured output: vLLM's ``guided_json`` / ``guided_regex`` / ``guided_choice`` or
+    OpenAI's ``response_format`` (the schema lets at most one through; None: plain text).
+
+    Raises:
+        SpecDecodeError: a malformed one (``field``: its field).
+    """
+    if body.guided_json is not None:
+        return StructuredOutput.json_schema(body.guided_json, "guided_json")
+    if body.guided_regex is not None:
+        return StructuredOutput.regex(body.guided_regex, "guided_regex")
+    if body.guided_choice is not None:
+        return StructuredOutput.choice(body.guided_choice, "guided_choice")
+    return StructuredOutput.from_response_format(body.response_format)
+
+
 def _grammar(state: ServingState, body) -> CompiledGrammar | None:
-    """The request's ``response_format`` compiled for the target (None: plain text; thread pool, the first
-    compile builds the tokenizer's llguidance copy); a 400 naming response_format when it is malformed or
-    its schema invalid."""
+    """The request's structured output compiled for the target (None: plain text; thread pool, the first
+    compile builds the tokenizer's llguidance copy); a 400 naming its field (response_format, guided_json,
+    ...) when it is malformed or its schema or regex invalid."""
     try:
-        structured = StructuredOutput.from_response_format(body.response_format)
+        structured = _structured(body)
         if structured is None:
             return None
         return compile_grammar(state.target.tokenizer, state.engine.vocab_size, structured,
                                state.target.eos_token_ids)
     except SpecDecodeError as exc:
-        raise APIError(400, str(exc), param="response_format", code="invalid_value") from None
+        raise APIError(400, str(exc), param=getattr(exc, "field", None) or "response_format",
+                       code="invalid_value") from None
 
 
 def _job(state: ServingState, endpoint: str, body, prompts: list[list[int]], max_new: int | None,
          default_max: int, logprobs: int | None, *, echo: bool = False, grammar: CompiledGrammar | None = None) -> _Job:
     """The engine requests of one HTTP request: per prompt, ``n`` choices (``best_of`` candidates on
     completions; they are ranked at the end). ``logprobs``: what the client asked to see; ``grammar``: the
-    response_format every choice follows (each with its own constraint)."""
+    structured output every choice follows (each with its own constraint). The prompt is scored (prompt
+    logprobs, echo with logprobs) once, by its first choice; the others of that prompt share its scores."""
     per_prompt = getattr(body, "candidates", body.n)
     if len(prompts) * per_prompt > 64:
         what = "best_of" if per_prompt != body.n else "n"
@@ -621,13 +700,19 @@ def _job(state: ServingState, endpoint: str, body, prompts: list[list[int]], max
     if echo and logprobs is not None:
         prompt_n = max(prompt_n or 0, logprobs)
     speculation = _speculation(body)
+    decode = state.text.decode if body.skip_special_tokens else functools.partial(state.text.decode,
+                                                                                  skip_special_tokens=False)
     choices = []
     for p, ids in enumerate(prompts):
+        first = None
         for j in range(per_prompt):
             index = p * per_prompt + j
             params = _params(state, body, ids, max_new, default_max, index)
-            choice = _Choice(index, ids, params, body.stops, state.text.decode, engine_logprobs,
-                             report_logprobs=logprobs, speculation=speculation, prompt_logprobs=prompt_n, echo=echo)
+            choice = _Choice(index, ids, params, body.stops, decode, engine_logprobs, report_logprobs=logprobs,
+                             speculation=speculation, prompt_logprobs=prompt_n, echo=echo,
+                             include_stop=body.include_stop_str_in_output, prompt_source=first)
+            if first is None:
+                first = choice
             choice.report_prompt_logprobs = body.prompt_logprobs
             choice.constraint = None if grammar is None else grammar.new_constraint()
             choices.append(choice)
@@ -677,7 +762,7 @@ def _completion_logprobs(state: ServingState, c: _Choice, start: int, ids: list[
             tokens.append(tb.text_of(t))
             lps.append(lp)
             tops.append(None if lp is None else _top_dict(tb, top[:n]))
-            offsets.append(len(c.decode(c.prompt_ids[:j]).rstrip("\ufffd")) if j else 0)
+            offsets.append(c.prompt_offset(j))
     base = len(c.prompt_text)
     for k, t in enumerate(ids):
         tokens.append(tb.text_of(t))

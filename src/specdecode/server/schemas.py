@@ -3,8 +3,12 @@
 Requests are parsed strictly (``"5"`` is not an integer, ``1`` is not a boolean) so a client bug
 gets a 400 that names the field instead of a silent coercion. Nothing is silently ignored: a field
 this server does not know gets a 400 naming it (``param`` = the field), and so does a known OpenAI
-field it cannot honour (tools, audio, ...: :data:`NOT_SUPPORTED`). Accepted without effect on the
-output: ``user``, ``metadata`` (echoed nowhere), ``store: false`` and ``service_tier: "auto" / "default"``.
+field it cannot honour (tools, audio, beam search, ...: :data:`NOT_SUPPORTED`; null, and ``"tool_choice":
+"none"``, ask for nothing and are accepted). Accepted without effect on the output: ``user``, ``metadata``
+(echoed nowhere), ``store: false`` and ``service_tier: "auto" / "default"``. The schemas check the wire's
+own forms and limits (types, temperature [0, 2], top_k -1, token-id strings, list lengths); every range
+the library also has is checked by the library (``specdecode.validate``) and answered as a 400 naming the
+wire field.
 
 Sampling fields, on /v1/completions and /v1/chat/completions alike (OpenAI's unless marked vLLM):
 ``temperature`` [0, 2], ``top_p`` (0, 1], ``top_k`` (vLLM; 0 or -1 disables), ``min_p`` (vLLM, [0, 1]),
@@ -16,18 +20,30 @@ Sampling fields, on /v1/completions and /v1/chat/completions alike (OpenAI's unl
 (the prompt, and with ``logprobs`` its tokens' logprobs, first None) and ``best_of`` (that many
 candidates per prompt, the ``n`` with the highest cumulative logprob returned; not with ``stream``).
 
+Text options (vLLM's): ``include_stop_str_in_output`` (default false: the text ends before the stop string
+that ended it; true: with it, and ``token_ids`` up to the token that completed it) and
+``skip_special_tokens`` (default true: special tokens such as EOS and chat markers are left out of the text;
+false: their text is kept, in the output and in ``echo``'s prompt).
+
 Structured output, on both endpoints: ``response_format`` as OpenAI's ``{"type": "text"}``, ``{"type":
 "json_object"}`` or ``{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}, "strict": ...}}``
 (checked and compiled by ``specdecode.grammar``; a malformed one or an invalid schema is a 400 with
-``param: "response_format"``). The grammar masks the target and the drafts alike: the output is constrained
-plain decoding's, one-line JSON followed by EOS (``finish_reason: "stop"``).
+``param: "response_format"``), or vLLM's ``guided_json`` (a JSON schema, as an object or its JSON text),
+``guided_regex`` (a regular expression the whole output matches) and ``guided_choice`` (a list of strings:
+the output is exactly one of them). At most one of these four per request (a 400 naming the second; a
+``response_format`` of type text asks for nothing); an invalid one is a 400 naming its field. The grammar
+masks the target and the drafts alike: the output is constrained plain decoding's, one-line JSON followed
+by EOS (``finish_reason: "stop"``).
 
 The extension ``"speculative"``: this request's own speculation, ``{"enabled": bool (default true;
 false decodes it plainly: usage.speculative.num_drafted_tokens is 0 and the output is the same),
 "num_speculative_tokens": 1..64 (this request's gamma in place of the server's draft-length policy),
 "verification": "token" | "block" | "auto" (how its sampled drafts are verified: token-wise rejection
 sampling, Leviathan et al. 2023, or block verification, Sun et al. 2024; both keep the target's
-distribution)}``.
+distribution), "sampling_mode": "auto" | "standard" | "coupled" (``SamplingParams.coupled`` None / False /
+True: "coupled" keys every random draw by (seed, position, purpose), so a seeded speculative request
+reproduces seeded plain decoding token for token; "standard" is rejection sampling with the request's own
+generator; "auto", the default, is coupled when a seed is given)}``.
 
 Responses add ``usage.speculative`` (num_drafted_tokens, num_accepted_tokens, acceptance_rate,
 mean_accepted_length, num_target_forwards of the request's choices together) and, per choice (also in
@@ -48,7 +64,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
-from specdecode.validate import MAX_SPECULATIVE_TOKENS
+from specdecode.options import SAMPLING_MODES, VERIFICATION_METHODS
 
 #: Most choices one request may ask for (prompts x n, prompts x best_of).
 MAX_CHOICES = 64
@@ -66,12 +82,26 @@ NOT_SUPPORTED = {
     "parallel_tool_calls": "tools / function calling", "audio": "audio output", "modalities": "output modalities",
     "prediction": "predicted outputs", "reasoning_effort": "reasoning effort", "web_search_options": "web search",
     "bad_words": "bad_words (ban a word's tokens with logit_bias -100 instead)",
-    "use_beam_search": "beam search", "length_penalty": "beam search", "guided_json": "vLLM's guided_* fields",
-    "guided_regex": "vLLM's guided_* fields", "guided_choice": "vLLM's guided_* fields",
-    "guided_grammar": "vLLM's guided_* fields", "include_stop_str_in_output": "include_stop_str_in_output",
-    "skip_special_tokens": "skip_special_tokens", "spaces_between_special_tokens": "spaces_between_special_tokens",
+    "use_beam_search": "beam search", "length_penalty": "beam search",
+    "guided_grammar": "vLLM's grammar formats (use guided_json, guided_regex, guided_choice or response_format)",
+    "spaces_between_special_tokens": "spaces_between_special_tokens (the fast tokenizers this server decodes with "
+                                     "have no such option)",
     "truncate_prompt_tokens": "prompt truncation", "logprobs_mode": "logprobs_mode",
 }
+
+#: Values of refused fields that ask for nothing, accepted as if the field were absent (null always is).
+_ASKS_FOR_NOTHING = {"tool_choice": "none", "tools": [], "functions": []}
+
+
+def _asks_for_nothing(name: str, value) -> bool:
+    """A refused field given a value that asks for nothing (null, or its :data:`_ASKS_FOR_NOTHING` value)."""
+    if name not in NOT_SUPPORTED:
+        return False
+    return value is None or (name in _ASKS_FOR_NOTHING and value == _ASKS_FOR_NOTHING[name])
+
+
+#: The fields that ask for a structured output; a request gives at most one.
+STRUCTURED_FIELDS = ("response_format", "guided_json", "guided_regex", "guided_choice")
 
 
 def _token_limit(v: int | None, info: ValidationInfo) -> int | None:
@@ -90,14 +120,10 @@ def _logprob_count(v: int | None, info: ValidationInfo) -> int | None:
 
 
 def _token_ids(v: list[int] | None, info: ValidationInfo) -> list[int] | None:
-    """``stop_token_ids`` / ``allowed_token_ids``: token ids >= 0 (the vocabulary is checked by the app)."""
-    if v is None:
-        return v
-    if len(v) > MAX_TOKEN_IDS:
+    """``stop_token_ids`` / ``allowed_token_ids``: at most MAX_TOKEN_IDS ids (their values are checked by the
+    library, ``validate.check_sampling`` and ``check_token_ids``)."""
+    if v is not None and len(v) > MAX_TOKEN_IDS:
         raise ValueError(f"{info.field_name} takes at most {MAX_TOKEN_IDS} token ids, got {len(v)}")
-    bad = [t for t in v if t < 0]
-    if bad:
-        raise ValueError(f"{info.field_name} must hold token ids >= 0, got {bad[0]}")
     return v
 
 
@@ -126,19 +152,23 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
+#: The names of the sampling modes (``speculative.sampling_mode``).
+_SAMPLING_MODE_NAMES = tuple(SAMPLING_MODES)
+
+
 class SpeculativeOptions(_Strict):
-    """The ``"speculative"`` extension: this request's own speculation (see the module docstring)."""
+    """The ``"speculative"`` extension: this request's own speculation (see the module docstring). Its values
+    are range-checked by the library (``validate.check_request_speculation``)."""
 
     enabled: bool = True
     num_speculative_tokens: int | None = None
-    verification: Literal["auto", "token", "block"] | None = None
+    verification: Literal[VERIFICATION_METHODS] | None = None
+    sampling_mode: Literal[_SAMPLING_MODE_NAMES] = "auto"
 
-    @field_validator("num_speculative_tokens")
-    @classmethod
-    def _gamma(cls, v):
-        if v is not None and not 1 <= v <= MAX_SPECULATIVE_TOKENS:
-            raise ValueError(f"num_speculative_tokens must be in [1, {MAX_SPECULATIVE_TOKENS}], got {v}")
-        return v
+    @property
+    def coupled(self) -> bool | None:
+        """``SamplingParams.coupled`` of the sampling mode (None: auto)."""
+        return SAMPLING_MODES[self.sampling_mode]
 
 
 class _SamplingFields(_Strict):
@@ -166,6 +196,11 @@ class _SamplingFields(_Strict):
     prompt_logprobs: LogprobCount = None
     speculative: SpeculativeOptions | None = None
     response_format: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
     # accepted, and changing nothing in the output
     user: str | None = None
     metadata: dict[str, str] | None = None
@@ -175,10 +210,11 @@ class _SamplingFields(_Strict):
     @model_validator(mode="before")
     @classmethod
     def _null_asks_for_nothing(cls, data):
-        """A known OpenAI field this server refuses is accepted as null (``"tools": null`` asks for nothing);
-        an unknown name is refused even when null (a typo)."""
+        """A known OpenAI field this server refuses is accepted as null (``"tools": null`` asks for nothing),
+        and so are the values in :data:`_ASKS_FOR_NOTHING` (``"tool_choice": "none"``); an unknown name is
+        refused even when null (a typo)."""
         if isinstance(data, dict):
-            return {k: v for k, v in data.items() if not (v is None and k in NOT_SUPPORTED)}
+            return {k: v for k, v in data.items() if not _asks_for_nothing(k, v)}
         return data
 
     @field_validator("temperature")
@@ -186,61 +222,32 @@ class _SamplingFields(_Strict):
     def _temperature(cls, v):
         return _in_range("temperature", v, 0.0, 2.0, "0 = greedy")
 
-    @field_validator("top_p")
-    @classmethod
-    def _top_p(cls, v):
-        return _in_range("top_p", v, 0.0, 1.0, "1 disables it", low_open=True)
-
-    @field_validator("min_p")
-    @classmethod
-    def _min_p(cls, v):
-        return _in_range("min_p", v, 0.0, 1.0, "0 disables it")
-
-    @field_validator("presence_penalty", "frequency_penalty")
-    @classmethod
-    def _penalty(cls, v, info: ValidationInfo):
-        return _in_range(info.field_name, v, -2.0, 2.0, "0 disables it")
-
-    @field_validator("repetition_penalty")
-    @classmethod
-    def _repetition(cls, v):
-        return _in_range("repetition_penalty", v, 0.0, 100.0, "1 disables it; > 1 discourages repeats",
-                         low_open=True)
-
     @field_validator("logit_bias")
     @classmethod
     def _logit_bias(cls, v):
+        """The wire form of the keys (token ids as decimal strings); the biases are the library's to check."""
         if v is None:
             return v
         if len(v) > MAX_TOKEN_IDS:
             raise ValueError(f"logit_bias takes at most {MAX_TOKEN_IDS} token ids, got {len(v)}")
-        for key, bias in v.items():
-            if not key.isdigit():
+        for key in v:
+            if not (key.isascii() and key.isdigit()):  # "²" is a digit to str.isdigit, not to int()
                 raise ValueError(f"logit_bias keys must be token ids as strings (\"1234\"), got {key!r}")
-            if math.isnan(bias) or not -100.0 <= bias <= 100.0:
-                raise ValueError(f"logit_bias values must be in [-100, 100] (-100 bans the token), got {bias} "
-                                 f"for token {key}")
         return v
 
     @field_validator("top_k")
     @classmethod
     def _top_k(cls, v):
+        """-1 is the wire's "disabled" (vLLM's), 0 the library's; below that the library refuses."""
         if v is not None and v < -1:
             raise ValueError(f"top_k must be >= 0 (0 or -1 disables it), got {v}")
         return v
 
-    @field_validator("min_tokens")
+    @field_validator("guided_choice")
     @classmethod
-    def _min_tokens(cls, v):
-        if v < 0:
-            raise ValueError(f"min_tokens must be >= 0, got {v}")
-        return v
-
-    @field_validator("allowed_token_ids")
-    @classmethod
-    def _allowed(cls, v):
+    def _guided_choice(cls, v):
         if v is not None and not v:
-            raise ValueError("allowed_token_ids must name at least one token (omit it to allow all)")
+            raise ValueError("guided_choice must hold at least one string (omit it for free text)")
         return v
 
     @field_validator("n")
@@ -286,6 +293,16 @@ class _SamplingFields(_Strict):
     def _stream_options_need_stream(self):
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed with stream: true (as OpenAI's API); omit it")
+        return self
+
+    @model_validator(mode="after")
+    def _one_structured_output(self):
+        given = [name for name in STRUCTURED_FIELDS if getattr(self, name) is not None]
+        if self.response_format == {"type": "text"}:  # asks for nothing
+            given.remove("response_format")
+        if len(given) > 1:
+            raise ValueError(f"{given[1]} cannot be combined with {given[0]}: give at most one of "
+                             f"{', '.join(STRUCTURED_FIELDS)}")
         return self
 
     @property
@@ -382,9 +399,6 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: TokenLimit = None
     logprobs: bool = False
     top_logprobs: LogprobCount = None
-    tools: list[Any] | None = None
-    tool_choice: Any = None
-    functions: list[Any] | None = None
 
     @field_validator("messages")
     @classmethod
@@ -397,9 +411,7 @@ class ChatCompletionRequest(_SamplingFields):
         return v
 
     @model_validator(mode="after")
-    def _chat_unsupported(self):
-        if self.tools or self.functions or self.tool_choice not in (None, "none"):
-            raise ValueError("tools / function calling are not supported by this server; omit them")
+    def _top_logprobs_need_logprobs(self):
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs: true")
         return self
