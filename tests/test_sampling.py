@@ -111,3 +111,19 @@ def test_next_token_is_argmax_greedily_and_a_sample_of_the_processed_distributio
     assert torch.equal(got, want)
     # top_p 0.6 at temperature 0.9 leaves only each row's argmax: sampling must return it
     assert math.isclose(float(logits_to_probs(logits, params)[0, 1]), 1.0) and got.tolist() == [1, 0]
+
+
+def test_temperatures_below_float32s_range_give_the_argmax_never_nan():
+    """1e-46 is 0 in float32: dividing there gave 0 / 0 = NaN (and garbage tokens); the division runs in float64."""
+    logits = torch.tensor([[1.0, 3.0, 2.5, float("-inf")]])
+    for t in (1e-46, 1e-300, 5e-324, 1e-4):
+        probs = logits_to_probs(logits, SamplingParams(temperature=t))
+        assert not bool(torch.isnan(probs).any()) and probs[0].tolist() == [0.0, 1.0, 0.0, 0.0], t
+
+
+def test_seeds_beyond_63_bits_are_refused_with_the_field():
+    from specdecode.errors import InvalidSamplingParams
+
+    with pytest.raises(InvalidSamplingParams) as info:
+        SamplingParams(seed=2**63)
+    assert info.value.field == "seed"

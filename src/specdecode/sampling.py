@@ -23,7 +23,8 @@ from collections.abc import Sequence
 
 import torch
 
-from specdecode.types import SamplingParams, SpecDecodeError
+from specdecode.types import SamplingParams
+from specdecode.validate import check_token_ids
 
 NEG_INF = float("-inf")
 
@@ -45,7 +46,10 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
         return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
     top = logits.amax(-1, keepdim=True)
     top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
-    logits = (logits - top) / params.temperature
+    if params.temperature >= 1e-3:
+        logits = (logits - top) / params.temperature
+    else:  # in float64, where the temperature itself stays non-zero: 0 / T = 0 for the maximum, never 0 / 0
+        logits = ((logits - top).double() / params.temperature).float()  # overflow -> -inf: probability 0
     if params.min_p > 0.0:
         # p(x) < min_p * p_max  <=>  logit(x) - logit_max < log(min_p); the shifted maximum is 0.
         logits = logits.masked_fill(logits < torch.log(torch.tensor(params.min_p)), NEG_INF)
@@ -109,8 +113,8 @@ class RequestSampler:
             -> int`` and ``commit(tokens)``.
 
     Raises:
-        SpecDecodeError: a token id in logit_bias / allowed / banned / stop ids outside [0, V), or
-            settings that leave no token allowed.
+        InvalidSamplingParams: a token id in logit_bias / allowed / banned / stop ids outside [0, V), or
+            settings that leave no token allowed (``validate.check_token_ids``).
     """
 
     def __init__(self, params: SamplingParams, prompt_ids: Sequence[int], vocab_size: int, constraint=None) -> None:
@@ -118,15 +122,8 @@ class RequestSampler:
         self.vocab_size = v = vocab_size
         self.constraint = constraint
         self.num_generated = 0
-        for name, ids in (("logit_bias", list((params.logit_bias or {}).keys())),
-                          ("allowed_token_ids", list(params.allowed_token_ids or ())),
-                          ("banned_token_ids", list(params.banned_token_ids)),
-                          ("stop_token_ids", list(params.stop_token_ids))):
-            bad = [t for t in ids if not 0 <= t < v]
-            if bad:
-                err = SpecDecodeError(f"{name} names token ids outside the vocabulary [0, {v}): {bad[:5]}")
-                err.field = name
-                raise err
+        check_token_ids(v, logit_bias=params.logit_bias, allowed_token_ids=params.allowed_token_ids,
+                        banned_token_ids=params.banned_token_ids, stop_token_ids=params.stop_token_ids)
         static = torch.zeros(v)
         if params.logit_bias:
             ids = torch.tensor(list(params.logit_bias.keys()), dtype=torch.int64)
@@ -138,11 +135,6 @@ class RequestSampler:
             static = static.masked_fill(~keep, NEG_INF)
         if params.banned_token_ids:
             static[list(params.banned_token_ids)] = NEG_INF
-        if not bool(torch.isfinite(static).any()):
-            err = SpecDecodeError("allowed_token_ids, banned_token_ids and logit_bias leave no token that can be "
-                                  "generated: allow at least one")
-            err.field = "allowed_token_ids"
-            raise err
         self._static = static if (params.logit_bias or params.allowed_token_ids is not None
                                   or params.banned_token_ids) else None
         self._stop = torch.tensor(sorted(set(params.stop_ids)), dtype=torch.int64)

@@ -107,8 +107,8 @@ def check_sampling(temperature, top_k, top_p, max_new_tokens, seed, *, min_p=0.0
     if not _is_int(min_tokens) or not 0 <= min_tokens <= n:
         raise _refuse(InvalidSamplingParams, "min_tokens",
                       f"min_tokens must be an integer in [0, max_new_tokens = {n}], got {min_tokens!r}")
-    if seed is not None and (not _is_int(seed) or seed < 0):
-        raise _refuse(InvalidSamplingParams, "seed", f"seed must be a non-negative integer or None, got {seed!r}")
+    if seed is not None and (not _is_int(seed) or not 0 <= seed < 2**63):
+        raise _refuse(InvalidSamplingParams, "seed", f"seed must be an integer in [0, 2**63) or None, got {seed!r}")
     if coupled is not None and not isinstance(coupled, bool):
         raise _refuse(InvalidSamplingParams, "coupled", f"coupled must be None (auto), True or False, got {coupled!r}")
 
@@ -204,6 +204,9 @@ def check_request_speculation(enabled, num_speculative_tokens, verification) -> 
         raise _refuse(SpecDecodeError, "enabled", f"speculative.enabled must be true or false, got {enabled!r}")
     if num_speculative_tokens is not None:
         check_gamma("num_speculative_tokens", num_speculative_tokens)
+        if not enabled:
+            raise _refuse(SpecDecodeError, "num_speculative_tokens",
+                          "num_speculative_tokens with speculation disabled contradict each other: drop one")
     if verification is not None:
         check_verification(verification)
 
