@@ -25,7 +25,7 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from specdecode.engine import EngineConfig, SpeculativeEngine
-from specdecode.models import load_model
+from tiny import load_float64
 from specdecode.server import build_state, create_app
 from specdecode.types import SamplingParams
 
@@ -78,21 +78,15 @@ class LiveServer:
         return out
 
 
-def _load64(path) -> object:
-    loaded = load_model(str(path), progress=False)
-    loaded.model.to(torch.float64)
-    return loaded
-
-
 @pytest.fixture(scope="module")
 def tiny64(tiny_model_dir):
-    return _load64(tiny_model_dir)
+    return load_float64(tiny_model_dir)
 
 
 @pytest.fixture(scope="module")
 def noisy_draft(tiny_model_dir):
     """The target's weights with noise on the LM head: a draft that agrees often, not always."""
-    draft = _load64(tiny_model_dir)
+    draft = load_float64(tiny_model_dir)
     gen = torch.Generator().manual_seed(0)
     head = draft.model.lm_head.weight
     head.add_(torch.randn(head.shape, generator=gen, dtype=head.dtype) * 0.6 * head.std())
@@ -199,7 +193,7 @@ def test_seed_stop_n_and_logprobs(live, tiny64):
 
 def test_draft_model_server_is_lossless(tiny64, tiny_model_dir):
     """A draft model (here the target's own weights in a second copy) drafts for the batch in batched forwards."""
-    draft = _load64(tiny_model_dir)
+    draft = load_float64(tiny_model_dir)
     with serving(tiny64, draft=draft, max_batch_size=2, num_speculative_tokens=3) as server:
         out = server.client().completions.create(model=MODEL, prompt=PROMPT, max_tokens=30, temperature=0)
         prompt_ids = tiny64.tokenizer(PROMPT)["input_ids"]

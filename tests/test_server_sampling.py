@@ -20,7 +20,7 @@ import torch
 from starlette.testclient import TestClient
 
 from specdecode.engine import EngineConfig, SpeculativeEngine
-from specdecode.models import load_model
+from tiny import load_float64
 from specdecode.server import build_state, create_app
 from specdecode.server.app import _top_dict
 from specdecode.token_bytes import TokenBytes, byte_decoder, display
@@ -41,15 +41,9 @@ def serving(loaded, **kw):
             http, state
 
 
-def _load64(path) -> object:
-    loaded = load_model(str(path), progress=False)
-    loaded.model.to(torch.float64)
-    return loaded
-
-
 @pytest.fixture(scope="module")
 def tiny64(tiny_model_dir):
-    return _load64(tiny_model_dir)
+    return load_float64(tiny_model_dir)
 
 
 @pytest.fixture(scope="module")
@@ -590,7 +584,7 @@ def byte_model(tmp_path_factory):
     model.config.eos_token_id = 2
     model.save_pretrained(path)
     tok.save_pretrained(path)
-    return _load64(path)
+    return load_float64(path)
 
 
 def test_split_characters_give_each_token_its_real_bytes(byte_model):

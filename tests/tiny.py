@@ -173,3 +173,12 @@ def check_index_rebuild(proposer, ctx) -> None:
     assert proposer.propose([ctx], [2])[0].token_ids[0].tolist() == [21, 20]  # not 21, 22 of the cut tokens
     ctx.token_ids.append(50)  # extended as the engine does
     assert proposer.propose([ctx], [2])[0].num_tokens == 0
+
+
+def load_float64(path):
+    """A local model directory loaded with ``load_model`` and cast to float64 (no greedy near-ties)."""
+    from specdecode.models import load_model
+
+    loaded = load_model(str(path), progress=False)
+    loaded.model.to(torch.float64)
+    return loaded
