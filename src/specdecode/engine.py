@@ -455,7 +455,8 @@ class SpeculativeEngine:
         for row, d in zip(rows, drafts):
             row.metrics.draft_time_s += shared + d.catch_up_s
             row.metrics.verify_time_s += verify_s / b
-        if self.proposer is not None and any(d.num_tokens for d in drafts):
+        if self.proposer is not None and (any(d.num_tokens for d in drafts)
+                                          or getattr(self.proposer, "observes_every_step", False)):
             self.proposer.observe([r.ctx for r in rows], results)
         # The policy learns only from rows that followed it (not those with their own gamma or speculation off).
         own = [i for i, r in enumerate(rows) if r.speculation.enabled and r.speculation.num_speculative_tokens is None]

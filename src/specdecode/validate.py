@@ -255,8 +255,11 @@ NGRAM_DRAFT = "ngram"
 LAYER_SKIP_DRAFT = "layer-skip"
 #: The drafter choice of suffix decoding; ``suffix:ngram`` / ``suffix:MODEL`` add a fallback drafter.
 SUFFIX_DRAFT = "suffix"
-#: Kinds of :class:`DraftChoice`: the four above and "model" (a draft-model spec).
-DRAFT_KINDS = ("none", NGRAM_DRAFT, LAYER_SKIP_DRAFT, SUFFIX_DRAFT, "model")
+#: The drafter choice of a trained feature-level head (EAGLE-3 style): ``eagle`` (the head shipped with the
+#: package or trained by ``specdecode train-drafter`` for this target) or ``eagle:PATH`` (a checkpoint).
+EAGLE_DRAFT = "eagle"
+#: Kinds of :class:`DraftChoice`: the five above and "model" (a draft-model spec).
+DRAFT_KINDS = ("none", NGRAM_DRAFT, LAYER_SKIP_DRAFT, SUFFIX_DRAFT, EAGLE_DRAFT, "model")
 #: Token-tree kinds a draft model builds (``proposers.tree_draft.TREE_KINDS``); "none" = chains.
 _TREE_KINDS = tuple(kind for kind in TREE_KINDS if kind != "none")
 
@@ -276,6 +279,13 @@ class DraftChoice:
     fallback: DraftChoice | None = None
 
     @property
+    def head_path(self) -> str | None:
+        """With kind "eagle": the checkpoint of ``eagle:PATH`` (None: the default head for the target)."""
+        if self.kind != EAGLE_DRAFT:
+            return None
+        return self.text.partition(":")[2].strip() or None
+
+    @property
     def model_spec(self) -> str | None:
         """The draft-model spec this choice loads (its own or its fallback's); None when it needs no model."""
         if self.kind == "model":
@@ -291,6 +301,8 @@ def parse_draft(draft: str | None) -> DraftChoice:
         return DraftChoice(text, "none")
     if name in (NGRAM_DRAFT, LAYER_SKIP_DRAFT):
         return DraftChoice(text, name)
+    if name.partition(":")[0] == EAGLE_DRAFT:
+        return DraftChoice(text, EAGLE_DRAFT)
     if name.partition(":")[0] == SUFFIX_DRAFT:
         return DraftChoice(text, SUFFIX_DRAFT, parse_draft(text.partition(":")[2] or "none"))
     return DraftChoice(text, "model")
@@ -391,9 +403,9 @@ def check_drafter(choice: DraftChoice, options: DrafterOptions) -> None:
     if choice.kind == SUFFIX_DRAFT:
         check_drafter(choice.fallback, options)
         return
-    if tree != "none" and choice.kind != "model":
-        raise _refuse(SpecDecodeError, None, f"--tree {options.tree} needs a draft model (--draft MODEL or "
-                                             f"suffix:MODEL), not {choice.text!r}")
+    if tree != "none" and choice.kind not in ("model", EAGLE_DRAFT):
+        raise _refuse(SpecDecodeError, None, f"--tree {options.tree} needs a draft model or head (--draft MODEL, "
+                                             f"suffix:MODEL or eagle), not {choice.text!r}")
     if choice.kind == NGRAM_DRAFT:
         check_ngram_sizes(options.ngram_min, options.ngram_max)
 
@@ -454,7 +466,7 @@ def check_serve_options(opts) -> DraftChoice:
 
 
 __all__ = [
-    "DRAFT_KINDS", "LAYER_SKIP_DRAFT", "MAX_BATCH_SIZE", "MAX_NEW_TOKENS_LIMIT", "MAX_SPECULATIVE_TOKENS",
+    "DRAFT_KINDS", "EAGLE_DRAFT", "LAYER_SKIP_DRAFT", "MAX_BATCH_SIZE", "MAX_NEW_TOKENS_LIMIT", "MAX_SPECULATIVE_TOKENS",
     "MAX_TREE_NODES", "MIN_REQUEST_BYTES", "NGRAM_DRAFT", "NO_DRAFT", "SUFFIX_DRAFT", "DraftChoice",
     "DrafterOptions", "check_drafter", "check_engine", "check_gamma", "check_ngram_sizes", "check_policy_name",
     "check_port", "check_sampling", "check_serve_options", "check_server_limits", "check_stops", "check_token_ids",

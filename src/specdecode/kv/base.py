@@ -193,6 +193,11 @@ class SlotRunner:
         self._tree_start: list[int | None] = [None] * num_slots
         self._tree_parents: list[list[int]] = [[] for _ in range(num_slots)]
         self.capacity = 0  # columns allocated per slot
+        #: ``hidden_states`` indices (0 = embeddings, i = after layer i - 1) whose outputs every full forward
+        #: keeps in :attr:`last_features` [b, q, len * hidden] (every fed position, before any ``last_only``
+        #: cut): what a feature-level draft head (``proposers.eagle``) reads. None: nothing kept.
+        self.capture_layers: tuple[int, ...] | None = None
+        self.last_features: torch.Tensor | None = None
 
     # Facts -------------------------------------------------------------------------
 

@@ -150,7 +150,12 @@ class HFRunner(SlotRunner):
         one_row_last = last is not None and b == 1 and int(last[0]) == q - 1
         if self._keeps_logits:
             kwargs["logits_to_keep"] = 1 if one_row_last else 0  # a prefill: the LM head at the last token only
-        logits = self.model(input_ids=ids, attention_mask=additive, position_ids=positions, **kwargs).logits
+        if self.capture_layers:
+            kwargs["output_hidden_states"] = True
+        out = self.model(input_ids=ids, attention_mask=additive, position_ids=positions, **kwargs)
+        if self.capture_layers:
+            self.last_features = torch.cat([out.hidden_states[k] for k in self.capture_layers], dim=-1)
+        logits = out.logits
         if last is not None and not (one_row_last and logits.shape[1] == 1):
             logits = logits[torch.arange(b), last].unsqueeze(1)
         return logits.float()

@@ -265,6 +265,8 @@ class OwnedRunner(SlotRunner):
         # a prompt-sized last_only forward attends in the model's dtype (its cache columns converted once per
         # layer); small ones (drafting) read the cache as it is
         att_dtype = x.dtype if last is not None and n > ROW_BLOCK else self.cache_dtype
+        capture = self.capture_layers if layers is None else None  # a draft head's features (full forwards)
+        kept = {0: x} if capture and 0 in capture else {}
         for i in range(self.num_layers) if layers is None else layers:
             layer = self.layers[i]
             qkv = _mm(layer.qkv, _rms_norm(x, layer.ln1, self.eps), kernel)
@@ -293,6 +295,12 @@ class OwnedRunner(SlotRunner):
             x = x + _mm(layer.o, attn.transpose(1, 2).reshape(n, h * d), kernel)
             gate, up = _mm(layer.gate_up, _rms_norm(x, layer.ln2, self.eps), kernel).chunk(2, dim=-1)
             x = x + _mm(layer.down, F.silu(gate) * up, kernel)
+            if capture and i + 1 in capture:
+                kept[i + 1] = x
+        if capture:
+            if self.num_layers in capture:  # Hugging Face's last hidden state is the final norm's output
+                kept[self.num_layers] = _rms_norm(kept[self.num_layers], self.norm, self.eps)
+            self.last_features = torch.cat([kept[k] for k in capture], dim=-1).view(b, q, -1)
         x = x.view(b, q, -1)
         if last is not None:
             x = x[torch.arange(b), last].unsqueeze(1)  # [b, 1, hidden]

@@ -1,8 +1,9 @@
 """Proposers (drafters), one file each, built by name through a registry."""
 
-from specdecode.proposers import draft_model, layer_skip, ngram, suffix, tree_draft  # noqa: F401 - registers them
+from specdecode.proposers import draft_model, eagle, layer_skip, ngram, suffix, tree_draft  # noqa: F401 - registers them
 from specdecode.proposers.base import PROPOSERS, Proposer, ProposeContext, register
 from specdecode.proposers.draft_model import DraftModelConfig, DraftModelProposer
+from specdecode.proposers.eagle import EagleDraftConfig, EagleProposer
 from specdecode.proposers.layer_skip import LayerSkipConfig, LayerSkipProposer
 from specdecode.proposers.ngram import NgramConfig, NgramProposer
 from specdecode.proposers.suffix import GlobalSuffixTree, SuffixConfig, SuffixProposer
@@ -24,6 +25,8 @@ __all__ = [
     "PROPOSERS",
     "DraftModelConfig",
     "DraftModelProposer",
+    "EagleDraftConfig",
+    "EagleProposer",
     "LayerSkipConfig",
     "LayerSkipProposer",
     "NgramConfig",

@@ -99,6 +99,9 @@ class Proposer:
 
     #: True when drafts may be token trees (the engine then verifies with the tree verifier).
     produces_trees: bool = False
+    #: True when :meth:`observe` must run after every verification, also when nothing was drafted
+    #: (a feature-level head reads the target's hidden states of every committed token).
+    observes_every_step: bool = False
     #: Name used in error messages and metrics.
     name: str = "proposer"
 

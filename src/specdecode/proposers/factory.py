@@ -5,6 +5,8 @@ A *drafter choice* is what ``--draft`` (and ``SpecDecoder.from_pretrained(draft=
 - ``none`` (or empty): plain decoding, no proposer;
 - ``ngram``: prompt lookup (:class:`~specdecode.proposers.ngram.NgramProposer`);
 - ``layer-skip``: self-speculation, the target with some decoder layers skipped;
+- ``eagle`` / ``eagle:PATH``: a trained feature-level head (EAGLE-3 style) on the target's hidden
+  states, chains or token trees with ``tree``;
 - ``suffix`` / ``suffix:INNER``: suffix decoding, falling back to the drafter INNER (any other
   choice) when the suffix match scores low;
 - anything else: a draft-model spec, loaded like the target (chains, or token trees with ``tree``).
@@ -36,6 +38,7 @@ from specdecode import layer_search
 from specdecode.kernels import set_weight_precision
 from specdecode.models import check_compatible, load_model
 from specdecode.proposers.base import PROPOSERS, Proposer
+from specdecode.proposers.eagle import EagleDraftConfig
 from specdecode.proposers.layer_skip import LayerSkipConfig
 from specdecode.proposers.ngram import NgramConfig
 from specdecode.proposers.suffix import SuffixConfig
@@ -44,6 +47,7 @@ from specdecode.types import SpecDecodeError
 # Reading a choice and checking it need no model: they live without torch (the command line uses them too).
 from specdecode.validate import (  # noqa: F401 - re-exported: the drafter choices and their checks
     DRAFT_KINDS,
+    EAGLE_DRAFT,
     LAYER_SKIP_DRAFT,
     NGRAM_DRAFT,
     NO_DRAFT,
@@ -188,6 +192,10 @@ def proposer_factory(choice: DraftChoice, options: DrafterOptions, *, target=Non
     if choice.kind == LAYER_SKIP_DRAFT:
         config = LayerSkipConfig(skip_layers=parse_skip_layers(options.skip_layers), cache_dir=options.cache_dir)
         return registered_factory("layer-skip", target=target, config=config)
+    if choice.kind == EAGLE_DRAFT:
+        config = EagleDraftConfig(tree=options.tree or "none", num_nodes=options.tree_nodes, head=choice.head_path,
+                                  cache_dir=options.cache_dir)
+        return registered_factory(EAGLE_DRAFT, target=target, config=config)
     if draft is None:
         raise SpecDecodeError(f"--draft {choice.text!r} names a draft model, but none was loaded")
     tree = tree_config(options.tree, options.tree_nodes)

@@ -1,0 +1,226 @@
+"""The feature-level draft head (EAGLE-3 style): drafting is lossless, training learns, checkpoints round-trip."""
+
+from __future__ import annotations
+
+import types
+
+import numpy as np
+import pytest
+import torch
+
+from specdecode.eagle import corpus, train
+from specdecode.eagle.head import EagleCheckpointError, EagleConfig, EagleHead, load_head, save_head
+from specdecode.engine import EngineConfig, SpeculativeEngine
+from specdecode.proposers.eagle import EagleDraftConfig, EagleProposer, find_head, make_eagle
+from specdecode.proposers.factory import DrafterOptions, parse_draft, proposer_factory
+from specdecode.types import SamplingParams, SpecDecodeError
+from tiny import chi2_pvalue, exact_joint, tiny_llama, tiny_qwen2
+
+TREES = ["none", "dynamic", "static"]
+
+
+def random_head(target, vocab=None, seed=1, std=0.3, dtype=torch.float64) -> EagleHead:
+    """A head with random weights for ``target`` (draft vocabulary ``vocab``: all ids by default)."""
+    n = target.get_input_embeddings().weight.shape[0]
+    torch.manual_seed(seed)
+    head = EagleHead(EagleConfig.for_target(target, vocab if vocab is not None else list(range(n))))
+    head.attach(target, init=True).to(dtype)
+    with torch.no_grad():
+        for p in head.parameters():
+            p.normal_(0, std)
+    return head.requires_grad_(False)
+
+
+def generate(engine, prompt, params):
+    return engine.generate(prompt, params)
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_llama(vocab_size=64, layers=3, scale=3.0)
+
+
+@pytest.mark.parametrize("tree", TREES)
+@pytest.mark.parametrize("backend", ["owned", "hf"])
+def test_greedy_output_equals_plain_decoding(target, tree, backend):
+    head = random_head(target)
+    plain = SpeculativeEngine(target, None, EngineConfig(forward=backend))
+    spec = SpeculativeEngine(target, EagleProposer(head, EagleDraftConfig(tree=tree)),
+                             EngineConfig(num_speculative_tokens=4, forward=backend))
+    for prompt in ([3, 5, 7, 9, 11], [1], list(range(20, 50))):
+        params = SamplingParams(max_new_tokens=30)
+        out = generate(spec, prompt, params)
+        assert out.token_ids == generate(plain, prompt, params).token_ids
+        assert out.metrics.num_drafted_tokens > 0
+
+
+def test_qwen2_family_and_gamma_one():
+    target = tiny_qwen2(vocab_size=64)
+    head = random_head(target)
+    plain = SpeculativeEngine(target, None, EngineConfig())
+    for gamma in (1, 3):
+        spec = SpeculativeEngine(target, EagleProposer(head), EngineConfig(num_speculative_tokens=gamma))
+        params = SamplingParams(max_new_tokens=25)
+        assert generate(spec, [4, 5, 6], params).token_ids == generate(plain, [4, 5, 6], params).token_ids
+
+
+@pytest.mark.parametrize("tree", ["none", "dynamic"])
+def test_batched_rows_with_compaction_equal_plain(target, tree):
+    head = random_head(target)
+    spec = SpeculativeEngine(target, EagleProposer(head, EagleDraftConfig(tree=tree)),
+                             EngineConfig(num_speculative_tokens=3, max_batch_size=3))
+    plain = SpeculativeEngine(target, None, EngineConfig())
+    jobs = [([1, 2, 3], 8), ([9, 8, 7, 6], 30), ([5] * 12, 20)]
+    reqs = [spec.add(p, SamplingParams(max_new_tokens=n))[0] for p, n in jobs]
+    while spec.rows:
+        spec.step()
+    for req, (p, n) in zip(reqs, jobs):
+        assert [*req.generated] == generate(plain, p, SamplingParams(max_new_tokens=n)).token_ids
+
+
+def _trained_head(target, steps_epochs=30.0, seed=0):
+    """Train a head on a tiny target's own greedy continuations (a few seconds)."""
+    g = torch.Generator().manual_seed(seed)
+    plain = SpeculativeEngine(target, None, EngineConfig())
+    recs = []
+    for i in range(40):
+        prompt = torch.randint(0, 64, (8,), generator=g).tolist()
+        recs.append({"id": str(i), "prompt_ids": prompt,
+                     "response_ids": generate(plain, prompt, SamplingParams(max_new_tokens=40)).token_ids})
+    layers = (1, 2, 3)
+    data = corpus.extract_features(target, recs, layers, 64)
+    data["feature_layers"] = layers
+    loaded = types.SimpleNamespace(model=target, eos_token_ids=(), tokenizer=None)
+    cfg = train.TrainConfig(draft_vocab_size=48, epochs=steps_epochs, batch_tokens=1024, lr=3e-3, ttt_steps=3,
+                            save_every=10**9, held_out_fraction=0.1, warmup_steps=5)
+    return data, loaded, cfg
+
+
+def test_training_loss_falls_and_the_trained_head_drafts_what_the_target_says(tmp_path):
+    target = tiny_llama(vocab_size=64, layers=3, scale=3.0, dtype=torch.float32)
+    data, loaded, cfg = _trained_head(target)
+    head, record = train.train_head(loaded, data, tmp_path, cfg, target_name="tiny", target_sha256=None)
+    losses = [h["loss"] for h in record["history"]]
+    assert np.mean(losses[-5:]) < 0.6 * np.mean(losses[:5])
+    assert record["validation_accuracy_per_step"][0] > 0.3  # a random head: ~1/64
+    # what it learned shows while drafting: accepted tokens, and still exactly plain decoding
+    spec = SpeculativeEngine(target, EagleProposer(head), EngineConfig(num_speculative_tokens=4))
+    plain = SpeculativeEngine(target, None, EngineConfig())
+    accepted = 0
+    for prompt in ([1, 2, 3, 4, 5, 6, 7, 8], [40, 41, 42, 43, 44, 45, 46, 47]):
+        out = generate(spec, prompt, SamplingParams(max_new_tokens=40))
+        assert out.token_ids == generate(plain, prompt, SamplingParams(max_new_tokens=40)).token_ids
+        accepted += out.metrics.num_accepted_tokens
+    assert accepted > 10
+    # the plot and a resumed run (the state file is reused: no step is redone)
+    assert train.plot_training(record, tmp_path / "t.png").stat().st_size > 1000
+    work = tmp_path / "resumed"
+    work.mkdir()
+    _, first = train.train_head(loaded, data, work, cfg, target_name="tiny", target_sha256=None, max_seconds=0.0)
+    assert first["steps"] == 1 < first["total_steps"]
+    _, again = train.train_head(loaded, data, work, cfg, target_name="tiny", target_sha256=None)
+    assert again["steps"] == again["total_steps"] and len(again["history"]) == again["total_steps"]
+
+
+@pytest.mark.parametrize("tree", ["none", "dynamic"])
+def test_sampled_output_follows_the_target_distribution(tree):
+    """First three sampled tokens (gamma 2) against the target's exact joint; the head's draft vocabulary
+    leaves out tokens 2 and 4, which the target must still produce."""
+    vocab = 5
+    tgt = tiny_llama(vocab_size=vocab, seed=3, layers=2, hidden=32, scale=4.0)
+    head = random_head(tgt, vocab=[0, 1, 3], std=0.2)
+    engine = SpeculativeEngine(tgt, EagleProposer(head, EagleDraftConfig(tree=tree, num_nodes=6, top_k=2)),
+                               EngineConfig(num_speculative_tokens=2))
+    prompt = [1, 2]
+    counts = np.zeros(vocab**3)
+    drafted = 0
+    for s in range(2000):
+        out = engine.generate(prompt, SamplingParams(temperature=1.0, max_new_tokens=3, seed=s))
+        counts[np.ravel_multi_index(out.token_ids, (vocab,) * 3)] += 1
+        drafted += out.metrics.num_drafted_tokens
+    assert drafted > 1000
+    assert chi2_pvalue(counts, exact_joint(tgt, prompt, 3, backend="owned")) > 1e-3
+
+
+def test_reduced_vocabulary_maps_back_and_outside_tokens_come_from_the_target(target):
+    plain = SpeculativeEngine(target, None, EngineConfig())
+    params = SamplingParams(max_new_tokens=30)
+    expected = generate(plain, [3, 5, 7], params).token_ids
+    vocab = [t for t in range(64) if t not in set(expected[::2])]  # half of what the target says is outside
+    head = random_head(target, vocab=vocab)
+    proposer = EagleProposer(head)
+    spec = SpeculativeEngine(target, proposer, EngineConfig(num_speculative_tokens=4))
+    out = generate(spec, [3, 5, 7], params)
+    assert out.token_ids == expected
+    # q is zero outside the draft vocabulary
+    logits = proposer._full(torch.zeros(1, len(vocab)))
+    assert torch.isinf(logits[0, sorted(set(range(64)) - set(vocab))]).all()
+    assert torch.isfinite(logits[0, vocab]).all()
+
+
+def test_checkpoint_round_trip(target, tmp_path):
+    head = random_head(target, dtype=torch.float32)
+    save_head(head, tmp_path / "h", dtype=torch.float32)
+    back = load_head(tmp_path / "h").attach(target)
+    assert back.config == head.config
+    for name, p in head.named_parameters():
+        assert torch.equal(p, dict(back.named_parameters())[name])
+    x = torch.randn(3, 3 * 64)
+    ids = torch.tensor([1, 2, 3])
+    kv = torch.zeros(2, 0, 16)
+    a = head.step(head.fuse(x), ids, torch.arange(3), kv, kv, None)[0]
+    b = back.step(back.fuse(x), ids, torch.arange(3), kv, kv, None)[0]
+    assert torch.allclose(a, b)
+    assert find_head(target, tmp_path / "h") == tmp_path / "h"
+
+
+def test_bad_checkpoints_and_wrong_targets_are_refused(target, tmp_path):
+    with pytest.raises(EagleCheckpointError, match="not a draft-head checkpoint"):
+        load_head(tmp_path / "missing")
+    with pytest.raises(EagleCheckpointError, match="train-drafter"):
+        find_head(target, tmp_path / "missing")
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "config.json").write_text("{not json")
+    (tmp_path / "bad" / "model.safetensors").write_bytes(b"")
+    with pytest.raises(EagleCheckpointError, match="malformed|format version"):
+        load_head(tmp_path / "bad")
+    head = random_head(target, dtype=torch.float32)
+    save_head(head, tmp_path / "h")
+    other = tiny_llama(vocab_size=32, layers=3)
+    with pytest.raises(EagleCheckpointError, match="vocabulary"):
+        load_head(tmp_path / "h").attach(other)
+    with pytest.raises(EagleCheckpointError, match="no draft head for this target"):
+        find_head(other, None, cache_dir=tmp_path / "empty-cache")
+
+
+def test_the_drafter_choice_builds_through_the_factory(target, tmp_path):
+    save_head(random_head(target, dtype=torch.float32), tmp_path / "h")
+    choice = parse_draft(f"eagle:{tmp_path / 'h'}")
+    assert choice.kind == "eagle" and choice.head_path == str(tmp_path / "h")
+    assert parse_draft("EAGLE").kind == "eagle" and parse_draft("eagle").head_path is None
+    factory = proposer_factory(choice, DrafterOptions(tree="dynamic", tree_nodes=8), target=target)
+    proposer = factory()
+    assert isinstance(proposer, EagleProposer) and proposer.produces_trees
+    assert not make_eagle(target, EagleDraftConfig(head=str(tmp_path / "h"))).produces_trees
+    with pytest.raises(SpecDecodeError):
+        EagleDraftConfig(tree="bushy")
+
+
+def test_training_prompts_do_not_overlap_the_held_out_set():
+    prompts = train.corpus.training_prompts({"sharegpt": 60, "gsm8k": 300, "templates": 100, "stdlib": 60,
+                                             "stdlib-code": 60})
+    assert len(prompts) > 500 and {p.source for p in prompts} == set(corpus.SOURCES)
+    assert corpus.held_out_overlap(prompts) == []
+    # the check does catch a benchmark prompt
+    from specdecode.data import load_prompts
+
+    bench = load_prompts("spec-bench:math_reasoning:1")[0].turns[0]
+    leak = [corpus.TrainPrompt("leak", "gsm8k", bench), corpus.TrainPrompt("leak2", "stdlib", "Please: " + bench)]
+    assert [h[0] for h in corpus.held_out_overlap(leak)] == ["leak", "leak2"]
+
+
+def test_draft_vocabulary_keeps_the_special_tokens_and_the_most_frequent():
+    labels = torch.tensor([5, 5, 5, 7, 7, 9])
+    tokens = torch.tensor([1, 2, 3])
+    vocab = corpus.draft_vocabulary(labels, tokens, 3, 16, always=[0])
+    assert vocab == [0, 5, 7]
