@@ -112,6 +112,12 @@ def test_training_loss_falls_and_the_trained_head_drafts_what_the_target_says(tm
         assert out.token_ids == generate(plain, prompt, SamplingParams(max_new_tokens=40)).token_ids
         accepted += out.metrics.num_accepted_tokens
     assert accepted > 10
+    # EOS and the token cap inside an accepted block: the same cut as plain decoding
+    full = generate(plain, [1, 2, 3, 4, 5, 6, 7, 8], SamplingParams(max_new_tokens=40)).token_ids
+    for params in (SamplingParams(max_new_tokens=40, eos_token_ids=(full[9],)),
+                   *(SamplingParams(max_new_tokens=n) for n in (1, 2, 5, 11))):
+        got = generate(spec, [1, 2, 3, 4, 5, 6, 7, 8], params)
+        assert got.token_ids == generate(plain, [1, 2, 3, 4, 5, 6, 7, 8], params).token_ids
     # the plot and a resumed run (the state file is reused: no step is redone)
     assert train.plot_training(record, tmp_path / "t.png").stat().st_size > 1000
     work = tmp_path / "resumed"
@@ -206,6 +212,7 @@ def test_the_drafter_choice_builds_through_the_factory(target, tmp_path):
         EagleDraftConfig(tree="bushy")
 
 
+@pytest.mark.shared_data
 def test_training_prompts_do_not_overlap_the_held_out_set():
     prompts = train.corpus.training_prompts({"sharegpt": 60, "gsm8k": 300, "templates": 100, "stdlib": 60,
                                              "stdlib-code": 60})

@@ -113,6 +113,7 @@ def smollm2_int8_draft():
 def _bf16_drafter(name, target, draft):
     from specdecode.proposers import (DraftModelProposer, LayerSkipConfig, LayerSkipProposer, SuffixProposer,
                                       TreeDraftConfig, TreeDraftProposer)
+    from specdecode.proposers.eagle import EagleDraftConfig, make_eagle
 
     return {
         "ngram": lambda: NgramProposer(),
@@ -121,6 +122,9 @@ def _bf16_drafter(name, target, draft):
         "draft-model": lambda: DraftModelProposer(draft),
         "tree-static": lambda: TreeDraftProposer(draft, TreeDraftConfig(kind="static", num_nodes=8)),
         "tree-dynamic": lambda: TreeDraftProposer(draft, TreeDraftConfig(kind="dynamic", num_nodes=8, top_k=3)),
+        # the head shipped in the package for SmolLM2 (specdecode/heads/smollm2-135m)
+        "eagle": lambda: make_eagle(target, EagleDraftConfig()),
+        "eagle-tree": lambda: make_eagle(target, EagleDraftConfig(tree="dynamic", num_nodes=12)),
     }[name]()
 
 
@@ -136,7 +140,8 @@ def _describe(got: list[int], want: list[int], i: int) -> str:
 
 
 @pytest.mark.parametrize("drafter, gamma", [("ngram", 1), ("ngram", 3), ("ngram", 8), ("suffix", 4), ("layer-skip", 3),
-                                            ("draft-model", 4), ("tree-static", 4), ("tree-dynamic", 4)])
+                                            ("draft-model", 4), ("tree-static", 4), ("tree-dynamic", 4),
+                                            ("eagle", 4), ("eagle-tree", 4)])
 def test_bf16_greedy_speculative_equals_plain_decoding_exactly(smollm2_bf16, smollm2_int8_draft, drafter, gamma):
     loaded, ids, encoded, params, expected = smollm2_bf16
     proposer = _bf16_drafter(drafter, loaded.model, smollm2_int8_draft)
@@ -153,7 +158,7 @@ def test_bf16_greedy_speculative_equals_plain_decoding_exactly(smollm2_bf16, smo
     assert drafted > 0  # the drafter did work
 
 
-@pytest.mark.parametrize("drafter, gamma", [("ngram", 3), ("draft-model", 4)])
+@pytest.mark.parametrize("drafter, gamma", [("ngram", 3), ("draft-model", 4), ("eagle", 4)])
 def test_bf16_batch_of_two_greedy_equals_plain_decoding_exactly(smollm2_bf16, smollm2_int8_draft, drafter, gamma):
     """Both prompts decoded together (rows of different lengths in every verification) against plain decoding alone."""
     loaded, ids, encoded, params, expected = smollm2_bf16

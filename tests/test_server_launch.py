@@ -31,6 +31,17 @@ def tiny64(tiny_model_dir):
     return loaded
 
 
+@pytest.fixture(scope="module")
+def tiny_head_dir(tiny_model_dir, tmp_path_factory):
+    """A randomly initialised draft head (EAGLE-3 style) for the tiny model, as a checkpoint directory."""
+    from specdecode.eagle.head import EagleConfig, EagleHead, save_head
+
+    model = load_model(str(tiny_model_dir), progress=False).model
+    torch.manual_seed(0)
+    head = EagleHead(EagleConfig.for_target(model, list(range(model.config.vocab_size)))).attach(model, init=True)
+    return save_head(head, tmp_path_factory.mktemp("head") / "head")
+
+
 # --------------------------------------------------------------------------- building the server
 
 
@@ -41,14 +52,17 @@ def tiny64(tiny_model_dir):
     ("layer-skip", {"skip_layers": "1", "policy": "heuristic"}),
     ("ngram", {"weights": "int8", "policy": "confidence"}),
     ("none", {"forward": "hf"}),
+    ("eagle:HEAD", {}),
+    ("eagle:HEAD", {"tree": "dynamic", "tree_nodes": 8}),
 ])
-def test_load_state_builds_every_drafter(tiny_model_dir, draft, extra):
+def test_load_state_builds_every_drafter(tiny_model_dir, tiny_head_dir, draft, extra):
     """``load_state`` (what ``specdecode serve`` runs) builds each drafter and precision through the factory
     path of ``specdecode generate``, and the app serves it."""
     from fastapi.testclient import TestClient
 
     spec = str(tiny_model_dir)
-    opts = ServeOptions(target=spec, draft=draft.replace("TARGET", spec), served_model_name=MODEL,
+    draft = draft.replace("TARGET", spec).replace("HEAD", str(tiny_head_dir))
+    opts = ServeOptions(target=spec, draft=draft, served_model_name=MODEL,
                         max_batch_size=2, **extra)
     state = load_state(opts, progress=False)
     engine = state.engine

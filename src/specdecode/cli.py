@@ -293,6 +293,8 @@ def _add_train_drafter(commands) -> None:
     p.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate, cosine decay (default: %(default)s)")
     p.add_argument("--batch-tokens", type=int, default=4096, metavar="N",
                    help="tokens per training batch, padding included (default: %(default)s)")
+    p.add_argument("--head-intermediate", type=int, default=None, metavar="N",
+                   help="the head's MLP width (default: the target's; smaller trains and drafts faster)")
     p.add_argument("--train-lm-head", action="store_true",
                    help="train (and store) the LM head rows instead of using the target's (a bigger checkpoint)")
     p.add_argument("--device", default="cpu", help="'cpu' or 'cuda' (default: %(default)s)")
@@ -318,7 +320,8 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
     cfg = TrainConfig(num_prompts=args.prompts, mix=args.mix, max_new_tokens=args.max_new_tokens,
                       max_length=args.max_length, temperature=args.temperature, draft_vocab_size=args.draft_vocab,
                       ttt_steps=args.ttt_steps, epochs=args.epochs, lr=args.lr, batch_tokens=args.batch_tokens,
-                      train_lm_head=args.train_lm_head, device=args.device, threads=args.threads, seed=args.seed)
+                      train_lm_head=args.train_lm_head, device=args.device, threads=args.threads, seed=args.seed,
+                      intermediate_size=args.head_intermediate)
     run(args.target, cfg, out=args.out, work_dir=args.work_dir, weights=args.weights, cache_dir=args.cache_dir,
         estimate_prompts=None if args.no_estimate else "spec-bench:8",
         max_train_seconds=None if args.max_train_minutes is None else 60 * args.max_train_minutes)

@@ -29,7 +29,9 @@ from specdecode.options import (
 DRAFT_CHOICES_HELP = ("'ngram' (prompt lookup, no model), 'none' (plain decoding), 'layer-skip' (self-speculation: "
                       "the target drafts with some decoder layers skipped, no second model), 'suffix' (suffix decoding, "
                       "no model), 'suffix:ngram' or 'suffix:MODEL' (suffix decoding, falling back to that drafter "
-                      "when the suffix match is weak), or a draft model spec")
+                      "when the suffix match is weak), 'eagle' (a trained feature-level head on the target's hidden "
+                      "states: the one shipped for the target, else the one 'specdecode train-drafter' trained), "
+                      "'eagle:DIR' (a head checkpoint), or a draft model spec")
 
 
 #: --draft values that run no draft model of their own (``proposers.factory.parse_draft``'s model-free kinds).
@@ -46,6 +48,8 @@ def _draft_kind(draft: str | None) -> str:
     if name.partition(":")[0] == "suffix":
         name = name.partition(":")[2].strip()
     name = name or "none"
+    if name.partition(":")[0] == "eagle":
+        return "eagle"  # a head on the target's features: no draft model
     return name if name in _MODEL_FREE_DRAFTS else "model"
 
 
@@ -158,7 +162,7 @@ def add_drafter_arguments(group: argparse._ArgumentGroup, *, policy_default: str
                                "(gamma maximising tokens/s measured online per batch size, 0 = plain decoding when "
                                "speculation loses) (default: %(default)s)")
     group.add_argument("--tree", default="none", choices=TREE_KINDS,
-                       help="token trees from the draft model, verified in one target pass: 'static' (top-k "
+                       help="token trees from the draft model or head, verified in one target pass: 'static' (top-k "
                             "branching per depth) or 'dynamic' (EAGLE-2: expand the most probable nodes, keep the "
                             "best N); -k caps the depth (default: %(default)s = chains)")
     group.add_argument("--tree-nodes", type=int, default=16, metavar="N",

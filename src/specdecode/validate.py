@@ -408,6 +408,15 @@ def check_drafter(choice: DraftChoice, options: DrafterOptions) -> None:
                                              f"suffix:MODEL or eagle), not {choice.text!r}")
     if choice.kind == NGRAM_DRAFT:
         check_ngram_sizes(options.ngram_min, options.ngram_max)
+    if choice.kind == EAGLE_DRAFT and choice.head_path is not None:
+        from pathlib import Path
+
+        path = Path(choice.head_path).expanduser()
+        if not (path / "config.json").is_file() or not (path / "model.safetensors").is_file():
+            raise _refuse(SpecDecodeError, None,
+                          f"--draft {choice.text!r}: {path} is not a draft-head checkpoint (it needs config.json and "
+                          f"model.safetensors); make one with specdecode train-drafter --target MODEL, or use "
+                          f"--draft eagle for the head of the package / the cache")
 
 
 # --------------------------------------------------------------------------- the server

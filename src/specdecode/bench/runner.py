@@ -38,6 +38,7 @@ import torch
 from specdecode.bench import report
 from specdecode.bench.env import environment
 from specdecode.bench.records import RECORDS_FILE, RecordStore  # noqa: F401 - re-exported
+from specdecode.eagle.head import EagleCheckpointError
 from specdecode.types import SpecDecodeError
 
 logger = logging.getLogger(__name__)
@@ -621,8 +622,15 @@ def build_variants(config: BenchConfig, models: Models, dtype: str, status: Call
     variants = [Variant("specdecode/plain", "specdecode", "plain", 0, "plain",
                         _engine_runner(target, None, 1, n, temp, eos, ctx_len, config.verification))]
     specs = expand_methods(config)
-    for spec in specs:
-        proposer = build_proposer_for(spec, build)
+    for spec in list(specs):
+        try:
+            proposer = build_proposer_for(spec, build)
+        except EagleCheckpointError as exc:
+            if config.methods:  # asked for by name: say why it cannot run
+                raise
+            print(f"specdecode bench: skipping {spec.canonical}: {exc}", file=sys.stderr)  # the default list
+            specs.remove(spec)
+            continue
         draft = draft_model_of(spec, config.draft)
         variants.append(Variant(f"specdecode/{spec.canonical}", "specdecode", spec.name, spec.gamma, spec.family,
                                 _engine_runner(target, proposer, spec.gamma, n, temp, eos, ctx_len,

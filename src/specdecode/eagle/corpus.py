@@ -165,8 +165,12 @@ def _module_docs() -> list[tuple[str, str]]:
 
 def _stdlib(code: bool) -> list[TrainPrompt]:
     out = []
+    seen: dict[str, int] = {}
     for module, name, header, doc in _stdlib_functions():
         key = f"{module}.{name}"
+        seen[key] = seen.get(key, 0) + 1
+        if seen[key] > 1:  # methods of two classes of one module: one id each
+            key = f"{key}#{seen[key]}"
         if code:
             text = textwrap_dedent(header) + "\n"
             out.append(TrainPrompt(f"stdlib-code/{key}", "stdlib-code", text, is_completion=True))

@@ -92,6 +92,8 @@ class TrainConfig:
                 raise SpecDecodeError(f"{name} must be >= 1, got {getattr(self, name)!r}")
         if not 0 < self.epochs <= 1000 or not 0 < self.lr < 1:
             raise SpecDecodeError(f"epochs must be in (0, 1000] and lr in (0, 1); got {self.epochs}, {self.lr}")
+        if self.intermediate_size is not None and int(self.intermediate_size) < 1:
+            raise SpecDecodeError(f"intermediate_size must be >= 1, got {self.intermediate_size!r}")
         if not 0 <= self.held_out_fraction < 0.5:
             raise SpecDecodeError(f"held_out_fraction must be in [0, 0.5), got {self.held_out_fraction}")
 
