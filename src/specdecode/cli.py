@@ -255,7 +255,8 @@ def _add_train_drafter(commands) -> None:
             "     target's final norm and a reduced vocabulary) is trained with the training-time test: unrolled\n"
             "     on its own outputs for --ttt-steps draft positions;\n"
             "  5. the checkpoint (safetensors + config.json), a loss / accuracy plot, and an acceptance estimate\n"
-            "     on held-out Spec-Bench prompts. Draft with it: --draft eagle (or eagle:PATH)."
+            "     on held-out Spec-Bench prompts (the first of each category). Draft with it: --draft eagle\n"
+            "     (or eagle:PATH)."
         ),
         epilog=(
             "examples:\n"
@@ -323,7 +324,7 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
                       train_lm_head=args.train_lm_head, device=args.device, threads=args.threads, seed=args.seed,
                       intermediate_size=args.head_intermediate)
     run(args.target, cfg, out=args.out, work_dir=args.work_dir, weights=args.weights, cache_dir=args.cache_dir,
-        estimate_prompts=None if args.no_estimate else "spec-bench:8",
+        estimate_prompts=None if args.no_estimate else "spec-bench",
         max_train_seconds=None if args.max_train_minutes is None else 60 * args.max_train_minutes)
     return 0
 

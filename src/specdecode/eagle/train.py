@@ -407,10 +407,11 @@ __all__ = ["MIXES", "TrainConfig", "autocast_dtype", "build_prompts", "feature_d
 # --------------------------------------------------------------------------- the whole command
 
 
-def held_out_estimate(loaded, head_dir: Path, *, prompts: str = "spec-bench:8", max_new_tokens: int = 64,
+def held_out_estimate(loaded, head_dir: Path, *, prompts: str = "spec-bench", max_new_tokens: int = 64,
                       gamma: int = 4, shared_dir: Path | None = None) -> dict:
     """Acceptance of the trained head on held-out prompts (greedy, chains, batch 1): speculative vs plain
-    decoding of the target as loaded, interleaved prompt by prompt.
+    decoding of the target as loaded, interleaved prompt by prompt. ``prompts``: a prompt-set spec, or a
+    dataset name alone ("spec-bench"): its first prompt of every category.
 
     Returns:
         {"prompts", "tau" (mean accepted length per target forward, bonus included), "acceptance_rate",
@@ -421,7 +422,13 @@ def held_out_estimate(loaded, head_dir: Path, *, prompts: str = "spec-bench:8", 
     from specdecode.proposers.eagle import EagleDraftConfig, make_eagle
     from specdecode.types import SamplingParams
 
-    rows = load_prompts(prompts, shared_dir=shared_dir)
+    if ":" in prompts:
+        rows = load_prompts(prompts, shared_dir=shared_dir)
+    else:
+        from specdecode.data import dataset_categories
+
+        rows = [p for c in dataset_categories(prompts, shared_dir=shared_dir)
+                for p in load_prompts(f"{prompts}:{c}:1", shared_dir=shared_dir)]
     plain = SpeculativeEngine(loaded.model, None, EngineConfig())
     spec = SpeculativeEngine(loaded.model, make_eagle(loaded.model, EagleDraftConfig(head=str(head_dir))),
                              EngineConfig(num_speculative_tokens=gamma))
@@ -454,7 +461,7 @@ def held_out_estimate(loaded, head_dir: Path, *, prompts: str = "spec-bench:8", 
 
 
 def run(target: str, cfg: TrainConfig, *, out: str | Path | None = None, work_dir: str | Path | None = None,
-        weights: str = "bf16", cache_dir: str | Path | None = None, estimate_prompts: str | None = "spec-bench:8",
+        weights: str = "bf16", cache_dir: str | Path | None = None, estimate_prompts: str | None = "spec-bench",
         max_train_seconds: float | None = None, say: Callable[[str], None] = print) -> dict:
     """``specdecode train-drafter``: every stage for ``target``, resuming what ``work_dir`` holds.
 

@@ -41,7 +41,8 @@ class EagleDraftConfig:
 
     Attributes:
         tree: "none" (chains), "dynamic" (EAGLE-2: expand by cumulative draft probability) or "static".
-        num_nodes: the tree's node budget N (1..64); top_k: children per expanded node (dynamic);
+        num_nodes: the tree's node budget N (1..64; 15 nodes + the root fill one 16-row block of the
+            batch-invariant verification forward, 16 would cost two); top_k: children per expanded node (dynamic);
             max_depth: the tree's deepest level (the engine's draft length caps it further).
         min_confidence: end a chain after a token whose draft probability is below this (0 disables).
         head: the checkpoint directory; None = the head shipped in the package for this target, else
@@ -50,7 +51,7 @@ class EagleDraftConfig:
     """
 
     tree: str = "none"
-    num_nodes: int = 16
+    num_nodes: int = 15
     top_k: int = 4
     max_depth: int = 8
     min_confidence: float = 0.0
