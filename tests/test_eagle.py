@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import types
 
 import numpy as np
@@ -96,6 +97,57 @@ def _trained_head(target, steps_epochs=30.0, seed=0):
     return data, loaded, cfg
 
 
+@pytest.mark.parametrize("tree", ["none", "dynamic"])
+def test_head_cache_equals_a_fresh_computation_from_the_target_features(target, tree):
+    """After steps with rejections, compaction (a row leaving) and a row with speculation off, every row's head
+    cache equals the head run afresh over the target's features of its committed tokens: the features the
+    proposer kept are the right ones, at the right positions."""
+    from specdecode.engine import RequestSpeculation
+
+    head = random_head(target)
+    proposer = EagleProposer(head, EagleDraftConfig(tree=tree))
+    engine = SpeculativeEngine(target, proposer, EngineConfig(num_speculative_tokens=3, max_batch_size=3))
+    engine.add([1, 2, 3], SamplingParams(max_new_tokens=4))  # leaves early: the rows behind it move up
+    engine.add([9, 8, 7, 6], SamplingParams(max_new_tokens=60))
+    engine.add([5] * 7, SamplingParams(max_new_tokens=60), speculation=RequestSpeculation(enabled=False))
+    for _ in range(8):
+        engine.step()
+    assert len(engine.rows) == 2
+    layers = head.config.feature_layers
+    for req in engine.rows:
+        ctx = req.ctx
+        row = proposer.rows[ctx.slot]
+        proposer._root(ctx, row)  # feed what the last verification committed
+        ids = ctx.token_ids
+        data = corpus.extract_features(target, [{"id": "x", "prompt_ids": ids[:-1], "response_ids": []}], layers, 512,
+                                       dtype=torch.float64)
+        kv = torch.zeros(head.config.num_kv_heads, 0, head.config.head_dim, dtype=torch.float64)
+        out, k, v = head.step(head.fuse(data["features"].double()), torch.tensor(ids[1:]), torch.arange(len(ids) - 1),
+                              kv, kv, None)
+        assert row.n == len(ids) - 1
+        assert torch.allclose(row.k, k, atol=1e-8) and torch.allclose(row.v, v, atol=1e-8)
+        assert torch.allclose(row.root[1], out[-1], atol=1e-8)
+
+
+def test_training_time_test_unroll_equals_chained_drafting_steps(target):
+    """``EagleHead.unrolled`` step j at position t equals drafting j tokens past position t - j with the true
+    tokens fed (what the head computes while drafting when its earlier guesses were right)."""
+    head = random_head(target)
+    ids = torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6, 5, 3]])
+    feats = torch.randn(1, 10, 3 * 64, dtype=torch.float64)
+    outs = head.unrolled(feats, ids, 3)
+    root = 5  # the exact entries are positions 0..5; drafting continues at 6, 7
+    kv = torch.zeros(2, 0, 16, dtype=torch.float64)
+    o, k, v = head.step(head.fuse(feats[0, : root + 1]), ids[0, : root + 1], torch.arange(root + 1), kv, kv, None)
+    assert torch.allclose(o[-1], outs[0][0, root], atol=1e-10)
+    hidden, keys, values = o[-1:], k, v
+    for j in (1, 2):
+        t = root + j
+        o, k, v = head.step(hidden, ids[0, t : t + 1], torch.tensor([t]), keys, values, None)
+        assert torch.allclose(o[0], outs[j][0, t], atol=1e-10)
+        hidden, keys, values = o, torch.cat([keys, k], 1), torch.cat([values, v], 1)
+
+
 def test_training_loss_falls_and_the_trained_head_drafts_what_the_target_says(tmp_path):
     target = tiny_llama(vocab_size=64, layers=3, scale=3.0, dtype=torch.float32)
     data, loaded, cfg = _trained_head(target)
@@ -124,8 +176,19 @@ def test_training_loss_falls_and_the_trained_head_drafts_what_the_target_says(tm
     work.mkdir()
     _, first = train.train_head(loaded, data, work, cfg, target_name="tiny", target_sha256=None, max_seconds=0.0)
     assert first["steps"] == 1 < first["total_steps"]
-    _, again = train.train_head(loaded, data, work, cfg, target_name="tiny", target_sha256=None)
-    assert again["steps"] == again["total_steps"] and len(again["history"]) == again["total_steps"]
+    again, rec = train.train_head(loaded, data, work, cfg, target_name="tiny", target_sha256=None)
+    assert rec["steps"] == rec["total_steps"] and len(rec["history"]) == rec["total_steps"]
+    for name, p in head.named_parameters():  # interrupted and resumed = one uninterrupted run
+        assert torch.allclose(p, dict(again.named_parameters())[name], atol=1e-6), name
+    # a resumption with other settings is refused, not mixed in
+    with pytest.raises(SpecDecodeError, match="other settings"):
+        train.train_head(loaded, data, work, dataclasses.replace(cfg, lr=1e-2), target_name="tiny",
+                         target_sha256=None)
+    # trees from the trained head are lossless too
+    tree = SpeculativeEngine(target, EagleProposer(head, EagleDraftConfig(tree="dynamic")),
+                             EngineConfig(num_speculative_tokens=4))
+    out = generate(tree, [1, 2, 3, 4, 5, 6, 7, 8], SamplingParams(max_new_tokens=40))
+    assert out.token_ids == full and out.metrics.num_accepted_tokens > 5
 
 
 @pytest.mark.parametrize("tree", ["none", "dynamic"])
@@ -158,10 +221,14 @@ def test_reduced_vocabulary_maps_back_and_outside_tokens_come_from_the_target(ta
     spec = SpeculativeEngine(target, proposer, EngineConfig(num_speculative_tokens=4))
     out = generate(spec, [3, 5, 7], params)
     assert out.token_ids == expected
-    # q is zero outside the draft vocabulary
-    logits = proposer._full(torch.zeros(1, len(vocab)))
-    assert torch.isinf(logits[0, sorted(set(range(64)) - set(vocab))]).all()
-    assert torch.isfinite(logits[0, vocab]).all()
+    # the head's q (what drafting samples from) is zero outside the draft vocabulary, and sums to 1 inside
+    req, _ = spec.add([3, 5, 7], SamplingParams(temperature=1.0, max_new_tokens=8, seed=0))
+    row = proposer.rows[req.ctx.slot]
+    q = req.ctx.draft_dist(proposer._root(req.ctx, row), [])
+    outside = sorted(set(range(64)) - set(vocab))
+    assert float(q[outside].abs().max()) == 0.0 and abs(float(q[vocab].sum()) - 1.0) < 1e-5
+    assert all(t in vocab for t in proposer.propose([req.ctx], [4])[0].token_ids[0].tolist())
+    spec.abort(req)
 
 
 def test_checkpoint_round_trip(target, tmp_path):
@@ -210,6 +277,8 @@ def test_the_drafter_choice_builds_through_the_factory(target, tmp_path):
     assert not make_eagle(target, EagleDraftConfig(head=str(tmp_path / "h"))).produces_trees
     with pytest.raises(SpecDecodeError):
         EagleDraftConfig(tree="bushy")
+    with pytest.raises(SpecDecodeError, match="fallback"):
+        proposer_factory(parse_draft("suffix:eagle"), DrafterOptions(), target=target)
 
 
 @pytest.mark.shared_data

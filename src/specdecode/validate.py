@@ -401,6 +401,10 @@ def check_drafter(choice: DraftChoice, options: DrafterOptions) -> None:
     parse_skip_layers(options.skip_layers)
     tree = check_tree(options.tree, options.tree_nodes)
     if choice.kind == SUFFIX_DRAFT:
+        if choice.fallback is not None and choice.fallback.kind == EAGLE_DRAFT:
+            raise _refuse(SpecDecodeError, None, f"--draft {choice.text!r}: a draft head cannot be suffix decoding's "
+                                                 f"fallback (it needs the target's features of every step); use "
+                                                 f"--draft eagle or --draft suffix")
         check_drafter(choice.fallback, options)
         return
     if tree != "none" and choice.kind not in ("model", EAGLE_DRAFT):

@@ -322,8 +322,9 @@ def generate_responses(loaded, prompts: Sequence[TrainPrompt], out_path: Path, *
                 while queue and len(engine.rows) < batch_size:
                     p = queue.pop(0)
                     ids = encode(loaded.tokenizer, p, max_prompt_tokens)
+                    own = int(hashlib.sha1(f"{seed}/{p.id}".encode()).hexdigest()[:15], 16)  # per prompt
                     params = SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens,
-                                            eos_token_ids=eos, seed=(seed * 1_000_003 + len(done)) % (2**62))
+                                            eos_token_ids=eos, seed=own)
                     req, _ = engine.add(ids, params, tag=(p, ids))
                     if req.finish_reason is not None:
                         _write(sink, done, req)
@@ -346,7 +347,8 @@ def _write(sink, done: dict, req) -> None:
 
 @torch.inference_mode()
 def extract_features(model: torch.nn.Module, records: Sequence[dict], feature_layers: Sequence[int],
-                     max_length: int, batch_tokens: int = 4096, progress=None) -> dict[str, torch.Tensor]:
+                     max_length: int, batch_tokens: int = 4096, progress=None,
+                     dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:
     """The target's features and predictions along every training sequence (prompt + response).
 
     Args:
@@ -354,9 +356,10 @@ def extract_features(model: torch.nn.Module, records: Sequence[dict], feature_la
         records: from :func:`generate_responses`; each sequence is cut to ``max_length`` tokens.
         feature_layers: ``hidden_states`` indices to read.
         batch_tokens: sequences are run in batches of about this many tokens (right-padded).
+        dtype: how the features are stored (bfloat16 halves the corpus; the head trains under autocast).
 
     Returns:
-        ``features`` [N, 3H] bfloat16 (f_t), ``tokens`` [N] int64 (x_t), ``labels`` [N] int64 (the
+        ``features`` [N, 3H] ``dtype`` (f_t), ``tokens`` [N] int64 (x_t), ``labels`` [N] int64 (the
         target's argmax after x_0..x_t), ``starts`` [S + 1] int64 sequence offsets into the rows,
         ``loss_from`` [S] int64 (the first position whose label is part of the response, relative).
     """
@@ -385,7 +388,7 @@ def extract_features(model: torch.nn.Module, records: Sequence[dict], feature_la
         pred = out.logits.argmax(-1)
         for row, k in enumerate(batch):
             n = len(seqs[k])
-            feats[k] = hs[row, :n].to(torch.bfloat16).clone()
+            feats[k] = hs[row, :n].to(dtype).clone()
             labels[k] = pred[row, :n].clone()
         done += len(batch)
         if progress is not None:
@@ -395,7 +398,7 @@ def extract_features(model: torch.nn.Module, records: Sequence[dict], feature_la
     starts = torch.zeros(len(seqs) + 1, dtype=torch.int64)
     starts[1:] = lengths.cumsum(0)
     return {
-        "features": torch.cat(feats) if feats else torch.zeros(0, 0, dtype=torch.bfloat16),
+        "features": torch.cat(feats) if feats else torch.zeros(0, 0, dtype=dtype),
         "tokens": torch.tensor([t for s in seqs for t in s], dtype=torch.int64),
         "labels": torch.cat(labels) if labels else torch.zeros(0, dtype=torch.int64),
         "starts": starts,

@@ -369,7 +369,10 @@ def load_head(directory: str | Path, dtype: torch.dtype = torch.float32) -> Eagl
     except (json.JSONDecodeError, TypeError, KeyError) as exc:
         raise EagleCheckpointError(f"{path / CONFIG_FILE} is malformed ({exc}); retrain the head") from exc
     head = EagleHead(config)
-    state = load_file(str(path / WEIGHTS_FILE))
+    try:
+        state = load_file(str(path / WEIGHTS_FILE))
+    except Exception as exc:  # safetensors raises its own error types for a truncated / foreign file
+        raise EagleCheckpointError(f"{path / WEIGHTS_FILE} cannot be read ({exc}); retrain the head") from exc
     own = dict(head.named_parameters())
     missing = sorted(set(own) - set(state))
     if missing:

@@ -19,6 +19,8 @@ Everything runs on the CPU (bfloat16 autocast where the CPU has AMX / AVX512-BF1
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import json
 import math
 import random
@@ -192,7 +194,7 @@ def head_loss(head: EagleHead, batch, steps: int, t2d: torch.Tensor, autocast: t
     """
     feats, next_ids, labels, mask = (x.to(device) for x in batch)
     ctx = torch.autocast(device_type="cuda" if device.startswith("cuda") else "cpu", dtype=autocast) \
-        if autocast is not None else _nullcontext()
+        if autocast is not None else contextlib.nullcontext()
     with ctx:
         outs = head.unrolled(feats, next_ids, steps)
     d_labels = torch.where(labels >= 0, t2d[labels.clamp_min(0)], -1)  # [B, T] index in the draft vocab, -1 outside
@@ -213,14 +215,6 @@ def head_loss(head: EagleHead, batch, steps: int, t2d: torch.Tensor, autocast: t
         pred = head.d2t[logits.argmax(-1)]
         accs.append(float((pred == labels[valid]).float().mean()) if valid.any() else float("nan"))
     return total / max(weights, 1e-9), accs
-
-
-class _nullcontext:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 @torch.no_grad()
@@ -266,8 +260,11 @@ def train_head(loaded, data: dict, work: Path, cfg: TrainConfig, *, target_name:
     t2d = t2d.to(cfg.device)
     train_seqs, val_seqs = split_sequences(len(data["starts"]) - 1, cfg.held_out_fraction, cfg.seed)
     train_tokens = sum(int(data["starts"][s + 1] - data["starts"][s]) for s in train_seqs)
-    steps_per_epoch = max(1, sum(1 for _ in packed_batches(data, train_seqs, cfg.max_length, cfg.batch_tokens,
-                                                           random.Random(0))))
+    steps_per_epoch = sum(1 for _ in packed_batches(data, train_seqs, cfg.max_length, cfg.batch_tokens,
+                                                    random.Random(0)))
+    if steps_per_epoch == 0:
+        raise SpecDecodeError("no training batch: every training sequence is shorter than 2 tokens; answer more "
+                              "prompts (--prompts) or longer (--max-new-tokens)")
     total_steps = max(1, int(round(cfg.epochs * steps_per_epoch)))
     params = [p for p in head.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
@@ -279,28 +276,36 @@ def train_head(loaded, data: dict, work: Path, cfg: TrainConfig, *, target_name:
         return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, frac))))
 
     state_path = work / "train_state.pt"
-    step, history, elapsed = 0, [], 0.0
+    step, history, elapsed, epoch, in_epoch = 0, [], 0.0, 0, 0
+    # what must not change between a run and its resumption (device and threads may)
+    identity = {**{k: v for k, v in asdict(cfg).items() if k not in ("device", "threads")},
+                "head": {k: v for k, v in asdict(head_cfg).items() if k != "training"}}
     if state_path.is_file():
         state = torch.load(state_path, map_location=cfg.device, weights_only=False)
-        if state.get("draft_vocab") == vocab and state.get("total_steps") == total_steps:
-            head.load_state_dict(state["head"], strict=False)
-            opt.load_state_dict(state["optimizer"])
-            step, history, elapsed = state["step"], state["history"], state["elapsed_s"]
+        if state.get("identity") != identity:
+            raise SpecDecodeError(f"{state_path} was written by a run with other settings; run with those, or "
+                                  f"delete it (or choose another --work-dir) to start the training over")
+        head.load_state_dict(state["head"], strict=True)
+        opt.load_state_dict(state["optimizer"])
+        step, history, elapsed = state["step"], state["history"], state["elapsed_s"]
+        epoch, in_epoch = state["epoch"], state["in_epoch"]
     autocast = autocast_dtype(cfg.device)
     head.train()
-    rng = random.Random(cfg.seed)
-    for _ in range(step // steps_per_epoch):  # the batch order of the epochs already run
-        for _ in packed_batches(data, train_seqs, cfg.max_length, cfg.batch_tokens, rng):
-            pass
-    batches = packed_batches(data, train_seqs, cfg.max_length, cfg.batch_tokens, rng)
-    for _ in range(step % steps_per_epoch):
+
+    def epoch_batches(e: int):  # epoch e's batch order depends on (seed, e) only: a resumed run replays it
+        return packed_batches(data, train_seqs, cfg.max_length, cfg.batch_tokens, random.Random(cfg.seed * 1000 + e))
+
+    batches = epoch_batches(epoch)
+    for _ in range(in_epoch):
         next(batches, None)
     t_start = time.perf_counter() - elapsed
     while step < total_steps:
         batch = next(batches, None)
         if batch is None:
-            batches = packed_batches(data, train_seqs, cfg.max_length, cfg.batch_tokens, rng)
+            epoch, in_epoch = epoch + 1, 0
+            batches = epoch_batches(epoch)
             continue
+        in_epoch += 1
         for g in opt.param_groups:
             g["lr"] = lr_at(step)
         loss, accs = head_loss(head, batch, cfg.ttt_steps, t2d, autocast, cfg.device)
@@ -314,10 +319,10 @@ def train_head(loaded, data: dict, work: Path, cfg: TrainConfig, *, target_name:
         history.append(rec)
         if report is not None:
             report({**rec, "total_steps": total_steps})
-        if step % cfg.save_every == 0 or step == total_steps:
-            _save_state(state_path, head, opt, step, history, time.perf_counter() - t_start, vocab, total_steps)
-        if max_seconds is not None and time.perf_counter() - t_start > max_seconds:
-            _save_state(state_path, head, opt, step, history, time.perf_counter() - t_start, vocab, total_steps)
+        stop = max_seconds is not None and time.perf_counter() - t_start > max_seconds
+        if step % cfg.save_every == 0 or step == total_steps or stop:
+            _save_state(state_path, head, opt, step, history, time.perf_counter() - t_start, identity, epoch, in_epoch)
+        if stop:
             break
     val = evaluate(head, data, val_seqs, cfg, t2d, autocast) if val_seqs else []
     record = {
@@ -331,10 +336,10 @@ def train_head(loaded, data: dict, work: Path, cfg: TrainConfig, *, target_name:
     return head, record
 
 
-def _save_state(path: Path, head, opt, step, history, elapsed, vocab, total_steps) -> None:
+def _save_state(path: Path, head, opt, step, history, elapsed, identity, epoch, in_epoch) -> None:
     tmp = path.with_suffix(".tmp")
-    torch.save({"head": {k: v for k, v in head.state_dict().items()}, "optimizer": opt.state_dict(), "step": step,
-                "history": history, "elapsed_s": elapsed, "draft_vocab": vocab, "total_steps": total_steps}, tmp)
+    torch.save({"head": dict(head.state_dict()), "optimizer": opt.state_dict(), "step": step, "history": history,
+                "elapsed_s": elapsed, "identity": identity, "epoch": epoch, "in_epoch": in_epoch}, tmp)
     tmp.replace(path)
 
 
@@ -384,7 +389,8 @@ def feature_data(loaded, records: list[dict], work: Path, cfg: TrainConfig, feat
 
     path = work / "features.safetensors"
     key = {"n": len(records), "layers": list(feature_layers), "max_length": cfg.max_length,
-           "ids": corpus.hashlib.sha1("".join(r["id"] for r in records).encode()).hexdigest()}
+           "target": getattr(loaded, "sha256", None), "weights": _weights_of(loaded.model),
+           "ids": hashlib.sha1("".join(r["id"] for r in records).encode()).hexdigest()}
     meta_path = work / "features.json"
     if path.is_file() and meta_path.is_file() and json.loads(meta_path.read_text()) == key:
         data = load_file(str(path))
@@ -396,12 +402,37 @@ def feature_data(loaded, records: list[dict], work: Path, cfg: TrainConfig, feat
     return data
 
 
+def _weights_of(model) -> str:
+    """The precision a model runs in: "int8" (int8 linear modules) or its parameters' dtype."""
+    from specdecode.kernels import RowwiseInt8Linear
+
+    if any(isinstance(m, RowwiseInt8Linear) for m in model.modules()):
+        return "int8"
+    return str(next(p.dtype for p in model.parameters() if p.is_floating_point()))
+
+
+def check_settings(work: Path, name: str, settings: dict) -> None:
+    """Refuse to resume ``work/<name>`` made with other settings (answers of another temperature, precision ...):
+    writes ``work/<name>.settings.json`` the first time.
+
+    Raises:
+        SpecDecodeError: the stored settings differ (the message says which, and what to do).
+    """
+    path = work / f"{name}.settings.json"
+    if path.is_file():
+        old = json.loads(path.read_text())
+        diff = sorted(k for k in set(old) | set(settings) if old.get(k) != settings.get(k))
+        if diff:
+            raise SpecDecodeError(f"{work / name} was made with other {', '.join(diff)} ({old}); use another "
+                                  f"--work-dir, or delete {work / name} and {path} to redo it")
+    else:
+        path.write_text(json.dumps(settings, indent=1) + "\n")
+
+
 def default_layers(model) -> tuple[int, ...]:
     return default_feature_layers(int(model.config.num_hidden_layers))
 
 
-__all__ = ["MIXES", "TrainConfig", "autocast_dtype", "build_prompts", "feature_data", "head_loss", "plot_training",
-           "packed_batches", "save_head", "split_sequences", "train_head"]
 
 
 # --------------------------------------------------------------------------- the whole command
@@ -497,7 +528,11 @@ def run(target: str, cfg: TrainConfig, *, out: str | Path | None = None, work_di
     set_weight_precision(loaded.model, weights)
     stages = {}
 
+    check_settings(work, "prompts.jsonl", {"mix": cfg.mix, "seed": cfg.seed})
     prompts = build_prompts(work, cfg)
+    check_settings(work, "responses.jsonl", {"target": target, "target_sha256": loaded.sha256, "weights": weights,
+                                             "temperature": cfg.temperature, "max_new_tokens": cfg.max_new_tokens,
+                                             "max_prompt_tokens": cfg.max_prompt_tokens})
     hits = corpus.held_out_overlap(prompts)
     if hits:
         raise SpecDecodeError(f"{len(hits)} training prompts overlap the held-out prompts, e.g. {hits[:2]}")
@@ -575,3 +610,8 @@ def _count(prompts) -> dict[str, int]:
     for p in prompts:
         out[p.source] = out.get(p.source, 0) + 1
     return out
+
+
+__all__ = ["MIXES", "TrainConfig", "autocast_dtype", "build_prompts", "check_settings", "feature_data",
+           "head_loss", "held_out_estimate", "packed_batches", "plot_training", "run", "save_head",
+           "split_sequences", "train_head"]

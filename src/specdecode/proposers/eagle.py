@@ -23,6 +23,7 @@ verified with q (token-level or block verification); trees take the top-k candid
 from __future__ import annotations
 
 import json
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -91,12 +92,14 @@ PACKAGED_HEADS = Path(__file__).resolve().parent.parent / "heads"
 
 
 def head_directories(cache_dir: str | Path | None = None) -> list[Path]:
-    """Candidate head checkpoints: the package's own, then those ``train-drafter`` left in the cache."""
+    """Candidate head checkpoints: those ``train-drafter`` left in the cache (a user's own training wins), then
+    the package's own."""
     from specdecode.models import default_cache_dir
 
     cache = Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
-    found = sorted(p.parent for p in PACKAGED_HEADS.glob("*/config.json"))
-    found += sorted(p.parent for p in (cache / "eagle").glob("*/head/config.json"))
+    complete = lambda d: (d / "model.safetensors").is_file()  # noqa: E731 - a config alone is no checkpoint
+    found = sorted(p.parent for p in (cache / "eagle").glob("*/head/config.json") if complete(p.parent))
+    found += sorted(p.parent for p in PACKAGED_HEADS.glob("*/config.json") if complete(p.parent))
     return found
 
 
@@ -130,7 +133,8 @@ def find_head(target: torch.nn.Module, head: str | Path | None = None, cache_dir
         f"or pass --draft eagle:PATH")
 
 
-_HEADS: dict[tuple[str, int], torch.nn.Module] = {}
+#: target module -> checkpoint path -> the loaded head (weak: a head lives as long as its target).
+_HEADS: "weakref.WeakKeyDictionary[torch.nn.Module, dict[str, torch.nn.Module]]" = weakref.WeakKeyDictionary()
 
 
 @register("eagle")
@@ -143,10 +147,11 @@ def make_eagle(target: torch.nn.Module, config: EagleDraftConfig | None = None) 
     if target is None:
         raise SpecDecodeError("the eagle proposer needs the target model (its embedding and LM head)")
     path = find_head(target, config.head, config.cache_dir)
-    key = (str(path.resolve()), id(target))
-    if key not in _HEADS:
-        _HEADS[key] = load_head(path)
-    return EagleProposer(_HEADS[key], config)
+    heads = _HEADS.setdefault(target, {})
+    key = str(path.resolve())
+    if key not in heads:
+        heads[key] = load_head(path)
+    return EagleProposer(heads[key], config)
 
 
 class EagleProposer(TreeDraftProposer):
@@ -195,7 +200,7 @@ class EagleProposer(TreeDraftProposer):
             self.head.lm_head_weight, torch.nn.Parameter) else self.head.lm_head_weight
         self.dtype = dtype
         layers = tuple(self.head.config.feature_layers)
-        if max(layers) > int(model.config.num_hidden_layers):
+        if min(layers) < 0 or max(layers) > int(model.config.num_hidden_layers):
             raise SpecDecodeError(f"the draft head reads target layer {max(layers)}; the target has "
                                   f"{model.config.num_hidden_layers}")
         if target.capture_layers not in (None, layers):
@@ -242,11 +247,8 @@ class EagleProposer(TreeDraftProposer):
             if need <= 0 or feats is None or i >= feats.shape[0]:
                 continue
             n = int(result.num_accepted[0])
-            if self.produces_trees and n:
-                idx = [0, *(int(k) + 1 for k in result.kept_nodes[0, :n].tolist())]
-            else:
-                idx = list(range(n + 1))
-            idx = idx[:need]
+            # feed position 0 is the last committed token, draft node k sits at k + 1 (chains: kept 0..n-1)
+            idx = [0, *(int(k) + 1 for k in result.kept_nodes[0, :n].tolist())][:need]
             if len(idx) < need or max(idx) >= feats.shape[1]:
                 row.features = []  # cannot tell which features: this row drafts nothing until it leaves
                 row.n = -1

@@ -247,7 +247,7 @@ class TreeDraftProposer(DraftModelSlots, RowProposer):
             for node, score, q in frontier:
                 top = torch.topk(q, min(cfg.top_k, q.shape[-1]))
                 for prob, tok in zip(top.values.tolist(), top.indices.tolist()):
-                    if prob <= 0.0:
+                    if not prob > 0.0:  # also NaN: nothing the request may generate has draft mass
                         break
                     new.append(len(tokens))
                     tokens.append(tok)
