@@ -204,8 +204,7 @@ def register(name: str) -> Callable[[ProposerFactory], ProposerFactory]:
 
     def deco(factory: ProposerFactory) -> ProposerFactory:
         PROPOSERS[name] = factory
-        if isinstance(factory, type):
-            factory.name = name
+        factory.name = name  # a class's proposers report it; a factory function carries it too
         return factory
 
     return deco
