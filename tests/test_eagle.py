@@ -259,6 +259,11 @@ def test_bad_checkpoints_and_wrong_targets_are_refused(target, tmp_path):
         load_head(tmp_path / "bad")
     head = random_head(target, dtype=torch.float32)
     save_head(head, tmp_path / "h")
+    (tmp_path / "corrupt").mkdir()
+    (tmp_path / "corrupt" / "config.json").write_text((tmp_path / "h" / "config.json").read_text())
+    (tmp_path / "corrupt" / "model.safetensors").write_bytes(b"\x00" * 64)
+    with pytest.raises(EagleCheckpointError, match="cannot be read"):
+        load_head(tmp_path / "corrupt")
     other = tiny_llama(vocab_size=32, layers=3)
     with pytest.raises(EagleCheckpointError, match="vocabulary"):
         load_head(tmp_path / "h").attach(other)

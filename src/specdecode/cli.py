@@ -292,7 +292,7 @@ def _add_train_drafter(commands) -> None:
                    help="draft positions unrolled in the training-time test (default: %(default)s)")
     p.add_argument("--epochs", type=float, default=4.0, help="passes over the corpus (default: %(default)s)")
     p.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate, cosine decay (default: %(default)s)")
-    p.add_argument("--batch-tokens", type=int, default=4096, metavar="N",
+    p.add_argument("--batch-tokens", type=int, default=2048, metavar="N",
                    help="tokens per training batch, padding included (default: %(default)s)")
     p.add_argument("--head-intermediate", type=int, default=None, metavar="N",
                    help="the head's MLP width (default: the target's; smaller trains and drafts faster)")

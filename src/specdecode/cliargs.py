@@ -30,7 +30,8 @@ DRAFT_CHOICES_HELP = ("'ngram' (prompt lookup, no model), 'none' (plain decoding
                       "the target drafts with some decoder layers skipped, no second model), 'suffix' (suffix decoding, "
                       "no model), 'suffix:ngram' or 'suffix:MODEL' (suffix decoding, falling back to that drafter "
                       "when the suffix match is weak), 'eagle' (a trained feature-level head on the target's hidden "
-                      "states: the one shipped for the target, else the one 'specdecode train-drafter' trained), "
+                      "states: the one 'specdecode train-drafter' left in the cache for a target of this shape, "
+                      "else the one shipped in the package), "
                       "'eagle:DIR' (a head checkpoint), or a draft model spec")
 
 

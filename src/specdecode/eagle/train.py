@@ -72,7 +72,7 @@ class TrainConfig:
     draft_vocab_size: int = 16384
     ttt_steps: int = 4
     epochs: float = 4.0
-    batch_tokens: int = 4096
+    batch_tokens: int = 2048
     lr: float = 1e-3
     weight_decay: float = 0.0
     warmup_steps: int = 20
