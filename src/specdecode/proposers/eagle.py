@@ -87,6 +87,13 @@ class _RowCache:
         return sum(int(f.shape[0]) for f in self.features)
 
 
+def _fast_bf16() -> bool:
+    """True on CPUs with AMX / AVX512-BF16 (bfloat16 products at least as fast as float32's)."""
+    from specdecode.eagle.train import autocast_dtype
+
+    return autocast_dtype("cpu") is torch.bfloat16
+
+
 #: Where the package ships trained heads (one directory per target).
 PACKAGED_HEADS = Path(__file__).resolve().parent.parent / "heads"
 
@@ -194,6 +201,10 @@ class EagleProposer(TreeDraftProposer):
         dtype = target.model.get_input_embeddings().weight.dtype
         if dtype not in (torch.float32, torch.bfloat16, torch.float64):
             dtype = torch.float32
+        if dtype == torch.float32 and _fast_bf16():
+            # an int8 or float32 target: the head's few-row products read half the bytes in bfloat16 (its
+            # numerics only change what is proposed, never what is committed)
+            dtype = torch.bfloat16
         self.head.to(dtype)
         self.head.embed = self.head.embed.to(dtype)
         self.head.lm_head_weight = self.head.lm_head_weight.to(dtype) if not isinstance(
