@@ -318,6 +318,17 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
             raise UsageError("--device cuda: no CUDA device is available to this torch build; use --device cpu")
     if not 0 <= args.temperature <= 2:
         raise UsageError(f"--temperature must be in [0, 2], got {args.temperature}")
+    for flag, value in (("--prompts", args.prompts), ("--max-new-tokens", args.max_new_tokens),
+                        ("--max-length", args.max_length), ("--draft-vocab", args.draft_vocab),
+                        ("--ttt-steps", args.ttt_steps), ("--batch-tokens", args.batch_tokens)):
+        if value < 1:
+            raise UsageError(f"{flag} must be >= 1, got {value}")
+    if args.head_intermediate is not None and args.head_intermediate < 1:
+        raise UsageError(f"--head-intermediate must be >= 1, got {args.head_intermediate}")
+    if not 0 < args.epochs <= 1000:
+        raise UsageError(f"--epochs must be in (0, 1000], got {args.epochs}")
+    if not 0 < args.lr < 1:
+        raise UsageError(f"--lr must be in (0, 1), got {args.lr}")
     cfg = TrainConfig(num_prompts=args.prompts, mix=args.mix, max_new_tokens=args.max_new_tokens,
                       max_length=args.max_length, temperature=args.temperature, draft_vocab_size=args.draft_vocab,
                       ttt_steps=args.ttt_steps, epochs=args.epochs, lr=args.lr, batch_tokens=args.batch_tokens,

@@ -521,10 +521,10 @@ def run(target: str, cfg: TrainConfig, *, out: str | Path | None = None, work_di
     cache = Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
     safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in target.strip("/").replace("/", "__"))
     work = Path(work_dir).expanduser() if work_dir else cache / "eagle" / safe
-    work.mkdir(parents=True, exist_ok=True)
     out_dir = Path(out).expanduser() if out else work / "head"
     say(f"train-drafter: target {target} ({weights}), work directory {work}")
     loaded = load_model(target, cache_dir=cache, progress=True)
+    work.mkdir(parents=True, exist_ok=True)  # after the load: a wrong --target leaves nothing behind
     set_weight_precision(loaded.model, weights)
     stages = {}
 
