@@ -42,8 +42,16 @@ def _runs(path) -> list[dict]:
     return [json.loads(x) for x in lines if x.strip() and json.loads(x)["kind"] == "run"]
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _own_cache(tmp_path_factory):
+    """The runs' caches (the roofline's read bandwidth) in a temporary directory, not the user's."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("SPECDECODE_CACHE", str(tmp_path_factory.mktemp("cache")))
+        yield
+
+
 @pytest.fixture(scope="module")
-def smoke_dir(tmp_path_factory):
+def smoke_dir(_own_cache, tmp_path_factory):
     out = tmp_path_factory.mktemp("bench") / "smoke"
     run_bench(smoke_config(output=str(out), limit=1), progress=False, log=lambda msg: None)
     return out
@@ -63,6 +71,11 @@ def test_smoke_run_writes_every_report(smoke_dir):
     assert len(_runs(smoke_dir)) == 3 * len(variants)  # 3 categories x 1 prompt, every variant
     md = (smoke_dir / report.REPORT_MD).read_text()
     assert "| Method | summarization | qa | coding | τ | Overall |" in md
+    assert "## Roofline" in md and data["roofline"]["bandwidth"]["bytes_per_s"] > 0
+    target, draft = data["summary"]["roofline"]["rows"]
+    assert (target["model"], target["precision"], draft["model"]) == (SMOKE_TARGET, "fp64", SMOKE_DRAFT)
+    assert target["plain"]["fraction"] > 0 and target["verification"]["fraction"] > 0
+    assert draft["drafting"]["fraction"] > 0 and target["kv_bytes_per_token"] > 0
 
 
 def test_greedy_outputs_agree_with_plain_and_hugging_face(smoke_dir):

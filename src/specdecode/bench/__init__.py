@@ -3,7 +3,7 @@
 Modules: ``runner`` (the matrix, resume), ``records`` (records.jsonl), ``peer`` (transformers'
 generate), ``llamacpp`` (llama.cpp peer), ``summary`` (figures from records, with
 :mod:`specdecode.costmodel`'s Leviathan et al. 2023 predictions), ``report`` (Markdown / JSON / PNG),
-``env`` (machine facts), ``smoke`` (tiny models for CI).
+``env`` (machine facts), ``roofline`` (bytes per step, read bandwidth, byte limit), ``smoke`` (tiny models for CI).
 
 This module stays light (argparse only): the CLI builds its parser without importing torch.
 """
@@ -80,6 +80,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="precision of draft models' weights (int8: fbgemm int8 linear layers, 4x fewer bytes per "
                         "draft step; the HF peer uses the same draft objects) (default: fp32)")
     p.add_argument("--threads", type=int, metavar="N", help="torch threads (default: torch's)")
+    p.add_argument("--remeasure-bandwidth", action="store_true", default=None,
+                   help="measure the memory read bandwidth of the report's roofline table again (it is measured "
+                        "once per machine and thread count and cached under the specdecode cache's machine/)")
     p.add_argument("--output", metavar="DIR",
                    help="report directory; rerunning with the same directory resumes (default: bench-out/PRESET)")
     p.add_argument("--report-only", action="store_true",
@@ -102,7 +105,7 @@ def config_from_args(args: argparse.Namespace):
     for name in ("target", "draft", "limit", "max_new_tokens", "temperature", "verification", "seed", "gamma",
                  "peer", "chat",
                  "probe", "warmup", "repeats", "dtype", "kernel", "draft_weights", "weights", "llama_cpp", "threads",
-                 "output"):
+                 "remeasure_bandwidth", "output"):
         value = getattr(args, name, None)
         if value is not None:
             over[name] = value

@@ -14,6 +14,7 @@ import math
 from collections.abc import Sequence
 from pathlib import Path
 
+from specdecode.bench import roofline as R
 from specdecode.bench import summary as S
 from specdecode.bench.records import RecordStore
 
@@ -211,6 +212,35 @@ def probe_section(summary: dict) -> str:
     return text
 
 
+def roofline_section(summary: dict, env: dict) -> str:
+    """Per model × precision: weight bytes per step, read bandwidth, byte limit, fractions of it reached."""
+    rf = summary.get("roofline")
+    if not rf:
+        return "_Not measured (a run recorded before the roofline was added; rerun to measure)._"
+    bw = rf["bandwidth"]
+
+    def reached(x: dict | None) -> str:
+        return "–" if x is None else f"{fp(x['fraction'])} ({1000 * x['step_s']:.1f} ms)"
+
+    rows = [[f"`{r['model']}`", r["role"], r["precision"] or "–", f"{r['weight_bytes'] / 1e6:.1f}",
+             f"{r['kv_bytes_per_token'] / 1e3:.1f} ({r['kv_dtype']})" if r["kv_bytes_per_token"] else "–",
+             f"{bw['bytes_per_s'] / 1e9:.1f}",
+             f"{fn(r['byte_limit_tokens_per_s'], 1)} ({1000 * r['byte_limit_s']:.2f} ms)",
+             reached(r["plain"]), reached(r["verification"]), reached(r["drafting"])] for r in rf["rows"]]
+    table = _table(["Model", "role", "precision", "weights MB / step", "KV KB / token", "read GB/s",
+                    "byte limit tok/s (ms / step)", "plain decoding", f"verification (γ + 1 = {rf['gamma'] + 1})",
+                    "drafting"], rows, align="lllrrrrrrr")
+    return ("A step reads at least its weights once, so tokens/s ≤ read bandwidth / weight bytes per step: the "
+            "byte limit. Cells: the fraction of it reached (byte-limit time / measured time per step, the latter in "
+            "brackets) by plain decoding (the plain runs' steps after the prefill, overhead included), one "
+            "verification forward over γ + 1 tokens (the probe; without it, the runs) and drafting (draft time per "
+            "drafted token of the runs; without them, the probe). KV-cache bytes per token of context come on top, "
+            f"outside the limit. Read bandwidth: fastest of {bw.get('repeats', R.READ_REPEATS)} sums of a "
+            f"{bw.get('tensor_bytes', R.READ_BYTES) / 2**20:g} MiB float32 tensor, torch threads: "
+            f"{bw.get('threads', '?')}, measured once per machine and cached; CPU: {env['cpu_model']} "
+            f"({', '.join(env['cpu_flags']) or 'no SIMD flags read'}). MB = 10⁶ bytes.\n\n" + table)
+
+
 def env_section(meta: dict) -> str:
     env, cfg, models = meta["environment"], meta["config"], meta["models"]
     rows = [["date (UTC)", env["date"]], ["CPU", f"{env['cpu_model']} ({', '.join(env['cpu_flags'])})"],
@@ -277,6 +307,7 @@ def markdown(summary: dict, meta: dict) -> str:
         "## Output agreement\n\n" + agreement_section(summary),
         "## Cost of verification\n\nOne cached target forward over k + 1 new tokens at a typical context "
         "(least of the timed repetitions), relative to one decoding step.\n\n" + probe_section(summary),
+        "## Roofline: the byte limit of a step\n\n" + roofline_section(summary, env),
         "## Environment\n\n" + env_section({**meta, "load_average": summary.get("load_average")}),
     ]
     return "\n\n".join(sections) + "\n"
@@ -376,25 +407,27 @@ def _plot_sweep(plt, summary, path: Path) -> None:
 
 
 def build_meta(*, config, env: dict, models: dict, variants: list[dict], prompts: list[dict],
-               main_gammas: dict | None = None) -> dict:
-    """Everything about the run but its records: config, environment, models, variants, prompts, and per
-    method family the gamma of its leaderboard row (``runner.main_gamma_of``)."""
+               main_gammas: dict | None = None, roofline: dict | None = None) -> dict:
+    """Everything about the run but its records: config, environment, models, variants, prompts, per
+    method family the gamma of its leaderboard row (``runner.main_gamma_of``), and the roofline's inputs
+    (read bandwidth, bytes per step of each model: ``bench.roofline``)."""
     cfg = dataclasses.asdict(config) if dataclasses.is_dataclass(config) else dict(config)
     main = main_gammas or {}
     return {"config": {**cfg, "batch_size": 1, "settings_id": config.settings_id()}, "environment": env,
-            "models": models, "variants": variants, "prompts": prompts, "main_gammas": main}
+            "models": models, "variants": variants, "prompts": prompts, "main_gammas": main, "roofline": roofline}
 
 
 def write_reports(out: Path, *, config, env: dict, models: dict, variants: list[dict], prompts: list[dict],
-                  records: list[dict], probes: list[dict], main_gammas: dict | None = None) -> dict:
+                  records: list[dict], probes: list[dict], main_gammas: dict | None = None,
+                  roofline: dict | None = None) -> dict:
     """Summarize and write report.md, report.json, run.json and the PNG plots into ``out``.
 
     Returns:
-        The report.json content: {"environment", "config", "models", "variants", "prompts", "summary",
-        "probes", "records"}.
+        The report.json content: {"environment", "config", "models", "variants", "prompts", "main_gammas",
+        "roofline", "summary", "probes", "records"}; the summary's "roofline" holds the fractions.
     """
     meta = build_meta(config=config, env=env, models=models, variants=variants, prompts=prompts,
-                      main_gammas=main_gammas)
+                      main_gammas=main_gammas, roofline=roofline)
     return write_from_meta(Path(out), meta, records, probes)
 
 
@@ -402,6 +435,7 @@ def write_from_meta(out: Path, meta: dict, records: list[dict], probes: list[dic
     """The reports from a run's metadata and records (also used by ``--report-only``)."""
     summ = S.summarize(records, meta["variants"], meta["prompts"], probes, meta["config"]["target"],
                        main_gammas=meta.get("main_gammas"), greedy=meta["config"]["temperature"] == 0)
+    summ["roofline"] = R.roofline(meta.get("roofline"), summ, meta["variants"], meta["config"]["gamma"])
     (out / META_JSON).write_text(json.dumps(meta, indent=1), encoding="utf-8")
     (out / REPORT_MD).write_text(markdown(summ, meta), encoding="utf-8")
     plot_all(summ, meta, out)

@@ -235,6 +235,8 @@ class BenchConfig:
             target and drafts computed as ``W @ x.T`` for few rows: ``specdecode.kernels``); the HF
             peer runs the same model objects, so both sides get the same kernels.
         threads: torch intra-op threads (None = torch's default).
+        remeasure_bandwidth: measure the memory read bandwidth of the roofline again (``bench.roofline``;
+            otherwise it is measured once per machine and thread count, and cached).
         output: report directory (records.jsonl, report.md, report.json, PNGs).
         preset: name of the preset the config came from ("full", "quick", "smoke").
     """
@@ -261,6 +263,7 @@ class BenchConfig:
     weights: str = "fp32"
     llama_cpp: bool = False
     threads: int | None = None
+    remeasure_bandwidth: bool = False
     output: str = "bench-out/full"
     preset: str = "full"
 
@@ -729,6 +732,7 @@ def run_bench(config: BenchConfig, *, progress: bool = True, log: Callable[[str]
     if store.ignored:
         status(f"{store.ignored} record(s) in {store.path} have other settings and are ignored")
     variants = build_variants(config, models, config.dtype, status)
+    roofline = roofline_facts(config, models, variants, status)
 
     encoded = _encode_all(prompts, models.target, config, status)
     runnable = [p for p in prompts if p.key in encoded]
@@ -751,9 +755,34 @@ def run_bench(config: BenchConfig, *, progress: bool = True, log: Callable[[str]
                                                 "prompt_tokens": len(encoded[p.key][0]),
                                                 "chat_template": encoded[p.key][1]} for p in runnable],
                                       records=store.of_kind("run"), probes=store.of_kind("probe"),
-                                      main_gammas=main_gamma_of(expand_methods(config)))
+                                      main_gammas=main_gamma_of(expand_methods(config)), roofline=roofline)
         status(f"reports written to {out}/ (report.md, report.json, *.png)")
     return result
+
+
+def roofline_facts(config: BenchConfig, models: Models, variants: list[Variant], status) -> dict:
+    """The roofline's inputs: the read bandwidth in bytes/s (measured once per machine and thread count,
+    cached) and each model's weight bytes per step and KV bytes per token in its runner's cache dtype."""
+    from specdecode.bench import roofline
+    from specdecode.models import default_cache_dir
+
+    runners: dict[int, object] = {}  # id(model) -> its slot runner (target's and drafts')
+    for v in variants:
+        engine = getattr(v.run, "engine", None)
+        for r in (getattr(engine, "runner", None), getattr(getattr(engine, "proposer", None), "runner", None)):
+            if r is not None and getattr(r, "model", None) is not None:
+                runners.setdefault(id(r.model), r)
+    bandwidth = roofline.measure_read_bandwidth(default_cache_dir(), remeasure=config.remeasure_bandwidth,
+                                                status=status)
+
+    def facts(name: str, role: str, loaded) -> dict:
+        kv_dtype = getattr(runners.get(id(loaded.model)), "cache_dtype", None)
+        return roofline.model_facts(name, role, loaded.model, kv_dtype)
+
+    return {"bandwidth": {"bytes_per_s": bandwidth, "tensor_bytes": roofline.READ_BYTES,
+                          "repeats": roofline.READ_REPEATS, "threads": torch.get_num_threads()},
+            "models": [facts(config.target, "target", models.target),
+                       *(facts(spec, "draft", d) for spec, d in models.drafts.items())]}
 
 
 def _rotate(items: list, shift: int) -> list:
