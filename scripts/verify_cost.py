@@ -21,7 +21,8 @@ import time
 import torch
 
 from specdecode.kv import make_runner
-from specdecode.kernels import RowwiseInt8Linear, set_weight_precision
+from specdecode.kernels import set_weight_precision
+from specdecode.lowbit import LOWBIT_TYPES
 from specdecode.models import load_model
 
 DTYPE_OF = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.float32}
@@ -40,11 +41,11 @@ def copy_bandwidth(mib: int = 512, repeats: int = 5) -> float:
 
 
 def step_bytes(model: torch.nn.Module) -> int:
-    """Bytes of weights one decoding step reads: linear layers (int8: 1 byte + scales), norms."""
+    """Bytes of weights one decoding step reads: linear layers (low-bit: values + scales), norms."""
     total, seen = 0, set()
     for module in model.modules():
-        if isinstance(module, RowwiseInt8Linear):
-            total += module.in_features * module.out_features + 4 * module.out_features
+        if isinstance(module, LOWBIT_TYPES):
+            total += module.weight_nbytes()
             continue
         if isinstance(module, torch.nn.Embedding):
             continue  # one row per token

@@ -17,13 +17,14 @@ from tiny import chi2_pvalue, exact_joint, tiny_llama
 PROMPTS = [[1], [5, 9, 2], [3, 4, 5, 3, 4, 5, 3, 4], list(range(10, 30))]
 
 
-def _int8(seed, **kw):
-    return set_weight_precision(tiny_llama(seed=seed, dtype=torch.float32, **kw), "int8")
+def _int8(seed, precision="int8", **kw):
+    return set_weight_precision(tiny_llama(seed=seed, dtype=torch.float32, **kw), precision)
 
 
-def test_int8_draft_with_float_target_greedy_equals_plain_decoding():
+@pytest.mark.parametrize("precision", ["int8", "int4"])
+def test_int8_draft_with_float_target_greedy_equals_plain_decoding(precision):
     target = tiny_llama(seed=0, scale=3.0)
-    draft = set_weight_precision(tiny_llama(seed=0, dtype=torch.float32, scale=3.0), "int8")  # target, quantized
+    draft = set_weight_precision(tiny_llama(seed=0, dtype=torch.float32, scale=3.0), precision)  # target, quantized
     params = SamplingParams(max_new_tokens=30)
     plain = SpeculativeEngine(target, None)
     for gamma in (1, 4):
@@ -59,36 +60,10 @@ def test_int8_draft_sampling_follows_the_float_target_distribution(coupled):
     assert _two_token_distribution_pvalue(target, draft, "owned", coupled=coupled) > 1e-3
 
 
-def test_rowwise_int8_rows_are_independent_bit_for_bit():
-    """Why an int8 *target* is lossless: a row's output is the same whatever rows share the call
-    (fbgemm's per-call activation range is pinned to [-1, 1] by per-row scaling and two pin columns)."""
-    from specdecode.kernels import RowwiseInt8Linear
-
-    torch.manual_seed(0)
-    lin = RowwiseInt8Linear.from_linear(torch.nn.Linear(64, 48))
-    x = torch.randn(9, 64)
-    x[3] *= 1000.0  # one loud row must not change the others
-    together = lin(x)
-    for i in range(9):
-        assert torch.equal(lin(x[i : i + 1])[0], together[i])
-    dense = torch.nn.Linear(64, 48)
-    q = RowwiseInt8Linear.from_linear(dense)
-    err = (q(x) - dense(x)).norm() / dense(x).norm()
-    assert err < 0.03  # per-token activations, per-channel weights
-
-
-def test_rowwise_int8_fused_modules_equal_their_parts():
-    from specdecode.kernels import RowwiseInt8Linear
-
-    parts = [RowwiseInt8Linear.from_linear(torch.nn.Linear(32, n)) for n in (16, 8, 8)]
-    fused = RowwiseInt8Linear.concat(parts)
-    x = torch.randn(5, 32)
-    assert torch.equal(fused(x), torch.cat([p(x) for p in parts], dim=-1))
-
-
+@pytest.mark.parametrize("precision", ["int8", "int4"])
 @pytest.mark.parametrize("forward", ["owned", "hf"])
-def test_int8_target_speculative_greedy_equals_its_plain_decoding(forward):
-    target = _int8(0, scale=3.0)
+def test_int8_target_speculative_greedy_equals_its_plain_decoding(forward, precision):
+    target = _int8(0, precision, scale=3.0)
     draft = tiny_llama(seed=0, scale=3.0)  # the float original drafts for its int8 copy
     params = SamplingParams(max_new_tokens=30)
     plain = SpeculativeEngine(target, None, EngineConfig(forward=forward))
@@ -99,12 +74,13 @@ def test_int8_target_speculative_greedy_equals_its_plain_decoding(forward):
             want = plain.generate(prompt, params).token_ids
             out = spec.generate(prompt, params)
             assert out.token_ids == want
-            assert out.metrics.acceptance_rate > 0.5
+            assert out.metrics.acceptance_rate > (0.5 if precision == "int8" else 0.2)  # 4-bit of random weights: coarser
             assert ngram.generate(prompt, params).token_ids == want
 
 
-def test_int8_target_sampling_follows_its_own_distribution():
-    target = _int8(3, vocab_size=5, layers=1, hidden=32, scale=4.0)
+@pytest.mark.parametrize("precision", ["int8", "int4"])
+def test_int8_target_sampling_follows_its_own_distribution(precision):
+    target = _int8(3, precision, vocab_size=5, layers=1, hidden=32, scale=4.0)
     draft = tiny_llama(seed=4, vocab_size=5, layers=1, hidden=32, scale=4.0)
     assert _two_token_distribution_pvalue(target, draft, "owned") > 1e-3
 

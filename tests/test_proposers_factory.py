@@ -7,7 +7,7 @@ import pytest
 
 from specdecode import layer_search
 from specdecode.engine import EngineConfig, SpeculativeEngine
-from specdecode.kernels import RowwiseInt8Linear
+from specdecode.lowbit import LOWBIT_TYPES
 from specdecode.proposers import (
     PROPOSERS,
     DraftModelConfig,
@@ -51,7 +51,8 @@ def draft():
 @pytest.fixture()
 def no_loading(monkeypatch):
     """Any model load fails the test: the checks must run before it."""
-    monkeypatch.setattr(F, "load_model", lambda *a, **k: pytest.fail("a model was loaded"))
+    monkeypatch.setattr("specdecode.models.load_model", lambda *a, **k: pytest.fail("a model was loaded"))
+    monkeypatch.setattr("specdecode.lowbit.load_in_precision", lambda *a, **k: pytest.fail("a model was loaded"))
 
 
 # --------------------------------------------------------------------------- parsing
@@ -220,5 +221,5 @@ def test_load_draft_model_loads_another_spec_or_precision(tiny_model_dir, tiny_l
     assert other is not tiny_loaded and other.model is not tiny_loaded.model
     int8 = load_draft_model(parse_draft(spec), tiny_loaded, spec, draft_weights="int8", progress=False)
     assert int8 is not tiny_loaded
-    assert any(isinstance(m, RowwiseInt8Linear) for m in int8.model.modules())
-    assert not any(isinstance(m, RowwiseInt8Linear) for m in tiny_loaded.model.modules())
+    assert any(isinstance(m, LOWBIT_TYPES) for m in int8.model.modules())
+    assert not any(isinstance(m, LOWBIT_TYPES) for m in tiny_loaded.model.modules())

@@ -8,8 +8,6 @@ decides whether verifying costs about one decoding step or several.
 
 from __future__ import annotations
 
-import warnings
-
 import torch
 import torch.nn.functional as F
 
@@ -79,114 +77,23 @@ def row_product(kernel: str, weight: torch.Tensor, x: torch.Tensor) -> torch.Ten
     return F.linear(x, weight)[:m]
 
 
-class RowwiseInt8Linear(torch.nn.Module):
-    """A linear layer with int8 weights whose output rows do not depend on each other.
-
-    Weights: symmetric int8 per output channel (scale = max |w| / 127), packed for
-    fbgemm (``torch.ops.quantized.linear_dynamic``). Activations: quantized per *row*
-    (per token). fbgemm's dynamic linear picks one activation scale per call from the
-    whole input's range, so verifying k tokens together would change every token's
-    logits (a verification of k+1 rows must give each row exactly what a one-row step
-    gives, or speculative output drifts from plain decoding). Here each row is divided
-    by its own max |x| and two pin columns holding +1 and -1 are appended (their weights
-    are zero, so they add exactly nothing), so the range fbgemm sees is always exactly
-    [-1, 1]: one fixed quantization for every row, whatever its neighbours, with integer
-    accumulation (exact) and an elementwise rescale by the row's max afterwards. Row i of
-    a k-row call equals a one-row call on row i, bit for bit (tested), and per-token scales
-    are also more accurate than one per tensor (per-token activations as in ZeroQuant, Yao
-    et al. 2022; per-channel weights as in LLM.int8(), Dettmers et al. 2022). Activations
-    use fbgemm's ``reduce_range`` (7 bits: steps of 1/63.5 of the row's max), safe on CPUs
-    without VNNI. The exactness relies on fbgemm choosing the activation scale from the
-    input's min / max (the x86 / fbgemm quantized engine, torch's default on x86).
-
-    Args:
-        weight: [out_features, in_features] float tensor (any float dtype; quantized from float32).
-        bias: [out_features] or None (kept in float32, added after the int8 product).
-
-    Input: [..., in_features] float tensor; output: [..., out_features] float32.
-
-    Raises:
-        RuntimeError: a NaN in the input (fbgemm cannot choose a range).
-    """
-
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
-        super().__init__()
-        w = weight.detach().float()
-        self.out_features, self.in_features = w.shape
-        w = torch.cat([w, torch.zeros(self.out_features, 2)], dim=1)  # weights of the two pin columns
-        scales = (w.abs().amax(dim=1) / 127.0).double().clamp_min(1e-12)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # torch's deprecation notice for quantized tensor constructors
-            q = torch.quantize_per_channel(w, scales, torch.zeros(len(scales), dtype=torch.long), 0, torch.qint8)
-            self._packed = torch.ops.quantized.linear_prepack(q, None)
-        self.bias = None if bias is None else bias.detach().float().clone()
-        self._pins = torch.tensor([[1.0, -1.0]])
-
-    @classmethod
-    def from_linear(cls, linear: torch.nn.Linear) -> "RowwiseInt8Linear":
-        """Quantize an ``nn.Linear`` (its float weights are not kept)."""
-        return cls(linear.weight, linear.bias)
-
-    @classmethod
-    def concat(cls, parts: list["RowwiseInt8Linear"]) -> "RowwiseInt8Linear":
-        """One module computing ``torch.cat([p(x) for p in parts], -1)`` in a single product.
-
-        Stacks the parts' int8 weights and per-channel scales as they are (no requantization),
-        so its outputs equal the parts' outputs exactly.
-
-        Raises:
-            ValueError: no parts, or parts with different ``in_features``.
-        """
-        if not parts or len({p.in_features for p in parts}) != 1:
-            raise ValueError("concat needs at least one part, all with the same in_features")
-        qs = [p.int8_weight() for p in parts]
-        fused = cls.__new__(cls)
-        torch.nn.Module.__init__(fused)
-        fused.in_features = parts[0].in_features
-        fused.out_features = sum(p.out_features for p in parts)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            scales = torch.cat([q.q_per_channel_scales() for q in qs])
-            ints = torch.cat([q.int_repr() for q in qs])
-            q = torch._make_per_channel_quantized_tensor(ints, scales, torch.zeros(len(scales), dtype=torch.long), 0)
-            fused._packed = torch.ops.quantized.linear_prepack(q, None)
-        biases = [p.bias if p.bias is not None else torch.zeros(p.out_features) for p in parts]
-        fused.bias = None if all(p.bias is None for p in parts) else torch.cat(biases)
-        fused._pins = parts[0]._pins
-        return fused
-
-    def int8_weight(self) -> torch.Tensor:
-        """The [out_features, in_features + 2] per-channel qint8 weight (the last two columns: pins, zero)."""
-        return torch.ops.quantized.linear_unpack(self._packed)[0]
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, self.in_features).float()
-        peak = rows.abs().amax(dim=-1, keepdim=True).clamp_min(1e-30)
-        pinned = torch.cat([rows / peak, self._pins.expand(rows.shape[0], 2)], dim=1)
-        out = torch.ops.quantized.linear_dynamic(pinned, self._packed, True) * peak
-        if self.bias is not None:
-            out = out + self.bias
-        return out.reshape(*x.shape[:-1], self.out_features)
-
-    def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, int8 per-channel, per-row input"
-
-
 def set_weight_precision(model: torch.nn.Module, precision: str) -> torch.nn.Module:
     """Execute ``model``'s weights in ``precision``, in place; returns the model.
 
     - ``fp32``: unchanged (float32).
     - ``bf16``: parameters cast to bfloat16 (AVX512-BF16 CPUs run few-row products at
       about the one-row cost; half the bytes of float32).
-    - ``int8``: every ``nn.Linear`` (the LM head included) becomes a
-      :class:`RowwiseInt8Linear`: int8 weights per output channel through fbgemm,
-      activations quantized per token. A quarter of float32's bytes, and a row's output
-      does not depend on the rows verified with it. With the project's own forward
-      (``kv.owned.OwnedRunner``, which also runs attention in float64 for int8
-      models) an int8 *target* stays lossless: speculative == plain decoding of the same
-      int8 model. The Hugging Face forward runs float32 attention, whose rounding depends
-      on the number of rows, and 7-bit activations amplify that: there, outputs can leave
-      plain decoding's path. Embeddings and norms stay float32.
+    - ``int8``: every ``nn.Linear`` (the LM head included) whose ``in_features`` is a multiple of
+      32 becomes a :class:`specdecode.lowbit.GroupInt8Linear`: weight-only int8, one scale per group
+      of 32 weights (symmetric), activations float32. About 1.1 bytes per weight.
+    - ``int4``: the same with :class:`specdecode.lowbit.GroupInt4Linear` (4-bit groups of 32,
+      min / max), quantized from the float weights. A model converted from a GGUF file gets its
+      file's own 4-bit blocks instead (``lowbit.quantize_loaded``, what ``load_target`` runs).
+
+    Both low-bit kinds give a row the same result whatever rows share the call, so with the
+    project's own forward (``kv.owned.OwnedRunner``, float64 attention for them) a low-bit target
+    stays lossless: speculative == plain decoding of the same model. Embeddings and norms stay
+    float32.
 
     Raises:
         ValueError: unknown precision.
@@ -198,11 +105,8 @@ def set_weight_precision(model: torch.nn.Module, precision: str) -> torch.nn.Mod
         model.config.specdecode_weights = precision  # names the precision in per-model caches (layer_search)
     if precision == "bf16":
         return model.to(torch.bfloat16)
-    if precision == "int8":
-        model.float()  # activations run in float32 (a bfloat16-loaded model is upcast first)
-        linears = [(name, m) for name, m in model.named_modules() if type(m) is torch.nn.Linear]
-        for name, linear in linears:
-            parent_name, _, attr = name.rpartition(".")
-            parent = model.get_submodule(parent_name) if parent_name else model
-            setattr(parent, attr, RowwiseInt8Linear.from_linear(linear))
+    if precision in ("int8", "int4"):
+        from specdecode import lowbit
+
+        lowbit.install(model, lowbit.modules_from_float(model, precision))
     return model

@@ -13,7 +13,7 @@ from __future__ import annotations
 DEFAULT_TARGET = "smollm2-135m"
 
 #: Precisions a model's weights can execute in (``specdecode.kernels.set_weight_precision``).
-WEIGHT_PRECISIONS = ("fp32", "bf16", "int8")
+WEIGHT_PRECISIONS = ("fp32", "bf16", "int8", "int4")
 #: What ``--weights`` takes: ``auto`` (the library measures and picks one per machine) or a precision.
 WEIGHT_CHOICES = ("auto", *WEIGHT_PRECISIONS)
 

@@ -41,9 +41,9 @@ MIN_ARGMAX_AGREEMENT = 0.97
 #: Largest relative perplexity change against float32 (0.01 = 1%).
 MAX_PERPLEXITY_CHANGE = 0.01
 #: Candidates, in the order they are tried (ties in speed go to the earlier one).
-CANDIDATES = ("int8", "bf16", "fp32")
+CANDIDATES = ("int4", "int8", "bf16", "fp32")
 #: Bump when what is measured or how changes: older cache files are then measured again.
-CACHE_VERSION = 2
+CACHE_VERSION = 3
 
 
 @dataclass(frozen=True)
@@ -499,6 +499,12 @@ def _copy_in(loaded, precision: str) -> torch.nn.Module:
     else:
         clone = copy.deepcopy(loaded.model)
         clone.__dict__.pop("_specdecode_fused_layers", None)
+    if precision in ("int4", "int8"):  # a GGUF model's own 4-bit blocks (cached), not a requantization
+        from dataclasses import replace
+
+        from specdecode.lowbit import quantize_loaded
+
+        return quantize_loaded(replace(loaded, model=clone), precision)
     return set_weight_precision(clone, precision)
 
 
@@ -531,13 +537,19 @@ def load_target(spec: str, weights: str = "auto", *, dtype: torch.dtype | str = 
         loaded = load_model(spec, dtype=dtype, cache_dir=cache_dir, progress=progress)
         set_weight_precision(loaded.model, "bf16")
         return loaded, _explicit(loaded, "bf16", cache, forward, why="the weights were loaded in bfloat16 (--dtype)")
-    loaded = load_model(spec, dtype=torch.float32 if weights == "auto" else dtype, cache_dir=cache_dir,
-                        progress=progress)
-    if weights == "auto":
-        choice = choose_precision(loaded, cache, status=status, forward=forward)
+    if weights != "auto":
+        from specdecode.lowbit import load_in_precision
+
+        loaded = load_in_precision(spec, weights, dtype=dtype, cache_dir=cache_dir, progress=progress, say=status)
+        return loaded, _explicit(loaded, weights, cache, forward)
+    loaded = load_model(spec, dtype=torch.float32, cache_dir=cache_dir, progress=progress)
+    choice = choose_precision(loaded, cache, status=status, forward=forward)
+    if choice.precision in ("int4", "int8"):
+        from specdecode.lowbit import quantize_loaded
+
+        quantize_loaded(loaded, choice.precision, cache_dir=cache_dir, progress=progress, say=status)
     else:
-        choice = _explicit(loaded, weights, cache, forward)
-    set_weight_precision(loaded.model, choice.precision)
+        set_weight_precision(loaded.model, choice.precision)
     return loaded, choice
 
 

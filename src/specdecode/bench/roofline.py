@@ -130,9 +130,8 @@ def weight_bytes_by_kind(model) -> dict[str, int]:
 
     Every parameter in full (linear layers and the LM head, norms, biases), except: a module with
     a ``weight_nbytes()`` method reports its own bytes (kind: its ``weight_precision`` attribute,
-    else its class name) and is not descended into; a ``kernels.RowwiseInt8Linear`` reads its
-    packed int8 weight, out_features x (in_features + 2) bytes, its float64 per-channel scales and
-    its bias ("int8"); an ``nn.Embedding`` reads one row per token, unless its table is also
+    else its class name) and is not descended into (the low-bit modules of ``specdecode.lowbit``:
+    their quantized values, scales, offsets and bias; a fused one counts once); an ``nn.Embedding`` reads one row per token, unless its table is also
     another module's weight (tied to the LM head, whose product reads it in full). A tensor shared
     by several modules counts once; buffers (rotary tables) are left out.
 
@@ -140,8 +139,6 @@ def weight_bytes_by_kind(model) -> dict[str, int]:
         model: a ``torch.nn.Module``.
     """
     import torch
-
-    from specdecode.kernels import RowwiseInt8Linear
 
     embeddings = {id(m) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
     read_whole = {_storage(p) for m in model.modules() if id(m) not in embeddings
@@ -153,13 +150,11 @@ def weight_bytes_by_kind(model) -> dict[str, int]:
         out[kind] = out.get(kind, 0) + int(n)
 
     def walk(m) -> None:
-        int8 = isinstance(m, RowwiseInt8Linear)
         if callable(getattr(m, "weight_nbytes", None)):
-            kind = getattr(m, "weight_precision", None) or ("int8" if int8 else type(m).__name__)
-            return add(kind, m.weight_nbytes())
-        if int8:
-            bias = 0 if m.bias is None else m.bias.numel() * m.bias.element_size()
-            return add("int8", m.out_features * (m.in_features + 2 + 8) + bias)  # int8 weight + fp64 scales
+            if id(m) in seen:  # a fused module reached through each of its slices
+                return None
+            seen.add(id(m))
+            return add(getattr(m, "weight_precision", None) or type(m).__name__, m.weight_nbytes())
         for p in m.parameters(recurse=False):
             if _storage(p) in seen:
                 continue

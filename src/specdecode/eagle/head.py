@@ -320,10 +320,10 @@ def _shift_right(x: torch.Tensor, shift: int) -> torch.Tensor:
 
 
 def _dequantized_weight(module: torch.nn.Module) -> torch.Tensor:
-    """The float weight of an int8 module (``kernels.RowwiseInt8Linear``)."""
-    unpack = getattr(module, "int8_weight", None)
+    """The float weight of a low-bit module (``lowbit.GroupInt8Linear`` / ``GroupInt4Linear``)."""
+    unpack = getattr(module, "dequantize", None)
     if callable(unpack):
-        return unpack().dequantize()[:, : module.in_features]
+        return unpack()
     raise EagleCheckpointError(f"cannot read the LM head weights of {type(module).__name__}")
 
 

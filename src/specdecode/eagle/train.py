@@ -403,11 +403,12 @@ def feature_data(loaded, records: list[dict], work: Path, cfg: TrainConfig, feat
 
 
 def _weights_of(model) -> str:
-    """The precision a model runs in: "int8" (int8 linear modules) or its parameters' dtype."""
-    from specdecode.kernels import RowwiseInt8Linear
+    """The precision a model runs in: "int8" / "int4" (low-bit linear modules) or its parameters' dtype."""
+    from specdecode.lowbit import LOWBIT_TYPES
 
-    if any(isinstance(m, RowwiseInt8Linear) for m in model.modules()):
-        return "int8"
+    kinds = {m.weight_precision for m in model.modules() if isinstance(m, LOWBIT_TYPES)}
+    if kinds:
+        return "int4" if "int4" in kinds else "int8"
     return str(next(p.dtype for p in model.parameters() if p.is_floating_point()))
 
 

@@ -21,7 +21,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from specdecode.kernels import ROW_BLOCK, RowwiseInt8Linear, row_product
+from specdecode.kernels import ROW_BLOCK, row_product
+from specdecode.lowbit import LOWBIT_TYPES, concat as concat_lowbit
 from specdecode.kv.base import SlotRunner
 from specdecode.types import SpecDecodeError
 
@@ -48,22 +49,23 @@ def supports(model: torch.nn.Module) -> bool:
 
 
 def _is_linear(module) -> bool:
-    """nn.Linear, or an int8 linear (``kernels.set_weight_precision(model, "int8")``)."""
-    return type(module) in (torch.nn.Linear, RowwiseInt8Linear, _OutputSlice)
+    """nn.Linear, or a low-bit linear (``kernels.set_weight_precision(model, "int8" / "int4")``)."""
+    return type(module) in (torch.nn.Linear, *LOWBIT_TYPES, _OutputSlice)
 
 
 class _Layer:
-    """One decoder layer's weights: fused views of the model's own parameters (float), or fused int8 modules
-    whose slices replace the model's own q/k/v and gate/up modules (one copy of the int8 weights)."""
+    """One decoder layer's weights: fused views of the model's own parameters (float), or fused low-bit
+    modules whose slices replace the model's own q/k/v and gate/up modules (one copy of the weights;
+    parts of different kinds, as a GGUF file's Q4_K q / k with a Q6_K v, run one after another)."""
 
     def __init__(self, layer: torch.nn.Module) -> None:
         attn, mlp = layer.self_attn, layer.mlp
         self.ln1 = layer.input_layernorm.weight
         self.ln2 = layer.post_attention_layernorm.weight
         self.qkv_bias = None
-        if type(attn.q_proj) is not torch.nn.Linear:  # int8 modules (bias inside)
-            self.qkv = _fuse_int8(attn, ("q_proj", "k_proj", "v_proj"))
-            self.gate_up = _fuse_int8(mlp, ("gate_proj", "up_proj"))
+        if type(attn.q_proj) is not torch.nn.Linear:  # low-bit modules (bias inside)
+            self.qkv = _fuse_lowbit(attn, ("q_proj", "k_proj", "v_proj"))
+            self.gate_up = _fuse_lowbit(mlp, ("gate_proj", "up_proj"))
             self.o, self.down = attn.o_proj, mlp.down_proj
             return
         self.qkv = _fuse([attn.q_proj, attn.k_proj, attn.v_proj])
@@ -75,11 +77,11 @@ class _Layer:
 
 
 class _OutputSlice(torch.nn.Module):
-    """Columns [start, end) of a fused int8 module's output: what the model's own q/k/v (gate/up)
+    """Columns [start, end) of a fused low-bit module's output: what the model's own q/k/v (gate/up)
     modules become once fused, so the Hugging Face forward still runs (at the fused cost) and the
-    int8 weights exist once."""
+    low-bit weights exist once."""
 
-    def __init__(self, fused: RowwiseInt8Linear, start: int, end: int) -> None:
+    def __init__(self, fused: torch.nn.Module, start: int, end: int) -> None:
         super().__init__()
         self.fused, self.start, self.end = fused, start, end
 
@@ -96,14 +98,28 @@ class _OutputSlice(torch.nn.Module):
         return out[..., self.start : self.end]
 
 
-def _fuse_int8(parent: torch.nn.Module, names: tuple[str, ...]) -> RowwiseInt8Linear:
-    """Fuse ``parent``'s int8 modules ``names`` into one product; re-point them at slices of it."""
+class _Parts:
+    """Low-bit modules of different kinds on one input, outputs concatenated (not fused)."""
+
+    def __init__(self, parts: list[torch.nn.Module]) -> None:
+        self.parts = parts
+        self.out_features = sum(p.out_features for p in parts)
+
+    def __call__(self, x: torch.Tensor, exact: bool = True) -> torch.Tensor:
+        return torch.cat([p(x, exact=exact) for p in self.parts], dim=-1)
+
+
+def _fuse_lowbit(parent: torch.nn.Module, names: tuple[str, ...]):
+    """Fuse ``parent``'s low-bit modules ``names`` into one product and re-point them at slices of it;
+    parts of different kinds stay as they are and run one after another."""
     parts = [getattr(parent, n) for n in names]
     if all(isinstance(p, _OutputSlice) for p in parts) and len({id(p.fused) for p in parts}) == 1:
         return parts[0].fused  # fused already (another runner of this model)
-    if not all(isinstance(p, RowwiseInt8Linear) for p in parts):
-        raise SpecDecodeError(f"cannot fuse {[type(p).__name__ for p in parts]}: expected int8 linear modules")
-    fused = RowwiseInt8Linear.concat(parts)
+    if not all(isinstance(p, LOWBIT_TYPES) for p in parts):
+        raise SpecDecodeError(f"cannot fuse {[type(p).__name__ for p in parts]}: expected low-bit linear modules")
+    fused = concat_lowbit(parts)
+    if fused is None:
+        return _Parts(parts)
     start = 0
     for name, part in zip(names, parts):
         setattr(parent, name, _OutputSlice(fused, start, start + part.out_features))
@@ -126,16 +142,17 @@ def _fuse(linears: list[torch.nn.Linear]) -> torch.Tensor:
     return fused
 
 
-def _mm(weight, x: torch.Tensor, kernel: str | None = None) -> torch.Tensor:
+def _mm(weight, x: torch.Tensor, kernel: str | None = None, exact: bool = True) -> torch.Tensor:
     """x [n, in] -> [n, out].
 
     ``kernel`` (the batch-invariant forward): :func:`specdecode.kernels.row_product` with that kernel.
     Otherwise float32 weights with few rows: ``(W @ x.T).T`` (torch's few-row ``F.linear``
     takes a slow path on these CPUs); bfloat16 / float16 and many rows:
-    ``F.linear``. A quantized module: the module itself (row-invariant by construction).
+    ``F.linear``. A low-bit module: the module itself (row-invariant by construction; ``exact=False``,
+    a prompt's prefill, lets it run one dequantized product for many rows).
     """
     if not isinstance(weight, torch.Tensor):
-        return weight(x)
+        return weight(x, exact=exact)
     if kernel is not None:
         return row_product(kernel, weight, x)
     if x.shape[0] > 16 or weight.dtype != torch.float32:
@@ -148,13 +165,13 @@ class OwnedRunner(SlotRunner):
 
     Args:
         model: a ``LlamaForCausalLM`` / ``Qwen2ForCausalLM`` (eval mode); its q/k/v and gate/up
-            weights are re-pointed at fused tensors (shared storage), int8 modules are fused.
+            weights are re-pointed at fused tensors (shared storage), low-bit modules are fused.
         num_slots, max_context: as :class:`~specdecode.kv.base.SlotRunner`.
 
     Numerics, the batch-invariance contract: with ``batch_invariant`` a token's logits do not depend
     on how many tokens share a decoding / verification forward (one row or k + 1; one request or a
-    batch), so speculative output equals plain decoding token for token. Products: int8 weights
-    (``kernels.RowwiseInt8Linear``) give integer sums that do not depend on the other rows; float
+    batch), so speculative output equals plain decoding token for token. Products: low-bit weights
+    (``lowbit.GroupInt8Linear`` / ``GroupInt4Linear``) accumulate every row in one fixed order; float
     weights run :func:`specdecode.kernels.row_product` as zero-padded blocks of exactly ``ROW_BLOCK``
     rows (one shape, one kernel, one summation order; checked per machine by
     ``precision.check_batch_invariance``; a one-token step then costs a
@@ -197,7 +214,7 @@ class OwnedRunner(SlotRunner):
         self.dtype = self.embed.dtype
         # float32 like the Hugging Face rotary embedding, so both forwards rotate identically
         self.inv_freq = 1.0 / (theta ** (torch.arange(0, self.head_dim, 2, dtype=torch.int64).float() / self.head_dim))
-        int8 = any(isinstance(l.qkv, RowwiseInt8Linear) for l in self.layers)
+        int8 = any(not isinstance(l.qkv, torch.Tensor) for l in self.layers)  # low-bit modules
         if batch_invariant is None:
             batch_invariant = default_batch_invariant(model)
         self.batch_invariant = bool(batch_invariant or int8)
@@ -269,7 +286,7 @@ class OwnedRunner(SlotRunner):
         kept = {0: x} if capture and 0 in capture else {}
         for i in range(self.num_layers) if layers is None else layers:
             layer = self.layers[i]
-            qkv = _mm(layer.qkv, _rms_norm(x, layer.ln1, self.eps), kernel)
+            qkv = _mm(layer.qkv, _rms_norm(x, layer.ln1, self.eps), kernel, exact)
             if layer.qkv_bias is not None:
                 qkv = qkv + layer.qkv_bias
             qs, ks, vs = qkv.split([h * d, kvh * d, kvh * d], dim=-1)
@@ -292,9 +309,9 @@ class OwnedRunner(SlotRunner):
                 attn_mask=attn_mask,
                 enable_gqa=h != kvh,
             ).to(x.dtype)
-            x = x + _mm(layer.o, attn.transpose(1, 2).reshape(n, h * d), kernel)
-            gate, up = _mm(layer.gate_up, _rms_norm(x, layer.ln2, self.eps), kernel).chunk(2, dim=-1)
-            x = x + _mm(layer.down, F.silu(gate) * up, kernel)
+            x = x + _mm(layer.o, attn.transpose(1, 2).reshape(n, h * d), kernel, exact)
+            gate, up = _mm(layer.gate_up, _rms_norm(x, layer.ln2, self.eps), kernel, exact).chunk(2, dim=-1)
+            x = x + _mm(layer.down, F.silu(gate) * up, kernel, exact)
             if capture and i + 1 in capture:
                 kept[i + 1] = x
         if capture:
@@ -305,7 +322,7 @@ class OwnedRunner(SlotRunner):
         if last is not None:
             x = x[torch.arange(b), last].unsqueeze(1)  # [b, 1, hidden]
         hidden = _rms_norm(x.reshape(-1, x.shape[-1]), self.norm, self.eps)
-        return _mm(self.lm_head, hidden, kernel).float().view(b, x.shape[1], -1)
+        return _mm(self.lm_head, hidden, kernel, exact).float().view(b, x.shape[1], -1)
 
     def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [n, d/2] float32

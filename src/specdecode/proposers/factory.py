@@ -35,8 +35,7 @@ import typing
 from collections.abc import Callable
 
 from specdecode import layer_search
-from specdecode.kernels import set_weight_precision
-from specdecode.models import check_compatible, load_model
+from specdecode.models import check_compatible
 from specdecode.proposers.base import PROPOSERS, Proposer
 from specdecode.proposers.eagle import EagleDraftConfig
 from specdecode.proposers.layer_skip import LayerSkipConfig
@@ -143,7 +142,8 @@ def load_draft_model(choice: DraftChoice, target, target_spec: str, *, weights: 
     The draft is ``target`` itself (one module; each proposer keeps its own cache) when its spec
     is ``target_spec`` and it runs in the target's precision; otherwise it is loaded with
     :func:`specdecode.models.load_model` (``load_kwargs``: dtype, cache_dir, progress), checked
-    for a tokenizer shared with the target, and set to ``draft_weights``.
+    for a tokenizer shared with the target, in ``draft_weights`` (``lowbit.load_in_precision``: int4 /
+    int8 weights come from their cache when one exists).
 
     Args:
         choice: the parsed ``--draft``.
@@ -159,9 +159,10 @@ def load_draft_model(choice: DraftChoice, target, target_spec: str, *, weights: 
     draft_weights = draft_weights or weights
     if spec == target_spec and draft_weights == weights:
         return target
-    draft = load_model(spec, **load_kwargs)
+    from specdecode.lowbit import load_in_precision
+
+    draft = load_in_precision(spec, draft_weights, **load_kwargs)
     check_compatible(target, draft)
-    set_weight_precision(draft.model, draft_weights)
     return draft
 
 

@@ -1,0 +1,172 @@
+// Weight-only low-bit products for decoding and verification on x86 CPUs with AVX-512.
+//
+// out[m, n] = sum_k x[m, k] * w[n, k] for a few rows m (one decoding step: 1; a verification:
+// gamma + 1; a batch: rows x tokens), where w is stored as GGUF-style groups of consecutive k:
+//   int4:  w = scale[n, g] * q + offset[n, g], q in 0..15, group of 32 (16 bytes: byte j holds
+//          element j in its low nibble and element j + 16 in its high nibble);
+//   int8:  w = scale[n, g] * q, q in -128..127, group of 16 or 32.
+// Every weight byte is read once per call, whatever the number of rows; each group is expanded
+// to float32 in registers and multiplied into every row's accumulators.
+//
+// Row invariance (what keeps speculative output equal to plain decoding): row m's sum is
+// accumulated in one fixed order (four float32 accumulators per row, split by group parity and
+// by half group, added in a fixed order at the end) that depends neither on how many rows share
+// the call nor on how the output columns are split across threads (threads split n, never k).
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <type_traits>
+
+namespace {
+
+constexpr int kRowsPerPass = 4;
+
+inline float finish(__m512 a, __m512 b, __m512 c, __m512 d) {
+  return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a, b), _mm512_add_ps(c, d)));
+}
+
+template <int R>
+void int4_column(const float* x, int64_t ldx, const uint8_t* w, const float* s, const float* o,
+                 int64_t groups, float* out, int64_t ldo) {
+  __m512 acc[R][4];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_setzero_ps();
+  const __m512i low = _mm512_set1_epi32(0xF);
+  // one group into accumulators P, P + 1 (a compile-time pair, so the accumulators stay in registers)
+  auto group = [&](int64_t g, auto pair) {
+    constexpr int P = decltype(pair)::value;
+    const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 16 * g)));
+    const __m512 sc = _mm512_set1_ps(s[g]), of = _mm512_set1_ps(o[g]);
+    const __m512 w0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(b, low)), sc, of);
+    const __m512 w1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4)), sc, of);
+    const float* xg = x + 32 * g;
+    for (int r = 0; r < R; ++r) {
+      acc[r][P] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xg + r * ldx), acc[r][P]);
+      acc[r][P + 1] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xg + r * ldx + 16), acc[r][P + 1]);
+    }
+  };
+  int64_t g = 0;
+  for (; g + 1 < groups; g += 2) {
+    group(g, std::integral_constant<int, 0>{});
+    group(g + 1, std::integral_constant<int, 2>{});
+  }
+  if (g < groups) group(g, std::integral_constant<int, 0>{});
+  for (int r = 0; r < R; ++r) out[r * ldo] = finish(acc[r][0], acc[r][1], acc[r][2], acc[r][3]);
+}
+
+template <int R, int G>
+void int8_column(const float* x, int64_t ldx, const int8_t* w, const float* s, int64_t groups, float* out,
+                 int64_t ldo) {
+  __m512 acc[R][4];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_setzero_ps();
+  auto group = [&](int64_t g, auto pair) {
+    constexpr int P = decltype(pair)::value;
+    const __m512 sc = _mm512_set1_ps(s[g]);
+    const float* xg = x + G * g;
+    for (int h = 0; h < G / 16; ++h) {
+      const __m512i b = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + G * g + 16 * h)));
+      const __m512 wv = _mm512_mul_ps(_mm512_cvtepi32_ps(b), sc);
+      for (int r = 0; r < R; ++r)
+        acc[r][P + h] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(xg + r * ldx + 16 * h), acc[r][P + h]);
+    }
+  };
+  int64_t g = 0;
+  for (; g + 1 < groups; g += 2) {
+    group(g, std::integral_constant<int, 0>{});
+    group(g + 1, std::integral_constant<int, 2>{});
+  }
+  if (g < groups) group(g, std::integral_constant<int, 0>{});
+  for (int r = 0; r < R; ++r) out[r * ldo] = finish(acc[r][0], acc[r][1], acc[r][2], acc[r][3]);
+}
+
+template <typename Column>
+void over_rows(int64_t rows, int64_t n_out, Column column) {
+  // threads split the output columns; every column runs its rows in passes of kRowsPerPass
+  const int64_t grain = std::max<int64_t>(16, n_out / (8 * at::get_num_threads()) + 1);
+  at::parallel_for(0, n_out, grain, [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; ++n)
+      for (int64_t r0 = 0; r0 < rows; r0 += kRowsPerPass) column(n, r0, std::min<int64_t>(kRowsPerPass, rows - r0));
+  });
+}
+
+void check_x(const torch::Tensor& x, int64_t k) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(),
+              "x must be a contiguous float32 [rows, in_features] tensor");
+  TORCH_CHECK(x.size(1) == k, "x has ", x.size(1), " features, the weight ", k);
+}
+
+}  // namespace
+
+torch::Tensor int4_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales, torch::Tensor offsets) {
+  TORCH_CHECK(qweight.scalar_type() == torch::kUInt8 && qweight.is_contiguous(), "qweight: contiguous uint8 [out, in/2]");
+  const int64_t n_out = qweight.size(0), k = qweight.size(1) * 2, groups = k / 32;
+  check_x(x, k);
+  TORCH_CHECK(k % 32 == 0, "in_features must be a multiple of 32");
+  TORCH_CHECK(scales.is_contiguous() && offsets.is_contiguous() && scales.scalar_type() == torch::kFloat32 &&
+              offsets.scalar_type() == torch::kFloat32 && scales.numel() == n_out * groups && offsets.numel() == n_out * groups,
+              "scales / offsets: contiguous float32 [out, in/32]");
+  const int64_t rows = x.size(0);
+  auto out = torch::empty({rows, n_out}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const uint8_t* wp = qweight.data_ptr<uint8_t>();
+  const float *sp = scales.data_ptr<float>(), *op = offsets.data_ptr<float>();
+  float* outp = out.data_ptr<float>();
+  over_rows(rows, n_out, [&](int64_t n, int64_t r0, int64_t r) {
+    const float* xr = xp + r0 * k;
+    const uint8_t* wn = wp + n * (k / 2);
+    const float *sn = sp + n * groups, *on = op + n * groups;
+    float* o = outp + r0 * n_out + n;
+    switch (r) {
+      case 1: int4_column<1>(xr, k, wn, sn, on, groups, o, n_out); break;
+      case 2: int4_column<2>(xr, k, wn, sn, on, groups, o, n_out); break;
+      case 3: int4_column<3>(xr, k, wn, sn, on, groups, o, n_out); break;
+      default: int4_column<4>(xr, k, wn, sn, on, groups, o, n_out); break;
+    }
+  });
+  return out;
+}
+
+torch::Tensor int8_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales, int64_t group) {
+  TORCH_CHECK(qweight.scalar_type() == torch::kInt8 && qweight.is_contiguous(), "qweight: contiguous int8 [out, in]");
+  TORCH_CHECK(group == 16 || group == 32, "group must be 16 or 32");
+  const int64_t n_out = qweight.size(0), k = qweight.size(1), groups = k / group;
+  check_x(x, k);
+  TORCH_CHECK(k % group == 0, "in_features must be a multiple of the group");
+  TORCH_CHECK(scales.is_contiguous() && scales.scalar_type() == torch::kFloat32 && scales.numel() == n_out * groups,
+              "scales: contiguous float32 [out, in/group]");
+  const int64_t rows = x.size(0);
+  auto out = torch::empty({rows, n_out}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const int8_t* wp = qweight.data_ptr<int8_t>();
+  const float* sp = scales.data_ptr<float>();
+  float* outp = out.data_ptr<float>();
+  over_rows(rows, n_out, [&](int64_t n, int64_t r0, int64_t r) {
+    const float* xr = xp + r0 * k;
+    const int8_t* wn = wp + n * k;
+    const float* sn = sp + n * groups;
+    float* o = outp + r0 * n_out + n;
+    if (group == 16) {
+      switch (r) {
+        case 1: int8_column<1, 16>(xr, k, wn, sn, groups, o, n_out); break;
+        case 2: int8_column<2, 16>(xr, k, wn, sn, groups, o, n_out); break;
+        case 3: int8_column<3, 16>(xr, k, wn, sn, groups, o, n_out); break;
+        default: int8_column<4, 16>(xr, k, wn, sn, groups, o, n_out); break;
+      }
+    } else {
+      switch (r) {
+        case 1: int8_column<1, 32>(xr, k, wn, sn, groups, o, n_out); break;
+        case 2: int8_column<2, 32>(xr, k, wn, sn, groups, o, n_out); break;
+        case 3: int8_column<3, 32>(xr, k, wn, sn, groups, o, n_out); break;
+        default: int8_column<4, 32>(xr, k, wn, sn, groups, o, n_out); break;
+      }
+    }
+  });
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("int4_linear", &int4_linear, "x [rows, in] float32 @ int4 groups-of-32 weight [out, in].T");
+  m.def("int8_linear", &int8_linear, "x [rows, in] float32 @ int8 groups-of-16/32 weight [out, in].T");
+}
