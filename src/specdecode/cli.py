@@ -274,7 +274,7 @@ def _add_train_drafter(commands) -> None:
                    help="where the stages keep their files; a rerun resumes there (default: <cache>/eagle/<target>)")
     p.add_argument("--cache-dir", default=None, metavar="DIR", help="model cache (default: $SPECDECODE_CACHE or "
                    "~/.cache/specdecode)")
-    p.add_argument("--weights", default="bf16", choices=("fp32", "bf16", "int8"),
+    p.add_argument("--weights", default="bf16", choices=("fp32", "bf16", "int8", "int4"),
                    help="precision the target runs in while answering and while its features are read: use the "
                         "one you decode with (default: %(default)s)")
     p.add_argument("--prompts", type=int, default=1500, metavar="N", help="training prompts (default: %(default)s)")

@@ -40,7 +40,7 @@ _MODEL_FREE_DRAFTS = ("none", "ngram", "layer-skip")
 
 #: What each explicit --weights does to the weights --dtype loaded, for the refusal of a contradiction.
 _WEIGHTS_DO = {"fp32": "runs float32 weights", "bf16": "runs bfloat16 weights",
-               "int8": "quantizes float32 weights to int8"}
+               "int8": "quantizes float32 weights to int8", "int4": "runs the GGUF file's 4-bit blocks"}
 
 
 def _draft_kind(draft: str | None) -> str:
@@ -182,12 +182,14 @@ def add_drafter_arguments(group: argparse._ArgumentGroup, *, policy_default: str
                             "keeps the model (next-token agreement with float32 >= 97%%, perplexity within 1%%) and "
                             "keeps speculative output equal to plain decoding on this machine, measured at first "
                             "load and cached per machine; fp32: float32 as converted (the reference, slow few-row "
-                            "products on most CPUs); bf16: half the bytes, batch-invariant forward; int8: a quarter "
-                            "of the bytes (fbgemm), token-for-token lossless with the owned Llama/Qwen2 forward but "
-                            "changes the model more (quality figures printed when chosen)")
+                            "products on most CPUs); bf16: half the bytes, batch-invariant forward; int8: weight-only "
+                            "int8 in groups of 32 (about 1.1 bytes per weight); int4: the GGUF file's own 4-bit "
+                            "blocks (the model itself, not a requantization; other tensor types of the file run as "
+                            "int8 groups), about 0.75 bytes per weight. int8 / int4 are cached next to the converted "
+                            "copy after the first load and keep speculative output equal to plain decoding")
     group.add_argument("--draft-weights", default=None, choices=WEIGHT_PRECISIONS,
                        help="precision of the draft model's weights (default: the target's, i.e. what --weights "
-                            "auto picked). int8 = fbgemm int8 linear layers: 4x fewer bytes per draft step; a "
+                            "auto picked). int8 / int4: as --weights, fewer bytes per draft step; a "
                             "draft's precision changes speed only, never the output distribution")
     group.add_argument("--cache-dir", metavar="DIR",
                        help="where converted GGUF models (and layer-skip sets) are cached (default: "

@@ -150,9 +150,9 @@ class SpecDecoder:
             weights: precision the target's weights execute in: "auto" (default: the fastest that keeps
                 the model and keeps speculation exact on this machine, measured once and cached, see
                 :func:`specdecode.precision.choose_precision`; ``decoder.precision`` says what and why),
-                "fp32", "bf16" or "int8" (plain decoding uses the same target, so losslessness is with
+                "fp32", "bf16", "int8" or "int4" (plain decoding uses the same target, so losslessness is with
                 respect to it; see ``kernels.set_weight_precision``).
-            draft_weights: the draft model's precision ("fp32", "bf16", "int8", see
+            draft_weights: the draft model's precision ("fp32", "bf16", "int8", "int4", see
                 :func:`specdecode.kernels.set_weight_precision`); None = the target's.
             status: called with one line before each slow measurement of ``weights="auto"``.
             policy: the draft-length policy's name (see :func:`specdecode.policy.build_policy`).

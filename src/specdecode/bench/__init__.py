@@ -70,15 +70,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "specdecode.kernels; applied to target and drafts, so the HF peer gets it too)")
     p.add_argument("--weights", choices=WEIGHT_CHOICES,
                    help="precision the target's weights execute in (auto: what generate / serve pick, measured "
-                        "once per machine; int8: fbgemm int8 weights, activations per token; plain decoding, "
+                        "once per machine; int8: weight-only int8 groups; int4: the GGUF file's own 4-bit blocks; plain decoding, "
                         "every method and the HF peer run the same target object, so outputs are compared like "
                         "for like) (default: fp32, the reference the published reports use)")
     p.add_argument("--llama-cpp", action="store_true", default=None,
                    help="also run llama.cpp (llama-cpp-python) on the target's GGUF file: plain decoding and its "
                         "prompt lookup as the n-gram method's peer, timed the same way (optional dependency)")
     p.add_argument("--draft-weights", choices=WEIGHT_PRECISIONS,
-                   help="precision of draft models' weights (int8: fbgemm int8 linear layers, 4x fewer bytes per "
-                        "draft step; the HF peer uses the same draft objects) (default: fp32)")
+                   help="precision of draft models' weights (int8 / int4 as --weights: fewer bytes per draft step; "
+                        "the HF peer uses the same draft objects) (default: fp32)")
     p.add_argument("--threads", type=int, metavar="N", help="torch threads (default: torch's)")
     p.add_argument("--remeasure-bandwidth", action="store_true", default=None,
                    help="measure the memory read bandwidth of the report's roofline table again (it is measured "

@@ -40,6 +40,7 @@ from specdecode.bench.env import environment
 from specdecode.bench.records import RECORDS_FILE, RecordStore  # noqa: F401 - re-exported
 from specdecode.eagle.head import EagleCheckpointError
 from specdecode.types import SpecDecodeError
+from specdecode.options import WEIGHT_CHOICES, WEIGHT_PRECISIONS
 
 logger = logging.getLogger(__name__)
 
@@ -285,10 +286,11 @@ class BenchConfig:
             raise SpecDecodeError(f"--threads must be >= 1, got {self.threads}")
         if not self.datasets:
             raise SpecDecodeError("no dataset selected")
-        if self.weights not in ("auto", "fp32", "bf16", "int8"):
-            raise SpecDecodeError(f"unknown weight precision {self.weights!r}; choose one of auto, fp32, bf16, int8")
-        if self.draft_weights not in ("fp32", "bf16", "int8"):
-            raise SpecDecodeError(f"unknown weight precision {self.draft_weights!r}; choose one of fp32, bf16, int8")
+        if self.weights not in WEIGHT_CHOICES:
+            raise SpecDecodeError(f"unknown weight precision {self.weights!r}; choose one of {', '.join(WEIGHT_CHOICES)}")
+        if self.draft_weights not in WEIGHT_PRECISIONS:
+            raise SpecDecodeError(f"unknown weight precision {self.draft_weights!r}; choose one of "
+                                  f"{', '.join(WEIGHT_PRECISIONS)}")
         if self.kernel not in KERNELS:
             raise SpecDecodeError(f"unknown kernel {self.kernel!r}; choose one of {', '.join(KERNELS)}")
 
