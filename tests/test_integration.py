@@ -194,3 +194,54 @@ def test_bf16_logits_are_batch_invariant_on_real_weights(smollm2_bf16):
     finally:
         del loaded.model.config.specdecode_batch_invariant
     print("without the invariant forward:", control.detail)
+
+
+@pytest.fixture(scope="module")
+def smollm2_int4():
+    """SmolLM2 with the GGUF file's own 4-bit blocks (Q4_1 linears, Q8_0 LM head), and its plain decoding."""
+    from specdecode.lowbit import load_in_precision
+
+    loaded = load_in_precision("smollm2-135m", "int4", progress=False)
+    prompts = load_prompts("humaneval:2")
+    encoded = [loaded.tokenizer(p.turns[0])["input_ids"] for p in prompts]
+    params = SamplingParams(max_new_tokens=BF16_NEW_TOKENS, eos_token_ids=loaded.eos_token_ids)
+    plain = SpeculativeEngine(loaded.model, None)
+    expected = [plain.generate(ids, params).token_ids for ids in encoded]
+    return loaded, [p.id for p in prompts], encoded, params, expected
+
+
+def test_int4_is_the_gguf_files_own_model_and_loads_from_its_cache(smollm2, smollm2_int4):
+    """Every 4-bit weight equals the converted float copy's (both are the file's blocks); a second load
+    reads the cached low-bit file instead of the float copy's linear layers."""
+    from specdecode import lowbit
+
+    loaded = smollm2_int4[0]
+    floats = dict(smollm2.model.named_modules())
+    count = 0
+    for name, module in loaded.model.named_modules():
+        if type(module).__name__ == "_OutputSlice":  # q / k / v, gate / up: fused by the owned forward
+            weights = module.fused.dequantize()[module.start : module.end]
+        elif isinstance(module, lowbit.LOWBIT_TYPES) and "." in name and not name.endswith(".fused"):
+            weights = module.dequantize()
+        elif name == "lm_head":
+            weights = module.dequantize()
+        else:
+            continue
+        assert torch.equal(weights, floats[name].weight), name
+        count += 1
+    assert count == 30 * 7 + 1  # q, k, v, o, gate, up, down per layer and the LM head
+    again = lowbit.load_cached("smollm2-135m", lowbit.converted_dir(loaded), loaded.sha256, "int4", True)
+    assert again is not None
+
+
+@pytest.mark.parametrize("drafter, gamma", [("ngram", 3), ("suffix", 4), ("layer-skip", 3), ("draft-model", 4),
+                                            ("tree-dynamic", 4)])
+def test_int4_greedy_speculative_equals_plain_decoding_exactly(smollm2_int4, smollm2_int8_draft, drafter, gamma):
+    loaded, ids, encoded, params, expected = smollm2_int4
+    spec = SpeculativeEngine(loaded.model, _bf16_drafter(drafter, loaded.model, smollm2_int8_draft),
+                             EngineConfig(num_speculative_tokens=gamma, max_batch_size=2))
+    outs = spec.generate_batch(encoded, params)
+    failures = [f"{pid}: {_describe(out.token_ids, want, i)}" for pid, out, want in zip(ids, outs, expected)
+                if (i := _divergence(out.token_ids, want)) is not None]
+    assert failures == [], f"int4 {drafter} k={gamma}: " + "; ".join(failures)
+    assert sum(o.metrics.num_drafted_tokens for o in outs) > 0
