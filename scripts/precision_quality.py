@@ -16,10 +16,12 @@ import argparse
 import copy
 import json
 import math
+from dataclasses import replace
 
 import torch
 
 from specdecode.kernels import set_weight_precision
+from specdecode.lowbit import quantize_loaded
 from specdecode.models import load_model
 from specdecode.precision import measure_quality, quality_gate, quality_texts, teacher_forced
 
@@ -27,16 +29,16 @@ from specdecode.precision import measure_quality, quality_gate, quality_texts, t
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", default="smollm2-135m")
-    ap.add_argument("--precisions", default="bf16,int8", help="compared with float32 (the reference)")
+    ap.add_argument("--precisions", default="bf16,int8,int4", help="compared with float32 (the reference)")
     ap.add_argument("--limit", type=int, default=2, help="prompts per Spec-Bench category")
     ap.add_argument("--max-tokens", type=int, default=512, help="tokens kept per text")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--json")
     args = ap.parse_args()
     precisions = [x for x in args.precisions.split(",") if x and x != "fp32"]
-    unknown = [x for x in precisions if x not in ("bf16", "int8")]
+    unknown = [x for x in precisions if x not in ("bf16", "int8", "int4")]
     if unknown:
-        ap.error(f"unknown precision(s) {unknown}; choose from bf16, int8, e.g. --precisions bf16,int8")
+        ap.error(f"unknown precision(s) {unknown}; choose from bf16, int8, int4, e.g. --precisions bf16,int8,int4")
     if args.threads:
         torch.set_num_threads(args.threads)
     lm = load_model(args.target, progress=False)
@@ -45,7 +47,10 @@ def main() -> None:
     rows = {"fp32": {"nll": ref_nll / n, "perplexity": math.exp(ref_nll / n), "argmax_agreement_with_fp32": 1.0,
                      "perplexity_change": 0.0, "tokens": n, "passes": True}}
     for precision in precisions:
-        model = set_weight_precision(copy.deepcopy(lm.model), precision)
+        if precision in ("int8", "int4"):  # int4: the GGUF file's own blocks (as --weights int4 loads them)
+            model = quantize_loaded(replace(lm, model=copy.deepcopy(lm.model)), precision)
+        else:
+            model = set_weight_precision(copy.deepcopy(lm.model), precision)
         report = measure_quality(lm.model, model, precision, texts, (ref_argmax, ref_nll, n))
         rows[precision] = {"nll": report.nll, "perplexity": math.exp(report.nll),
                            "argmax_agreement_with_fp32": report.argmax_agreement,

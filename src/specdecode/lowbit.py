@@ -494,6 +494,7 @@ def load_modules(path: Path, source: dict) -> dict[str, _GroupLinear] | None:
 
 def install(model: torch.nn.Module, modules: dict[str, _GroupLinear]) -> torch.nn.Module:
     """Replace ``model``'s linear layers by ``modules`` (in place; activations run in float32)."""
+    model.__dict__.pop("_specdecode_fused_layers", None)  # owned-forward weight views of the old precision
     model.float()
     for name, module in modules.items():
         _set_module(model, name, module)

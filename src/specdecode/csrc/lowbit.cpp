@@ -32,14 +32,16 @@ void int4_column(const float* x, int64_t ldx, const uint8_t* w, const float* s, 
   __m512 acc[R][4];
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_setzero_ps();
-  const __m512i low = _mm512_set1_epi32(0xF);
+  const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   // one group into accumulators P, P + 1 (a compile-time pair, so the accumulators stay in registers)
   auto group = [&](int64_t g, auto pair) {
     constexpr int P = decltype(pair)::value;
+    // the group's 16 possible weights, fma(q, scale, offset) for q = 0..15, then a table lookup per
+    // element (vpermps reads the low 4 bits of each index: the low nibble as it is)
+    const __m512 table = _mm512_fmadd_ps(iota, _mm512_set1_ps(s[g]), _mm512_set1_ps(o[g]));
     const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 16 * g)));
-    const __m512 sc = _mm512_set1_ps(s[g]), of = _mm512_set1_ps(o[g]);
-    const __m512 w0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(b, low)), sc, of);
-    const __m512 w1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4)), sc, of);
+    const __m512 w0 = _mm512_permutexvar_ps(b, table);
+    const __m512 w1 = _mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), table);
     const float* xg = x + 32 * g;
     for (int r = 0; r < R; ++r) {
       acc[r][P] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xg + r * ldx), acc[r][P]);
