@@ -47,7 +47,7 @@ logger = logging.getLogger(__name__)
 #: weight and runs one float32 matrix product instead of the few-row kernel.
 PREFILL_ROWS = 32
 
-_SOURCE = Path(__file__).with_name("csrc") / "lowbit.cpp"
+_SOURCES = [Path(__file__).with_name("csrc") / name for name in ("lowbit.cpp", "step.cpp")]
 _lock = threading.Lock()
 _kernel = None  # the compiled module, False once its build failed
 _kernel_note = "not loaded yet"
@@ -81,7 +81,7 @@ def load_kernel(cache_dir: str | Path | None = None):
             return None
         from specdecode.models import default_cache_dir
 
-        digest = hashlib.sha256(_SOURCE.read_bytes()).hexdigest()[:12]
+        digest = hashlib.sha256(b"".join(s.read_bytes() for s in _SOURCES)).hexdigest()[:12]
         base = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
         build = base / "kernels" / f"lowbit-{torch.__version__.split('+')[0]}-{digest}"
         try:
@@ -89,7 +89,7 @@ def load_kernel(cache_dir: str | Path | None = None):
 
             build.mkdir(parents=True, exist_ok=True)
             flags = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma", "-fopenmp"]
-            _kernel = load(f"specdecode_lowbit_{digest}", [str(_SOURCE)], extra_cflags=flags,
+            _kernel = load(f"specdecode_lowbit_{digest}", [str(s) for s in _SOURCES], extra_cflags=flags,
                            extra_ldflags=["-fopenmp"], build_directory=str(build), verbose=False)
             _kernel_note = f"AVX-512 kernel ({build})"
         except Exception as exc:  # noqa: BLE001 - no compiler / headers / ninja: the reference runs

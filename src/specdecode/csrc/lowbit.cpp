@@ -168,7 +168,10 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor 
   return out;
 }
 
+void register_step(py::module_& m);  // step.cpp
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  register_step(m);
   m.def("int4_linear", &int4_linear, "x [rows, in] float32 @ int4 groups-of-32 weight [out, in].T");
   m.def("int8_linear", &int8_linear, "x [rows, in] float32 @ int8 groups-of-16/32 weight [out, in].T");
 }

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from specdecode.kernels import ROW_BLOCK, row_product
-from specdecode.lowbit import LOWBIT_TYPES, concat as concat_lowbit
+from specdecode.lowbit import LOWBIT_TYPES, PREFILL_ROWS, concat as concat_lowbit
 from specdecode.kv.base import SlotRunner
 from specdecode.types import SpecDecodeError
 
@@ -218,11 +218,13 @@ class OwnedRunner(SlotRunner):
         if batch_invariant is None:
             batch_invariant = default_batch_invariant(model)
         self.batch_invariant = bool(batch_invariant or int8)
+        self.lowbit = int8
         self.cache_dtype = torch.float64 if self.batch_invariant else self.dtype
         #: The product kernel of float weights in decoding / verification forwards
         #: (``kernels.row_product``; None: int8 modules, row-invariant themselves, or not invariant).
         self.row_kernel = "padded" if batch_invariant and not int8 else None
         self.k_cache = self.v_cache = None
+        self._native = None  # the layer loop in C++ (built on first use; False: unavailable)
 
     #: This forward can run a subset of the layers (layer-skip drafting).
     skips_layers = True
@@ -284,7 +286,14 @@ class OwnedRunner(SlotRunner):
         att_dtype = x.dtype if last is not None and n > ROW_BLOCK else self.cache_dtype
         capture = self.capture_layers if layers is None else None  # a draft head's features (full forwards)
         kept = {0: x} if capture and 0 in capture else {}
-        for i in range(self.num_layers) if layers is None else layers:
+        # (a low-bit prompt's prefill stays in Python: its products dequantize, which only the module does)
+        whole = layers is None and not capture and (exact or n <= PREFILL_ROWS or not self.lowbit)
+        native = self._native_stack() if whole else None
+        if native is not None:  # the same operations as the loop below, in one C++ call
+            x = native.run(x, cos, sin, self.k_cache, self.v_cache, rows.start or 0, rows.stop, columns,
+                           -1 if start is None else start, attn_mask, kv_len, att_dtype == self.cache_dtype,
+                           kernel == "padded")
+        for i in () if native is not None else range(self.num_layers) if layers is None else layers:
             layer = self.layers[i]
             qkv = _mm(layer.qkv, _rms_norm(x, layer.ln1, self.eps), kernel, exact)
             if layer.qkv_bias is not None:
@@ -324,10 +333,52 @@ class OwnedRunner(SlotRunner):
         hidden = _rms_norm(x.reshape(-1, x.shape[-1]), self.norm, self.eps)
         return _mm(self.lm_head, hidden, kernel, exact).float().view(b, x.shape[1], -1)
 
+    def _native_stack(self):
+        """The C++ layer loop (``csrc/step.cpp``) over this runner's weights, or None: the extension did
+        not build, ``SPECDECODE_NATIVE_STEP=0``, or a product this loop does not know."""
+        if self._native is None:
+            self._native = _build_native(self) or False
+        return self._native or None
+
     def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [n, d/2] float32
         emb = torch.cat([freqs, freqs], dim=-1)
         return emb.cos().to(self.dtype), emb.sin().to(self.dtype)
+
+
+def _native_parts(weight) -> list[tuple] | None:
+    """A product's parts as the C++ loop takes them: (kind, a, b, c, group, bias)."""
+    if isinstance(weight, torch.Tensor):
+        return [(0, weight, None, None, 0, None)]
+    if isinstance(weight, _Parts):
+        parts = [_native_parts(p) for p in weight.parts]
+        return None if any(p is None for p in parts) else [x for p in parts for x in p]
+    from specdecode.lowbit import GroupInt4Linear, GroupInt8Linear
+
+    if isinstance(weight, GroupInt4Linear):
+        return [(1, weight.qweight, weight.scales, weight.offsets, 32, weight.bias)]
+    if isinstance(weight, GroupInt8Linear):
+        return [(2, weight.qweight, weight.scales, None, weight.group, weight.bias)]
+    return None
+
+
+def _build_native(runner: OwnedRunner):
+    import os
+
+    from specdecode.lowbit import load_kernel
+
+    if os.environ.get("SPECDECODE_NATIVE_STEP", "1") == "0":
+        return None
+    kernel = load_kernel()
+    if kernel is None or not hasattr(kernel, "LayerStack"):
+        return None
+    stack = kernel.LayerStack(runner.num_heads, runner.num_kv_heads, runner.head_dim, runner.eps)
+    for layer in runner.layers:
+        products = [_native_parts(w) for w in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+        if any(p is None for p in products):
+            return None
+        stack.add_layer(layer.ln1, layer.ln2, layer.qkv_bias, products)
+    return stack
 
 
 def default_batch_invariant(model: torch.nn.Module) -> bool:
