@@ -8,7 +8,7 @@ import torch
 
 from specdecode.kernels import set_weight_precision
 from specdecode.kv import make_runner
-from specdecode.kv.owned import supports
+from specdecode.kv.owned import OwnedRunner, supports
 from specdecode.types import SpecDecodeError
 from tiny import assert_cache_is_fresh_prefill, close, reference, tiny_llama, tiny_mistral, tiny_qwen2
 
@@ -286,8 +286,6 @@ def test_the_contract_comparison_detects_a_forward_that_is_not_batch_invariant()
 def test_the_c_plus_plus_layer_loop_equals_the_python_loop_bit_for_bit(monkeypatch, precision):
     """csrc/step.cpp runs the same ATen operations as OwnedRunner._run's loop: one row, a verification,
     a ragged batch of two rows and a prompt-sized prefill give the same bits either way."""
-    from specdecode.kernels import set_weight_precision
-
     model = set_weight_precision(tiny_llama(seed=0, dtype=torch.float32, hidden=64), precision)
 
     def run(native: str):
