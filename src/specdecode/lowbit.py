@@ -88,7 +88,7 @@ def load_kernel(cache_dir: str | Path | None = None):
             from torch.utils.cpp_extension import load
 
             build.mkdir(parents=True, exist_ok=True)
-            flags = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma", "-mf16c", "-fopenmp"]
+            flags = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma", "-fopenmp"]
             _kernel = load(f"specdecode_lowbit_{digest}", [str(s) for s in _SOURCES], extra_cflags=flags,
                            extra_ldflags=["-fopenmp"], build_directory=str(build), verbose=False)
             _kernel_note = f"AVX-512 kernel ({build})"
@@ -157,40 +157,13 @@ class _GroupLinear(torch.nn.Module):
                 f"{self.group}, bias={self.bias is not None}")
 
 
-def _group_values(per_group: torch.Tensor, per_super: torch.Tensor | None, negate: bool = False) -> torch.Tensor:
-    """[out, groups] float32 values of a group's scale (offset): as stored, or the two-level product
-    ``per_super[n, g // per] * per_group[n, g]`` in float32 (what the kernel and GGUF's dequantizer compute)."""
-    if per_super is None:
-        return per_group.float()
-    per = per_group.shape[1] // per_super.shape[1]
-    out = per_super.repeat_interleave(per, dim=1) * per_group.float()
-    return -out if negate else out
-
-
-def _check_scales(name: str, scales: torch.Tensor, offsets: torch.Tensor | None, super_scales, super_offsets,
-                  shape: tuple[int, int]) -> None:
-    if scales.shape != shape or (offsets is not None and offsets.shape != shape):
-        raise ValueError(f"{name}: scales {tuple(scales.shape)} / offsets "
-                         f"{None if offsets is None else tuple(offsets.shape)} must be {shape}")
-    if super_scales is None:
-        if scales.dtype not in (torch.float32, torch.float16) or (offsets is not None and offsets.dtype != scales.dtype):
-            raise ValueError(f"{name}: per-group scales are float32 or float16, got {scales.dtype}")
-        return
-    if super_scales.dim() != 2 or super_scales.shape[0] != shape[0] or shape[1] % super_scales.shape[1]:
-        raise ValueError(f"{name}: super-block scales {tuple(super_scales.shape)} do not divide {shape}")
-    if super_offsets is not None and super_offsets.shape != super_scales.shape:
-        raise ValueError(f"{name}: super-block offsets {tuple(super_offsets.shape)} differ from the scales'")
-
-
 class GroupInt4Linear(_GroupLinear):
-    """A linear layer with 4-bit weights in groups of 32: ``w[n, k] = scale[n, g] * q + offset[n, g]``.
+    """A linear layer with 4-bit weights in groups of 32: ``w[n, k] = scales[n, g] * q + offsets[n, g]``.
 
     Args:
         qweight: [out, in / 2] uint8; per group of 32, byte j holds element j (low nibble) and
             element j + 16 (high nibble).
-        scales, offsets: [out, in / 32] float32 or float16 (Q4_0 / Q4_1: the file's float16 values);
-            or, with ``super_scales`` / ``super_offsets`` [out, super-blocks] float32, uint8 integers
-            per group (Q4_K: ``scale = d * sc``, ``offset = -(dmin * m)``, 8 groups per super-block).
+        scales, offsets: [out, in / 32] float32.
         bias: [out] or None.
 
     Input [..., in] float; output [..., out] float32. ``in`` must be a multiple of 32.
@@ -199,21 +172,14 @@ class GroupInt4Linear(_GroupLinear):
     group = 32
 
     def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor,
-                 bias: torch.Tensor | None = None, super_scales: torch.Tensor | None = None,
-                 super_offsets: torch.Tensor | None = None) -> None:
+                 bias: torch.Tensor | None = None) -> None:
         super().__init__(qweight.shape[0], qweight.shape[1] * 2, bias)
-        if self.in_features % 32:
-            raise ValueError(f"int4 groups: in_features {self.in_features} is not a multiple of 32")
-        if (super_scales is None) != (super_offsets is None):
-            raise ValueError("int4 groups: give both super-block scales and offsets, or neither")
-        _check_scales("int4 groups", scales, offsets, super_scales, super_offsets,
-                      (self.out_features, self.in_features // 32))
+        if self.in_features % 32 or scales.shape != (self.out_features, self.in_features // 32) or offsets.shape != scales.shape:
+            raise ValueError(f"int4 groups: qweight {tuple(qweight.shape)}, scales {tuple(scales.shape)}, "
+                             f"offsets {tuple(offsets.shape)} do not fit groups of 32")
         self.qweight = qweight.to(torch.uint8).contiguous()
-        two_level = super_scales is not None
-        self.scales = (scales.to(torch.uint8) if two_level else scales).contiguous()
-        self.offsets = (offsets.to(torch.uint8) if two_level else offsets).contiguous()
-        self.super_scales = None if not two_level else super_scales.float().contiguous()
-        self.super_offsets = None if not two_level else super_offsets.float().contiguous()
+        self.scales = scales.float().contiguous()
+        self.offsets = offsets.float().contiguous()
 
     @classmethod
     def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> "GroupInt4Linear":
@@ -227,35 +193,22 @@ class GroupInt4Linear(_GroupLinear):
         q = ((g - lo[..., None]) / scales[..., None]).round().clamp(0, 15).to(torch.uint8)
         return cls(pack_nibbles(q.reshape(n, k)), scales, lo, bias)
 
-    def group_scales(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """([out, in / 32] float32 scales, offsets) as the kernel computes them."""
-        return (_group_values(self.scales, self.super_scales),
-                _group_values(self.offsets, self.super_offsets, negate=self.super_offsets is not None))
-
     def dequantize(self) -> torch.Tensor:
         q = unpack_nibbles(self.qweight).reshape(self.out_features, -1, 32).float()
-        scales, offsets = self.group_scales()
-        return (q * scales[..., None] + offsets[..., None]).reshape(self.out_features, self.in_features)
+        return (q * self.scales[..., None] + self.offsets[..., None]).reshape(self.out_features, self.in_features)
 
     def _kernel_call(self, kernel, x):
-        return kernel.int4_linear(x, self.qweight, self.scales, self.offsets, self.super_scales, self.super_offsets)
+        return kernel.int4_linear(x, self.qweight, self.scales, self.offsets)
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
-        out = {"qweight": self.qweight, "scales": self.scales, "offsets": self.offsets}
-        if self.super_scales is not None:
-            out.update(super_scales=self.super_scales, super_offsets=self.super_offsets)
-        return out
+        return {"qweight": self.qweight, "scales": self.scales, "offsets": self.offsets}
 
 
 class GroupInt8Linear(_GroupLinear):
-    """A linear layer with int8 weights in groups of 16 or 32: ``w[n, k] = scale[n, g] * q``.
+    """A linear layer with int8 weights in groups of 16 or 32: ``w[n, k] = scales[n, g] * q``.
 
     Args:
-        qweight: [out, in] int8.
-        scales: [out, in / group] float32 or float16 (Q8_0 / Q5_0: the file's float16 values); or,
-            with ``super_scales`` [out, super-blocks] float32, int8 integers per group (Q6_K:
-            ``scale = d * sc``, 16 groups of 16 per super-block).
-        bias: [out] or None.
+        qweight: [out, in] int8; scales: [out, in / group] float32; bias: [out] or None.
         group: 16 or 32.
     """
 
@@ -263,15 +216,13 @@ class GroupInt8Linear(_GroupLinear):
     bits = 8
 
     def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None,
-                 group: int = 32, super_scales: torch.Tensor | None = None) -> None:
+                 group: int = 32) -> None:
         super().__init__(qweight.shape[0], qweight.shape[1], bias)
-        if group not in (16, 32) or self.in_features % group:
-            raise ValueError(f"int8 groups: in_features {self.in_features} does not split into groups of {group}")
-        _check_scales("int8 groups", scales, None, super_scales, None, (self.out_features, self.in_features // group))
+        if group not in (16, 32) or self.in_features % group or scales.shape != (self.out_features, self.in_features // group):
+            raise ValueError(f"int8 groups: qweight {tuple(qweight.shape)}, scales {tuple(scales.shape)}, group {group}")
         self.group = int(group)
         self.qweight = qweight.to(torch.int8).contiguous()
-        self.scales = (scales.to(torch.int8) if super_scales is not None else scales).contiguous()
-        self.super_scales = None if super_scales is None else super_scales.float().contiguous()
+        self.scales = scales.float().contiguous()
 
     @classmethod
     def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None = None, group: int = 32) -> "GroupInt8Linear":
@@ -283,48 +234,33 @@ class GroupInt8Linear(_GroupLinear):
         q = (g / scales[..., None]).round().clamp(-127, 127).to(torch.int8)
         return cls(q.reshape(n, k), scales, bias, group)
 
-    def group_scales(self) -> torch.Tensor:
-        """[out, in / group] float32 scales as the kernel computes them."""
-        return _group_values(self.scales, self.super_scales)
-
     def dequantize(self) -> torch.Tensor:
         q = self.qweight.reshape(self.out_features, -1, self.group).float()
-        return (q * self.group_scales()[..., None]).reshape(self.out_features, self.in_features)
+        return (q * self.scales[..., None]).reshape(self.out_features, self.in_features)
 
     def _kernel_call(self, kernel, x):
-        return kernel.int8_linear(x, self.qweight, self.scales, self.group, self.super_scales)
+        return kernel.int8_linear(x, self.qweight, self.scales, self.group)
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
-        out = {"qweight": self.qweight, "scales": self.scales}
-        if self.super_scales is not None:
-            out["super_scales"] = self.super_scales
-        return out
+        return {"qweight": self.qweight, "scales": self.scales}
 
 
 LOWBIT_TYPES = (GroupInt4Linear, GroupInt8Linear)
 
 
-def _layout(m: _GroupLinear) -> tuple:
-    return (type(m), m.group, m.in_features, tuple((k, t.dtype, t.shape[1:]) for k, t in m.state_tensors().items()))
-
-
-def _build(kind: str, tensors: dict[str, torch.Tensor], bias, group: int) -> _GroupLinear:
-    if kind == "GroupInt4Linear":
-        return GroupInt4Linear(tensors["qweight"], tensors["scales"], tensors["offsets"], bias,
-                               tensors.get("super_scales"), tensors.get("super_offsets"))
-    return GroupInt8Linear(tensors["qweight"], tensors["scales"], bias, group, tensors.get("super_scales"))
-
-
 def concat(parts: list[_GroupLinear]) -> _GroupLinear | None:
     """One module computing ``cat([p(x) for p in parts], -1)`` in one product, or None when the
-    parts differ in kind, group or scale layout (then they run one after another)."""
-    if len({_layout(p) for p in parts}) != 1:
+    parts differ in kind or group (then they run one after another)."""
+    kinds = {(type(p), p.group, p.in_features) for p in parts}
+    if len(kinds) != 1:
         return None
     biases = None
     if any(p.bias is not None for p in parts):
         biases = torch.cat([p.bias if p.bias is not None else torch.zeros(p.out_features) for p in parts])
     tensors = {name: torch.cat([p.state_tensors()[name] for p in parts]) for name in parts[0].state_tensors()}
-    return _build(type(parts[0]).__name__, tensors, biases, parts[0].group)
+    if isinstance(parts[0], GroupInt4Linear):
+        return GroupInt4Linear(tensors["qweight"], tensors["scales"], tensors["offsets"], biases)
+    return GroupInt8Linear(tensors["qweight"], tensors["scales"], biases, parts[0].group)
 
 
 def pack_nibbles(q: torch.Tensor) -> torch.Tensor:
@@ -349,20 +285,16 @@ GGUF_BLOCKS = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q4_K": (256, 144), "Q5_0": (
 
 
 def _f16(raw: np.ndarray) -> np.ndarray:
-    return raw.copy().view(np.float16)[..., 0]
+    return raw.copy().view(np.float16).astype(np.float32)[..., 0]
 
 
-def decode_blocks(kind: str, raw: np.ndarray, rows: int, cols: int) -> dict:
-    """One GGUF tensor's raw blocks, unpacked without changing a value.
-
-    Returns a dict: ``bits`` (4 or 8), ``q`` [rows, cols] (uint8 0..15 / int8), ``group`` (32; Q6_K:
-    16), and the scales: ``scales`` / ``offsets`` [rows, groups] float16 (Q4_0, Q4_1, Q5_0, Q8_0:
-    the file's own numbers), or two levels: ``scales`` / ``offsets`` integers per group with
-    ``super_scales`` / ``super_offsets`` float32 per super-block (Q4_K: ``d * sc`` and
-    ``-(dmin * m)``; Q6_K: ``d * sc``). :func:`float_scales` gives the float32 values, with which
-    ``scale * q + offset`` is what ``gguf.dequantize`` returns.
+def decode_blocks(kind: str, raw: np.ndarray, rows: int, cols: int) -> tuple:
+    """One GGUF tensor's raw blocks -> ("int4", q [rows, cols] uint8, scales, offsets [rows, cols/32])
+    or ("int8", q [rows, cols] int8, scales [rows, cols/group], group).
 
     ``raw``: the tensor's bytes ([rows, bytes per row] uint8, as ``gguf.GGUFReader`` gives them).
+    Scales and offsets are float32 and exact: ``scales * q + offsets`` is what ``gguf.dequantize``
+    returns (up to float32 rounding of that one expression).
 
     Raises:
         SpecDecodeError: a type this module does not read, or a size that does not fit.
@@ -377,10 +309,10 @@ def decode_blocks(kind: str, raw: np.ndarray, rows: int, cols: int) -> dict:
         d = _f16(b[..., 0:2])
         qs = b[..., 4:20] if kind == "Q4_1" else b[..., 2:18]
         q = np.concatenate([qs & 0xF, qs >> 4], axis=-1)  # [rows, blocks, 32]: element j, then j + 16
-        offsets = _f16(b[..., 2:4]) if kind == "Q4_1" else (-8 * d.astype(np.float32)).astype(np.float16)
-        return {"bits": 4, "q": q.reshape(rows, cols), "group": 32, "scales": d, "offsets": offsets}
+        offsets = _f16(b[..., 2:4]) if kind == "Q4_1" else -8 * d
+        return "int4", q.reshape(rows, cols), d, offsets.astype(np.float32)
     if kind == "Q4_K":
-        d, dmin = _f16(b[..., 0:2]).astype(np.float32), _f16(b[..., 2:4]).astype(np.float32)
+        d, dmin = _f16(b[..., 0:2]), _f16(b[..., 2:4])
         sc_raw, qs = b[..., 4:16], b[..., 16:144]
         sc = np.empty(b.shape[:2] + (8,), np.uint8)
         mn = np.empty_like(sc)
@@ -389,20 +321,25 @@ def decode_blocks(kind: str, raw: np.ndarray, rows: int, cols: int) -> dict:
         mn[..., 4:] = (sc_raw[..., 8:12] >> 4) | ((sc_raw[..., 4:8] >> 6) << 4)
         chunks = qs.reshape(rows, -1, 4, 32)  # 4 chunks of 32 bytes: sub-blocks 2c (low) and 2c + 1 (high)
         q = np.stack([chunks & 0xF, chunks >> 4], axis=3)  # [rows, blocks, 4, 2, 32]
-        return {"bits": 4, "q": q.reshape(rows, cols), "group": 32, "scales": sc.reshape(rows, -1),
-                "offsets": mn.reshape(rows, -1), "super_scales": d, "super_offsets": dmin}
+        scales = d[..., None] * sc.astype(np.float32)
+        offsets = -(dmin[..., None] * mn.astype(np.float32))
+        return "int4", q.reshape(rows, cols), scales.reshape(rows, -1), offsets.reshape(rows, -1)
     if kind == "Q8_0":
-        return {"bits": 8, "q": b[..., 2:34].view(np.int8).reshape(rows, cols), "group": 32, "scales": _f16(b[..., 0:2])}
+        d = _f16(b[..., 0:2])
+        return "int8", b[..., 2:34].view(np.int8).reshape(rows, cols), d, 32
     if kind == "Q5_0":
+        d = _f16(b[..., 0:2])
         qh = b[..., 2:6].copy().view("<u4")[..., 0]  # [rows, blocks]
         qs = b[..., 6:22].astype(np.int16)
         j = np.arange(16)
         high0 = ((qh[..., None] >> j) & 1) << 4
         high1 = ((qh[..., None] >> (j + 16)) & 1) << 4
         q = np.concatenate([(qs & 0xF) | high0, (qs >> 4) | high1], axis=-1) - 16
-        return {"bits": 8, "q": q.astype(np.int8).reshape(rows, cols), "group": 32, "scales": _f16(b[..., 0:2])}
+        return "int8", q.astype(np.int8).reshape(rows, cols), d, 32
     # Q6_K: ql[128], qh[64], scales[16] int8, d
     ql, qh = b[..., 0:128].astype(np.int16), b[..., 128:192].astype(np.int16)
+    sc = b[..., 192:208].view(np.int8).astype(np.float32)
+    d = _f16(b[..., 208:210])
     out = np.empty(b.shape[:2] + (256,), np.int16)
     for half in range(2):
         l0, h0 = ql[..., 64 * half : 64 * half + 32], qh[..., 32 * half : 32 * half + 32]
@@ -412,44 +349,28 @@ def decode_blocks(kind: str, raw: np.ndarray, rows: int, cols: int) -> dict:
         out[..., base + 32 : base + 64] = (l1 & 0xF) | (((h0 >> 2) & 3) << 4)
         out[..., base + 64 : base + 96] = (l0 >> 4) | (((h0 >> 4) & 3) << 4)
         out[..., base + 96 : base + 128] = (l1 >> 4) | (((h0 >> 6) & 3) << 4)
-    return {"bits": 8, "q": (out - 32).astype(np.int8).reshape(rows, cols), "group": 16,
-            "scales": b[..., 192:208].view(np.int8).reshape(rows, -1), "super_scales": _f16(b[..., 208:210]).astype(np.float32)}
-
-
-def float_scales(decoded: dict) -> tuple[np.ndarray, np.ndarray | None]:
-    """[rows, groups] float32 (scales, offsets or None) of :func:`decode_blocks`'s result."""
-    sup = decoded.get("super_scales")
-    if sup is None:
-        offsets = decoded.get("offsets")
-        return decoded["scales"].astype(np.float32), None if offsets is None else offsets.astype(np.float32)
-    per = decoded["scales"].shape[1] // sup.shape[1]
-    scales = np.repeat(sup, per, axis=1) * decoded["scales"].astype(np.float32)
-    if "super_offsets" not in decoded:
-        return scales, None
-    return scales, -(np.repeat(decoded["super_offsets"], per, axis=1) * decoded["offsets"].astype(np.float32))
+    q = (out - 32).astype(np.int8)
+    return "int8", q.reshape(rows, cols), (d[..., None] * sc).reshape(rows, -1), 16
 
 
 def module_from_blocks(kind: str, raw: np.ndarray, rows: int, cols: int, bias: torch.Tensor | None = None,
                        row_order: np.ndarray | None = None) -> _GroupLinear:
-    """A low-bit linear layer [rows, cols] holding one GGUF tensor's blocks as they are (``row_order``:
-    the output rows' order in the model, when the converter permuted them, as for Llama's q / k)."""
+    """A low-bit linear layer [rows, cols] holding one GGUF tensor's blocks (``row_order``: the
+    output rows' order in the model, when the converter permuted them, as for Llama's q / k)."""
     decoded = decode_blocks(kind, raw, rows, cols)
-    names = ("q", "scales", "offsets", "super_scales", "super_offsets")
-    t = {}
-    for name in names:
-        if name in decoded:
-            a = decoded[name] if row_order is None else decoded[name][row_order]
-            t[name] = torch.from_numpy(np.ascontiguousarray(a))
-    if decoded["bits"] == 4:
-        return GroupInt4Linear(pack_nibbles(t["q"]), t["scales"], t["offsets"], bias, t.get("super_scales"),
-                               t.get("super_offsets"))
-    return GroupInt8Linear(t["q"], t["scales"], bias, decoded["group"], t.get("super_scales"))
+    arrays = [decoded[1], decoded[2]] + ([decoded[3]] if decoded[0] == "int4" else [])
+    if row_order is not None:
+        arrays = [a[row_order] for a in arrays]
+    tensors = [torch.from_numpy(np.ascontiguousarray(a)) for a in arrays]
+    if decoded[0] == "int4":
+        return GroupInt4Linear(pack_nibbles(tensors[0]), tensors[1].float(), tensors[2].float(), bias)
+    return GroupInt8Linear(tensors[0], tensors[1].float(), bias, decoded[3])
 
 
 # Whole models ------------------------------------------------------------------------------------
 
 #: Bump when the cached low-bit file's layout changes (older files are rebuilt).
-CACHE_FORMAT = 2
+CACHE_FORMAT = 1
 
 
 def _linear_names(model: torch.nn.Module) -> list[str]:
@@ -562,9 +483,12 @@ def load_modules(path: Path, source: dict) -> dict[str, _GroupLinear] | None:
         return None
     out = {}
     for name, (kind, group) in layout.items():
-        parts = {part: tensors[f"{name}.{part}"] for part in ("qweight", "scales", "offsets", "super_scales", "super_offsets")
-                 if f"{name}.{part}" in tensors}
-        out[name] = _build(kind, parts, tensors.get(f"{name}.bias"), group)
+        bias = tensors.get(f"{name}.bias")
+        if kind == "GroupInt4Linear":
+            out[name] = GroupInt4Linear(tensors[f"{name}.qweight"], tensors[f"{name}.scales"],
+                                        tensors[f"{name}.offsets"], bias)
+        else:
+            out[name] = GroupInt8Linear(tensors[f"{name}.qweight"], tensors[f"{name}.scales"], bias, group)
     return out
 
 

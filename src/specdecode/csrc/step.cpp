@@ -9,10 +9,8 @@
 #include <optional>
 #include <vector>
 
-torch::Tensor int4_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales, torch::Tensor offsets,
-                          std::optional<torch::Tensor> d, std::optional<torch::Tensor> dmin);
-torch::Tensor int8_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales, int64_t group,
-                          std::optional<torch::Tensor> d);
+torch::Tensor int4_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales, torch::Tensor offsets);
+torch::Tensor int8_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales, int64_t group);
 
 namespace {
 
@@ -21,7 +19,6 @@ constexpr int64_t kRowBlock = 16;  // kernels.ROW_BLOCK
 struct Part {
   int64_t kind = 0;  // 0: float weight [out, in]; 1: int4 groups; 2: int8 groups
   torch::Tensor a, b, c;  // weight | qweight, scales, offsets
-  std::optional<torch::Tensor> d, dmin;  // super-block scales / offsets (two-level scales)
   int64_t group = 32;
   std::optional<torch::Tensor> bias;
 };
@@ -48,7 +45,7 @@ torch::Tensor apply_part(const Part& p, const torch::Tensor& x, bool padded) {
   // lowbit._GroupLinear.forward (the few-row kernel; the caller never sends a prefill-sized call)
   const int64_t in = p.kind == 1 ? p.a.size(1) * 2 : p.a.size(1);
   torch::Tensor rows = x.reshape({-1, in}).to(torch::kFloat32).contiguous();
-  torch::Tensor out = p.kind == 1 ? int4_linear(rows, p.a, p.b, p.c, p.d, p.dmin) : int8_linear(rows, p.a, p.b, p.group, p.d);
+  torch::Tensor out = p.kind == 1 ? int4_linear(rows, p.a, p.b, p.c) : int8_linear(rows, p.a, p.b, p.group);
   if (p.bias) out = out + *p.bias;
   return out;
 }
@@ -90,7 +87,7 @@ class LayerStack {
   LayerStack(int64_t heads, int64_t kv_heads, int64_t head_dim, double eps)
       : h_(heads), kvh_(kv_heads), d_(head_dim), eps_(eps) {}
 
-  // parts: a list of (kind, a, b, c, group, bias, d, dmin) per product
+  // parts: a list of (kind, a, b, c, group, bias) per product
   void add_layer(torch::Tensor ln1, torch::Tensor ln2, std::optional<torch::Tensor> qkv_bias,
                  std::vector<std::vector<py::tuple>> products) {
     Layer layer{ln1, ln2, qkv_bias, {}, {}, {}, {}};
@@ -105,8 +102,6 @@ class LayerStack {
         if (p.kind == 1) p.c = t[3].cast<torch::Tensor>();
         p.group = t[4].cast<int64_t>();
         if (!t[5].is_none()) p.bias = t[5].cast<torch::Tensor>();
-        if (!t[6].is_none()) p.d = t[6].cast<torch::Tensor>();
-        if (!t[7].is_none()) p.dmin = t[7].cast<torch::Tensor>();
         slots[i]->parts.push_back(p);
       }
     layers_.push_back(layer);

@@ -347,19 +347,18 @@ class OwnedRunner(SlotRunner):
 
 
 def _native_parts(weight) -> list[tuple] | None:
-    """A product's parts as the C++ loop takes them: (kind, a, b, c, group, bias, d, dmin)."""
+    """A product's parts as the C++ loop takes them: (kind, a, b, c, group, bias)."""
     if isinstance(weight, torch.Tensor):
-        return [(0, weight, None, None, 0, None, None, None)]
+        return [(0, weight, None, None, 0, None)]
     if isinstance(weight, _Parts):
         parts = [_native_parts(p) for p in weight.parts]
         return None if any(p is None for p in parts) else [x for p in parts for x in p]
     from specdecode.lowbit import GroupInt4Linear, GroupInt8Linear
 
     if isinstance(weight, GroupInt4Linear):
-        return [(1, weight.qweight, weight.scales, weight.offsets, 32, weight.bias, weight.super_scales,
-                 weight.super_offsets)]
+        return [(1, weight.qweight, weight.scales, weight.offsets, 32, weight.bias)]
     if isinstance(weight, GroupInt8Linear):
-        return [(2, weight.qweight, weight.scales, None, weight.group, weight.bias, weight.super_scales, None)]
+        return [(2, weight.qweight, weight.scales, None, weight.group, weight.bias)]
     return None
 
 
