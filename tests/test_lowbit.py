@@ -149,3 +149,12 @@ def test_lowbit_target_and_draft_speculative_greedy_equals_plain(precision):
             outs = engine.generate_batch(PROMPTS, params)
             assert [o.token_ids for o in outs] == want
     assert sum(o.metrics.num_accepted_tokens for o in outs) > 0
+
+
+def test_the_kernel_builds_where_the_cpu_has_avx512():
+    """The AVX-512 kernel (and the C++ layer loop) must build on such a CPU: the torch reference is a
+    fallback for other CPUs, not a silent substitute that would hide a broken build."""
+    if not lowbit._cpu_has_avx512():
+        pytest.skip("no AVX-512 here: the torch reference runs")
+    assert lowbit.load_kernel() is not None, lowbit.kernel_status()
+    assert hasattr(lowbit.load_kernel(), "LayerStack")

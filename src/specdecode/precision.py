@@ -1,6 +1,6 @@
 """``--weights auto``: the fastest weight precision that keeps the model and keeps speculation exact.
 
-Three questions per candidate precision (int8, bf16, fp32), answered by measuring:
+Three questions per candidate precision (int4, int8, bf16, fp32), answered by measuring:
 
 1. *Does it keep the model?* (:func:`measure_quality`, :func:`quality_gate`) Teacher-forced on real
    text (Spec-Bench prompts, chat template applied), its next-token argmax must equal float32's on
@@ -51,7 +51,7 @@ class QualityReport:
     """What a precision does to the model, teacher-forced against float32.
 
     Attributes:
-        precision: "fp32", "bf16" or "int8".
+        precision: "fp32", "bf16", "int8" or "int4".
         argmax_agreement: fraction of positions whose next-token argmax equals float32's, in [0, 1].
         nll: mean negative log-likelihood of the text's tokens, nats/token.
         perplexity_change: perplexity / float32's perplexity - 1 (+0.055 = 5.5% higher).
@@ -87,11 +87,13 @@ def quality_gate(report: QualityReport) -> tuple[bool, str]:
 CATALOG_QUALITY: dict[str, dict[str, QualityReport]] = {
     "smollm2-135m": {
         "bf16": QualityReport("bf16", 0.96975, 3.48981, -0.00448, 3768),
-        "int8": QualityReport("int8", 0.76725, 3.54820, 0.05538, 3768),
+        "int8": QualityReport("int8", 0.97479, 3.48985, -0.00444, 3768),
+        "int4": QualityReport("int4", 1.0, 3.4943, 0.0, 3768),
     },
     "qwen2.5-coder-0.5b": {
         "bf16": QualityReport("bf16", 0.98485, 4.20118, 0.00044, 3696),
-        "int8": QualityReport("int8", 0.85741, 4.21117, 0.01048, 3696),
+        "int8": QualityReport("int8", 0.99324, 4.20028, -0.00046, 3696),
+        "int4": QualityReport("int4", 1.0, 4.20074, 0.0, 3696),
     },
     "qwen2.5-coder-1.5b": {
         "bf16": QualityReport("bf16", 0.98593, 3.49068, -0.00209, 3696),
@@ -277,7 +279,7 @@ class PrecisionChoice:
     """What ``--weights auto`` picked, and why.
 
     Attributes:
-        precision: the chosen precision ("int8", "bf16" or "fp32").
+        precision: the chosen precision ("int4", "int8", "bf16" or "fp32").
         exact: speculative output equals plain decoding token for token (the contract held here); None: not
             measured (an explicit ``--weights`` that ``auto`` never measured on this machine).
         reason: one line for the user.
