@@ -70,6 +70,9 @@ def test_kernel_equals_the_dequantized_product(index):
     x = torch.randn(7, module.in_features)
     want = x.double() @ module.dequantize().double().T + (0 if module.bias is None else module.bias.double())
     torch.testing.assert_close(module(x).double(), want, rtol=1e-5, atol=1e-5)
+    kernel = lowbit.load_kernel()
+    if kernel is not None:  # the kernel's dequantization (prefill) = the module's, to float32 rounding
+        torch.testing.assert_close(module._kernel_dequantize(kernel), module.dequantize(), rtol=1e-6, atol=1e-7)
     # a prompt-sized call that need not be row-invariant runs one dequantized product: same values
     big = torch.randn(lowbit.PREFILL_ROWS + 3, module.in_features)
     torch.testing.assert_close(module(big, exact=False), module(big), rtol=1e-5, atol=1e-5)

@@ -129,7 +129,8 @@ class _GroupLinear(torch.nn.Module):
         """
         rows = x.reshape(-1, self.in_features).float().contiguous()
         if not exact and rows.shape[0] > PREFILL_ROWS:
-            out = F.linear(rows, self.dequantize())
+            kernel = load_kernel()
+            out = F.linear(rows, self.dequantize() if kernel is None else self._kernel_dequantize(kernel))
         else:
             kernel = load_kernel()
             if kernel is not None:
@@ -200,6 +201,9 @@ class GroupInt4Linear(_GroupLinear):
     def _kernel_call(self, kernel, x):
         return kernel.int4_linear(x, self.qweight, self.scales, self.offsets)
 
+    def _kernel_dequantize(self, kernel):
+        return kernel.int4_dequantize(self.qweight, self.scales, self.offsets)
+
     def state_tensors(self) -> dict[str, torch.Tensor]:
         return {"qweight": self.qweight, "scales": self.scales, "offsets": self.offsets}
 
@@ -240,6 +244,9 @@ class GroupInt8Linear(_GroupLinear):
 
     def _kernel_call(self, kernel, x):
         return kernel.int8_linear(x, self.qweight, self.scales, self.group)
+
+    def _kernel_dequantize(self, kernel):
+        return kernel.int8_dequantize(self.qweight, self.scales, self.group)
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
         return {"qweight": self.qweight, "scales": self.scales}

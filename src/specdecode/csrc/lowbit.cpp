@@ -171,10 +171,55 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor 
   return out;
 }
 
+// The float32 weights [out, in] of int4 / int8 groups (a prompt's prefill: one dequantization,
+// then one many-row matrix product), with the kernel's own arithmetic: fma(q, scale, offset).
+torch::Tensor int4_dequantize(torch::Tensor qweight, torch::Tensor scales, torch::Tensor offsets) {
+  TORCH_CHECK(qweight.scalar_type() == torch::kUInt8 && qweight.is_contiguous(), "qweight: contiguous uint8 [out, in/2]");
+  const int64_t n_out = qweight.size(0), k = qweight.size(1) * 2, groups = k / 32;
+  TORCH_CHECK(scales.is_contiguous() && offsets.is_contiguous() && scales.numel() == n_out * groups &&
+              offsets.numel() == n_out * groups && scales.scalar_type() == torch::kFloat32 &&
+              offsets.scalar_type() == torch::kFloat32, "scales / offsets: contiguous float32 [out, in/32]");
+  auto out = torch::empty({n_out, k}, torch::kFloat32);
+  const uint8_t* wp = qweight.data_ptr<uint8_t>();
+  const float *sp = scales.data_ptr<float>(), *op = offsets.data_ptr<float>();
+  float* outp = out.data_ptr<float>();
+  const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  at::parallel_for(0, n_out * groups, 1024, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {  // i = n * groups + g
+      const __m512 table = _mm512_fmadd_ps(iota, _mm512_set1_ps(sp[i]), _mm512_set1_ps(op[i]));
+      const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wp + 16 * i)));
+      _mm512_storeu_ps(outp + 32 * i, _mm512_permutexvar_ps(b, table));
+      _mm512_storeu_ps(outp + 32 * i + 16, _mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), table));
+    }
+  });
+  return out;
+}
+
+torch::Tensor int8_dequantize(torch::Tensor qweight, torch::Tensor scales, int64_t group) {
+  TORCH_CHECK(qweight.scalar_type() == torch::kInt8 && qweight.is_contiguous(), "qweight: contiguous int8 [out, in]");
+  TORCH_CHECK(group == 16 || group == 32, "group must be 16 or 32");
+  const int64_t n_out = qweight.size(0), k = qweight.size(1), runs = n_out * k / 16;
+  TORCH_CHECK(scales.is_contiguous() && scales.scalar_type() == torch::kFloat32 && scales.numel() == n_out * k / group,
+              "scales: contiguous float32 [out, in/group]");
+  auto out = torch::empty({n_out, k}, torch::kFloat32);
+  const int8_t* wp = qweight.data_ptr<int8_t>();
+  const float* sp = scales.data_ptr<float>();
+  float* outp = out.data_ptr<float>();
+  at::parallel_for(0, runs, 2048, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {  // i: a run of 16 weights (groups never straddle a row)
+      const __m512i b = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wp + 16 * i)));
+      _mm512_storeu_ps(outp + 16 * i, _mm512_mul_ps(_mm512_cvtepi32_ps(b), _mm512_set1_ps(sp[i * 16 / group])));
+    }
+  });
+  return out;
+}
+
 void register_step(py::module_& m);  // step.cpp
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   register_step(m);
+  m.def("int4_dequantize", &int4_dequantize, "float32 [out, in] weights of int4 groups of 32");
+  m.def("int8_dequantize", &int8_dequantize, "float32 [out, in] weights of int8 groups");
   m.def("int4_linear", &int4_linear, "x [rows, in] float32 @ int4 groups-of-32 weight [out, in].T");
   m.def("int8_linear", &int8_linear, "x [rows, in] float32 @ int8 groups-of-16/32 weight [out, in].T");
 }
