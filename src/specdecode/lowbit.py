@@ -32,7 +32,9 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import sys
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -89,9 +91,18 @@ def load_kernel(cache_dir: str | Path | None = None):
 
             build.mkdir(parents=True, exist_ok=True)
             flags = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma", "-fopenmp"]
-            _kernel = load(f"specdecode_lowbit_{digest}", [str(s) for s in _SOURCES], extra_cflags=flags,
-                           extra_ldflags=["-fopenmp"], build_directory=str(build), verbose=False)
-            _kernel_note = f"AVX-512 kernel ({build})"
+            name = f"specdecode_lowbit_{digest}"
+            fresh = not any(build.glob(f"{name}*.so"))
+            if fresh:  # the first use on this machine (or of this source): say why it pauses
+                print(f"specdecode: compiling the low-bit kernel and the C++ layer loop into {build} "
+                      "(once per machine and version, about a minute)", file=sys.stderr, flush=True)
+            start = time.perf_counter()
+            _kernel = load(name, [str(s) for s in _SOURCES], extra_cflags=flags, extra_ldflags=["-fopenmp"],
+                           build_directory=str(build), verbose=False)
+            took = time.perf_counter() - start
+            if fresh:
+                print(f"specdecode: compiled in {took:.0f} s", file=sys.stderr, flush=True)
+            _kernel_note = f"AVX-512 kernel ({build}; {'compiled' if fresh else 'loaded'} in {took:.1f} s)"
         except Exception as exc:  # noqa: BLE001 - no compiler / headers / ninja: the reference runs
             _kernel = False
             _kernel_note = f"torch reference (the AVX-512 kernel did not build: {type(exc).__name__}: {str(exc)[:200]})"
