@@ -450,6 +450,10 @@ def _write_cache(path: Path, data: dict, say: Callable[[str], None]) -> None:
 
 def _decide(candidates: list[Candidate], cached: bool = False) -> PrecisionChoice:
     kept = sorted((c for c in candidates if c.quality_ok), key=_step_cost)
+    if not kept:
+        raise SpecDecodeError("no candidate precision keeps the model ("
+                              + "; ".join(f"{c.precision}: {c.quality}" for c in candidates)
+                              + "); include fp32, the reference, or choose one with --weights")
     exact = [c for c in kept if c.exact]
     best = exact[0] if exact else kept[0]
     fp32 = next((c for c in candidates if c.precision == "fp32" and c.decode_s), None)

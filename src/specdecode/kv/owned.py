@@ -219,6 +219,10 @@ class OwnedRunner(SlotRunner):
             batch_invariant = default_batch_invariant(model)
         self.batch_invariant = bool(batch_invariant or int8)
         self.lowbit = int8
+        #: low-bit products of many rows in a full forward take the fast dequantized product unless the
+        #: caller asked for invariance (the engine's default); ``batch_invariant=False`` (teacher forcing)
+        #: gets the fast one
+        self._exact_products = batch_invariant is not False
         self.cache_dtype = torch.float64 if self.batch_invariant else self.dtype
         #: The product kernel of float weights in decoding / verification forwards
         #: (``kernels.row_product``; None: int8 modules, row-invariant themselves, or not invariant).
@@ -281,6 +285,7 @@ class OwnedRunner(SlotRunner):
         start = int(columns[0, 0]) if b == 1 else None
         exact = self.batch_invariant and last is None  # decoding / verification (not prefill, not drafting)
         kernel = self.row_kernel if exact else None
+        exact = exact and self._exact_products
         # a prompt-sized last_only forward attends in the model's dtype (its cache columns converted once per
         # layer); small ones (drafting) read the cache as it is
         att_dtype = x.dtype if last is not None and n > ROW_BLOCK else self.cache_dtype
