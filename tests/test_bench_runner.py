@@ -130,7 +130,7 @@ def test_method_spec_options_and_the_draft_model_it_uses():
     (dict(temperature=-1.0), "temperature"), (dict(max_new_tokens=0), "max_new_tokens"),
     (dict(gamma=0), "gamma"), (dict(gammas=(2, 65)), "gamma"), (dict(limit=0), "--limit"),
     (dict(repeats=0), "--repeats"), (dict(threads=0), "--threads"), (dict(datasets=()), "no dataset"),
-    (dict(weights="int4"), "precision"), (dict(draft_weights="fp16"), "precision"), (dict(kernel="fast"), "kernel"),
+    (dict(weights="int3"), "precision"), (dict(draft_weights="fp16"), "precision"), (dict(kernel="fast"), "kernel"),
     (dict(verification="tree"), "--verification"),
 ])
 def test_bench_config_is_validated(kwargs, needle):

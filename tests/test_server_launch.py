@@ -137,7 +137,7 @@ def test_specdecode_serve_command_serves(tiny_model_dir):
     ["--max-batch-size", "0"],
     ["--max-request-bytes", "10"],
     ["--policy", "nope"],
-    ["--weights", "int4"],
+    ["--weights", "int3"],
 ])
 def test_serve_rejects_bad_flags_before_loading(flags, monkeypatch):
     from specdecode.cli import main
@@ -156,7 +156,7 @@ def test_serve_rejects_bad_flags_before_loading(flags, monkeypatch):
     (dict(draft="ngram", tree="static"), "needs a draft model"),
     (dict(draft="layer-skip", skip_layers="1;2"), "comma-separated"),
     (dict(draft="layer-skip", forward="hf"), "--forward auto or owned"),
-    (dict(weights="int4"), "--weights"),
+    (dict(weights="int3"), "--weights"),
     (dict(draft_weights="fp8"), "--draft-weights"),
     (dict(max_queue=-1), "--max-queue"),
     (dict(max_request_bytes=100), "--max-request-bytes"),
