@@ -76,6 +76,8 @@ def test_kernel_equals_the_dequantized_product(index):
     # a prompt-sized call that need not be row-invariant runs one dequantized product: same values
     big = torch.randn(lowbit.PREFILL_ROWS + 3, module.in_features)
     torch.testing.assert_close(module(big, exact=False), module(big), rtol=1e-5, atol=1e-5)
+    # a prompt's prefill may run that product in bfloat16 (AVX512-BF16 / AMX CPUs): bf16 rounding only
+    torch.testing.assert_close(module(big, exact=False, prompt=True), module(big), rtol=0.05, atol=0.05)
 
 
 @pytest.mark.parametrize("index", [0, 1, 2])

@@ -100,8 +100,8 @@ def _noisy_mm(rows_affected):
 
     real = owned._mm
 
-    def mm(weight, x, kernel=None, exact=True):
-        out = real(weight, x, kernel, exact)
+    def mm(weight, x, kernel=None, exact=True, prompt=False):
+        out = real(weight, x, kernel, exact, prompt)
         return out + 0.05 * out.abs().amax() if rows_affected(x.shape[0]) else out
 
     return mm

@@ -578,6 +578,12 @@ def _explicit(loaded, weights: str, cache: Path, forward: str = "auto",
         if not ok:
             reason += f"; it changes the model: {line}"
     exact = m.get("exact")
+    if exact is None and weights in ("int4", "int8") and forward != "hf":
+        from specdecode.kv.owned import supports
+
+        if supports(loaded.model):  # row-independent low-bit products, float64 attention: by construction
+            exact = True
+            reason += "; speculation stays exact (row-independent low-bit products in the owned forward)"
     if exact is None:
         reason += "; whether speculation stays exact with it here was not measured (--weights auto measures it)"
     elif not exact:

@@ -105,8 +105,8 @@ class _Parts:
         self.parts = parts
         self.out_features = sum(p.out_features for p in parts)
 
-    def __call__(self, x: torch.Tensor, exact: bool = True) -> torch.Tensor:
-        return torch.cat([p(x, exact=exact) for p in self.parts], dim=-1)
+    def __call__(self, x: torch.Tensor, exact: bool = True, prompt: bool = False) -> torch.Tensor:
+        return torch.cat([p(x, exact=exact, prompt=prompt) for p in self.parts], dim=-1)
 
 
 def _fuse_lowbit(parent: torch.nn.Module, names: tuple[str, ...]):
@@ -142,7 +142,7 @@ def _fuse(linears: list[torch.nn.Linear]) -> torch.Tensor:
     return fused
 
 
-def _mm(weight, x: torch.Tensor, kernel: str | None = None, exact: bool = True) -> torch.Tensor:
+def _mm(weight, x: torch.Tensor, kernel: str | None = None, exact: bool = True, prompt: bool = False) -> torch.Tensor:
     """x [n, in] -> [n, out].
 
     ``kernel`` (the batch-invariant forward): :func:`specdecode.kernels.row_product` with that kernel.
@@ -152,7 +152,7 @@ def _mm(weight, x: torch.Tensor, kernel: str | None = None, exact: bool = True) 
     a prompt's prefill, lets it run one dequantized product for many rows).
     """
     if not isinstance(weight, torch.Tensor):
-        return weight(x, exact=exact)
+        return weight(x, exact=exact, prompt=prompt)
     if kernel is not None:
         return row_product(kernel, weight, x)
     if x.shape[0] > 16 or weight.dtype != torch.float32:
@@ -286,6 +286,7 @@ class OwnedRunner(SlotRunner):
         exact = self.batch_invariant and last is None  # decoding / verification (not prefill, not drafting)
         kernel = self.row_kernel if exact else None
         exact = exact and self._exact_products
+        prompt = last is not None  # a prompt's prefill (or drafting): low-bit many-row products may run in bf16
         # a prompt-sized last_only forward attends in the model's dtype (its cache columns converted once per
         # layer); small ones (drafting) read the cache as it is
         att_dtype = x.dtype if last is not None and n > ROW_BLOCK else self.cache_dtype
@@ -300,7 +301,7 @@ class OwnedRunner(SlotRunner):
                            kernel == "padded")
         for i in () if native is not None else range(self.num_layers) if layers is None else layers:
             layer = self.layers[i]
-            qkv = _mm(layer.qkv, _rms_norm(x, layer.ln1, self.eps), kernel, exact)
+            qkv = _mm(layer.qkv, _rms_norm(x, layer.ln1, self.eps), kernel, exact, prompt)
             if layer.qkv_bias is not None:
                 qkv = qkv + layer.qkv_bias
             qs, ks, vs = qkv.split([h * d, kvh * d, kvh * d], dim=-1)
@@ -323,9 +324,9 @@ class OwnedRunner(SlotRunner):
                 attn_mask=attn_mask,
                 enable_gqa=h != kvh,
             ).to(x.dtype)
-            x = x + _mm(layer.o, attn.transpose(1, 2).reshape(n, h * d), kernel, exact)
-            gate, up = _mm(layer.gate_up, _rms_norm(x, layer.ln2, self.eps), kernel, exact).chunk(2, dim=-1)
-            x = x + _mm(layer.down, F.silu(gate) * up, kernel, exact)
+            x = x + _mm(layer.o, attn.transpose(1, 2).reshape(n, h * d), kernel, exact, prompt)
+            gate, up = _mm(layer.gate_up, _rms_norm(x, layer.ln2, self.eps), kernel, exact, prompt).chunk(2, dim=-1)
+            x = x + _mm(layer.down, F.silu(gate) * up, kernel, exact, prompt)
             if capture and i + 1 in capture:
                 kept[i + 1] = x
         if capture:
@@ -336,7 +337,7 @@ class OwnedRunner(SlotRunner):
         if last is not None:
             x = x[torch.arange(b), last].unsqueeze(1)  # [b, 1, hidden]
         hidden = _rms_norm(x.reshape(-1, x.shape[-1]), self.norm, self.eps)
-        return _mm(self.lm_head, hidden, kernel, exact).float().view(b, x.shape[1], -1)
+        return _mm(self.lm_head, hidden, kernel, exact, prompt).float().view(b, x.shape[1], -1)
 
     def _native_stack(self):
         """The C++ layer loop (``csrc/step.cpp``) over this runner's weights, or None: the extension did
