@@ -185,7 +185,8 @@ def add_drafter_arguments(group: argparse._ArgumentGroup, *, policy_default: str
                             "products on most CPUs); bf16: half the bytes, batch-invariant forward; int8: weight-only "
                             "int8 in groups of 32 (about 1.1 bytes per weight); int4: the GGUF file's own 4-bit "
                             "blocks (the model itself, not a requantization; other tensor types of the file run as "
-                            "int8 groups), about 0.75 bytes per weight. int8 / int4 are cached next to the converted "
+                            "int8 groups), about 0.75 bytes per weight; a model without a GGUF file (a model "
+                            "directory, a hub id) is quantized from its float weights instead, which changes it. int8 / int4 are cached next to the converted "
                             "copy after the first load and keep speculative output equal to plain decoding")
     group.add_argument("--draft-weights", default=None, choices=WEIGHT_PRECISIONS,
                        help="precision of the draft model's weights (default: the target's, i.e. what --weights "
