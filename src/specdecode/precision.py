@@ -97,7 +97,9 @@ CATALOG_QUALITY: dict[str, dict[str, QualityReport]] = {
     },
     "qwen2.5-coder-1.5b": {
         "bf16": QualityReport("bf16", 0.98593, 3.49068, -0.00209, 3696),
-        # int8 / int4 (since issue 16): not measured yet for the 1.5B; --weights auto measures them at its first load
+        # int8 / int4: 13 prompts (1 per category; docs/results/precision/quality_qwen2.5-coder-1.5b_lowbit_13prompts.md)
+        "int8": QualityReport("int8", 0.99445, 3.61533, 0.00129, 1801),
+        "int4": QualityReport("int4", 1.00000, 3.61404, 0.00000, 1801),
     },
 }
 
