@@ -161,13 +161,18 @@ def test_bf16_greedy_speculative_equals_plain_decoding_exactly(smollm2_bf16, smo
 @pytest.mark.parametrize("drafter, gamma", [("ngram", 3), ("draft-model", 4), ("eagle", 4)])
 def test_bf16_batch_of_two_greedy_equals_plain_decoding_exactly(smollm2_bf16, smollm2_int8_draft, drafter, gamma):
     """Both prompts decoded together (rows of different lengths in every verification) against plain decoding alone."""
-    loaded, ids, encoded, params, expected = smollm2_bf16
-    spec = SpeculativeEngine(loaded.model, _bf16_drafter(drafter, loaded.model, smollm2_int8_draft),
+    _assert_batch_of_two_equals_plain(smollm2_bf16, smollm2_int8_draft, drafter, gamma, "bf16")
+
+
+def _assert_batch_of_two_equals_plain(fixture, draft, drafter: str, gamma: int, label: str) -> None:
+    """The fixture's prompts decoded together, speculatively, against its plain decoding of each alone."""
+    loaded, ids, encoded, params, expected = fixture
+    spec = SpeculativeEngine(loaded.model, _bf16_drafter(drafter, loaded.model, draft),
                              EngineConfig(num_speculative_tokens=gamma, max_batch_size=2))
     outs = spec.generate_batch(encoded, params)
     failures = [f"{pid}: {_describe(out.token_ids, want, i)}" for pid, out, want in zip(ids, outs, expected)
                 if (i := _divergence(out.token_ids, want)) is not None]
-    assert failures == [], f"{drafter} k={gamma}, batch 2: " + "; ".join(failures)
+    assert failures == [], f"{label} {drafter} k={gamma}, batch 2: " + "; ".join(failures)
     assert sum(o.metrics.num_drafted_tokens for o in outs) > 0
 
 
@@ -237,11 +242,4 @@ def test_int4_is_the_gguf_files_own_model_and_loads_from_its_cache(smollm2, smol
 @pytest.mark.parametrize("drafter, gamma", [("ngram", 3), ("suffix", 4), ("layer-skip", 3), ("draft-model", 4),
                                             ("tree-dynamic", 4)])
 def test_int4_greedy_speculative_equals_plain_decoding_exactly(smollm2_int4, smollm2_int8_draft, drafter, gamma):
-    loaded, ids, encoded, params, expected = smollm2_int4
-    spec = SpeculativeEngine(loaded.model, _bf16_drafter(drafter, loaded.model, smollm2_int8_draft),
-                             EngineConfig(num_speculative_tokens=gamma, max_batch_size=2))
-    outs = spec.generate_batch(encoded, params)
-    failures = [f"{pid}: {_describe(out.token_ids, want, i)}" for pid, out, want in zip(ids, outs, expected)
-                if (i := _divergence(out.token_ids, want)) is not None]
-    assert failures == [], f"int4 {drafter} k={gamma}: " + "; ".join(failures)
-    assert sum(o.metrics.num_drafted_tokens for o in outs) > 0
+    _assert_batch_of_two_equals_plain(smollm2_int4, smollm2_int8_draft, drafter, gamma, "int4")
