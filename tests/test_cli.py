@@ -217,6 +217,10 @@ _REFUSED_WITHOUT_MODEL_CODE = [
     (["generate", "--sampling-mode", "weird"], "invalid choice"),
     (["generate", "--verification", "tree"], "invalid choice"),
     (["serve", "--verification", "tree"], "invalid choice"),
+    (["serve", "--router", "prefix"], "need --replicas"),
+    (["serve", "--replicas", "0"], "--replicas must be"),
+    (["serve", "--replicas", "2", "--min-replicas", "3"], "within"),
+    (["serve", "--replicas", "2", "--ray-config", "/no/such.yaml"], "no such file"),
 ]
 
 

@@ -346,6 +346,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     with _naming_flags():
         check_serve_options(args)  # launch.check_options' checks: a refusal never imports torch
     check_threads(args.threads)
+    from specdecode.scaleout import check_replica_options, replica_options_from_args, require_ray
+
+    replicas = replica_options_from_args(args)  # refuses replica flags without --replicas
+    if replicas is not None:
+        check_replica_options(replicas)  # before Ray, torch or a model
+        require_ray()
     from specdecode.server.launch import run_from_args
 
     return run_from_args(args)

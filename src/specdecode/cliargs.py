@@ -237,6 +237,38 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                      help="max_tokens of a chat request that gives none (default: %(default)s)")
     srv.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"),
                      help="server log level (default: %(default)s)")
+    rep = p.add_argument_group("replicas (Ray Serve; pip install -e \".[ray]\")",
+                               "Any of these serves N replicas of the engine behind one endpoint on Ray Serve "
+                               "(docs/scaling.md); --threads then counts per replica.")
+    rep.add_argument("--replicas", type=int, default=None, metavar="N",
+                     help="engine replicas (the initial count when autoscaling); default: one process, no Ray")
+    rep.add_argument("--min-replicas", type=int, default=None, metavar="N",
+                     help="autoscaling: fewest replicas (turns autoscaling on)")
+    rep.add_argument("--max-replicas", type=int, default=None, metavar="N",
+                     help="autoscaling: most replicas (turns autoscaling on)")
+    rep.add_argument("--target-ongoing-requests", type=float, default=None, metavar="X",
+                     help="autoscaling: requests per replica (running + queued) the autoscaler aims at "
+                          "(default: --max-batch-size)")
+    rep.add_argument("--router", default="power-of-two", choices=("power-of-two", "prefix"),
+                     help="power-of-two: Ray Serve's own (two random replicas, the shorter queue wins); prefix: "
+                          "requests sharing a prompt prefix or a conversation go to one replica, so its suffix tree "
+                          "and caches stay warm (default: %(default)s)")
+    rep.add_argument("--prefix-chars", type=int, default=256, metavar="N",
+                     help="--router prefix: prompt characters that make the routing key (default: %(default)s)")
+    rep.add_argument("--route-imbalance", type=int, default=8, metavar="N",
+                     help="--router prefix: leave the preferred replica when its queue is N requests longer than the "
+                          "shortest (default: %(default)s)")
+    rep.add_argument("--replica-retries", type=int, default=2, metavar="N",
+                     help="retries on another replica of a request whose replica failed before any output "
+                          "(default: %(default)s)")
+    rep.add_argument("--ray-address", metavar="ADDR",
+                     help="join a running Ray cluster ('auto', HOST:6379 or ray://HOST:10001) instead of starting a "
+                          "local one")
+    rep.add_argument("--ray-config", metavar="FILE",
+                     help="a Ray Serve config file (YAML, the format of 'serve deploy'): its http_options and the "
+                          "settings of the SpecdecodeEngine / SpecdecodeIngress deployments override the flags")
+    rep.add_argument("--cpus-per-replica", type=float, default=None, metavar="X",
+                     help="Ray CPUs each replica reserves (default: its --threads)")
 
 
 def check_threads(threads: int | None) -> None:
