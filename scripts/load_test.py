@@ -56,7 +56,7 @@ class ServerProcess:
     """``python -m specdecode.server`` on a free loopback port."""
 
     def __init__(self, target: str, draft: str, gamma: int, batch: int, queue: int, policy: str,
-                 extra: list[str] | None = None) -> None:
+                 extra: list[str] | None = None, replicas: int | None = None) -> None:
         with socket.socket() as s:
             s.bind((HOST, 0))
             self.port = s.getsockname()[1]
@@ -65,6 +65,10 @@ class ServerProcess:
                      "--host", HOST, "--port", str(self.port), "--log-level", "warning",
                      "--served-model-name", "model", "--policy", policy, *(extra or [])]
         self.desc = f"draft={draft} gamma={gamma} policy={policy} batch={batch}"
+        self.replicas = replicas
+        if replicas is not None:  # Ray Serve: N replicas behind one endpoint
+            self.args += ["--replicas", str(replicas)]
+            self.desc += f" replicas={replicas}"
         self.proc: subprocess.Popen | None = None
 
     @property
@@ -72,26 +76,29 @@ class ServerProcess:
         return f"http://{HOST}:{self.port}"
 
     def __enter__(self) -> "ServerProcess":
-        self.proc = subprocess.Popen(self.args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        self.log = open(f"/tmp/load_test_server_{self.port}.log", "w")  # noqa: SIM115 - Ray logs a lot: a file, not a pipe
+        self.proc = subprocess.Popen(self.args, stdout=subprocess.DEVNULL, stderr=self.log, text=True)
         deadline = time.time() + 600
         while time.time() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited: {self.proc.stderr.read()[-2000:]}")
+                raise RuntimeError(f"server exited: {Path(self.log.name).read_text()[-2000:]}")
             try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                r = httpx.get(f"{self.url}/health", timeout=2)
+                if r.status_code == 200 and (self.replicas is None or len(r.json()["replicas"]) == self.replicas):
                     return self
-            except httpx.HTTPError:
+            except (httpx.HTTPError, ValueError, KeyError):
                 pass
             time.sleep(0.5)
         raise RuntimeError("server did not become healthy in 600 s")
 
     def __exit__(self, *exc) -> None:
         if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
+            self.proc.terminate()  # --replicas: SIGTERM stops the replicas and the local Ray cluster
             try:
-                self.proc.wait(30)
+                self.proc.wait(60)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
+        self.log.close()
 
     def rss_mb(self) -> float:
         return psutil.Process(self.proc.pid).memory_info().rss / 2**20
@@ -125,6 +132,7 @@ class Job:
     seconds: float = 0.0
     done_marker: bool = False
     chunks: int = 0
+    first_token_s: float | None = None  # request start to its first streamed token
 
 
 async def stream_job(client: httpx.AsyncClient, url: str, job: Job, timeout: float) -> None:
@@ -150,6 +158,8 @@ async def stream_job(client: httpx.AsyncClient, url: str, job: Job, timeout: flo
                 if chunk.get("usage"):
                     job.usage = chunk["usage"]
                 for c in chunk.get("choices", []):
+                    if c.get("token_ids") and job.first_token_s is None:
+                        job.first_token_s = time.perf_counter() - t0
                     job.chunks += 1
                     job.text += c.get("text") if "text" in c else (c.get("delta", {}).get("content") or "")
                     job.token_ids += c.get("token_ids", [])
@@ -375,6 +385,77 @@ def phase_throughput(args) -> list[dict]:
     return best
 
 
+def phase_replicas(args) -> list[dict]:
+    """1 and 2 replicas on Ray Serve (``--replica-threads`` torch threads each), speculation on (``--draft``)
+    and off, and one process with ``--single-threads`` threads for comparison: one server up at a time,
+    configurations alternating round by round, ``--repeats`` rounds, the fastest round per cell. Greedy
+    chat requests (every configuration must generate the same texts)."""
+    from specdecode.data import load_prompts
+
+    prompts = [p.turns[0][: args.throughput_chars] for p in load_prompts(args.throughput_prompts)]
+    threads = ["--threads", str(args.replica_threads)]
+    configs = []
+    for n in args.replica_counts:
+        for draft in (args.draft, "none"):
+            configs.append((f"{n} replica{'s' if n > 1 else ''} x {args.replica_threads} thread, {draft}", draft,
+                            n, threads))
+    if args.single_threads:
+        for draft in (args.draft, "none"):
+            configs.append((f"1 process x {args.single_threads} threads, {draft}", draft, None,
+                            ["--threads", str(args.single_threads)]))
+    runs: dict[tuple[str, int], list[dict]] = {}
+    # One server at a time: an idle local Ray cluster keeps ~0.15-0.2 of a core busy here, so servers left up
+    # side by side would slow each other. Configurations alternate round by round instead.
+    for rep in range(args.repeats):
+        for name, draft, n, extra in configs:
+            print(f"  round {rep}: starting {name} ...", flush=True)
+            with ServerProcess(args.target, draft, args.gamma, args.max_batch_size, args.max_queue, "fixed",
+                               [*args.server_args, *extra], replicas=n) as srv:
+                asyncio.run(run_jobs(srv.url, throughput_jobs(4, prompts[-4:], 8, False), 4, 300, 300))  # warm-up
+                for c in args.levels:
+                    jobs = throughput_jobs(args.throughput_requests_per_client * c, prompts, args.throughput_tokens,
+                                           args.ignore_eos)
+                    wall = asyncio.run(run_jobs(srv.url, jobs, c, args.time_limit, args.request_timeout))
+                    ok = [j for j in jobs if j.seconds > 0 and not j.error]
+                    tokens = sum(len(j.token_ids) for j in ok)
+                    lat = sorted(j.seconds for j in ok)
+                    ttft = sorted(j.first_token_s for j in ok if j.first_token_s is not None)
+                    row = {"config": name, "replicas": n, "concurrency": c, "round": rep, "requests": len(ok),
+                           "errors": len(jobs) - len(ok), "tokens": tokens, "wall_s": wall,
+                           "tokens_per_s": tokens / wall if wall else 0.0,
+                           "latency_p50_s": statistics.median(lat) if lat else None,
+                           "latency_p95_s": lat[min(len(lat) - 1, int(0.95 * len(lat)))] if lat else None,
+                           "ttft_p50_s": statistics.median(ttft) if ttft else None,
+                           "load_avg_1m": os.getloadavg()[0],
+                           "texts": [j.text for j in ok]}
+                    runs.setdefault((name, c), []).append(row)
+                    print(f"  round {rep} {name:34s} c={c}: {row['tokens_per_s']:6.1f} tok/s, p50 latency "
+                          f"{row['latency_p50_s'] or 0:.2f} s, p50 TTFT {row['ttft_p50_s'] or 0:.2f} s, errors "
+                          f"{row['errors']}, load {row['load_avg_1m']:.1f}", flush=True)
+    best = []
+    for (name, c), rows in runs.items():
+        top = max(rows, key=lambda r: r["tokens_per_s"])
+        best.append({**{k: v for k, v in top.items() if k != "texts"},
+                     "all_tokens_per_s": [round(r["tokens_per_s"], 2) for r in rows]})
+    # greedy: every configuration must have generated the same texts, level by level
+    reference = {c: rows[0]["texts"] for (name, c), rows in runs.items() if name == configs[-1][0]}
+    mismatch = sum(rows[0]["texts"] != reference.get(c) for (name, c), rows in runs.items())
+    for row in best:
+        row["greedy_texts_equal_across_configs"] = mismatch == 0
+    return best
+
+
+def print_replicas(rows: list[dict]) -> None:
+    levels = sorted({r["concurrency"] for r in rows})
+    print("\nreplicas (greedy chat, tokens/s of generated tokens, fastest round; p50 latency s):")
+    print(f"  {'config':40s}" + "".join(f"{'c=' + str(c):>16s}" for c in levels))
+    for name in dict.fromkeys(r["config"] for r in rows):
+        cells = {r["concurrency"]: r for r in rows if r["config"] == name}
+        print(f"  {name:40s}" + "".join(f"{cells[c]['tokens_per_s']:8.1f} ({cells[c]['latency_p50_s'] or 0:4.1f}s)"
+                                         if c in cells else f"{'':16s}" for c in levels))
+    print(f"  greedy texts equal across configurations: {rows[0]['greedy_texts_equal_across_configs']}")
+
+
 def _ratio(m: dict, num: str, den: str) -> float:
     d = m.get(den, 0.0)
     return m.get(num, 0.0) / d if d else 0.0
@@ -401,6 +482,18 @@ def print_report(result: dict) -> None:
         for name in dict.fromkeys(r["config"] for r in rows):
             cells = {r["concurrency"]: r["tokens_per_s"] for r in rows if r["config"] == name}
             print(f"  {name:30s}" + "".join(f"{cells.get(c, 0):10.1f}" for c in levels))
+
+
+def _cpu_flags() -> str:
+    """The model name and the vector flags of lscpu (which kernels this CPU runs)."""
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    model = next((ln.split(":", 1)[1].strip() for ln in out.splitlines() if ln.startswith("Model name")), "")
+    flags = next((ln.split(":", 1)[1].split() for ln in out.splitlines() if ln.startswith("Flags")), [])
+    keep = [f for f in flags if f.startswith(("avx512", "amx", "avx2", "fma"))]
+    return f"{model}; {' '.join(keep)}"
 
 
 def main() -> int:
@@ -431,12 +524,19 @@ def main() -> int:
     ap.add_argument("--max-prompt-chars", type=int, default=1200)
     ap.add_argument("--time-limit", type=float, default=1800, help="seconds per phase before no new requests start")
     ap.add_argument("--request-timeout", type=float, default=600)
-    ap.add_argument("--phases", default="stress,throughput")
+    ap.add_argument("--phases", default="stress,throughput",
+                    help="comma-separated: stress, throughput, replicas (Ray Serve: 1 and 2 replicas)")
+    ap.add_argument("--replica-counts", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2],
+                    help="replicas phase: replica counts (default 1,2)")
+    ap.add_argument("--replica-threads", type=int, default=1, help="replicas phase: torch threads per replica")
+    ap.add_argument("--single-threads", type=int, default=2,
+                    help="replicas phase: also one process without Ray at this many threads (0: not)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="load_test.json")
     args = ap.parse_args()
     chat, code = load_texts(args.max_prompt_chars)
-    result = {"machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version()},
+    result = {"machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version(),
+                          "cpu_flags": _cpu_flags()},
               "args": vars(args)}
     phases = args.phases.split(",")
     if "stress" in phases:
@@ -445,11 +545,17 @@ def main() -> int:
     if "throughput" in phases:
         print("throughput ...", flush=True)
         result["throughput"] = phase_throughput(args)
+    if "replicas" in phases:
+        print("replicas (Ray Serve) ...", flush=True)
+        result["replicas"] = phase_replicas(args)
     print_report(result)
+    if result.get("replicas"):
+        print_replicas(result["replicas"])
     result["note"] = "tokens/s include prefill, HTTP and streaming; same machine, same run"
     Path(args.out).write_text(json.dumps(result, indent=1))
     print(f"\nwrote {args.out}")
-    bad = result.get("stress", {}).get("num_problems", 0) or any(r["errors"] for r in result.get("throughput", []))
+    bad = result.get("stress", {}).get("num_problems", 0) or any(r["errors"] for r in result.get("throughput", [])) \
+        or any(r["errors"] for r in result.get("replicas", []))
     return 1 if bad else 0
 
 

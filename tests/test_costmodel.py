@@ -154,3 +154,46 @@ def test_errors_name_the_bad_value():
         theory.expected_tokens([0.5], 3)
     with pytest.raises(ValueError):
         theory.leviathan_speedup([0.5], 1, -0.1)
+
+
+# --------------------------------------------------------------------------- scaling out
+
+
+def test_pipelined_step_overlaps_when_every_draft_is_kept_and_pays_a_redraft_otherwise():
+    from specdecode.costmodel import pipelined_speedup, pipelined_step_time, survival_iid
+
+    # all kept: the step is the longer of the two workers
+    assert pipelined_step_time([1.0] * 4, 4, t_draft=0.01, t_verify=0.05) == pytest.approx(0.05)
+    assert pipelined_step_time([1.0] * 4, 4, t_draft=0.02, t_verify=0.05) == pytest.approx(0.08)
+    # never all kept: every step redrafts after the overlapped part
+    assert pipelined_step_time([0.0] * 4, 4, t_draft=0.01, t_verify=0.05) == pytest.approx(0.05 + 0.04)
+    s = survival_iid(0.8, 3)
+    expected = max(0.05, 0.03) + (1 - 0.8 ** 3) * 0.03
+    assert pipelined_step_time(s, 3, 0.01, 0.05) == pytest.approx(expected)
+    assert pipelined_speedup(s, 3, 0.01, 0.05, t_plain=0.05) == pytest.approx(
+        (1 + 0.8 + 0.64 + 0.512) * 0.05 / expected)
+
+
+def test_allreduce_and_tensor_parallel_forward():
+    from specdecode.costmodel import allreduce_seconds, replicate_draft, tensor_parallel_forward_seconds
+
+    assert allreduce_seconds(1e6, 1, 1e-5, 1e9) == 0.0
+    assert allreduce_seconds(1e6, 2, 1e-5, 1e9) == pytest.approx(1e-5 + 1e-3)
+    assert allreduce_seconds(1e6, 4, 0.0, 1e9) == pytest.approx(1.5e-3)
+    one = tensor_parallel_forward_seconds(1e9, 1e12, 1, 28, 6, 1536, 2, 1e-5, 1e11)
+    assert one == pytest.approx(1e-3)  # no communication on one device
+    two = tensor_parallel_forward_seconds(1e9, 1e12, 2, 28, 6, 1536, 2, 1e-5, 1e11)
+    assert two == pytest.approx(0.5e-3 + 56 * (1e-5 + 6 * 1536 * 2 / 1e11))
+    # a small draft with many layers: communication latency outweighs the halved weight reads
+    keep, replicated, sharded = replicate_draft(1e9, 4e12, 2, 24, 896, 2, 8e-6, 1e11)
+    assert keep and replicated < sharded
+    # a big one on slow memory: sharding wins
+    keep, replicated, sharded = replicate_draft(1e10, 1e11, 2, 24, 896, 2, 8e-6, 1e11)
+    assert not keep and sharded < replicated
+
+
+def test_replicas_vs_batch_splits_the_requests():
+    from specdecode.costmodel import replicas_vs_batch
+
+    one, two = replicas_vs_batch(lambda b: 10.0 * b ** 0.5, lambda b: 6.0 * b ** 0.5, concurrency=8, replicas=2)
+    assert one == pytest.approx(10 * 8 ** 0.5) and two == pytest.approx(2 * 6 * 2.0)

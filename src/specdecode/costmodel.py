@@ -406,3 +406,99 @@ __all__ = ["AcceptanceEstimate", "StepCosts", "StepOverhead", "TimeTable", "as_r
            "ideal_speedup", "leviathan_speedup", "measured_rates", "overhead_aware_speedup",
            "overhead_aware_speedup_mixture", "rates_from_survival", "survival_from_rates", "survival_iid",
            "tokens_per_second", "verify_ratio_from_samples"]
+
+
+# --------------------------------------------------------------------------- scaling out (docs/scaling.md)
+
+
+def pipelined_step_time(survival: Sequence[float], gamma: int, t_draft: float, t_verify: float) -> float:
+    """Expected seconds of one step of pipeline speculation: draft and target on different workers.
+
+    While the target verifies window n, the draft worker drafts window n + 1 from the end of window n
+    (the guess that all of n is kept; PEARL's post-verify, Liu et al. 2024). When all gamma tokens are
+    kept (probability ``survival[gamma - 1]``) that draft is ready and the step costs
+    ``max(T_verify, gamma * T_draft)``; otherwise it is discarded and redrafted from the corrected
+    prefix while the target waits: ``+ gamma * T_draft``. The times are those of each worker *while
+    the other runs* (a shared memory bus slows both; measure them so).
+
+    Args:
+        survival: P(draft tokens 0..i all kept), per position (``survival_iid`` for i.i.d. alpha).
+        gamma: draft tokens per window (>= 1). t_draft: seconds per draft token. t_verify: seconds
+            of a (gamma + 1)-token target forward.
+
+    Returns:
+        expected seconds per step (each step yields ``expected_tokens(survival, gamma)`` tokens).
+    """
+    _check_gamma(gamma)
+    if gamma == 0:
+        return t_verify
+    s = extend_survival(survival, gamma)
+    all_kept = s[gamma - 1]
+    overlapped = max(t_verify, gamma * t_draft)
+    return overlapped + (1.0 - all_kept) * gamma * t_draft
+
+
+def pipelined_speedup(survival: Sequence[float], gamma: int, t_draft: float, t_verify: float,
+                      t_plain: float) -> float:
+    """Tokens per second of pipeline speculation over plain decoding at ``t_plain`` s per token (the target
+    alone, with every core: the fair baseline): ``E[tokens] * t_plain / pipelined_step_time``."""
+    return expected_tokens(survival, gamma) * t_plain / pipelined_step_time(survival, gamma, t_draft, t_verify)
+
+
+def allreduce_seconds(message_bytes: float, world: int, latency: float, bandwidth: float) -> float:
+    """One ring all-reduce of ``message_bytes`` over ``world`` devices: ``latency + 2 (p - 1) / p * bytes /
+    bandwidth`` (each device sends and receives that much; Patarasuk & Yuan 2009). 0 for one device.
+
+    Args:
+        latency: seconds per all-reduce (alpha, measured for small messages); bandwidth: bytes/s per link.
+    """
+    if world <= 1:
+        return 0.0
+    return latency + 2.0 * (world - 1) / world * message_bytes / bandwidth
+
+
+def tensor_parallel_forward_seconds(weight_bytes: float, device_bandwidth: float, world: int, layers: int,
+                                    rows: int, hidden: int, activation_bytes: int, ar_latency: float,
+                                    ar_bandwidth: float, allreduces_per_layer: int = 2) -> float:
+    """A memory-bound forward of ``rows`` tokens sharded Megatron-style over ``world`` devices.
+
+    Each device reads ``weight_bytes / world`` at ``device_bandwidth`` (bytes/s); each layer all-reduces its
+    attention and MLP outputs (``allreduces_per_layer`` = 2 messages of ``rows * hidden * activation_bytes``).
+    The LM head's logits stay sharded (a distributed argmax / Gumbel-max needs only tiny all-reduces),
+    which this ignores.
+    """
+    weights = weight_bytes / world / device_bandwidth
+    message = rows * hidden * activation_bytes
+    return weights + layers * allreduces_per_layer * allreduce_seconds(message, world, ar_latency, ar_bandwidth)
+
+
+def replicate_draft(weight_bytes: float, device_bandwidth: float, world: int, layers: int, hidden: int,
+                    activation_bytes: int, ar_latency: float, ar_bandwidth: float) -> tuple[bool, float, float]:
+    """Whether a draft model should be replicated on every device rather than sharded with the target.
+
+    Per draft token, replicated: ``W_d / BW`` (no communication); sharded:
+    :func:`tensor_parallel_forward_seconds` with one row. Replicate when replicated is not slower.
+
+    Returns:
+        (replicate?, seconds per draft token replicated, seconds sharded).
+    """
+    replicated = weight_bytes / device_bandwidth
+    sharded = tensor_parallel_forward_seconds(weight_bytes, device_bandwidth, world, layers, 1, hidden,
+                                              activation_bytes, ar_latency, ar_bandwidth)
+    return replicated <= sharded, replicated, sharded
+
+
+def replicas_vs_batch(tokens_per_s_one: Callable[[int], float], tokens_per_s_replica: Callable[[int], float],
+                      concurrency: int, replicas: int) -> tuple[float, float]:
+    """Throughput of one server at batch ``concurrency`` against ``replicas`` servers sharing it.
+
+    Args:
+        tokens_per_s_one: measured tokens/s of one server (all cores) at a batch of b rows.
+        tokens_per_s_replica: measured tokens/s of one replica (its share of the cores, the others
+            busy too) at a batch of b rows.
+
+    Returns:
+        (one server's tokens/s, the replicas' total tokens/s) with the requests split evenly.
+    """
+    share = max(1, concurrency // replicas)
+    return tokens_per_s_one(concurrency), replicas * tokens_per_s_replica(share)

@@ -37,6 +37,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import signal
 import sys
 import time
 from collections.abc import AsyncIterator, Iterable, Sequence
@@ -822,6 +823,10 @@ def run(opts, r: ReplicaOptions) -> int:
     except (ConnectionError, RuntimeError, ValueError) as exc:
         raise SpecDecodeError(f"--ray-address {r.ray_address}: cannot connect to the Ray cluster ({exc}); start it "
                               f"with 'ray start --head' or drop --ray-address for a local one") from None
+    def _stop(signum, frame):  # SIGTERM (docker stop, a supervisor) stops the replicas as Ctrl-C does
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, _stop)
     try:
         serve.start(http_options=http)
         n = f"{r.min_replicas or 1}..{r.max_replicas} (autoscaled, {r.replicas} at start)" if r.autoscaling \
