@@ -197,3 +197,8 @@ def test_replicas_vs_batch_splits_the_requests():
 
     one, two = replicas_vs_batch(lambda b: 10.0 * b ** 0.5, lambda b: 6.0 * b ** 0.5, concurrency=8, replicas=2)
     assert one == pytest.approx(10 * 8 ** 0.5) and two == pytest.approx(2 * 6 * 2.0)
+    # one request: only one replica works; three on two: 2 + 1
+    assert replicas_vs_batch(lambda b: 1.0, lambda b: float(b), 1, 2) == (1.0, 1.0)
+    assert replicas_vs_batch(lambda b: 1.0, lambda b: float(b), 3, 2) == (1.0, 3.0)
+    with pytest.raises(ValueError):
+        replicas_vs_batch(lambda b: 1.0, lambda b: 1.0, 0, 2)

@@ -79,7 +79,7 @@ def test_rank_replicas_keeps_a_keys_home_and_spreads_keys():
     homes = {}
     for i in range(600):
         ranks = rank_replicas(f"k{i}", replicas, {})
-        assert len(ranks) == 2 and len(ranks[0]) == 1 and sorted(ranks[0] + ranks[1]) == replicas
+        assert all(len(r) == 1 for r in ranks) and sorted(r[0] for r in ranks) == replicas
         homes[f"k{i}"] = ranks[0][0]
     counts = {r: list(homes.values()).count(r) for r in replicas}
     assert all(150 < n < 250 for n in counts.values()), counts  # rendezvous hashing spreads keys evenly
@@ -93,7 +93,7 @@ def test_rank_replicas_lets_load_win_past_the_imbalance():
     key = "k1"
     home = rank_replicas(key, ["a", "b"], {})[0][0]
     other = "b" if home == "a" else "a"
-    assert rank_replicas(key, ["a", "b"], {home: 7, other: 0}, imbalance=8)[0] == [home]
+    assert rank_replicas(key, ["a", "b"], {home: 7, other: 0}, imbalance=8) == [[home], [other]]
     assert rank_replicas(key, ["a", "b"], {home: 8, other: 0}, imbalance=8) == [[other, home]]
     assert rank_replicas(None, ["a", "b"], {}) == [["a", "b"]]
     assert rank_replicas("k", [], {}) == []
@@ -168,6 +168,52 @@ def test_replicas_without_ray_say_what_to_install(monkeypatch):
         replicas.require_ray()
 
 
+def test_serve_replicas_without_ray_says_what_to_install_before_loading():
+    import subprocess
+
+    script = ("import sys; sys.modules['ray'] = None\n"
+              "from specdecode.cli import main\n"
+              "code = main(['serve', '--replicas', '2', '--threads', '1'])\n"
+              "print('torch' in sys.modules); sys.exit(code)")
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2, run.stderr
+    assert 'pip install -e ".[ray]"' in run.stderr and run.stdout.strip() == "False", (run.stdout, run.stderr)
+
+
+def test_target_ongoing_requests_needs_autoscaling():
+    with pytest.raises(SpecDecodeError, match="--min-replicas and/or --max-replicas"):
+        check_replica_options(ReplicaOptions(replicas=2, target_ongoing_requests=4))
+    check_replica_options(ReplicaOptions(replicas=2, max_replicas=3, target_ongoing_requests=4))
+
+
+def test_hop_by_hop_headers_are_not_forwarded():
+    from specdecode.server.replicas import forwarded_headers
+
+    given = [("Host", "x"), ("Connection", "keep-alive"), ("Transfer-Encoding", "chunked"), ("content-length", "5"),
+             ("Authorization", "Bearer k"), ("set-cookie", "a=1"), ("set-cookie", "b=2"), ("X-Request-Id", "r")]
+    assert forwarded_headers(given) == [("Authorization", "Bearer k"), ("set-cookie", "a=1"), ("set-cookie", "b=2"),
+                                        ("X-Request-Id", "r")]
+
+
+def test_app_builder_binds_the_three_deployments_without_a_cluster():
+    pytest.importorskip("ray.serve")
+    from ray.serve import Application
+
+    from specdecode.server.replicas import ENGINE, INGRESS, app_builder
+
+    app = app_builder({"target": "smollm2-135m", "replicas": "3", "router": "prefix", "threads": "1",
+                       "min_replicas": "1", "max_replicas": "4"})
+    assert isinstance(app, Application)
+    ingress = app._bound_deployment
+    assert ingress.name == INGRESS
+    engine = ingress.init_args[0]._bound_deployment
+    assert engine.name == ENGINE and engine.ray_actor_options["num_cpus"] == 1
+    auto = engine._deployment_config.autoscaling_config
+    assert (auto.min_replicas, auto.initial_replicas, auto.max_replicas) == (1, 3, 4)
+    with pytest.raises(SpecDecodeError, match="--replicas 3 \\(the initial count\\) must lie within"):
+        app_builder({"replicas": 3, "max_replicas": 2})
+
+
 def test_the_example_ray_config_reads_and_a_wrong_one_is_refused(tmp_path):
     pytest.importorskip("ray.serve")
     config = read_ray_config(EXAMPLE_CONFIG)
@@ -239,11 +285,16 @@ def test_closing_the_driver_mid_stream_cancels_the_request(tiny_app):
                 break
         await gen.aclose()
 
+    def cancelled() -> float:
+        return state.metrics.requests.labels("completions", "cancelled")._value.get()
+
+    before = cancelled()
     asyncio.run(leave_early())
     deadline = time.time() + 10
     while time.time() < deadline and (state.scheduler.stats()["active"] or state.scheduler.stats()["pending"]):
         time.sleep(0.05)
     assert state.scheduler.stats()["active"] == 0 and state.scheduler.stats()["pending"] == 0
+    assert cancelled() == before + 1  # the request was cancelled, not run to its 200 tokens
 
 
 # --------------------------------------------------------------------------- two SmolLM2 replicas on local Ray
@@ -272,18 +323,33 @@ def _free_port() -> int:
 class Deployment:
     """A local Ray cluster serving ``specdecode`` (2 SmolLM2-135M int4 replicas, 1 thread each)."""
 
-    def __init__(self, port: int, router: str) -> None:
+    def __init__(self, port: int, router: str, api_key: str | None = None) -> None:
+        import dataclasses
+
         from ray import serve
 
         from specdecode.server.replicas import APP_NAME, build_app
 
-        serve.run(build_app(OPTS, ReplicaOptions(replicas=2, router=router)), name=APP_NAME, route_prefix="/")
+        self.api_key = api_key
+        opts = dataclasses.replace(OPTS, api_key=api_key)
+        serve.run(build_app(opts, ReplicaOptions(replicas=2, router=router)), name=APP_NAME, route_prefix="/")
         self.url = f"http://127.0.0.1:{port}"
 
     def client(self):
         import openai
 
-        return openai.OpenAI(base_url=f"{self.url}/v1", api_key="unused", max_retries=0, timeout=300)
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=self.api_key or "unused", max_retries=0, timeout=300)
+
+    def metrics(self) -> dict:
+        """Every sample of the endpoint's /metrics: {(name, sorted labels): value}."""
+        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        text = httpx.get(f"{self.url}/metrics", headers=headers, timeout=30).text
+        return {(s.name, tuple(sorted(s.labels.items()))): s.value
+                for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+    def total(self, name: str, **labels) -> float:
+        return sum(v for (n, lab), v in self.metrics().items()
+                   if n == name and all(dict(lab).get(k) == w for k, w in labels.items()))
 
     def replicas(self) -> list[dict]:
         return httpx.get(f"{self.url}/health", timeout=30).json()["replicas"]
@@ -335,12 +401,34 @@ def reference():
                                                      "temperature": 0, "messages": [{"role": "user", "content": p}]})
             assert r.status_code == 200, r.text
             out[p] = r.json()["choices"][0]["message"]["content"]
+            r = c.post("/v1/completions", json={"model": "smollm2-135m", "max_tokens": MAX_TOKENS, "temperature": 0,
+                                                "prompt": p})
+            assert r.status_code == 200, r.text
+            out[("completion", p)] = r.json()["choices"][0]["text"]
     return out
 
 
 @pytest.fixture(scope="module")
 def pow2(ray_port):
     return Deployment(ray_port, "power-of-two")
+
+
+def _completion(client, prompt: str, stream: bool) -> dict:
+    if not stream:
+        raw = client.completions.with_raw_response.create(model="smollm2-135m", prompt=prompt, max_tokens=MAX_TOKENS,
+                                                          temperature=0)
+        r = raw.parse()
+        return {"text": r.choices[0].text, "replica": raw.headers.get("x-specdecode-replica"),
+                "tokens": r.usage.completion_tokens, "ids": len(r.choices[0].model_extra.get("token_ids") or [])}
+    text, ids, usage = [], 0, None
+    for chunk in client.completions.create(model="smollm2-135m", prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
+                                           stream=True, stream_options={"include_usage": True}):
+        if chunk.usage is not None:
+            usage = chunk.usage.completion_tokens
+        for c in chunk.choices:
+            text.append(c.text)
+            ids += len(c.model_extra.get("token_ids") or [])
+    return {"text": "".join(text), "replica": None, "tokens": usage, "ids": ids}
 
 
 def _one(client, prompt: str, stream: bool) -> dict:
@@ -365,23 +453,45 @@ def _one(client, prompt: str, stream: bool) -> dict:
 @pytest.mark.integration
 def test_two_replicas_serve_100_requests_from_8_clients_as_one_process(pow2, reference):
     client = pow2.client()
-    jobs = [(PROMPTS[i % len(PROMPTS)], i % 2 == 1) for i in range(100)]
+    # chat and completions, streamed and not, in turn
+    jobs = [(PROMPTS[i % len(PROMPTS)], i % 2 == 1, i % 4 >= 2) for i in range(100)]
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
-        results = list(pool.map(lambda job: _one(client, *job), jobs))
-    for (prompt, stream), r in zip(jobs, results):
-        assert r["text"] == reference[prompt], (prompt, stream)  # greedy: equal to one process
+        results = list(pool.map(lambda job: (_completion if job[2] else _one)(client, job[0], job[1]), jobs))
+    for (prompt, stream, completion), r in zip(jobs, results):
+        expected = reference[("completion", prompt) if completion else prompt]
+        assert r["text"] == expected, (prompt, stream, completion)  # greedy: equal to one process
         assert r["ids"] == r["tokens"] and 0 < r["tokens"] <= MAX_TOKENS  # nothing lost or duplicated
     used = {r["replica"] for r in results if r["replica"]}
     assert len(used) == 2, used  # the default router used both replicas
     time.sleep(2.5)  # a push period: the hub holds every replica's latest figures
-    text = httpx.get(f"{pow2.url}/metrics", timeout=30).text
     ok = {}
-    for fam in text_string_to_metric_families(text):
-        for s in fam.samples:
-            if s.name == "specdecode_requests_total" and s.labels.get("outcome") == "ok":
-                ok[s.labels["replica"]] = ok.get(s.labels["replica"], 0) + s.value
+    for (name, labels), value in pow2.metrics().items():
+        labels = dict(labels)
+        if name == "specdecode_requests_total" and labels.get("outcome") == "ok":
+            ok[labels["replica"]] = ok.get(labels["replica"], 0) + value
     assert len(ok) == 2 and sum(ok.values()) >= 100 and min(ok.values()) > 0, ok
-    assert "specdecode_replica_retries_total" in text
+
+
+@pytest.mark.integration
+def test_the_ingress_refuses_a_big_body_and_cancels_a_stream_whose_client_left(pow2):
+    r = httpx.post(f"{pow2.url}/v1/completions", content=b"x" * (OPTS.max_request_bytes + 1),
+                   headers={"content-type": "application/json"}, timeout=60)
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+    r = httpx.get(f"{pow2.url}/v1/nothing", timeout=60)
+    assert r.status_code == 404 and "no such endpoint" in r.json()["error"]["message"]  # the replica's own answer
+    before = pow2.total("specdecode_requests_total", outcome="cancelled", endpoint="completions")
+    body = {"model": "smollm2-135m", "prompt": "Count from one to a thousand:", "max_tokens": 2000, "temperature": 0,
+            "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", f"{pow2.url}/v1/completions", json=body, timeout=60) as resp:
+        for n, _ in enumerate(resp.iter_lines()):
+            if n >= 6:
+                break  # leave mid-stream
+    deadline = time.time() + 30
+    while time.time() < deadline:
+        time.sleep(1.5)
+        if pow2.total("specdecode_requests_total", outcome="cancelled", endpoint="completions") > before:
+            break
+    assert pow2.total("specdecode_requests_total", outcome="cancelled", endpoint="completions") == before + 1
 
 
 @pytest.mark.integration
@@ -393,6 +503,8 @@ def test_a_killed_replica_loses_no_request_that_had_not_streamed(pow2, reference
 
     client = pow2.client()
     victim = pow2.wait_for(2)[0]
+    affected_before = (pow2.total("specdecode_replica_retries_total")
+                       + pow2.total("specdecode_replica_failed_requests_total"))
     jobs = [(PROMPTS[i], i % 2 == 1) for i in range(16)]
     outcomes: list = [None] * len(jobs)
 
@@ -417,7 +529,11 @@ def test_a_killed_replica_loses_no_request_that_had_not_streamed(pow2, reference
 
     with concurrent.futures.ThreadPoolExecutor(16) as pool:
         futures = [pool.submit(run, i) for i in range(len(jobs))]
-        time.sleep(1.5)
+        deadline = time.time() + 60  # kill it while it runs requests
+        while time.time() < deadline and not any(r["pid"] == victim["pid"] and r["active"] > 0
+                                                 for r in pow2._safe_replicas()):
+            time.sleep(0.2)
+        time.sleep(0.5)
         os.kill(victim["pid"], signal.SIGKILL)
         for f in futures:
             f.result(timeout=300)
@@ -435,16 +551,22 @@ def test_a_killed_replica_loses_no_request_that_had_not_streamed(pow2, reference
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
         after = list(pool.map(lambda p: _one(client, p, False), PROMPTS[:8]))
     assert [a["text"] for a in after] == [reference[p] for p in PROMPTS[:8]]
-    text = httpx.get(f"{pow2.url}/metrics", timeout=30).text
-    assert "specdecode_replica_retries_total" in text
+    affected = (pow2.total("specdecode_replica_retries_total") + pow2.total("specdecode_replica_failed_requests_total")
+                - affected_before)
+    assert affected >= 1  # the kill did hit requests: retried, or failed after output
 
 
 @pytest.mark.integration
 def test_prefix_affinity_sends_a_conversations_turns_to_one_replica(ray_port, pow2):
-    """Redeploys with ``--router prefix``: every turn of a conversation goes to the replica rendezvous
-    hashing names for its first messages, and conversations homed on each replica are served there."""
-    deployment = Deployment(ray_port, "prefix")
+    """Redeploys with ``--router prefix`` and an API key: every turn of a conversation goes to the replica
+    rendezvous hashing names for its first messages, and conversations homed on each replica are served
+    there; the key is required as on one server (/health open)."""
+    deployment = Deployment(ray_port, "prefix", api_key="sk-test")
     ids = sorted(r["replica"] for r in deployment.wait_for(2))
+    for path in ("/v1/models", "/metrics", "/docs"):
+        r = httpx.get(f"{deployment.url}{path}", timeout=30)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", (path, r.text)
+    assert httpx.get(f"{deployment.url}/v1/models", headers={"Authorization": "Bearer sk-test"}).status_code == 200
     assert len(ids) == 2
     client = deployment.client()
     conversations, homes = [], {}

@@ -405,7 +405,10 @@ __all__ = ["AcceptanceEstimate", "StepCosts", "StepOverhead", "TimeTable", "as_r
            "expected_accepted", "expected_tokens", "expected_tokens_iid", "expected_tokens_mixture", "extend_survival",
            "ideal_speedup", "leviathan_speedup", "measured_rates", "overhead_aware_speedup",
            "overhead_aware_speedup_mixture", "rates_from_survival", "survival_from_rates", "survival_iid",
-           "tokens_per_second", "verify_ratio_from_samples"]
+           "tokens_per_second", "verify_ratio_from_samples",
+           # scaling out
+           "allreduce_seconds", "pipelined_speedup", "pipelined_step_time", "replicas_vs_batch", "replicate_draft",
+           "tensor_parallel_forward_seconds"]
 
 
 # --------------------------------------------------------------------------- scaling out (docs/scaling.md)
@@ -428,6 +431,9 @@ def pipelined_step_time(survival: Sequence[float], gamma: int, t_draft: float, t
 
     Returns:
         expected seconds per step (each step yields ``expected_tokens(survival, gamma)`` tokens).
+
+    Raises:
+        ValueError: gamma < 0.
     """
     _check_gamma(gamma)
     if gamma == 0:
@@ -498,7 +504,13 @@ def replicas_vs_batch(tokens_per_s_one: Callable[[int], float], tokens_per_s_rep
             busy too) at a batch of b rows.
 
     Returns:
-        (one server's tokens/s, the replicas' total tokens/s) with the requests split evenly.
+        (one server's tokens/s, the replicas' total tokens/s) with the requests split as evenly as they
+        go (a replica with none adds nothing).
+
+    Raises:
+        ValueError: concurrency or replicas below 1.
     """
-    share = max(1, concurrency // replicas)
-    return tokens_per_s_one(concurrency), replicas * tokens_per_s_replica(share)
+    if concurrency < 1 or replicas < 1:
+        raise ValueError(f"concurrency and replicas must be >= 1, got {concurrency}, {replicas}")
+    shares = [concurrency // replicas + (i < concurrency % replicas) for i in range(replicas)]
+    return tokens_per_s_one(concurrency), sum(tokens_per_s_replica(b) for b in shares if b > 0)

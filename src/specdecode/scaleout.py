@@ -114,6 +114,9 @@ def check_replica_options(r: ReplicaOptions) -> None:
     if r.autoscaling and not lo <= r.replicas <= hi:
         raise SpecDecodeError(f"--replicas {r.replicas} (the initial count) must lie within --min-replicas {lo} "
                               f"and --max-replicas {hi}")
+    if r.target_ongoing_requests is not None and not r.autoscaling:
+        raise SpecDecodeError("--target-ongoing-requests steers the autoscaler: give --min-replicas and/or "
+                              "--max-replicas with it")
     if r.target_ongoing_requests is not None and not (0 < r.target_ongoing_requests <= 10_000):
         raise SpecDecodeError(f"--target-ongoing-requests must be in (0, 10000], got {r.target_ongoing_requests}")
     if r.cpus_per_replica is not None and not (0 <= r.cpus_per_replica <= 1024):

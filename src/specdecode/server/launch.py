@@ -284,10 +284,10 @@ def options_from_args(args: argparse.Namespace) -> ServeOptions:
 def run_from_args(args: argparse.Namespace) -> int:
     """Entry point of ``specdecode serve`` (with ``--replicas``: :func:`specdecode.server.replicas.run`)."""
     torch.set_grad_enabled(False)
-    from specdecode.server.replicas import replica_options_from_args
+    from specdecode.scaleout import replica_options_from_args
 
     replicas = replica_options_from_args(args)
-    if replicas is not None:
+    if replicas is not None:  # Ray Serve: imported only here, as it needs Ray
         from specdecode.server.replicas import run as run_replicas
 
         return run_replicas(options_from_args(args), replicas)

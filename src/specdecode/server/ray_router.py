@@ -1,21 +1,30 @@
 """The prefix-affinity request router of the Ray Serve replicas (imports Ray: load it only when Ray is installed).
 
 Ray Serve calls :meth:`PrefixAffinityRouter.choose_replicas` for each request to the engine deployment;
-the decision itself is :func:`specdecode.server.replicas.rank_replicas` (rendezvous hashing of the
+the decision itself is :func:`specdecode.server.routing.rank_replicas` (rendezvous hashing of the
 request's ``routing_key`` with a queue-length guard), tested without Ray. A request without a key
 (not a completion, or an unreadable body) gets Ray Serve's own power of two choices.
 """
 
 from __future__ import annotations
 
-import random
+from ray.serve.request_router import PendingRequest, RunningReplica
 
-from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
+try:  # Ray's own power of two choices (with its locality and multiplexing rules) for keyless requests
+    from ray.serve._private.request_router.pow_2_router import PowerOfTwoChoicesRequestRouter as _Base
+except ImportError:  # pragma: no cover - a Ray that moved it: the public base, keyless requests get a random pair
+    from ray.serve.request_router import FIFOMixin, RequestRouter
 
-from specdecode.server.replicas import rank_replicas
+    class _Base(FIFOMixin, RequestRouter):  # type: ignore[no-redef]
+        async def choose_replicas(self, candidate_replicas, pending_request=None):
+            import random
+
+            return [random.sample(list(candidate_replicas), k=min(2, len(candidate_replicas)))]
+
+from specdecode.server.routing import rank_replicas
 
 
-class PrefixAffinityRouter(FIFOMixin, RequestRouter):
+class PrefixAffinityRouter(_Base):
     """Routes requests sharing a prompt prefix (or a conversation) to the same engine replica.
 
     ``request_router_kwargs``: ``imbalance`` (requests of queue length the preferred replica may be
@@ -30,11 +39,10 @@ class PrefixAffinityRouter(FIFOMixin, RequestRouter):
         if not candidate_replicas:
             return []
         key = None if pending_request is None else (pending_request.kwargs or {}).get("routing_key")
+        if key is None:  # no preference: Ray Serve's power of two choices
+            return await super().choose_replicas(candidate_replicas, pending_request)
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
-        if key is None:  # no preference: two random candidates, the shorter queue wins (Ray's default)
-            picks = random.sample(list(by_id), k=min(2, len(by_id)))
-            return [[by_id[i] for i in picks]]
-        cache = self._replica_queue_len_cache
+        cache = self.replica_queue_len_cache
         queue_lens = {i: cache.get(r.replica_id) for i, r in by_id.items()}
         imbalance = getattr(self, "imbalance", 8)
         return [[by_id[i] for i in rank] for rank in rank_replicas(key, list(by_id), queue_lens, imbalance)]

@@ -34,13 +34,12 @@ imports without it, and :func:`require_ray` says what to install.
 import asyncio
 import contextlib
 import dataclasses
-import hashlib
 import json
 import os
 import signal
 import sys
 import time
-from collections.abc import AsyncIterator, Iterable, Sequence
+from collections.abc import AsyncIterator, Iterable
 from pathlib import Path
 
 from specdecode.scaleout import (  # noqa: F401 - the settings, checked without Ray; re-exported here
@@ -54,6 +53,7 @@ from specdecode.scaleout import (  # noqa: F401 - the settings, checked without 
 
 __all__ = ["RAY_INSTALL", "ROUTERS", "ReplicaOptions", "app_builder", "build_app", "check_replica_options",
            "replica_options_from_args", "require_ray", "run"]
+from specdecode.server.routing import rank_replicas, routing_key  # noqa: F401 - Ray-free, re-exported
 from specdecode.types import SpecDecodeError
 
 APP_NAME = "specdecode"
@@ -64,8 +64,9 @@ HUB = "SpecdecodeMetrics"
 #: :data:`STALE_AFTER` seconds is dropped from ``/metrics`` and ``/health``.
 PUSH_PERIOD = 1.0
 STALE_AFTER = 15.0
-#: Endpoints whose body names a prompt (the prefix-affinity router reads them).
-GENERATE_PATHS = ("/v1/completions", "/v1/chat/completions")
+#: Seconds a leaving replica's running requests get to finish (``graceful_shutdown_timeout_s``; a Ray Serve
+#: config file can set another).
+DRAIN_SECONDS = 300.0
 _ENV_PASSED = ("SPECDECODE_CACHE", "HF_HUB_OFFLINE", "HF_HOME", "TRANSFORMERS_OFFLINE", "SPECDECODE_LOWBIT_KERNEL",
                "SPECDECODE_NATIVE_STEP", "TOKENIZERS_PARALLELISM")
 
@@ -74,9 +75,9 @@ def read_ray_config(path: str | Path) -> dict:
     """A Ray Serve config file (the format of ``serve deploy``), validated by Ray's own schema.
 
     Returns:
-        ``{"http_options": {...}, "deployments": {name: {option: value}}}``: the HTTP options and the
-        settings of this application's deployments (``SpecdecodeEngine``, ``SpecdecodeIngress``), from
-        the application named ``specdecode`` or, failing that, the only one.
+        ``{"http_options": {...}, "deployments": {name: {option: value}}, "args": {...}}``: the HTTP options,
+        the settings of this application's deployments (``SpecdecodeEngine``, ``SpecdecodeIngress``) and
+        its builder args, from the application named ``specdecode`` or, failing that, the only one.
 
     Raises:
         SpecDecodeError: not YAML, not Ray Serve's schema, or a deployment that is not ours.
@@ -111,85 +112,10 @@ def read_ray_config(path: str | Path) -> dict:
         deployments[name] = {k: v for k, v in entry.items() if k != "name"}
     http = raw.get("http_options") or {}
     del schema
-    return {"http_options": http, "deployments": deployments}
+    return {"http_options": http, "deployments": deployments, "args": dict((apps[0].get("args") or {}) if apps else {})}
 
 
 # --------------------------------------------------------------------------- routing (pure)
-
-
-def routing_key(path: str, body: bytes, prefix_chars: int = 256) -> str | None:
-    """The prefix-affinity key of a request: a hash of its first ``prefix_chars`` characters of prompt.
-
-    Chat: the messages up to and including the first user message (a conversation's later turns
-    repeat them, so every turn gets the same key). Completions: the start of the (first) prompt;
-    token-id prompts use their first ``prefix_chars // 4`` ids. None for other endpoints and for
-    bodies that are not such JSON (the router then falls back to the power of two choices).
-
-    Returns:
-        a 16-hex-digit key, or None.
-    """
-    if path not in GENERATE_PATHS or not body:
-        return None
-    try:
-        data = json.loads(body)
-    except (ValueError, UnicodeDecodeError):
-        return None
-    if not isinstance(data, dict):
-        return None
-    if path.endswith("/chat/completions"):
-        messages = data.get("messages")
-        if not isinstance(messages, list) or not messages:
-            return None
-        head = []
-        for m in messages:
-            head.append(m)
-            if isinstance(m, dict) and m.get("role") == "user":
-                break
-        text = json.dumps(head, sort_keys=True, ensure_ascii=False)
-    else:
-        prompt = data.get("prompt")
-        if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
-            prompt = prompt[0]
-        if isinstance(prompt, list):
-            text = json.dumps(prompt[: max(1, prefix_chars // 4)])
-        elif isinstance(prompt, str):
-            text = prompt
-        else:
-            return None
-    text = f"{data.get('model')}\x00{text[:prefix_chars]}"
-    return hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=8).hexdigest()
-
-
-def _weight(key: str, replica: str) -> int:
-    return int.from_bytes(hashlib.blake2b(f"{key}\x00{replica}".encode(), digest_size=8).digest(), "big")
-
-
-def rank_replicas(key: str | None, replicas: Sequence[str], queue_lens: dict[str, int | None],
-                  imbalance: int = 8) -> list[list[str]]:
-    """Ranks of replicas for one request (the prefix-affinity router's decision, Ray-free).
-
-    Rendezvous (highest-random-weight) hashing: the replica with the largest hash of (key, replica) is the
-    key's home, so a key keeps its replica while replicas come and go (only the keys of a replica that
-    left move). When the home's queue is ``imbalance`` or more requests longer than the shortest known
-    queue, load wins and the replicas are ranked by queue length.
-
-    Args:
-        key: the request's :func:`routing_key` (None: no preference, every replica in one rank).
-        replicas: the candidate replica ids.
-        queue_lens: the last known queue length of each replica (missing / None: unknown, taken as 0).
-
-    Returns:
-        ranks, most preferred first (each a list of replica ids; Ray tries the first rank first).
-    """
-    if not replicas:
-        return []
-    if key is None or len(replicas) == 1:
-        return [list(replicas)]
-    ranked = sorted(replicas, key=lambda r: _weight(key, r), reverse=True)
-    q = {r: (queue_lens.get(r) or 0) for r in replicas}
-    if q[ranked[0]] - min(q.values()) >= imbalance:
-        return [sorted(replicas, key=lambda r: q[r])]
-    return [[ranked[0]], ranked[1:]]
 
 
 def carries_output(event: bytes) -> bool:
@@ -394,8 +320,11 @@ class EngineReplica:
         ctx = serve.get_replica_context()
         self.replica_id = ctx.replica_id.unique_id
         self.pid = os.getpid()
-        with _load_lock(opts.cache_dir):
-            self.state = await asyncio.get_running_loop().run_in_executor(None, lambda: load_state(opts, progress=False))
+        def load():
+            with _load_lock(opts.cache_dir):  # a blocking lock: taken in the executor, not on the event loop
+                return load_state(opts, progress=False)
+
+        self.state = await asyncio.get_running_loop().run_in_executor(None, load)
         self.api_key = opts.api_key
         self.app = create_app(self.state)
         self._lifespan = self.app.router.lifespan_context(self.app)
@@ -404,13 +333,15 @@ class EngineReplica:
         self._pusher = asyncio.ensure_future(self._push_forever()) if hub is not None else None
 
     async def handle(self, method: str, path: str, query: str = "", headers: list[tuple[str, str]] = (),
-                     body: bytes = b"", routing_key: str | None = None) -> AsyncIterator[tuple]:
-        """One HTTP request through this replica's app (``routing_key`` is for the router only).
+                     body: bytes = b"", routing_key: str | None = None,
+                     client: tuple[str, int] = ("127.0.0.1", 0)) -> AsyncIterator[tuple]:
+        """One HTTP request through this replica's app (``routing_key`` is for the router only; ``client``
+        is the original client's address, as the app's logs and ``request.client`` see it).
 
         Yields :func:`asgi_request`'s messages; the start message carries this replica's id as an
         ``x-specdecode-replica`` header."""
         del routing_key
-        async for message in asgi_request(self.app, method, path, query, headers, body):
+        async for message in asgi_request(self.app, method, path, query, headers, body, client=tuple(client)):
             if message[0] == "start":
                 message = ("start", message[1], [*message[2], ("x-specdecode-replica", self.replica_id)])
             yield message
@@ -484,11 +415,8 @@ class MetricsHub:
         return [{**v[2], "report_age_s": round(now - v[0], 2)} for _, v in sorted(self._fresh().items())]
 
 
-class _Retry(Exception):
-    """The replica failed before the client saw anything: try another."""
-
-
 def _retryable_errors() -> tuple[type[BaseException], ...]:
+    """What a deployment handle raises when the replica serving the call died or cannot be reached."""
     import ray.exceptions as rex
 
     kinds = [rex.RayActorError]
@@ -498,20 +426,36 @@ def _retryable_errors() -> tuple[type[BaseException], ...]:
     return tuple(kinds)
 
 
-def _json_error(status: int, message: str, code: str, type_: str = "server_error", headers: dict | None = None):
-    from fastapi.responses import JSONResponse
+#: Hop-by-hop headers (RFC 9110 section 7.6.1): they describe one connection and are never forwarded
+#: (Content-Length neither: the forwarder sets its own).
+HOP_BY_HOP = frozenset({"connection", "keep-alive", "proxy-connection", "transfer-encoding", "te", "trailer",
+                        "upgrade", "expect", "proxy-authenticate", "proxy-authorization", "host", "content-length"})
 
-    return JSONResponse({"error": {"message": message, "type": type_, "param": None, "code": code}},
-                        status_code=status, headers=headers)
+
+def forwarded_headers(headers: Iterable[tuple[str, str]]) -> list[tuple[str, str]]:
+    """``headers`` without the hop-by-hop ones, repeated headers kept in order."""
+    return [(k, v) for k, v in headers if k.lower() not in HOP_BY_HOP]
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0]}" if text else type(exc).__name__
 
 
 def ingress_deployment_class():
     """:class:`Ingress` as a Ray Serve class ingress: a FastAPI app whose routes are its methods
-    (``/health``, ``/metrics`` and a catch-all that forwards to a replica)."""
+    (``/health``, ``/metrics`` and a catch-all that forwards to a replica). It has no docs routes of its
+    own: ``/docs`` and ``/openapi.json`` are the replicas', forwarded and key-checked like the rest."""
     from fastapi import FastAPI, Request  # evaluated now (no postponed annotations), so FastAPI sees the class
     from ray import serve
 
-    app = FastAPI(title="specdecode (Ray Serve replicas)")
+    from specdecode.server.app import APIError
+
+    app = FastAPI(title="specdecode (Ray Serve replicas)", docs_url=None, redoc_url=None, openapi_url=None)
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError):
+        return exc.response()
 
     @serve.ingress(app)
     class SpecdecodeIngress(Ingress):
@@ -533,12 +477,16 @@ def ingress_deployment_class():
 class Ingress:
     """The HTTP entry: forwards each request to an engine replica and streams its answer back.
 
+    The API key and the body limit (``app._read_body``: 413 from Content-Length, or as soon as the bytes
+    pass it) apply here first, with the replicas' own messages, so a refused request never takes a
+    replica's slot; the replica's app checks both again.
+
     Args:
         engine: the ``SpecdecodeEngine`` deployment handle; hub: the ``SpecdecodeMetrics`` one.
         router: "power-of-two" or "prefix"; prefix_chars: see :func:`routing_key`.
         retries: attempts on another replica when one fails before its first output.
-        max_request_bytes: the largest body read (the replica's app answers 413 above it).
-        api_key: required on ``/metrics`` as on the replicas' own endpoints.
+        max_request_bytes: the largest body taken.
+        api_key: required on every endpoint but ``/health``, as on one server.
     """
 
     def __init__(self, engine, hub, router: str = "power-of-two", prefix_chars: int = 256, retries: int = 2,
@@ -552,23 +500,38 @@ class Ingress:
         self.registry = CollectorRegistry()
         self.retried = Counter("specdecode_replica_retries", "Requests retried on another replica after theirs "
                                "failed before any output", registry=self.registry)
-        self.failed = Counter("specdecode_replica_failed_requests", "Requests whose replica failed after output "
-                              "had been sent (the client got a retryable replica_failed error)", registry=self.registry)
+        self.failed = Counter("specdecode_replica_failed_requests", "Requests the ingress answered with a "
+                              "replica_failed error: their replica failed after output had been sent, or every "
+                              "retry failed before any", registry=self.registry)
         self.routed = Counter("specdecode_ingress_requests", "Requests the ingress forwarded, by router",
                               ["router"], registry=self.registry)
 
-    def _authorized(self, request) -> bool:
+    def _check_key(self, request) -> None:
+        """Raise the replicas' own 401 when the key is missing or wrong (``/health`` is open, as there).
+
+        Raises:
+            APIError: 401 invalid_api_key.
+        """
         import hmac
 
-        if not self.api_key:
-            return True
+        from specdecode.server.app import APIError
+
+        if not self.api_key or request.url.path == "/health":
+            return
         scheme, _, given = request.headers.get("authorization", "").partition(" ")
-        return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), self.api_key.encode())
+        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), self.api_key.encode()):
+            raise APIError(401, "missing or wrong API key: send the header 'Authorization: Bearer <key>' with the key "
+                                "the server was started with (--api-key)", type="authentication_error",
+                           code="invalid_api_key")
 
     async def health(self):
         from fastapi.responses import JSONResponse
 
-        replicas = await self.hub.replicas.remote()
+        try:
+            replicas = await self.hub.replicas.remote()
+        except Exception as exc:  # noqa: BLE001 - the hub restarting: say so, as JSON
+            return JSONResponse({"status": f"the metrics hub is not answering ({type(exc).__name__}); retry",
+                                 "replicas": [], "router": self.router}, status_code=503)
         alive = [r for r in replicas if r.get("engine_alive")]
         status = "ok" if alive else "no replica is serving"
         return JSONResponse({"status": status, "replicas": replicas, "router": self.router},
@@ -578,58 +541,70 @@ class Ingress:
         from fastapi.responses import Response
         from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-        if not self._authorized(request):
-            return _json_error(401, "missing or wrong API key: send the header 'Authorization: Bearer <key>' with the "
-                                    "key the server was started with (--api-key)", "invalid_api_key",
-                               "authentication_error")
-        text = await self.hub.collect.remote(generate_latest(self.registry).decode())
+        from specdecode.server.app import APIError
+
+        self._check_key(request)
+        try:
+            text = await self.hub.collect.remote(generate_latest(self.registry).decode())
+        except Exception as exc:  # noqa: BLE001
+            raise APIError(503, f"the metrics hub is not answering ({type(exc).__name__}); retry",
+                           type="server_error", code="metrics_unavailable") from None
         return Response(text, media_type=CONTENT_TYPE_LATEST)
 
-    async def _read(self, request) -> bytes:
-        chunks, size = [], 0
-        async for chunk in request.stream():
-            chunks.append(chunk)
-            size += len(chunk)
-            if size > self.max_request_bytes:  # the replica's app refuses it with its own 413
-                break
-        return b"".join(chunks)
-
     async def forward(self, request):
-        from fastapi.responses import StreamingResponse
         from ray.serve.exceptions import BackPressureError
 
-        body = await self._read(request)
+        from specdecode.server.app import APIError, _read_body
+
+        self._check_key(request)
+        body = await _read_body(request, self.max_request_bytes)
         path = request.url.path
         key = routing_key(path, body, self.prefix_chars) if self.router == "prefix" else None
-        headers = [(k, v) for k, v in request.headers.items() if k.lower() not in ("host", "content-length")]
-        headers.append(("content-length", str(len(body))))
+        headers = [*forwarded_headers(request.headers.items()), ("content-length", str(len(body)))]
+        client = (request.client.host, request.client.port) if request.client else ("127.0.0.1", 0)
         retryable = _retryable_errors()
         self.routed.labels(self.router).inc()
         last = "no replica answered"
         for attempt in range(self.retries + 1):
             gen = self.engine.handle.remote(method=request.method, path=path, query=request.url.query,
-                                            headers=headers, body=body, routing_key=key)
+                                            headers=headers, body=body, routing_key=key, client=client)
             try:
                 status, out_headers, held, replica = await self._until_output(gen)
             except BackPressureError:
-                return _json_error(429, "every replica's queue is full; retry later", "queue_full",
-                                   "rate_limit_error", headers={"Retry-After": "1"})
+                gen.cancel()
+                raise APIError(429, "every replica's queue is full (--max-queue); retry later",
+                               type="rate_limit_error", code="queue_full", headers={"Retry-After": "1"}) from None
             except retryable as exc:
-                last = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+                gen.cancel()  # whatever that replica still runs, it runs for nobody
+                last = _first_line(exc)
                 if attempt < self.retries:
                     self.retried.inc()
-                    await asyncio.sleep(0.2 * (attempt + 1))
+                    await asyncio.sleep(0.25 * (attempt + 1))
                     continue
                 break
-            except BaseException:
+            except Exception as exc:  # noqa: BLE001 - any other failure: an OpenAI-style 502, not a bare 500
+                gen.cancel()
+                raise APIError(502, f"the replica failed: {_first_line(exc)}", type="server_error",
+                               code="replica_error") from None
+            except BaseException:  # cancelled: the client left
                 gen.cancel()
                 raise
-            return StreamingResponse(self._rest(gen, held, replica, retryable), status_code=status,
-                                     headers=dict(out_headers))
+            return self._response(status, out_headers, self._rest(gen, held, replica, retryable))
         self.failed.inc()
-        return _json_error(503, f"the replicas serving this request failed {self.retries + 1} times before any "
-                                f"output ({last}); retry the request", "replica_failed",
-                           headers={"Retry-After": "1"})
+        raise APIError(503, f"the replicas serving this request failed {self.retries + 1} times before any output "
+                            f"({last}); retry the request", type="server_error", code="replica_failed",
+                       headers={"Retry-After": "1"})
+
+    @staticmethod
+    def _response(status: int, headers: list[tuple[str, str]], body: AsyncIterator[bytes]):
+        """A streaming response with the replica's status and headers as they were (repeated ones kept,
+        hop-by-hop ones dropped)."""
+        from fastapi.responses import StreamingResponse
+
+        response = StreamingResponse(body, status_code=status)
+        response.raw_headers = [(k.lower().encode("latin-1"), v.encode("latin-1"))
+                                for k, v in forwarded_headers(headers)]
+        return response
 
     async def _until_output(self, gen) -> tuple[int, list, list[bytes], str]:
         """Read the replica's answer up to its first output (a non-streaming answer: all of it).
@@ -656,15 +631,17 @@ class Ingress:
         return status, headers, held, replica
 
     async def _rest(self, gen, held: list[bytes], replica: str, retryable) -> AsyncIterator[bytes]:
+        """The held chunks, then the rest of the replica's stream; a failure after output ends the stream
+        with the retryable ``replica_failed`` event and ``[DONE]``."""
         try:
             for chunk in held:
                 yield chunk
             async for message in gen:
                 if message[0] == "body":
                     yield message[1]
-        except retryable as exc:
+        except Exception as exc:  # noqa: BLE001 - a replica death, or anything else: the client must learn it
             self.failed.inc()
-            yield failed_stream_event(replica, type(exc).__name__)
+            yield failed_stream_event(replica, type(exc).__name__ if isinstance(exc, retryable) else _first_line(exc))
         finally:
             gen.cancel()
 
@@ -711,7 +688,9 @@ def build_app(opts, r: ReplicaOptions, *, ray_config: dict | None = None):
         "max_ongoing_requests": 2 * opts.max_batch_size,  # a batch running and the next one queued in the replica
         "max_queued_requests": opts.max_queue,  # beyond: 429 from the ingress
         "ray_actor_options": {"num_cpus": cpus, "runtime_env": {"env_vars": env}},
-        "health_check_period_s": 5, "health_check_timeout_s": 30, "graceful_shutdown_timeout_s": 20,
+        # a replica leaving (autoscaling down, a redeploy) first drains: it takes no new request and its
+        # running ones get DRAIN_SECONDS to finish (Ray's default, 20 s, would cut long CPU generations)
+        "health_check_period_s": 5, "health_check_timeout_s": 30, "graceful_shutdown_timeout_s": DRAIN_SECONDS,
     }
     if r.autoscaling:
         engine_options["autoscaling_config"] = {
@@ -799,10 +778,13 @@ def app_builder(args: dict):
 
 
 def run(opts, r: ReplicaOptions) -> int:
-    """``specdecode serve --replicas N``: start (or join) a Ray cluster, deploy, serve until interrupted.
+    """``specdecode serve --replicas N``: start (or join) a Ray cluster, deploy, serve until interrupted
+    (Ctrl-C or SIGTERM). On a cluster of the user's (``--ray-address``) only this application is deleted at
+    the end; a local cluster started here is shut down.
 
     Raises:
-        SpecDecodeError: Ray missing, bad options, a Ray cluster that cannot be reached.
+        SpecDecodeError: Ray missing, bad options, more CPUs asked than a local cluster has, a Ray cluster
+            that cannot be reached, replicas that fail to start.
     """
     require_ray()
     import ray
@@ -814,26 +796,46 @@ def run(opts, r: ReplicaOptions) -> int:
     check_options(opts)
     check_replica_options(r)
     config = read_ray_config(r.ray_config) if r.ray_config else None
+    if config is not None and config["args"]:
+        say(f"--ray-config: its 'args' ({', '.join(sorted(config['args']))}) are for 'serve deploy'; here the flags "
+            f"choose the model and the drafter")
     http = {"host": opts.host, "port": opts.port, **((config or {}).get("http_options") or {})}
-    if r.ray_address is None:
+    local = r.ray_address is None
+    if local:
         check_address(http["host"], int(http["port"]))
+        threads = opts.threads or default_threads(r.max_replicas or r.replicas)
+        want = (r.cpus_per_replica if r.cpus_per_replica is not None else threads) * (r.max_replicas or r.replicas)
+        cores = os.cpu_count() or 1
+        if want > cores:
+            raise SpecDecodeError(f"{r.max_replicas or r.replicas} replicas x {want / (r.max_replicas or r.replicas):g} "
+                                  f"CPUs need {want:g} CPUs and this machine has {cores}: lower --replicas / "
+                                  f"--max-replicas or --threads (or --cpus-per-replica), or join a bigger cluster "
+                                  f"with --ray-address")
     try:
         ray.init(address=r.ray_address, include_dashboard=False, log_to_driver=True, logging_level="warning",
-                 **({"num_cpus": os.cpu_count()} if r.ray_address is None else {}))
+                 **({"num_cpus": os.cpu_count()} if local else {}))
     except (ConnectionError, RuntimeError, ValueError) as exc:
-        raise SpecDecodeError(f"--ray-address {r.ray_address}: cannot connect to the Ray cluster ({exc}); start it "
-                              f"with 'ray start --head' or drop --ray-address for a local one") from None
+        where = f"--ray-address {r.ray_address}: cannot connect to the Ray cluster" if not local else \
+            "cannot start a local Ray cluster"
+        raise SpecDecodeError(f"{where} ({_first_line(exc)}); start one with 'ray start --head' and pass "
+                              f"--ray-address auto, or check /tmp/ray/session_latest/logs") from None
+
     def _stop(signum, frame):  # SIGTERM (docker stop, a supervisor) stops the replicas as Ctrl-C does
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, _stop)
     try:
         serve.start(http_options=http)
-        n = f"{r.min_replicas or 1}..{r.max_replicas} (autoscaled, {r.replicas} at start)" if r.autoscaling \
+        lo = r.min_replicas if r.min_replicas is not None else 1
+        n = f"{lo}..{r.max_replicas or r.replicas} (autoscaled, {r.replicas} at start)" if r.autoscaling \
             else str(r.replicas)
         say(f"starting {n} replicas of {opts.target!r} on Ray Serve (router {r.router}); each loads the model")
         t0 = time.perf_counter()
-        serve.run(build_app(opts, r, ray_config=config), name=APP_NAME, route_prefix="/")
+        try:
+            serve.run(build_app(opts, r, ray_config=config), name=APP_NAME, route_prefix="/")
+        except RuntimeError as exc:
+            raise SpecDecodeError(f"the replicas did not start ({_first_line(exc)}); their logs are above and in "
+                                  f"/tmp/ray/session_latest/logs/serve/") from None
         say(f"serving {opts.served_model_name or opts.target!r} from {n} replicas in {time.perf_counter() - t0:.0f} s "
             f"at http://{http['host']}:{http['port']}/v1 (api key {'on' if opts.api_key else 'off'}; Ctrl-C stops)")
         while True:
@@ -843,6 +845,9 @@ def run(opts, r: ReplicaOptions) -> int:
         return 0
     finally:
         with contextlib.suppress(Exception):
-            serve.shutdown()
-        if r.ray_address is None:
+            if local:
+                serve.shutdown()
+            else:
+                serve.delete(APP_NAME)  # the user's cluster keeps its other applications
+        if local:
             ray.shutdown()
