@@ -1,7 +1,8 @@
 """Proposers (drafters), one file each, built by name through a registry."""
 
-from specdecode.proposers import draft_model, eagle, layer_skip, ngram, suffix, tree_draft  # noqa: F401 - registers them
+from specdecode.proposers import cross_vocab, draft_model, eagle, layer_skip, ngram, suffix, tree_draft  # noqa: F401 - registers them
 from specdecode.proposers.base import PROPOSERS, Proposer, ProposeContext, register
+from specdecode.proposers.cross_vocab import CrossVocabConfig, CrossVocabProposer, VocabMap
 from specdecode.proposers.draft_model import DraftModelConfig, DraftModelProposer
 from specdecode.proposers.eagle import EagleDraftConfig, EagleProposer
 from specdecode.proposers.layer_skip import LayerSkipConfig, LayerSkipProposer
@@ -23,6 +24,9 @@ def build_proposer(name: str, **kwargs) -> Proposer:
 
 __all__ = [
     "PROPOSERS",
+    "CrossVocabConfig",
+    "CrossVocabProposer",
+    "VocabMap",
     "DraftModelConfig",
     "DraftModelProposer",
     "EagleDraftConfig",
