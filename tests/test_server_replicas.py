@@ -180,6 +180,19 @@ def test_serve_replicas_without_ray_says_what_to_install_before_loading():
     assert 'pip install -e ".[ray]"' in run.stderr and run.stdout.strip() == "False", (run.stdout, run.stderr)
 
 
+def test_an_unreachable_ray_address_is_refused_at_once():
+    from specdecode.server.replicas import _check_reachable
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # bound, not listening: refused
+    t0 = time.time()
+    with pytest.raises(SpecDecodeError, match="no Ray cluster answers there"):
+        _check_reachable(f"127.0.0.1:{port}", timeout=5)
+    assert time.time() - t0 < 6
+    _check_reachable("auto")  # left to Ray
+
+
 def test_target_ongoing_requests_needs_autoscaling():
     with pytest.raises(SpecDecodeError, match="--min-replicas and/or --max-replicas"):
         check_replica_options(ReplicaOptions(replicas=2, target_ongoing_requests=4))

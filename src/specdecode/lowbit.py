@@ -102,8 +102,20 @@ def load_kernel(cache_dir: str | Path | None = None):
                 print(f"specdecode: compiling the low-bit kernel and the C++ layer loop into {build} "
                       "(once per machine and version, about a minute)", file=sys.stderr, flush=True)
             start = time.perf_counter()
-            _kernel = load(name, [str(s) for s in _SOURCES], extra_cflags=flags, extra_ldflags=["-fopenmp"],
-                           build_directory=str(build), verbose=False)
+            import fcntl
+
+            # Our own lock first: the OS drops it when its holder dies, so while we hold it no build of ours
+            # runs, and torch's lock file (which a build killed mid-way leaves behind, and which torch
+            # then waits on forever) can only be stale.
+            with open(build / "specdecode.lock", "w") as guard:
+                fcntl.flock(guard, fcntl.LOCK_EX)
+                stale = build / "lock"
+                if stale.exists():
+                    print(f"specdecode: removing {stale}, left by a build that was interrupted", file=sys.stderr,
+                          flush=True)
+                    stale.unlink(missing_ok=True)
+                _kernel = load(name, [str(s) for s in _SOURCES], extra_cflags=flags, extra_ldflags=["-fopenmp"],
+                               build_directory=str(build), verbose=False)
             took = time.perf_counter() - start
             if fresh:
                 print(f"specdecode: compiled in {took:.0f} s", file=sys.stderr, flush=True)

@@ -78,8 +78,9 @@ def replica_options_from_args(args) -> "ReplicaOptions | None":
                                                   ("--cpus-per-replica", "cpus_per_replica", None))
                  if getattr(args, name, default) != default]
         if tuned:
-            raise SpecDecodeError(f"{', '.join(tuned)} set how replicas run and need --replicas N (or --min-replicas / "
-                                  f"--max-replicas); without them one process serves")
+            which = "this flag applies" if len(tuned) == 1 else "these flags apply"
+            raise SpecDecodeError(f"{', '.join(tuned)}: {which} only to replicas; give --replicas N (or --min-replicas "
+                                  f"/ --max-replicas) too, or drop it: without them one process serves")
         return None
     return ReplicaOptions(
         replicas=args.replicas if args.replicas is not None else max(1, args.min_replicas or 1),
@@ -112,8 +113,11 @@ def check_replica_options(r: ReplicaOptions) -> None:
     if lo > hi:
         raise SpecDecodeError(f"--min-replicas {lo} is above --max-replicas {hi}")
     if r.autoscaling and not lo <= r.replicas <= hi:
-        raise SpecDecodeError(f"--replicas {r.replicas} (the initial count) must lie within --min-replicas {lo} "
-                              f"and --max-replicas {hi}")
+        bounds = " and ".join(b for b in (f"--min-replicas {r.min_replicas}" if r.min_replicas is not None else "",
+                                          f"--max-replicas {r.max_replicas}" if r.max_replicas is not None else "")
+                              if b)
+        raise SpecDecodeError(f"--replicas {r.replicas} (the initial count) must lie within the autoscaling bounds "
+                              f"({bounds}; the missing bound defaults to --replicas)")
     if r.target_ongoing_requests is not None and not r.autoscaling:
         raise SpecDecodeError("--target-ongoing-requests steers the autoscaler: give --min-replicas and/or "
                               "--max-replicas with it")
@@ -123,8 +127,14 @@ def check_replica_options(r: ReplicaOptions) -> None:
         raise SpecDecodeError(f"--cpus-per-replica must be in [0, 1024], got {r.cpus_per_replica}")
     if r.router not in ROUTERS:
         raise SpecDecodeError(f"--router {r.router!r}: choose one of {', '.join(ROUTERS)}")
-    if r.ray_config is not None and not Path(r.ray_config).expanduser().is_file():
-        raise SpecDecodeError(f"--ray-config {r.ray_config}: no such file; give a Ray Serve config (YAML), e.g. "
-                              f"docs/ray/serve_config.yaml")
+    if r.router != "prefix" and (r.prefix_chars != 256 or r.imbalance != 8):
+        raise SpecDecodeError("--prefix-chars and --route-imbalance tune the prefix-affinity router: give --router "
+                              "prefix with them")
+    if r.ray_config is not None:
+        path = Path(r.ray_config).expanduser()
+        if not path.is_file():
+            what = "is a directory" if path.is_dir() else "no such file"
+            raise SpecDecodeError(f"--ray-config {r.ray_config}: {what}; give a Ray Serve config file (YAML), e.g. "
+                                  f"docs/ray/serve_config.yaml")
 
 

@@ -325,12 +325,21 @@ class EngineReplica:
                 return load_state(opts, progress=False)
 
         self.state = await asyncio.get_running_loop().run_in_executor(None, load)
+        await asyncio.get_running_loop().run_in_executor(None, self._warm_up)
         self.api_key = opts.api_key
         self.app = create_app(self.state)
         self._lifespan = self.app.router.lifespan_context(self.app)
         await self._lifespan.__aenter__()  # starts the scheduler thread
         self.hub = hub
         self._pusher = asyncio.ensure_future(self._push_forever()) if hub is not None else None
+
+    def _warm_up(self) -> None:
+        """One short generation before the replica counts as started: kernels compile and caches fill now,
+        not on the first request."""
+        from specdecode.types import SamplingParams
+
+        ids = self.state.text.encode("Hello", chat=False)
+        self.state.engine.generate(ids, SamplingParams(max_new_tokens=2))
 
     async def handle(self, method: str, path: str, query: str = "", headers: list[tuple[str, str]] = (),
                      body: bytes = b"", routing_key: str | None = None,
@@ -777,6 +786,27 @@ def app_builder(args: dict):
     return build_app(_serve_options_type()(**s), ReplicaOptions(**r))
 
 
+def _check_reachable(address: str, timeout: float = 10.0) -> None:
+    """A ``HOST:PORT`` Ray address must accept a TCP connection (``ray.init`` would retry it forever);
+    "auto" and ``ray://`` addresses are left to Ray.
+
+    Raises:
+        SpecDecodeError: nothing answers there.
+    """
+    import socket
+
+    if address == "auto" or "://" in address or ":" not in address:
+        return
+    host, _, port = address.rpartition(":")
+    try:
+        with socket.create_connection((host, int(port)), timeout=timeout):
+            pass
+    except (OSError, ValueError) as exc:
+        raise SpecDecodeError(f"--ray-address {address}: no Ray cluster answers there ({exc}); start one with 'ray "
+                              f"start --head --port {port}' on that machine, or drop --ray-address for a local "
+                              f"cluster") from None
+
+
 def run(opts, r: ReplicaOptions) -> int:
     """``specdecode serve --replicas N``: start (or join) a Ray cluster, deploy, serve until interrupted
     (Ctrl-C or SIGTERM). On a cluster of the user's (``--ray-address``) only this application is deleted at
@@ -801,16 +831,24 @@ def run(opts, r: ReplicaOptions) -> int:
             f"choose the model and the drafter")
     http = {"host": opts.host, "port": opts.port, **((config or {}).get("http_options") or {})}
     local = r.ray_address is None
+    engine_cfg = (config or {}).get("deployments", {}).get(ENGINE, {})
+    most = r.max_replicas or r.replicas  # the most engine replicas that can run, flags or config file
+    if "num_replicas" in engine_cfg and isinstance(engine_cfg["num_replicas"], int):
+        most = engine_cfg["num_replicas"]
+    elif "autoscaling_config" in engine_cfg:
+        most = int((engine_cfg["autoscaling_config"] or {}).get("max_replicas", most))
+    threads = opts.threads or default_threads(most)
+    cpus = r.cpus_per_replica if r.cpus_per_replica is not None else threads
+    cpus = float((engine_cfg.get("ray_actor_options") or {}).get("num_cpus", cpus))
     if local:
         check_address(http["host"], int(http["port"]))
-        threads = opts.threads or default_threads(r.max_replicas or r.replicas)
-        want = (r.cpus_per_replica if r.cpus_per_replica is not None else threads) * (r.max_replicas or r.replicas)
         cores = os.cpu_count() or 1
-        if want > cores:
-            raise SpecDecodeError(f"{r.max_replicas or r.replicas} replicas x {want / (r.max_replicas or r.replicas):g} "
-                                  f"CPUs need {want:g} CPUs and this machine has {cores}: lower --replicas / "
-                                  f"--max-replicas or --threads (or --cpus-per-replica), or join a bigger cluster "
-                                  f"with --ray-address")
+        if cpus * most > cores:
+            raise SpecDecodeError(f"{most} replica{'s' if most > 1 else ''} x {cpus:g} CPUs need {cpus * most:g} CPUs and "
+                                  f"this machine has {cores}: lower --replicas / --max-replicas (or the config file's "
+                                  f"count) or --threads / --cpus-per-replica, or join a bigger cluster with --ray-address")
+    else:
+        _check_reachable(r.ray_address)
     try:
         ray.init(address=r.ray_address, include_dashboard=False, log_to_driver=True, logging_level="warning",
                  **({"num_cpus": os.cpu_count()} if local else {}))
@@ -827,16 +865,21 @@ def run(opts, r: ReplicaOptions) -> int:
     try:
         serve.start(http_options=http)
         lo = r.min_replicas if r.min_replicas is not None else 1
-        n = f"{lo}..{r.max_replicas or r.replicas} (autoscaled, {r.replicas} at start)" if r.autoscaling \
-            else str(r.replicas)
-        say(f"starting {n} replicas of {opts.target!r} on Ray Serve (router {r.router}); each loads the model")
+        if "num_replicas" in engine_cfg or "autoscaling_config" in engine_cfg:
+            n = f"the config file's {engine_cfg.get('num_replicas') or 'autoscaled'}"
+        elif r.autoscaling:
+            n = f"{lo}..{r.max_replicas or r.replicas} (autoscaled, {r.replicas} at start)"
+        else:
+            n = str(r.replicas)
+        plural = "replica" if n == "1" else "replicas"
+        say(f"starting {n} {plural} of {opts.target!r} on Ray Serve (router {r.router}); each loads the model")
         t0 = time.perf_counter()
         try:
             serve.run(build_app(opts, r, ray_config=config), name=APP_NAME, route_prefix="/")
         except RuntimeError as exc:
             raise SpecDecodeError(f"the replicas did not start ({_first_line(exc)}); their logs are above and in "
                                   f"/tmp/ray/session_latest/logs/serve/") from None
-        say(f"serving {opts.served_model_name or opts.target!r} from {n} replicas in {time.perf_counter() - t0:.0f} s "
+        say(f"serving {opts.served_model_name or opts.target!r} from {n} {plural} in {time.perf_counter() - t0:.0f} s "
             f"at http://{http['host']}:{http['port']}/v1 (api key {'on' if opts.api_key else 'off'}; Ctrl-C stops)")
         while True:
             time.sleep(3600)
