@@ -254,13 +254,20 @@ def test_from_pretrained_draft_kinds(tiny_model_dir):
         SpecDecoder.from_pretrained(spec, "ngram", ngram_min=3, ngram_max=1, progress=False)
 
 
-def test_from_pretrained_refuses_a_draft_with_another_tokenizer(tiny_model_dir, tmp_path):
+def test_from_pretrained_drafts_across_vocabularies_with_another_tokenizer(tiny_model_dir, tmp_path):
+    """A draft whose tokenizer has a token more: the cross-vocabulary proposer, greedy output = plain."""
+    from specdecode.proposers import CrossVocabProposer
+
     other = save_tiny_model_dir(tmp_path / "other", seed=1)
     tok = make_tiny_tokenizer()
     tok.add_tokens(["zzz"])
     tok.save_pretrained(other)
-    with pytest.raises(IncompatibleTokenizerError):
-        SpecDecoder.from_pretrained(str(tiny_model_dir), str(other), progress=False)
+    spec = SpecDecoder.from_pretrained(str(tiny_model_dir), str(other), progress=False, weights="fp32")
+    plain = SpecDecoder.from_pretrained(str(tiny_model_dir), "none", progress=False, weights="fp32")
+    assert isinstance(spec.proposer, CrossVocabProposer)
+    a = spec.generate("the cat and the", max_new_tokens=16, temperature=0)
+    b = plain.generate("the cat and the", max_new_tokens=16, temperature=0)
+    assert a.token_ids == b.token_ids and a.metrics.num_drafted_tokens > 0
 
 
 # What ran and why, and where outputs part ----------------------------------------------

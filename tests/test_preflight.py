@@ -110,16 +110,24 @@ def test_same_tokenizer_passes_and_a_short_embedding_is_refused(tiny_model_dir, 
         P.check_models(str(tiny_model_dir), str(twin))  # re-read: the files changed
 
 
-def test_from_pretrained_generate_and_serve_refuse_before_weights(capsys, tiny_model_dir, other_dir, no_weights):
+def test_cross_vocab_is_said_from_small_files(tiny_model_dir, other_dir, no_weights):
+    """Chains: a draft with another tokenizer passes the check and one line says how it drafts."""
+    lines = []
+    info = P.check_models(str(tiny_model_dir), str(other_dir), cross_vocab=True, say=lines.append)
+    assert info.max_context == 256 and len(lines) == 1
+    assert "drafting across vocabularies" in lines[0] and "tokens in both" in lines[0]
+
+
+def test_token_trees_with_another_tokenizer_are_refused_before_weights(capsys, tiny_model_dir, other_dir, no_weights):
     from specdecode.generator import SpecDecoder
     from specdecode.server import ServeOptions, load_state
 
     with pytest.raises(IncompatibleTokenizerError):
-        SpecDecoder.from_pretrained(str(tiny_model_dir), str(other_dir), progress=False)
+        SpecDecoder.from_pretrained(str(tiny_model_dir), str(other_dir), tree="dynamic", progress=False)
     with pytest.raises(IncompatibleTokenizerError):
-        load_state(ServeOptions(target=str(tiny_model_dir), draft=str(other_dir)), progress=False)
-    code, out, err = _run(capsys, "generate", "--target", str(tiny_model_dir), "--draft", f"suffix:{other_dir}",
-                          "--prompt", "the cat")
+        load_state(ServeOptions(target=str(tiny_model_dir), draft=str(other_dir), tree="dynamic"), progress=False)
+    code, out, err = _run(capsys, "generate", "--target", str(tiny_model_dir), "--draft", str(other_dir),
+                          "--tree", "dynamic", "--prompt", "the cat")
     assert code == 2 and out == ""
     assert "error: draft" in err and "cannot be used with target" in err and "loading target" not in err
     assert _NoWeights.calls == 0

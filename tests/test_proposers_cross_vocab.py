@@ -247,3 +247,30 @@ def test_rollback_across_the_retokenization_boundary(target_pair):
             assert runner.ids[0] == ids[: len(runner.ids[0])] and len(runner.ids[0]) > 0
             assert_cache_is_fresh_prefill(runner, 0)
     assert len(accepted_at) >= 2, accepted_at  # rejections at more than one position
+
+
+def test_generate_and_serve_take_a_draft_with_another_tokenizer(tmp_path):
+    """The front ends build the cross-vocabulary proposer from a --draft with another tokenizer: the server's
+    greedy completion equals plain decoding's."""
+    from fastapi.testclient import TestClient
+
+    from conftest import save_tiny_model_dir
+    from specdecode.server import ServeOptions, create_app, load_state
+
+    target_dir = save_tiny_model_dir(tmp_path / "target", seed=0)
+    draft_dir = tmp_path / "draft"
+    draft_tok = DRAFT_TOKENIZERS["other merges"]()
+    make_tiny_model(len(draft_tok), seed=2).save_pretrained(draft_dir)
+    draft_tok.save_pretrained(draft_dir)
+    texts = {}
+    for draft in ("none", str(draft_dir)):
+        state = load_state(ServeOptions(target=str(target_dir), draft=draft, weights="fp32", policy="fixed",
+                                        num_speculative_tokens=3), progress=False)
+        if draft != "none":
+            assert isinstance(state.engine.proposer, CrossVocabProposer)
+        with TestClient(create_app(state)) as client:
+            r = client.post("/v1/completions", json={"model": str(target_dir), "prompt": "the cat and the",
+                                                     "max_tokens": 16, "temperature": 0})
+            assert r.status_code == 200, r.text
+            texts[draft] = r.json()["choices"][0]["token_ids"]
+    assert texts[str(draft_dir)] == texts["none"]

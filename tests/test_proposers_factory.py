@@ -123,11 +123,14 @@ def test_tree_config_maps_kinds_and_none():
 
 
 def test_registered_factories_and_their_config_types():
-    assert set(PROPOSERS) == {"draft-model", "eagle", "layer-skip", "ngram", "suffix", "tree-draft"}
-    assert {n for n in PROPOSERS if takes_draft_model(n)} == {"draft-model", "tree-draft"}  # layer-skip: the target
+    assert set(PROPOSERS) == {"cross-vocab", "draft-model", "eagle", "layer-skip", "ngram", "suffix", "tree-draft"}
+    assert {n for n in PROPOSERS if takes_draft_model(n)} == {"cross-vocab", "draft-model", "tree-draft"}  # layer-skip: the target
     assert config_type("ngram") is NgramConfig and config_type("draft-model") is DraftModelConfig
     assert config_type("layer-skip") is LayerSkipConfig and config_type("suffix") is SuffixConfig
     assert config_type("tree-draft") is TreeDraftConfig
+    from specdecode.proposers.cross_vocab import CrossVocabConfig
+
+    assert config_type("cross-vocab") is CrossVocabConfig
     from specdecode.proposers.eagle import EagleDraftConfig
 
     assert config_type("eagle") is EagleDraftConfig

@@ -24,6 +24,8 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+import sys
+
 import torch
 
 from specdecode.engine import EngineConfig, SpeculativeEngine
@@ -181,7 +183,9 @@ class SpecDecoder:
             if precision != "auto" and precision not in WEIGHT_PRECISIONS:
                 raise SpecDecodeError(f"unknown weight precision {precision!r}; choose auto or one of "
                                       f"{', '.join(WEIGHT_PRECISIONS)}")
-        check_models(target, choice.model_spec, cache_dir=cache_dir)  # tokenizer files and config, before weights
+        say = (lambda line: print(f"specdecode: {line}", file=sys.stderr, flush=True)) if progress else None
+        check_models(target, choice.model_spec, cache_dir=cache_dir, cross_vocab=tree in (None, "none"),  # before weights
+                     say=say)
         loaded, precision_choice = load_target(target, weights, dtype=dtype, cache_dir=cache_dir, progress=progress,
                                                status=status)
         weights = precision_choice.precision
@@ -189,7 +193,9 @@ class SpecDecoder:
         draft_model = load_draft_model(choice, loaded, target, weights=weights, draft_weights=draft_weights,
                                        dtype=dtype, cache_dir=cache_dir, progress=progress)
         factory = proposer_factory(choice, options, target=loaded.model,
-                                   draft=None if draft_model is None else draft_model.model)
+                                   draft=None if draft_model is None else draft_model.model,
+                                   target_tokenizer=loaded.tokenizer,
+                                   draft_tokenizer=None if draft_model is None else draft_model.tokenizer)
         if factory is None:  # plain decoding: no draft length to choose
             decoder = cls(loaded, None, num_speculative_tokens=num_speculative_tokens, verification=verification)
         else:

@@ -73,8 +73,11 @@ class ModelInfo:
 # --------------------------------------------------------------------------- checks
 
 
-def check_models(target: str, draft: str | None = None, *, cache_dir: str | Path | None = None) -> ModelInfo | None:
-    """Before any weight file is read: both specs resolve, and a draft model shares the target's tokenizer.
+def check_models(target: str, draft: str | None = None, *, cache_dir: str | Path | None = None,
+                 cross_vocab: bool = False, say=None) -> ModelInfo | None:
+    """Before any weight file is read: both specs resolve, and a draft model shares the target's tokenizer
+    or, with ``cross_vocab``, drafts across vocabularies (``proposers.cross_vocab``; ``say`` gets one line
+    saying so, with the number of tokens both vocabularies hold).
 
     Args:
         target: the target's model spec (``models.load_model``'s).
@@ -97,10 +100,23 @@ def check_models(target: str, draft: str | None = None, *, cache_dir: str | Path
                 pass
     infos = [inspect_model(spec, cache_dir=cache_dir) for spec in specs]
     if len(infos) == 2 and None not in infos:
+        other_vocab = M._tokenizer_difference(infos[0].vocab, infos[1].vocab)
+        if other_vocab and cross_vocab:
+            if say is not None:
+                say(cross_vocab_line(draft, other_vocab, infos[0].vocab, infos[1].vocab))
+            return infos[0]
         problem = tokenizer_difference(*infos)
         if problem:
             raise M.incompatible_tokenizer(target, draft, problem)
     return infos[0]
+
+
+def cross_vocab_line(draft: str, difference: str, target_vocab, draft_vocab) -> str:
+    """The start-up line of a draft with another tokenizer: what differs and how many tokens both hold."""
+    shared = len(set(target_vocab.get_vocab()) & set(draft_vocab.get_vocab()))
+    return (f"draft {draft!r} has another tokenizer ({difference}): drafting across vocabularies (greedy: "
+            f"string-level exact match; sampling: token-level intersection), {shared:,} tokens in both, "
+            f"{shared / max(1, len(target_vocab)):.0%} of the target's")
 
 
 def tokenizer_difference(target: ModelInfo, draft: ModelInfo) -> str | None:

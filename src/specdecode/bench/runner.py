@@ -155,7 +155,7 @@ def build_proposer_for(spec: MethodSpec, ctx: BuildContext):
             config field, a value of the wrong type, or a draft model needed but not given.
     """
     from specdecode.proposers import PROPOSERS
-    from specdecode.proposers.factory import config_type, registered_factory, takes_draft_model
+    from specdecode.proposers.factory import config_type, other_tokenizer, registered_factory, takes_draft_model
 
     if spec.name not in PROPOSERS:
         raise SpecDecodeError(f"unknown method {spec.name!r}; registered proposers: {', '.join(PROPOSERS)}")
@@ -166,7 +166,12 @@ def build_proposer_for(spec: MethodSpec, ctx: BuildContext):
         if not draft_spec:
             raise SpecDecodeError(f"method {spec.name!r} needs a draft model: pass --draft SPEC or "
                                   f"'{spec.name}:model=SPEC'")
-        draft = ctx.load_draft(draft_spec).model
+        loaded = ctx.load_draft(draft_spec)
+        draft = loaded.model
+        if spec.name == "cross-vocab" or (spec.name == "draft-model" and other_tokenizer(ctx.target, loaded)):
+            return registered_factory("cross-vocab", draft=draft, target_tokenizer=ctx.target.tokenizer,
+                                      draft_tokenizer=loaded.tokenizer,
+                                      target_vocab=int(ctx.target.model.config.vocab_size))()
     kind = config_type(spec.name)
     if kind is None and options:
         raise SpecDecodeError(f"method {spec.name!r} takes no options, got {sorted(options)}")
@@ -490,8 +495,8 @@ def expand_methods(config: BenchConfig) -> list[MethodSpec]:
     Raises:
         SpecDecodeError: a malformed spec, or an unknown proposer name.
     """
-    names = config.methods or tuple(m for m in registered_methods()
-                                    if not needs_draft_model(m) or config.draft)
+    names = config.methods or tuple(m for m in registered_methods()  # cross-vocab: what draft-model becomes
+                                    if (not needs_draft_model(m) or config.draft) and m != "cross-vocab")
     specs = [MethodSpec.parse(m) for m in names]
     known = registered_methods()
     out: list[MethodSpec] = []
@@ -603,6 +608,7 @@ def build_variants(config: BenchConfig, models: Models, dtype: str, status: Call
     """Our plain baseline, every method spec, then the HF plain / peer variants (when ``config.peer``)."""
     from specdecode.bench.peer import PEER_OF
     from specdecode.models import check_compatible
+    from specdecode.proposers.factory import other_tokenizer
 
     target = models.target
     eos = target.eos_token_ids
@@ -619,7 +625,11 @@ def build_variants(config: BenchConfig, models: Models, dtype: str, status: Call
 
                 set_weight_precision(draft.model, config.draft_weights)
             models.load_seconds[spec] = time.perf_counter() - t0
-            check_compatible(target, draft)
+            problem = other_tokenizer(target, draft)
+            if problem:
+                status(f"draft {spec!r} has another tokenizer ({problem}): it drafts across vocabularies")
+            else:
+                check_compatible(target, draft)
             models.drafts[spec] = draft
         return models.drafts[spec]
 

@@ -162,12 +162,23 @@ def load_draft_model(choice: DraftChoice, target, target_spec: str, *, weights: 
     from specdecode.lowbit import load_in_precision
 
     draft = load_in_precision(spec, draft_weights, **load_kwargs)
-    check_compatible(target, draft)
+    if not other_tokenizer(target, draft):  # another tokenizer: the cross-vocabulary proposer (proposer_factory)
+        check_compatible(target, draft)
     return draft
 
 
+def other_tokenizer(target, draft) -> str | None:
+    """How the draft's tokenizer differs from the target's (LoadedModels), or None when they are the same
+    (then ids mean the same tokens and the ordinary draft path runs)."""
+    from specdecode.models import _tokenizer_difference
+
+    if target is None or draft is None or draft is target:
+        return None
+    return _tokenizer_difference(target.tokenizer, draft.tokenizer)
+
+
 def proposer_factory(choice: DraftChoice, options: DrafterOptions, *, target=None,
-                     draft=None) -> Callable[[], Proposer] | None:
+                     draft=None, target_tokenizer=None, draft_tokenizer=None) -> Callable[[], Proposer] | None:
     """A zero-argument factory of fresh proposers for a choice; None for plain decoding.
 
     Args:
@@ -176,6 +187,8 @@ def proposer_factory(choice: DraftChoice, options: DrafterOptions, *, target=Non
         target: the target ``nn.Module`` (``layer-skip`` drafts with it).
         draft: the draft ``nn.Module`` of a draft-model choice (or of its suffix fallback),
             e.g. ``load_draft_model(...).model``.
+        target_tokenizer, draft_tokenizer: both tokenizers; when they differ the draft drafts across
+            vocabularies (``proposers.cross_vocab``; chains only).
 
     Raises:
         SpecDecodeError: as :func:`check_drafter`; a draft-model choice without ``draft``.
@@ -184,7 +197,8 @@ def proposer_factory(choice: DraftChoice, options: DrafterOptions, *, target=Non
     if choice.kind == "none":
         return None
     if choice.kind == SUFFIX_DRAFT:
-        inner = proposer_factory(choice.fallback, options, target=target, draft=draft)
+        inner = proposer_factory(choice.fallback, options, target=target, draft=draft,
+                                 target_tokenizer=target_tokenizer, draft_tokenizer=draft_tokenizer)
         suffix = registered_factory(SUFFIX_DRAFT, config=SuffixConfig(max_spec_nodes=options.tree_nodes))
         return lambda: suffix(fallback=inner() if inner is not None else None)
     if choice.kind == NGRAM_DRAFT:
@@ -200,6 +214,16 @@ def proposer_factory(choice: DraftChoice, options: DrafterOptions, *, target=Non
     if draft is None:
         raise SpecDecodeError(f"--draft {choice.text!r} names a draft model, but none was loaded")
     tree = tree_config(options.tree, options.tree_nodes)
+    if target_tokenizer is not None and draft_tokenizer is not None and draft is not target:
+        from specdecode.models import _tokenizer_difference
+
+        if _tokenizer_difference(target_tokenizer, draft_tokenizer):
+            if tree is not None:
+                raise SpecDecodeError(f"--draft {choice.text!r} has another tokenizer than the target: it drafts "
+                                      f"chains across vocabularies, not token trees; drop --tree")
+            vocab = int(getattr(getattr(target, "config", None), "vocab_size", 0) or len(target_tokenizer))
+            return registered_factory("cross-vocab", draft=draft, target_tokenizer=target_tokenizer,
+                                      draft_tokenizer=draft_tokenizer, target_vocab=vocab)
     if tree is not None:
         return registered_factory("tree-draft", draft=draft, config=tree)
     return registered_factory("draft-model", draft=draft)

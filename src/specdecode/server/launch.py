@@ -28,7 +28,14 @@ from specdecode.models import LoadedModel, check_compatible
 from specdecode.policy import build_policy
 from specdecode.precision import load_target
 from specdecode.preflight import check_models
-from specdecode.proposers.factory import DraftChoice, DrafterOptions, load_draft_model, parse_draft, proposer_factory
+from specdecode.proposers.factory import (
+    DraftChoice,
+    DrafterOptions,
+    load_draft_model,
+    other_tokenizer,
+    parse_draft,
+    proposer_factory,
+)
 from specdecode.scheduler import Scheduler
 from specdecode.server.app import DEFAULT_MAX_REQUEST_BYTES, ServerConfig, ServingState, create_app
 from specdecode.types import SpecDecodeError
@@ -125,7 +132,7 @@ def build_state(
         draft: a drafter choice as ``--draft`` takes it ("ngram", "suffix", "suffix:ngram",
             "suffix:MODEL", "layer-skip", "none" / None, a draft-model spec), or a draft LoadedModel.
         draft_model: the loaded model a draft-model (or ``suffix:MODEL``) choice names, e.g. from
-            ``proposers.factory.load_draft_model``; must share the target's tokenizer.
+            ``proposers.factory.load_draft_model``; with another tokenizer it drafts across vocabularies.
         num_speculative_tokens: gamma of the fixed policy, the starting gamma of the others.
         max_batch_size: rows decoded together (KV cache slots); max_queue: requests waiting for one.
         policy: draft-length policy name (``specdecode.policy.build_policy``).
@@ -150,10 +157,12 @@ def build_state(
     if choice.model_spec is not None and draft_model is None:
         raise SpecDecodeError(f"--draft {choice.text!r} names a draft model: load it first (load_draft_model) and "
                               f"pass it as draft_model")
-    if draft_model is not None and draft_model is not target:
-        check_compatible(target, draft_model)
+    if draft_model is not None and draft_model is not target and not other_tokenizer(target, draft_model):
+        check_compatible(target, draft_model)  # the same tokenizer: the embedding must cover it
     factory = proposer_factory(choice, options, target=target.model,
-                               draft=None if draft_model is None else draft_model.model)
+                               draft=None if draft_model is None else draft_model.model,
+                               target_tokenizer=target.tokenizer,
+                               draft_tokenizer=None if draft_model is None else draft_model.tokenizer)
     proposer = factory() if factory is not None else None  # batched: one proposer for the whole engine
     draft_policy = build_policy(policy, num_speculative_tokens) if proposer is not None else None
     config = EngineConfig(num_speculative_tokens=num_speculative_tokens, max_batch_size=max_batch_size,
@@ -180,8 +189,9 @@ def _describe(choice: DraftChoice, options: DrafterOptions) -> str:
 def load_state(opts: ServeOptions, progress: bool = True) -> ServingState:
     """Load the models named in ``opts`` (as ``specdecode generate`` does) and build the serving state."""
     choice = check_options(opts)
-    check_models(opts.target, choice.model_spec, cache_dir=opts.cache_dir)  # tokenizer files and config, before weights
     say = (lambda line: print(f"specdecode: {line}", file=sys.stderr, flush=True)) if progress else None
+    check_models(opts.target, choice.model_spec, cache_dir=opts.cache_dir,  # tokenizer files and config, before weights
+                 cross_vocab=opts.tree in (None, "none"), say=say)
     target, precision = load_target(opts.target, opts.weights, dtype=opts.dtype, cache_dir=opts.cache_dir,
                                     progress=progress, status=say, forward=opts.forward)
     if say is not None:
