@@ -68,4 +68,4 @@ def test_bad_methods_are_refused(smoke):
         hf_generate(target.model, PROMPT, max_new_tokens=2, method="assisted")
     with pytest.raises(ValueError, match="unknown peer method"):
         hf_generate(target.model, PROMPT, max_new_tokens=2, method="medusa")
-    assert PEER_OF == {"draft-model": "assisted", "ngram": "prompt-lookup"}
+    assert PEER_OF == {"draft-model": "assisted", "cross-vocab": "assisted", "ngram": "prompt-lookup"}

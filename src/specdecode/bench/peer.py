@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 #: Our proposer name -> the peer method that does the same thing in transformers.
-PEER_OF: dict[str, str] = {"draft-model": "assisted", "ngram": "prompt-lookup"}
+PEER_OF: dict[str, str] = {"draft-model": "assisted", "cross-vocab": "assisted", "ngram": "prompt-lookup"}
 
 
 @dataclass
@@ -81,6 +81,8 @@ def hf_generate(
     gamma: int = 4,
     draft: torch.nn.Module | None = None,
     max_ngram: int = 3,
+    tokenizer=None,
+    assistant_tokenizer=None,
 ) -> PeerResult:
     """Run transformers' ``generate`` for one prompt (batch size 1) and time it.
 
@@ -92,6 +94,9 @@ def hf_generate(
         gamma: draft tokens per step (``num_assistant_tokens`` / ``prompt_lookup_num_tokens``).
         draft: the assistant model for "assisted".
         max_ngram: ``max_matching_ngram_size`` for "prompt-lookup".
+        tokenizer, assistant_tokenizer: the target's and the draft's tokenizers when they differ:
+            "assisted" then runs transformers' universal assisted generation (the draft's text
+            re-tokenized for the target), the peer of our cross-vocabulary drafting.
 
     Returns:
         PeerResult; ``wall_s`` covers the whole ``generate`` call, prefill included, as ours does.
@@ -115,6 +120,8 @@ def hf_generate(
         if k != "assistant_model":
             setattr(gen_cfg, k, v)
     call = {"assistant_model": kwargs["assistant_model"]} if "assistant_model" in kwargs else {}
+    if call and tokenizer is not None and assistant_tokenizer is not None:
+        call.update(tokenizer=tokenizer, assistant_tokenizer=assistant_tokenizer)
     ids = torch.tensor([list(prompt_ids)], dtype=torch.int64)
     torch.manual_seed(seed)
     with guard:

@@ -478,10 +478,15 @@ def _peer_runner(target, method: str, gamma: int, draft, max_ngram: int, max_new
                  temperature: float, eos: tuple[int, ...]):
     from specdecode.bench.peer import hf_generate
 
+    from specdecode.proposers.factory import other_tokenizer
+
+    uag = draft is not None and other_tokenizer(target, draft)  # universal assisted generation
+    toks = {"tokenizer": target.tokenizer, "assistant_tokenizer": draft.tokenizer} if uag else {}
+
     def run(ids: list[int], seed: int, limit: int | None = None) -> RunOutput:
         res = hf_generate(target.model, ids, max_new_tokens=limit or max_new_tokens, temperature=temperature,
                           seed=seed, eos_token_ids=eos, method=method, gamma=gamma,
-                          draft=draft.model if draft is not None else None, max_ngram=max_ngram)
+                          draft=draft.model if draft is not None else None, max_ngram=max_ngram, **toks)
         return RunOutput(res.token_ids, res.wall_s, res.finish_reason, None)
 
     return run
