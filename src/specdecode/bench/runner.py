@@ -897,7 +897,12 @@ def _probe(config, models: Models, variants, prompts, encoded, store: RecordStor
         if store.has("probe", model=spec):
             continue
         status(f"timing {role} forwards ({spec}, context {ctx_len} tokens, k = {kk})")
-        times = probe_forward_times(loaded.model, context, kk, reps=PROBE_REPS)
+        ids = context
+        if role == "draft" and loaded.tokenizer is not None and loaded.tokenizer is not models.target.tokenizer:
+            # a draft with another tokenizer reads its own ids: the prompt's text in them, to the same length
+            own = loaded.tokenizer(models.target.tokenizer.decode(first), add_special_tokens=False)["input_ids"] or [0]
+            ids = (own * (ctx_len // len(own) + 1))[:ctx_len]
+        times = probe_forward_times(loaded.model, ids, kk, reps=PROBE_REPS)
         store.add({"kind": "probe", "model": spec, "role": role, "context_tokens": ctx_len, "reps": PROBE_REPS,
                    "forward_s": {str(k): t for k, t in times.items()}})
 
