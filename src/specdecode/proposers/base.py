@@ -14,6 +14,7 @@ the engine compacts its rows.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -171,6 +172,38 @@ class DraftModelSlots(Proposer):
         # a draft needs no batch invariance (its tokens are verified by the target): its fast numerics
         self.runner = make_runner(self.model, self.forward, num_slots, from_ctx, batch_invariant=False)
         self.max_context = self.runner.max_context
+
+    #: Rows lacking more tokens than this (a new prompt) are fed alone before the batched forward; shorter
+    #: gaps (the tokens of plain steps the draft skipped) are caught up together in the batched forward.
+    SOLO_FEED = 64
+
+    def sync_rows(self, contexts: Sequence[Sequence[int]], caps: Sequence[int]) -> tuple[torch.Tensor, list[float]]:
+        """Cut row i's draft cache to the longest prefix it shares with ``contexts[i]`` (the committed tokens in
+        the draft's ids; at least one left to feed), feed the rest: rows lacking more than :attr:`SOLO_FEED`
+        alone first, then every row in one batched forward. Rows with ``caps[i] <= 0`` are not touched.
+
+        Returns:
+            [b, V_draft] logits at each row's last context token, and per-row catch-up seconds (a prompt fed
+            alone; see ``Draft.catch_up_s``).
+        """
+        runner = self._bound()
+        feeds, catch_up = [], [0.0] * len(contexts)
+        for i, ids in enumerate(contexts):
+            if caps[i] <= 0:
+                feeds.append([])
+                continue
+            runner.sync(i, ids)
+            if runner.length(i) == len(ids):  # never feed nothing: recompute the last token
+                runner.rollback(i, len(ids) - 1)
+            lacking = list(ids[runner.length(i):])
+            if len(lacking) > self.SOLO_FEED:  # a prompt: alone, so the batch is not padded to its length
+                t0 = time.perf_counter()
+                runner.forward(slice(i, i + 1), [lacking[:-1]], last_only=True)
+                catch_up[i] = time.perf_counter() - t0
+                lacking = lacking[-1:]
+            feeds.append(lacking)
+        out = runner.forward(slice(0, len(contexts)), feeds, last_only=True)  # [b, 1, V]
+        return out[:, -1], catch_up
 
     def start(self, ctx: ProposeContext) -> None:
         self._bound().clear(ctx.slot)

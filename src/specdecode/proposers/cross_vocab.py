@@ -31,7 +31,6 @@ the text the target committed.
 from __future__ import annotations
 
 import codecs
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -177,7 +176,7 @@ class CrossVocabProposer(DraftModelSlots):
         if max(caps, default=0) <= 0:
             return [Draft.empty() for _ in batch]
         rows = slice(0, len(batch))
-        logits, catch_up = self._sync(contexts, caps)
+        logits, catch_up = self.sync_rows(contexts, caps)
         drafted: list[list[int]] = [[] for _ in batch]  # draft ids
         path: list[list[int]] = [[] for _ in batch]  # target ids (sampling)
         probs: list[list[torch.Tensor]] = [[] for _ in batch]
@@ -225,26 +224,3 @@ class CrossVocabProposer(DraftModelSlots):
             else:
                 out.append(Draft.empty())
         return out
-
-    def _sync(self, contexts: Sequence[list[int]], caps: Sequence[int]) -> tuple[torch.Tensor, list[float]]:
-        """Cut each row's draft cache to the longest prefix it shares with its context ids, feed the rest
-        (a long catch-up alone first). Returns [b, V_draft] logits at each row's last context id and the
-        per-row catch-up seconds."""
-        runner = self.runner
-        feeds, catch_up = [], [0.0] * len(contexts)
-        for i, ids in enumerate(contexts):
-            if caps[i] <= 0:
-                feeds.append([])
-                continue
-            runner.sync(i, ids)
-            if runner.length(i) == len(ids):  # never feed nothing: recompute the last token
-                runner.rollback(i, len(ids) - 1)
-            lacking = ids[runner.length(i):]
-            if len(lacking) > 64:
-                t0 = time.perf_counter()
-                runner.forward(slice(i, i + 1), [lacking[:-1]], last_only=True)
-                catch_up[i] = time.perf_counter() - t0
-                lacking = lacking[-1:]
-            feeds.append(lacking)
-        out = runner.forward(slice(0, len(contexts)), feeds, last_only=True)
-        return out[:, -1], catch_up

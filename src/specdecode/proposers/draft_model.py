@@ -13,7 +13,6 @@ only while its tokens fit: near the end the chains get shorter, past it the row 
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -48,10 +47,6 @@ class DraftModelProposer(DraftModelSlots):
         config: DraftModelConfig.
     """
 
-    #: Rows lacking more tokens than this (a new prompt) are fed alone before the batched forward; shorter
-    #: gaps (the tokens of plain steps the draft skipped) are caught up together in the batched forward.
-    SOLO_FEED = 64
-
     def __init__(self, model: torch.nn.Module, config: DraftModelConfig | None = None) -> None:
         self.config = config or DraftModelConfig()
         self.model = model
@@ -67,7 +62,7 @@ class DraftModelProposer(DraftModelSlots):
         if max(caps, default=0) <= 0:
             return [Draft.empty() for _ in batch]
         rows = slice(0, len(batch))
-        logits, catch_up = self._sync(batch, caps)  # [b, V_draft] at each row's last committed token
+        logits, catch_up = self.sync_rows([ctx.token_ids for ctx in batch], caps)  # [b, V_draft] at each last token
         tokens: list[list[int]] = [[] for _ in batch]
         probs: list[list[torch.Tensor]] = [[] for _ in batch]
         live = [c > 0 for c in caps]
@@ -90,29 +85,3 @@ class DraftModelProposer(DraftModelSlots):
         return [Draft.chain(torch.tensor([t], dtype=torch.int64), torch.stack(p).unsqueeze(0) if p else None,
                             catch_up_s=c) if t else Draft.empty()
                 for t, p, c in zip(tokens, probs, catch_up)]
-
-    def _sync(self, batch: Sequence[ProposeContext], caps: Sequence[int]) -> tuple[torch.Tensor, list[float]]:
-        """Cut each row's draft cache to its committed prefix (>= 1 token left to feed), feed the rest.
-
-        Returns [b, V_draft] logits at each row's last committed token and per-row catch-up seconds
-        (a prompt fed alone; see ``Draft.catch_up_s``).
-        """
-        runner = self.runner
-        feeds, catch_up = [], [0.0] * len(batch)
-        for i, ctx in enumerate(batch):
-            ids = ctx.token_ids
-            if caps[i] <= 0:
-                feeds.append([])
-                continue
-            runner.sync(i, ids)
-            if runner.length(i) == len(ids):  # never feed nothing: recompute the last token
-                runner.rollback(i, len(ids) - 1)
-            lacking = ids[runner.length(i):]
-            if len(lacking) > self.SOLO_FEED:  # a prompt: alone, so the batch is not padded to its length
-                t0 = time.perf_counter()
-                runner.forward(slice(i, i + 1), [lacking[:-1]], last_only=True)
-                catch_up[i] = time.perf_counter() - t0
-                lacking = lacking[-1:]
-            feeds.append(lacking)
-        out = runner.forward(slice(0, len(batch)), feeds, last_only=True)  # [b, 1, V]
-        return out[:, -1], catch_up
