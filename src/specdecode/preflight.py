@@ -295,6 +295,10 @@ class HeaderVocab:
     ``get_vocab()`` and the bos / eos / pad ids (what transformers' GGUF tokenizer conversion takes)."""
 
     def __init__(self, tokens: list[str], meta: dict) -> None:
+        if meta.get("tokenizer.ggml.model") == "llama":
+            # SentencePiece vocabularies (Llama 2, Gemma): transformers' GGUF conversion writes a space inside a
+            # token as U+2581, as SentencePiece does (Gemma's header stores runs of spaces as plain spaces)
+            tokens = [t.replace(" ", "\u2581") for t in tokens]
         self.tokens = tokens
         self.bos_token_id = meta.get("tokenizer.ggml.bos_token_id")
         self.eos_token_id = meta.get("tokenizer.ggml.eos_token_id")

@@ -78,7 +78,8 @@ def leaderboard_table(summary: dict, variants: dict[str, dict]) -> str:
 
 def details_table(summary: dict, variants: dict[str, dict]) -> str:
     header = ["Method", "speedup median [q1, q3]", "throughput ratio", "decode speedup", "tok/s", "τ",
-              "acceptance", "mean draft", "prefill / draft / verify / other", "outputs = plain"]
+              "acceptance", "mean draft", "draft cost / token", "prefill / draft / verify / other",
+              "outputs = plain"]
     checked = (summary.get("agreement") or {}).get("checked", {})
     bad: dict[str, int] = {}
     for m in (summary.get("agreement") or {}).get("mismatches", []):
@@ -86,6 +87,8 @@ def details_table(summary: dict, variants: dict[str, dict]) -> str:
         if m["reference"] == S.OURS_PLAIN or (m["reference"] == S.baseline_of(variants[m["variant"]])
                                               and variants[m["variant"]]["engine"] not in ("specdecode", "hf")):
             bad[m["variant"]] = bad.get(m["variant"], 0) + 1
+    plain = (summary["cells"].get(S.OURS_PLAIN, {}).get(S.OVERALL) or {}).get("metrics") or {}
+    t_decode = plain["verify_time_s"] / plain["num_verify_steps"] if plain.get("num_verify_steps") else None
     rows = []
     for key, v in variants.items():
         c = summary["cells"][key][S.OVERALL]
@@ -98,8 +101,19 @@ def details_table(summary: dict, variants: dict[str, dict]) -> str:
                      fx(c["throughput_ratio"]), fx(c["decode_speedup"]), fn(c["tokens_per_s"], 1),
                      fn(m.get("tau")) if m and v["gamma"] else "–",
                      fp(m.get("acceptance_rate")) if m and v["gamma"] else "–",
-                     _draft_size(m) if m and v["gamma"] else "–", split_s, agree])
+                     _draft_size(m) if m and v["gamma"] else "–",
+                     _draft_cost(m, t_decode) if m and v["gamma"] else "–", split_s, agree])
     return _table(header, rows)
+
+
+def _draft_cost(m: dict, t_decode: float | None) -> str:
+    """Drafting time per target token emitted, in ms and as a fraction of one plain decoding step of the target
+    (``t_decode`` seconds); for a draft with another tokenizer this is per target token, not per draft token."""
+    per = m.get("draft_s_per_token")
+    if per is None:
+        return "–"
+    step = f" ({per / t_decode:.2f} step)" if t_decode else ""
+    return f"{per * 1e3:.1f} ms{step}"
 
 
 def _draft_size(m: dict) -> str:
@@ -289,7 +303,9 @@ def markdown(summary: dict, meta: dict) -> str:
         "included). Our rows are over our plain decoding, HF rows over HF plain `generate`, llama.cpp rows "
         "over llama.cpp plain. τ = tokens per target forward pass.\n\n" + leaderboard_table(summary, {**variants}),
         "## Details (all prompts)\n\nThroughput ratio: pooled tokens/s over the baseline's; decode speedup: the "
-        "same after the first token (prefill taken out); time split of wall time.\n\n"
+        "same after the first token (prefill taken out); draft cost / token: drafting time per token the target "
+        "emitted (in target tokens, whatever the draft's vocabulary) and as a fraction of one plain decoding "
+        "step; time split of wall time.\n\n"
         + details_table(summary, variants),
         "## Acceptance by draft position\n\nP(draft tokens 1..i all kept | the draft reached position i), and in "
         "brackets the conditional rate P(token i kept | tokens before it kept). For token trees, position i is "

@@ -93,6 +93,10 @@ def pool_metrics(records: Sequence[dict]) -> dict | None:
         "survival": survival,
         "conditional_acceptance": costmodel.rates_from_survival(survival),
         "mean_draft_length": statistics.fmean(lengths) if lengths else 0.0,
+        # the draft's cost per target token: drafting seconds over the tokens the target emitted (accepted,
+        # recovered and bonus tokens, in the target's vocabulary), whatever the drafter's own vocabulary
+        "draft_s_per_token": (tot["draft_time_s"] / tot["num_generated_tokens"]
+                              if tot["num_generated_tokens"] else 0.0),
         "is_tree": tot["num_tree_steps"] > 0,
         "mean_tree_nodes": tot["num_tree_nodes"] / tot["num_tree_steps"] if tot["num_tree_steps"] else None,
         "mean_tree_depth": tot["tree_depth_sum"] / tot["num_tree_steps"] if tot["num_tree_steps"] else None,
