@@ -200,17 +200,22 @@ def test_the_stated_power_holds_and_shrinks_with_n():
 # --------------------------------------------------------------------------- in-process: our engine passes
 
 
+#: Samples of the slower drafters (a tree or a head forward per row): fewer, with a power bound to match.
+SAMPLES_OF = {"tree-dynamic": 1000, "eagle": 1000}
+
+
 @pytest.mark.parametrize("kind", list(DRAFTERS))
 def test_audit_passes_our_engine_for_every_drafter(models, kind):
     """Temperature 1, top-p 0.9, 2,000 samples of 3 tokens: PASS, no impossible output, drafts really ran."""
+    n = SAMPLES_OF.get(kind, N)
     source = _source(models, kind)
-    report = _audit(models, source)
+    report = _audit(models, source, num_samples=n)
     p = report.prompts[0]
     assert report.passed, report.reasons
-    assert p.num_impossible == 0 and p.num_tested == N
+    assert p.num_impossible == 0 and p.num_tested == n
     assert p.tv < p.tv_null_99
-    assert source.drafted > N // 2 and source.accepted > 0, (source.drafted, source.accepted)
-    assert p.detectable_tv is not None and p.detectable_tv < 0.12  # the test has teeth
+    assert source.drafted > n // 2 and source.accepted > 0, (source.drafted, source.accepted)
+    assert p.detectable_tv is not None and p.detectable_tv < 0.12 * (N / n) ** 0.5  # the test has teeth
 
 
 def test_audit_passes_block_verification_and_the_coupled_mode(models):
