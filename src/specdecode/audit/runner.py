@@ -474,10 +474,13 @@ def audit_greedy(model: torch.nn.Module, prompts: Sequence[AuditPrompt], params:
 
 
 def _with_stop(ids: Sequence[int], stopped: bool, stops: Sequence[int]) -> list[int]:
-    """The ids with the stop token that ended them made explicit (a source may leave EOS out)."""
+    """The ids with the stop token that ended them as STOP (whichever stop token it was; a source may also
+    leave EOS out of its ids)."""
     out = [int(t) for t in ids]
-    if stopped and stops and (not out or out[-1] not in stops):
-        out.append(int(stops[0]))
+    if out and out[-1] in stops:
+        out[-1] = STOP
+    elif stopped:
+        out.append(STOP)
     return out
 
 
@@ -506,9 +509,14 @@ def _compare(model, prompt: AuditPrompt, params: SamplingParams, want, got: Outc
             return res  # equal over the tokens compared
         i = n
     res.position = i
-    res.plain_token = plain[i] if i < len(plain) else None
-    res.source_token = source[i] if i < len(source) else None
-    res.margin, res.gap = _margin(model, prompt, plain[:i], params, res.plain_token, res.source_token, forward)
+
+    def real(t):  # STOP: the first stop token stands for it
+        return None if t is None else (int(stops[0]) if t == STOP and stops else t)
+
+    res.plain_token = real(plain[i] if i < len(plain) else None)
+    res.source_token = real(source[i] if i < len(source) else None)
+    res.margin, res.gap = _margin(model, prompt, [real(t) for t in plain[:i]], params, res.plain_token,
+                                  res.source_token, forward)
     res.status = "near-tie" if res.margin < cfg.tie_margin else "DIVERGES"
     return res
 
