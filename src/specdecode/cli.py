@@ -95,7 +95,8 @@ def build_parser() -> argparse.ArgumentParser:
             "  generate   generate text for a prompt or a prompt set and report the metrics\n"
             "  bench      benchmark every method against plain decoding and Hugging Face (Spec-Bench style)\n"
             "  serve      OpenAI-compatible HTTP server with batched speculative decoding\n"
-            "  train-drafter  train a feature-level draft head (EAGLE-3 style) for a target, on this CPU\n\n"
+            "  train-drafter  train a feature-level draft head (EAGLE-3 style) for a target, on this CPU\n"
+            "  audit      is an endpoint (or this engine) lossless? its samples against the target's exact law\n\n"
             "Run 'specdecode generate' with no flags for a demo on SmolLM2-135M-Instruct with the\n"
             "n-gram (prompt lookup) drafter. 'specdecode COMMAND --help' explains each command."
         ),
@@ -108,6 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_bench(commands)
     _add_serve(commands)
     _add_train_drafter(commands)
+    _add_audit(commands)
     return parser
 
 
@@ -305,6 +307,175 @@ def _add_train_drafter(commands) -> None:
     p.add_argument("--no-estimate", action="store_true", help="skip the held-out acceptance estimate at the end")
     p.add_argument("--seed", type=int, default=0, help="prompt order, initialisation and batches (default: 0)")
     p.set_defaults(func=cmd_train_drafter)
+
+
+#: The prompts ``specdecode audit`` uses when none is given (HumanEval when ../shared/data is missing).
+AUDIT_DATASET, AUDIT_FALLBACK_DATASET = "spec-bench:writing:2", "humaneval:2"
+
+
+def _add_audit(commands) -> None:
+    from specdecode.audit.config import MAX_SAMPLES, MAX_TOKENS, MIN_SAMPLES
+
+    p = commands.add_parser(
+        "audit",
+        help="test that an endpoint (or this engine) samples exactly the target's distribution",
+        formatter_class=_HelpFormatter,
+        description=(
+            "The losslessness test as a command. Sampled mode (--temperature > 0): for each prompt, the target's\n"
+            "exact law over its first --tokens generated tokens is enumerated here from the same weights, with\n"
+            "the request's processing (temperature, top-k, top-p, min-p, penalties, biases); N completions are\n"
+            "drawn from the source and compared with it: chi-square (Holm across prompts, plus a pooled test),\n"
+            "total variation against its null spread (N multinomial draws from the exact law), impossible\n"
+            "outputs (a token the processing gives probability 0: an immediate FAIL), and the power (the\n"
+            "smallest TV error N samples detect with probability --power).\n"
+            "Greedy mode (--temperature 0): the source's output must equal plain greedy decoding here, token\n"
+            "for token for --max-new-tokens tokens; at a divergence it prints the position and the target's\n"
+            "top-1 minus top-2 logit margin there, so a near-tie flip is told apart from a bug.\n\n"
+            "Sources: --endpoint URL --model NAME, any OpenAI-compatible server's /v1/completions (specdecode\n"
+            "serve, vLLM, llama.cpp's server; token ids are used where the server returns them, else the text is\n"
+            "mapped back to tokens), or --local: this project's batched speculative engine in-process, with any\n"
+            "--draft. The reference is the local --target in --weights: give the precision the server runs."
+        ),
+        epilog=(
+            "examples:\n"
+            "  specdecode serve --target smollm2-135m --port 8000 &\n"
+            "  specdecode audit --endpoint http://127.0.0.1:8000 --model smollm2-135m --temperature 0.8 -N 2000\n"
+            "  specdecode audit --local --draft ngram --temperature 1 --top-p 0.9 --dataset spec-bench:writing:2\n"
+            "  specdecode audit --local --draft layer-skip --temperature 0 --max-new-tokens 64\n\n"
+            "exit status: 0 PASS, 1 FAIL, 2 a usage or input error (one 'error: ...' line on stderr: an\n"
+            "unreachable endpoint, a model it does not serve, another tokenizer, a value out of range)."
+        ),
+    )
+    p.set_defaults(func=cmd_audit)
+    src = p.add_argument_group("source (one of --endpoint, --local)")
+    where = src.add_mutually_exclusive_group(required=True)
+    where.add_argument("--endpoint", metavar="URL",
+                       help="base URL of an OpenAI-compatible server, e.g. http://127.0.0.1:8000 (a trailing /v1 is "
+                            "fine); samples come from its POST /v1/completions")
+    where.add_argument("--local", action="store_true",
+                       help="sample from specdecode's own speculative engine in-process (batched, --batch-size rows) "
+                            "with --draft; the reference is plain decoding of the same loaded target")
+    src.add_argument("--model", metavar="NAME",
+                     help="with --endpoint: the model id the server serves (checked against GET /v1/models)")
+    src.add_argument("--api-key", metavar="KEY", help="with --endpoint: sent as 'Authorization: Bearer KEY'")
+    src.add_argument("--concurrency", type=int, default=8, metavar="N",
+                     help="with --endpoint: requests in flight, 1..256 (default: %(default)s)")
+    src.add_argument("--timeout", type=float, default=120.0, metavar="S",
+                     help="with --endpoint: seconds to wait for one answer (default: %(default)s)")
+    src.add_argument("--prompt-format", default="ids", choices=("ids", "text"),
+                     help="with --endpoint: send each prompt as the target's token ids (ids: the server does not "
+                          "re-tokenize, so both sides score the same prompt) or as text (chat template applied "
+                          "here) (default: %(default)s)")
+    src.add_argument("--batch-size", type=int, default=32, metavar="N",
+                     help="with --local: requests the engine decodes together, 1..256 (default: %(default)s)")
+
+    models = p.add_argument_group("models (the reference; with --local also the drafter)")
+    models.add_argument("--target", default=None, metavar="SPEC",
+                        help="the local model whose exact law is the reference: the weights the server runs "
+                             f"(default: --model with --endpoint, {DEFAULT_TARGET} with --local)")
+    add_drafter_arguments(models, gamma_help="with --local: gamma, tokens drafted per step, 1..64")
+    models.add_argument("--forward", default="auto", choices=("auto", "owned", "hf"),
+                        help="the target forward used here (and by --local's engine) (default: %(default)s)")
+
+    prompts = p.add_argument_group("prompts (at most one of --prompt, --prompt-file, --dataset)")
+    source = prompts.add_mutually_exclusive_group()
+    source.add_argument("--prompt", metavar="TEXT", help="the prompt text")
+    source.add_argument("--prompt-file", metavar="PATH", help="read the prompt text from a file ('-': standard input)")
+    source.add_argument("--dataset", metavar="SPEC",
+                        help="a prompt set as 'specdecode generate' takes it: humaneval[:N], mt-bench[:CATEGORY][:N], "
+                             "spec-bench[:CATEGORY][:N], gsm8k[:N] (default: "
+                             f"{AUDIT_DATASET}, else {AUDIT_FALLBACK_DATASET} without ../shared/data)")
+    prompts.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
+                         help="apply the target tokenizer's chat template (default: on for chat prompt sets when the "
+                              "tokenizer has one, off for HumanEval and --prompt / --prompt-file)")
+
+    sampling = p.add_argument_group("sampling (what each request asks; the exact law applies the same processing)")
+    sampling.add_argument("--temperature", type=float, default=1.0, metavar="T",
+                          help="0 = greedy mode (token equality); in (0, 2] = sampled mode (default: %(default)s)")
+    sampling.add_argument("--top-k", type=int, default=0, metavar="K", help="0 disables (default: %(default)s)")
+    sampling.add_argument("--top-p", type=float, default=1.0, metavar="P",
+                          help="nucleus mass in (0, 1]; 1 disables (default: %(default)s)")
+    sampling.add_argument("--ignore-eos", action="store_true", help="generate past end-of-sequence")
+    add_sampling_arguments(sampling)
+    p.set_defaults(sampling_mode="standard")
+
+    test = p.add_argument_group("the test")
+    test.add_argument("-N", "--num-samples", type=int, default=2000, metavar="N",
+                      help=f"sampled mode: completions drawn per prompt, {MIN_SAMPLES}..{MAX_SAMPLES:,} "
+                           "(default: %(default)s)")
+    test.add_argument("--tokens", type=int, default=3, metavar="n",
+                      help=f"sampled mode: generated tokens per completion whose joint law is tested, 1..{MAX_TOKENS}; "
+                           "the first comes from the prefill, the others from verified drafts (default: %(default)s)")
+    test.add_argument("--alpha", type=float, default=0.01,
+                      help="family-wise significance level of the verdict (Holm over prompts and the pooled test) "
+                           "(default: %(default)s)")
+    test.add_argument("--power", type=float, default=0.8,
+                      help="the detection probability the stated power refers to (default: %(default)s)")
+    test.add_argument("--min-cell-mass", type=float, default=None, metavar="M",
+                      help="outcomes down to this probability are their own cells, the rest of each prefix one "
+                           "'other' cell (exact, coarser) (default: min(1e-3, max(1e-5, 0.5 / N)))")
+    test.add_argument("--null-simulations", type=int, default=2000, metavar="M",
+                      help="multinomial draws of N from the exact law for the TV null spread (default: %(default)s)")
+    test.add_argument("--seed", type=int, default=0,
+                      help="the audit's seed: every request gets its own seed from it (default: %(default)s)")
+    test.add_argument("--max-new-tokens", type=int, default=64, metavar="N",
+                      help="greedy mode: tokens compared with plain greedy decoding (default: %(default)s)")
+    test.add_argument("--tie-margin", type=float, default=0.05, metavar="LOGITS",
+                      help="greedy mode: a divergence where the target's top-1 minus top-2 logit is below this is a "
+                           "near-tie (reported, not failed) (default: %(default)s)")
+    p.add_argument("--output", metavar="DIR", help="write report.json, report.md and worst_prompt.png there")
+
+
+def cmd_audit(args: argparse.Namespace) -> int:
+    """``specdecode audit``: check every flag (no torch), read the prompts, run ``specdecode.audit.runner``;
+    0 on PASS, 1 on FAIL."""
+    from specdecode.audit.config import AuditConfig, AuditSetup, check_concurrency, check_temperature
+    from specdecode.data import SharedDataMissing, load_prompts
+
+    check_drafter_flags(args)
+    if args.endpoint is not None and not args.model:
+        raise UsageError("--endpoint needs --model NAME, the model id the server serves (see its GET /v1/models)")
+    if args.local and args.model:
+        raise UsageError("--model names an endpoint's model; with --local give the model with --target")
+    if args.timeout <= 0:
+        raise UsageError(f"--timeout must be > 0 seconds, got {args.timeout}")
+    with _naming_flags():
+        check_temperature(args.temperature)
+        check_concurrency(args.concurrency)
+        check_sampling(args.temperature, args.top_k, args.top_p, args.max_new_tokens, None, **_sampling_kwargs(args))
+        check_engine(num_speculative_tokens=args.num_speculative_tokens, max_batch_size=args.batch_size,
+                     verification=args.verification)
+        check_drafter(parse_draft(args.draft), DrafterOptions(ngram_min=args.ngram_min, ngram_max=args.ngram_max,
+                                                              tree=args.tree, tree_nodes=args.tree_nodes,
+                                                              skip_layers=args.skip_layers))
+        cfg = AuditConfig(num_samples=args.num_samples, num_tokens=args.tokens, alpha=args.alpha, power=args.power,
+                          min_cell_mass=args.min_cell_mass, null_simulations=args.null_simulations, seed=args.seed,
+                          max_new_tokens=args.max_new_tokens, tie_margin=args.tie_margin)
+    check_threads(args.threads)
+    if args.prompt is None and args.prompt_file is None and args.dataset is None:
+        try:
+            load_prompts(AUDIT_DATASET)
+            args.dataset = AUDIT_DATASET
+        except SharedDataMissing:
+            args.dataset = AUDIT_FALLBACK_DATASET
+    jobs = _read_jobs(args)
+    chat = [args.chat if args.chat is not None else (None if job.chat_default else False) for job in jobs]
+    sampling = {k: v for k, v in _sampling_kwargs(args).items() if k != "coupled"}
+    sampling.update(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, ignore_eos=args.ignore_eos)
+    setup = AuditSetup(
+        target=args.target or (args.model if args.endpoint is not None else DEFAULT_TARGET),
+        prompts=tuple((job.id, job.text, c) for job, c in zip(jobs, chat)), sampling=sampling, config=cfg,
+        endpoint=args.endpoint, model=args.model, api_key=args.api_key, concurrency=args.concurrency,
+        timeout=args.timeout, prompt_format=args.prompt_format, sampling_mode=args.sampling_mode, draft=args.draft,
+        num_speculative_tokens=args.num_speculative_tokens, ngram_min=args.ngram_min, ngram_max=args.ngram_max,
+        skip_layers=args.skip_layers, tree=args.tree, tree_nodes=args.tree_nodes, policy=args.policy,
+        verification=args.verification, batch_size=args.batch_size, weights=args.weights, dtype=args.dtype,
+        draft_weights=args.draft_weights, cache_dir=args.cache_dir, forward=args.forward, output=args.output,
+        command="specdecode audit " + " ".join(sys.argv[2:]) if sys.argv[1:2] == ["audit"] else None)
+    set_threads(args.threads, say=_status)
+    from specdecode.audit.runner import run_audit
+
+    return 0 if run_audit(setup, say=_status).passed else 1
 
 
 def cmd_train_drafter(args: argparse.Namespace) -> int:
@@ -516,6 +687,10 @@ _FLAG_OF = {
     "frequency_penalty": "--frequency-penalty", "logit_bias": "--logit-bias", "min_tokens": "--min-tokens",
     "stop_token_ids": "--stop-token-id", "coupled": "--sampling-mode", "json_schema": "--json-schema",
     "regex": "--regex",
+    # specdecode audit
+    "num_samples": "-N/--num-samples", "num_tokens": "--tokens", "alpha": "--alpha", "power": "--power",
+    "min_cell_mass": "--min-cell-mass", "null_simulations": "--null-simulations", "tie_margin": "--tie-margin",
+    "concurrency": "--concurrency",
 }
 
 
