@@ -601,7 +601,13 @@ def decision_lines(result: TuneResult) -> list[str]:
                      ("the prompts are repetitive: lookup drafters pay" if acc >= REPETITIVE_ACCEPTANCE else
                       "not repetitive: lookup drafters find little to copy"))
     for p in best_per_drafter(result.predictions):
-        lines.append(f"{p.key}: acceptance {p.acceptance:.2f} → best γ={p.gamma}, predicted {p.speedup:.2f}x "
+        pooled = result.measured[p.key][2] if p.key in result.measured else None
+        cost = ""
+        if pooled and pooled["num_drafted_tokens"] and plain and plain["num_verify_steps"]:
+            t_draft = pooled["draft_time_s"] / pooled["num_drafted_tokens"]
+            t_decode = plain["verify_time_s"] / plain["num_verify_steps"]
+            cost = f", T_draft {1e3 * t_draft:.2f} ms/token = {t_draft / t_decode:.2f} T_decode"
+        lines.append(f"{p.key}: acceptance {p.acceptance:.2f}{cost} → best γ={p.gamma}, predicted {p.speedup:.2f}x "
                      f"(τ {p.tau:.2f}, {p.basis})")
     for s in result.skipped:
         if not s.what.startswith("eagle"):
