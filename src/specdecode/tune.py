@@ -585,7 +585,8 @@ def decision_lines(result: TuneResult) -> list[str]:
                      f"decoding {tps:.1f} tokens/s, T_decode {1e3 * t_decode:.1f} ms" + (f"; {vr}" if vr else ""))
     models = [c for c in result.candidates.values() if c.model is not None and c.tree == "none"]
     if not result.config.drafts:
-        lines.append("no draft model given → model-free drafters (n-gram, suffix, layer-skip) and a trained head")
+        tried = [k for k in ("ngram", "suffix", "layer-skip", "eagle") if k in result.config.drafters]
+        lines.append(f"no draft model given → model-free drafters and a trained head: {', '.join(tried)}")
     else:
         lines.append("draft models given → " + ", ".join(f"{c.model} ({c.note or 'same tokenizer'})" for c in models))
     eagle = [s for s in result.skipped if s.what.startswith("eagle")]
