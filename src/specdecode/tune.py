@@ -966,9 +966,12 @@ def report_rows(result: TuneResult) -> list[dict]:
                      "tokens_per_s": c.tokens_per_s if c else None, "mismatches": c.mismatches if c else None,
                      "basis": p.basis})
     rows.sort(key=lambda r: (r["measured"] is None, -(r["measured"] or 0.0), -r["predicted"]))
+    tps = result.plain_confirmed_tokens_per_s
+    if tps is None and result.plain and result.plain["wall_s"]:  # not confirmed: its sample runs' figure
+        tps = result.plain["num_generated_tokens"] / result.plain["wall_s"]
     rows.append({"method": PLAIN, "key": PLAIN, "gamma": 0, "policy": "fixed", "predicted": 1.0, "measured": 1.0,
                  "decode_measured": 1.0, "tau": 1.0, "tau_source": "", "acceptance": None,
-                 "tokens_per_s": result.plain_confirmed_tokens_per_s, "mismatches": None, "basis": ""})
+                 "tokens_per_s": tps, "mismatches": None, "basis": ""})
     return rows
 
 
