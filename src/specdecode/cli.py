@@ -37,6 +37,7 @@ from specdecode.cliargs import (  # noqa: F401 - DRAFT_CHOICES_HELP re-exported
     check_threads,
     set_threads,
 )
+from specdecode.configfile import add_config_argument, apply_config
 from specdecode.errors import SpecDecodeError
 from specdecode.options import DEFAULT_TARGET
 from specdecode.validate import (  # the library's own checks, without torch
@@ -96,6 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
             "  bench      benchmark every method against plain decoding and Hugging Face (Spec-Bench style)\n"
             "  serve      OpenAI-compatible HTTP server with batched speculative decoding\n"
             "  train-drafter  train a feature-level draft head (EAGLE-3 style) for a target, on this CPU\n"
+            "  tune       measure which drafter, gamma and policy is fastest for your prompts; writes a --config file\n"
             "  audit      is an endpoint (or this engine) lossless? its samples against the target's exact law\n\n"
             "Run 'specdecode generate' with no flags for a demo on SmolLM2-135M-Instruct with the\n"
             "n-gram (prompt lookup) drafter. 'specdecode COMMAND --help' explains each command."
@@ -109,6 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_bench(commands)
     _add_serve(commands)
     _add_train_drafter(commands)
+    _add_tune(commands)
     _add_audit(commands)
     return parser
 
@@ -139,6 +142,7 @@ def _add_generate(commands) -> None:
         ),
     )
     p.set_defaults(func=cmd_generate)
+    add_config_argument(p)
 
     models = p.add_argument_group("models")
     models.add_argument("--target", default=DEFAULT_TARGET, metavar="SPEC",
@@ -213,6 +217,7 @@ def _add_bench(commands) -> None:
         ),
     )
     add_arguments(p)
+    add_config_argument(p)
     p.set_defaults(func=cmd_bench)
 
 
@@ -237,6 +242,7 @@ def _add_serve(commands) -> None:
         ),
     )
     add_serve_arguments(p)
+    add_config_argument(p)
     p.set_defaults(func=cmd_serve)
 
 
@@ -511,6 +517,53 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_tune(commands) -> None:
+    from specdecode.cliargs import add_tune_arguments
+
+    p = commands.add_parser(
+        "tune",
+        help="measure which drafter, gamma and policy is fastest on your prompts and machine; write the settings",
+        formatter_class=_HelpFormatter,
+        description=(
+            "On your prompts and machine: time the target's steps (T_decode, T_verify(k)), run every drafter\n"
+            "(none, n-gram, suffix, layer-skip, each --draft model and its token trees, a trained head) at a\n"
+            "generous gamma on a sample of the prompts to measure acceptance per draft position, predict the\n"
+            "speedup of each drafter x gamma (and the cost-model policy) with the cost model, confirm the best\n"
+            "ones against plain decoding on held-out prompts, and print the ranked table with the decision.\n"
+            "The chosen settings go to --output as a TOML file that generate, bench and serve read with --config."
+        ),
+        epilog=(
+            "examples:\n"
+            "  specdecode tune --target smollm2-135m --dataset spec-bench:summarization:2,spec-bench:coding:2 \\\n"
+            "      --budget 600\n"
+            "  specdecode tune --target qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b --weights int4 \\\n"
+            "      --draft-weights int4 --dataset humaneval:8 --output qwen.toml\n"
+            "  specdecode generate --config qwen.toml --prompt 'def fib(n):'"
+        ),
+    )
+    add_tune_arguments(p)
+    p.set_defaults(func=cmd_tune)
+
+
+def cmd_tune(args: argparse.Namespace) -> int:
+    """``specdecode tune``: measure, predict, confirm, decide; write the settings file (specdecode.tune)."""
+    from specdecode.tune import DRAFTER_KINDS, TuneConfig, run_tune
+
+    datasets = tuple(d.strip() for item in (args.datasets or ()) for d in item.split(",") if d.strip())
+    drafters = tuple(d.strip() for d in args.drafters.split(",") if d.strip()) if args.drafters else DRAFTER_KINDS
+    check_threads(args.threads)
+    config = TuneConfig(target=args.target, drafts=tuple(args.drafts or ()), datasets=datasets,
+                        prompts_file=args.prompts_file, budget_s=args.budget_s, max_new_tokens=args.max_new_tokens,
+                        temperature=args.temperature, threads=args.threads, weights=args.weights,
+                        draft_weights=args.draft_weights, dtype=args.dtype, max_gamma=args.max_gamma,
+                        drafters=drafters, top=args.top, repeats=args.repeats, sample_prompts=args.sample_prompts,
+                        confirm_prompts=args.confirm_prompts, min_gain=args.min_gain, tree_nodes=args.tree_nodes,
+                        layer_search_s=args.layer_search_s, chat=args.chat, seed=args.seed,
+                        cache_dir=args.cache_dir, output=args.output)
+    run_tune(config, progress=not args.no_progress)
+    return 0
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     """``specdecode serve``: load the models and serve until interrupted (specdecode.server)."""
     check_drafter_flags(args)  # before the server stack and torch are imported
@@ -542,6 +595,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit status (0 ok, 2 usage / input error, 130 interrupted)."""
     parser = build_parser()
     try:
+        argv = list(sys.argv[1:] if argv is None else argv)
+        apply_config(parser, argv)  # --config FILE: its settings become the command's defaults, flags override
         args, extra = parser.parse_known_args(argv)
         if extra:  # name the subcommand's help, which lists the flags it takes
             where = " ".join(filter(None, ("specdecode", getattr(args, "command", None))))

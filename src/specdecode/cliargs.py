@@ -353,3 +353,69 @@ def set_threads(threads: int | None, say=None) -> int:
 
     torch.set_num_threads(threads)
     return threads
+
+
+def add_tune_arguments(p: argparse.ArgumentParser) -> None:
+    """The flags of ``specdecode tune`` (``specdecode.tune.TuneConfig``'s fields; its defaults are these)."""
+    models = p.add_argument_group("models")
+    models.add_argument("--target", default=DEFAULT_TARGET, metavar="SPEC",
+                        help="the model whose output distribution is preserved (default: %(default)s)")
+    models.add_argument("--draft", action="append", default=None, metavar="MODEL", dest="drafts",
+                        help="a draft model to try (repeatable): the same tokenizer as the target, or another one "
+                             "(then it drafts across vocabularies); model-free drafters and a trained head are "
+                             "always tried")
+    models.add_argument("--drafters", default=None, metavar="LIST",
+                        help="which drafters to try, comma-separated, of: ngram, suffix, layer-skip, eagle, "
+                             "draft-model (default: all of them; draft-model = every --draft)")
+    models.add_argument("--weights", default="auto", choices=WEIGHT_CHOICES,
+                        help="precision the target runs in, as 'generate --weights' (default: %(default)s)")
+    models.add_argument("--draft-weights", default=None, choices=WEIGHT_PRECISIONS,
+                        help="precision of the draft models (default: the target's)")
+    models.add_argument("--dtype", default="float32", choices=DTYPES, help="dtype the weights load in "
+                        "(default: %(default)s)")
+    models.add_argument("--threads", type=int, default=None, metavar="N",
+                        help="torch threads (default: one per core other processes leave idle)")
+    models.add_argument("--cache-dir", metavar="DIR",
+                        help="model cache (default: $SPECDECODE_CACHE or ~/.cache/specdecode)")
+    prompts = p.add_argument_group("prompts (one of --prompts, --dataset)")
+    source = prompts.add_mutually_exclusive_group(required=True)
+    source.add_argument("--prompts", metavar="FILE", dest="prompts_file",
+                        help="your prompts: .jsonl (a string or {\"prompt\": ...} per line), .json (a list of "
+                             "them) or text (prompts separated by lines of '---'; else one per line)")
+    source.add_argument("--dataset", action="append", metavar="SPEC", dest="datasets",
+                        help="prompt sets, comma-separated or repeated: spec-bench[:CATEGORY][:N], humaneval[:N], "
+                             "mt-bench[:CATEGORY][:N], gsm8k[:N]")
+    prompts.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
+                         help="chat template on chat prompts (default: on for prompt sets, off for --prompts)")
+    runs = p.add_argument_group("measurement")
+    runs.add_argument("--budget", type=float, default=600.0, metavar="SECONDS", dest="budget_s",
+                      help="wall-clock budget of the whole run, loading included: measuring stops at 60%% of it "
+                           "(what was skipped is said), confirming at 100%% (default: %(default)s)")
+    runs.add_argument("--max-new-tokens", type=int, default=128, metavar="N",
+                      help="tokens per prompt in every run (default: %(default)s)")
+    runs.add_argument("--temperature", type=float, default=0.0, metavar="T",
+                      help="0 = greedy; > 0 samples, the same seed per prompt in every method (default: %(default)s)")
+    runs.add_argument("--max-gamma", type=int, default=8, metavar="G",
+                      help="gamma of the acceptance runs, and the largest gamma predicted, 1..16 (default: %(default)s)")
+    runs.add_argument("--top", type=int, default=3, metavar="N",
+                      help="best predicted drafters confirmed by running them against plain decoding "
+                           "(default: %(default)s)")
+    runs.add_argument("--repeats", type=int, default=2, metavar="N",
+                      help="runs of each held-out prompt per method; the fastest counts (default: %(default)s)")
+    runs.add_argument("--sample-prompts", type=int, default=4, metavar="N",
+                      help="most prompts that measure acceptance (default: %(default)s)")
+    runs.add_argument("--confirm-prompts", type=int, default=6, metavar="N",
+                      help="most held-out prompts that confirm (default: %(default)s)")
+    runs.add_argument("--min-gain", type=float, default=0.05, metavar="X",
+                      help="speculate only when measured at least 1 + X times plain decoding (default: %(default)s)")
+    runs.add_argument("--tree-nodes", type=int, default=16, metavar="N",
+                      help="node budget of token trees and of suffix decoding (default: %(default)s)")
+    runs.add_argument("--layer-search", type=float, default=120.0, metavar="SECONDS", dest="layer_search_s",
+                      help="most seconds a layer-skip search may take when no skip set is cached "
+                           "(default: %(default)s)")
+    runs.add_argument("--seed", type=int, default=0, metavar="N", help="prompt i samples with seed + i "
+                      "(default: %(default)s)")
+    p.add_argument("--output", default="specdecode-tune.toml", metavar="FILE",
+                   help="the settings file to write, for --config (the measurements go beside it as .json) "
+                        "(default: %(default)s)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")

@@ -453,16 +453,39 @@ class Variant:
                 "family": self.family, "peer_of": self.peer_of, "draft": self.draft}
 
 
-def _engine_runner(target, proposer, gamma: int, max_new_tokens: int, temperature: float, eos: tuple[int, ...],
-                   max_context: int, verification: str = "auto"):
+def engine_runner(target, proposer, gamma: int, max_new_tokens: int, temperature: float, eos: tuple[int, ...],
+                  max_context: int, verification: str = "auto", *, policy: str = "fixed",
+                  new_proposer: Callable[[], object] | None = None):
+    """A timed run of our engine on one target: ``run(prompt ids, seed, max_new_tokens or None) -> RunOutput``.
+
+    Args:
+        target: the target's LoadedModel. proposer: a proposer, or None for plain decoding.
+        gamma: draft length (``num_speculative_tokens``; the starting gamma of an adaptive ``policy``).
+        max_new_tokens, temperature, eos: the sampling of every run (greedy at temperature 0).
+        max_context: positions per row of the engine's cache.
+        verification: ``EngineConfig.verification``.
+        policy: the draft-length policy by name (``policy.build_policy``), kept across runs as in ``generate``.
+        new_proposer: a zero-argument factory of proposers: each run then drafts with a fresh one (bound
+            before the timing starts), so no run sees what an earlier one left in a proposer's memory (the
+            suffix tree of earlier outputs: a repeat of the same prompt would find its own answer there).
+
+    Wall seconds are those of ``engine.generate`` alone. The engine is ``run.engine``.
+    """
     from specdecode.engine import EngineConfig, SpeculativeEngine
+    from specdecode.policy import build_policy
     from specdecode.types import SamplingParams
 
-    engine = SpeculativeEngine(target.model, proposer, EngineConfig(num_speculative_tokens=max(1, gamma),
-                                                                    max_context=max_context,
-                                                                    verification=verification))
+    if new_proposer is not None:
+        proposer = new_proposer()
+    config = EngineConfig(num_speculative_tokens=max(1, gamma), max_context=max_context, verification=verification)
+    engine = SpeculativeEngine(target.model, proposer, config,
+                               policy=build_policy(policy, max(1, gamma)) if proposer is not None else None)
 
     def run(ids: list[int], seed: int, limit: int | None = None) -> RunOutput:
+        if new_proposer is not None and engine.rows == []:
+            engine.proposer.release()
+            engine.proposer = new_proposer()
+            engine.proposer.bind(engine.runner, engine.runner.num_slots)
         params = SamplingParams(temperature=temperature, max_new_tokens=limit or max_new_tokens, seed=seed,
                                 eos_token_ids=eos)
         start = time.perf_counter()
@@ -640,7 +663,7 @@ def build_variants(config: BenchConfig, models: Models, dtype: str, status: Call
 
     build = BuildContext(target=target, load_draft=load_draft, default_draft=config.draft)
     variants = [Variant("specdecode/plain", "specdecode", "plain", 0, "plain",
-                        _engine_runner(target, None, 1, n, temp, eos, ctx_len, config.verification))]
+                        engine_runner(target, None, 1, n, temp, eos, ctx_len, config.verification))]
     specs = expand_methods(config)
     for spec in list(specs):
         try:
@@ -653,7 +676,7 @@ def build_variants(config: BenchConfig, models: Models, dtype: str, status: Call
             continue
         draft = draft_model_of(spec, config.draft)
         variants.append(Variant(f"specdecode/{spec.canonical}", "specdecode", spec.name, spec.gamma, spec.family,
-                                _engine_runner(target, proposer, spec.gamma, n, temp, eos, ctx_len,
+                                engine_runner(target, proposer, spec.gamma, n, temp, eos, ctx_len,
                                                config.verification), draft=draft))
     if config.peer:
         variants.append(Variant("hf/plain", "hf", "plain", 0, "hf/plain",
@@ -751,17 +774,17 @@ def run_bench(config: BenchConfig, *, progress: bool = True, log: Callable[[str]
     variants = build_variants(config, models, config.dtype, status)
     roofline = roofline_facts(config, models, variants, status)
 
-    encoded = _encode_all(prompts, models.target, config, status)
+    encoded = encode_all(prompts, models.target, config, status)
     runnable = [p for p in prompts if p.key in encoded]
     todo = [(p, v, r) for i, p in enumerate(runnable) for r in range(config.repeats)
-            for v in _rotate(variants, i + r) if not store.has("run", v.key, p.key, rep=r)]
+            for v in rotate(variants, i + r) if not store.has("run", v.key, p.key, rep=r)]
     total = len(runnable) * len(variants) * config.repeats
     status(f"{len(runnable)} prompts x {len(variants)} variants x {config.repeats} repeat(s); {len(todo)} runs to "
            f"do ({total - len(todo)} already in {store.path.name})")
     if config.probe:
         _probe(config, models, variants, runnable, encoded, store, status)
     if todo and config.warmup:
-        _warm_up(variants, encoded[runnable[0].key][0], config.seed, status)
+        warm_up(variants, encoded[runnable[0].key][0], config.seed, status)
     try:
         _run_matrix(todo, runnable, variants, encoded, config, store, progress)
     finally:
@@ -802,12 +825,16 @@ def roofline_facts(config: BenchConfig, models: Models, variants: list[Variant],
                        *(facts(spec, "draft", d) for spec, d in models.drafts.items())]}
 
 
-def _rotate(items: list, shift: int) -> list:
+def rotate(items: list, shift: int) -> list:
+    """``items`` rotated left by ``shift``: the order in which prompt ``shift`` runs the variants (drift hits all alike)."""
     s = shift % len(items) if items else 0
     return items[s:] + items[:s]
 
 
-def _encode_all(prompts, target, config: BenchConfig, status) -> dict[str, tuple[list[int], bool]]:
+def encode_all(prompts, target, config, status) -> dict[str, tuple[list[int], bool]]:
+    """{prompt key: (ids, templated)} of the prompts that fit the target's context with
+    ``config.max_new_tokens`` new tokens (``config``: anything with ``chat`` and ``max_new_tokens``);
+    ``status`` hears of each one left out."""
     out = {}
     for p in prompts:
         ids, templated = encode_prompt(target.tokenizer, p, config.chat)
@@ -876,19 +903,27 @@ def _load_average() -> float | None:
         return None
 
 
-def _warm_up(variants: list[Variant], ids: list[int], seed: int, status) -> None:
+def warm_up(variants: list[Variant], ids: list[int], seed: int, status) -> None:
     """A short unrecorded run per variant: first-call costs (allocations, lazy init) leave the timings."""
     status("warming up every variant")
     for v in variants:
         v.run(ids[: min(len(ids), 32)], seed, 8)
 
 
+def probe_context(prompts: Sequence[Sequence[int]], max_new_tokens: int) -> list[int]:
+    """A typical context to time forwards at: the median prompt length plus half the new tokens, the first
+    prompt's ids repeated to that length ([L] token ids)."""
+    lengths = sorted(len(p) for p in prompts)
+    ctx_len = lengths[len(lengths) // 2] + max_new_tokens // 2
+    first = list(prompts[0])
+    return (first * (ctx_len // len(first) + 1))[:ctx_len]
+
+
 def _probe(config, models: Models, variants, prompts, encoded, store: RecordStore, status) -> None:
     """Time T_verify(k) of the target and one step of each draft model at a typical context (recorded once)."""
-    lengths = sorted(len(encoded[p.key][0]) for p in prompts)
-    ctx_len = lengths[len(lengths) // 2] + config.max_new_tokens // 2
     first = encoded[prompts[0].key][0]
-    context = (first * (ctx_len // len(first) + 1))[:ctx_len]
+    context = probe_context([encoded[p.key][0] for p in prompts], config.max_new_tokens)
+    ctx_len = len(context)
     max_k = max([v.gamma for v in variants] + [8])
     ks = sorted({0, 1, 2, 3, 4, 6, 8, *[v.gamma for v in variants if v.gamma]} | ({max_k} if max_k <= 16 else set()))
     todo = [("target", config.target, models.target, ks)]

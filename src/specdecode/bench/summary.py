@@ -203,7 +203,14 @@ def iid_equivalent_alpha(expected: float, gamma: int) -> float:
     return (lo + hi) / 2
 
 
-def _costs(plain: dict, spec: dict, ratio) -> costmodel.StepCosts | None:
+def step_costs(plain: dict, spec: dict, ratio) -> costmodel.StepCosts | None:
+    """The cost model's measured costs from pooled metrics (:func:`pool_metrics`) of a plain and a speculative run.
+
+    T_decode(1) and T_plain are per plain step (verify seconds; verify + other seconds), T_draft per
+    drafted token, T_overhead the speculative run's other seconds per step; ``ratio(k)`` is
+    T_verify(k) / T_decode(1) (the probe's, else the run's own mean at every k). None when either
+    run has no verification step.
+    """
     steps_p = plain["num_verify_steps"]
     if not steps_p or not spec["num_verify_steps"]:
         return None
@@ -225,7 +232,7 @@ def _scaled_lengths(lengths: Sequence[int], cap: int, gamma: int) -> list[int]:
 
 def predict(plain: dict, spec: dict, gamma: int, ratio, lengths: Sequence[int]) -> dict | None:
     """The cost model at the run's own gamma: ideal, Leviathan, overhead-aware speedups and their inputs."""
-    costs = _costs(plain, spec, ratio)
+    costs = step_costs(plain, spec, ratio)
     if costs is None or not spec["survival"]:
         return None
     s = costmodel.extend_survival(spec["survival"], max(max(lengths, default=0), gamma))
@@ -250,6 +257,34 @@ def predict(plain: dict, spec: dict, gamma: int, ratio, lengths: Sequence[int]) 
     }
 
 
+def predicted_curve(plain: dict, spec: dict, cap: int, ratio, gammas: Sequence[int]
+                    ) -> tuple[list[float], list[float]] | None:
+    """Predicted tau and decode speedup at each gamma of ``gammas``, from one chain run at gamma ``cap``.
+
+    The run's per-position survival (continued past its longest draft at the last conditional rate),
+    its draft lengths (full drafts become gamma, shorter ones stay) and its measured costs
+    (:func:`step_costs`) go through :func:`costmodel.overhead_aware_speedup_mixture`.
+
+    Args:
+        plain, spec: pooled metrics (:func:`pool_metrics`) of plain decoding and of the run.
+        cap: the gamma the run drafted at. ratio: T_verify(k) / T_decode(1), or None (the run's own).
+
+    Returns:
+        ([tau per gamma], [speedup per gamma]), or None without costs or acceptance.
+    """
+    costs = step_costs(plain, spec, ratio)
+    if costs is None or not spec["survival"] or not gammas:
+        return None
+    lengths = spec["draft_lengths"]
+    s = costmodel.extend_survival(spec["survival"], max(max(gammas), max(lengths, default=0)))
+    tau, speed = [], []
+    for g in gammas:
+        lg = _scaled_lengths(lengths, cap, g)
+        tau.append(costmodel.expected_tokens_mixture(s, lg))
+        speed.append(costmodel.overhead_aware_speedup_mixture(s, lg, costs))
+    return tau, speed
+
+
 def sweep(family_variants: Sequence[dict], pooled: dict[str, dict], plain: dict, cells: dict, ratio,
           max_curve: int = 8) -> dict | None:
     """tau and speedup against gamma for one method family: measured points and predicted curves.
@@ -263,7 +298,6 @@ def sweep(family_variants: Sequence[dict], pooled: dict[str, dict], plain: dict,
         return None
     cap, cap_key = points[-1]
     top = pooled[cap_key]
-    costs = _costs(plain, top, ratio)
     g_max = max(max_curve, cap)
     out = {
         "gammas": [g for g, _ in points],
@@ -274,15 +308,10 @@ def sweep(family_variants: Sequence[dict], pooled: dict[str, dict], plain: dict,
     }
     measured = [(s, g) for g, s in zip(out["gammas"], out["measured_decode_speedup"]) if s is not None]
     out["best_gamma_measured"] = max(measured)[1] if measured else None
-    if costs is None or not top["survival"]:
+    curve = predicted_curve(plain, top, cap, ratio, out["curve_gammas"])
+    if curve is None:
         return out
-    lengths = top["draft_lengths"]
-    s = costmodel.extend_survival(top["survival"], g_max)
-    tau, speed = [], []
-    for g in out["curve_gammas"]:
-        lg = _scaled_lengths(lengths, cap, g)
-        tau.append(costmodel.expected_tokens_mixture(s, lg))
-        speed.append(costmodel.overhead_aware_speedup_mixture(s, lg, costs))
+    tau, speed = curve
     out["predicted_tau"] = tau
     out["predicted_speedup"] = speed
     best = max(range(len(speed)), key=lambda i: (speed[i], -i))

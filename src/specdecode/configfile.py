@@ -1,0 +1,303 @@
+"""The settings file: ``--config FILE`` of ``generate``, ``bench`` and ``serve``, and what ``specdecode tune`` writes.
+
+A TOML file (read with the standard library's ``tomllib``):
+
+- top-level keys: settings of ``specdecode generate`` and ``specdecode serve`` (their shared drafter and
+  precision flags: ``target``, ``draft``, ``num_speculative_tokens``, ``policy``, ``weights``, ``threads``, ...);
+- a ``[generate]``, ``[serve]`` or ``[bench]`` table: settings of that command only (they override the
+  top level). ``bench`` reads only its own table: its ``--draft`` names a draft model and its
+  ``--methods`` are method specs, so the top-level drafter keys would mean something else there;
+- a ``[tune]`` table: what ``specdecode tune`` measured (read by no command).
+
+A key is a flag's name without the leading dashes, with ``-`` or ``_`` (``max-new-tokens`` =
+``max_new_tokens``; ``num_speculative_tokens`` is ``-k``). The file's settings become the command's
+defaults, so every flag given on the command line overrides them (argparse ``set_defaults`` before
+the parse). Values are checked as the flag checks its text: the type, the choices; a switch takes
+``true`` / ``false``. An unknown key or a bad value is refused in one line naming the key and the file.
+
+This module stays light (argparse and tomllib only): the command line applies it before importing torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import json
+import math
+import tomllib
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+from specdecode.errors import SpecDecodeError
+
+#: Commands that take ``--config FILE``.
+CONFIG_COMMANDS = ("generate", "bench", "serve")
+#: Commands that read the file's top-level keys (``bench`` reads only its ``[bench]`` table).
+TOP_LEVEL_COMMANDS = ("generate", "serve")
+#: The table of measurements ``specdecode tune`` writes; no command reads it.
+METADATA_TABLE = "tune"
+#: Destinations no file may set.
+_RESERVED = {"help", "version", "func", "command", "config"}
+
+
+def add_config_argument(p: argparse.ArgumentParser) -> None:
+    """Add ``--config FILE`` to a subcommand's parser (applied by :func:`apply_config` before the parse)."""
+    p.add_argument("--config", metavar="FILE",
+                   help="a TOML settings file (what 'specdecode tune' writes): its settings become the defaults and "
+                        "flags given here override them. Top-level keys are generate / serve settings, a "
+                        "[generate] / [serve] / [bench] table holds one command's own; keys are flag names "
+                        "(num_speculative_tokens, weights, threads, ...)")
+
+
+def read_config(path: str | Path) -> dict:
+    """The parsed TOML file.
+
+    Raises:
+        SpecDecodeError: no such file, unreadable, or not valid TOML (line and column said).
+    """
+    file = Path(path).expanduser()
+    if not file.is_file():
+        raise SpecDecodeError(f"--config {path}: no such file")
+    try:
+        with file.open("rb") as f:
+            return tomllib.load(f)
+    except tomllib.TOMLDecodeError as exc:
+        raise SpecDecodeError(f"--config {path}: not valid TOML: {exc}") from None
+    except OSError as exc:
+        raise SpecDecodeError(f"--config {path}: cannot read it: {exc}") from None
+
+
+def command_settings(data: Mapping, command: str, path: str | Path = "FILE") -> dict:
+    """The raw settings a command takes from a parsed file: the top-level keys (generate, serve), then its table.
+
+    Raises:
+        SpecDecodeError: a table that is not a table, or a table of another kind than the known ones.
+    """
+    out: dict = {}
+    for key, value in data.items():
+        if isinstance(value, dict):
+            if key not in (*CONFIG_COMMANDS, METADATA_TABLE):
+                raise SpecDecodeError(f"--config {path}: unknown table [{key}]; the file may hold "
+                                      f"[{'], ['.join(CONFIG_COMMANDS)}] and [{METADATA_TABLE}]")
+            continue
+        if command in TOP_LEVEL_COMMANDS:
+            out[key] = value
+    table = data.get(command, {})
+    if not isinstance(table, dict):
+        raise SpecDecodeError(f"--config {path}: {command!r} must be a table ([{command}])")
+    out.update(table)
+    return out
+
+
+def check_settings(parser: argparse.ArgumentParser, settings: Mapping, command: str,
+                   path: str | Path = "FILE") -> dict:
+    """Settings checked against a subcommand's flags, as {dest: value} for ``parser.set_defaults``.
+
+    Raises:
+        SpecDecodeError: an unknown key (close names suggested), or a value of the wrong type or outside
+            the flag's choices; the message names the key, the command and the file.
+    """
+    actions: dict[str, argparse.Action] = {}
+    for a in parser._actions:  # per destination, the flag that takes a value (serve: --policy, not --adaptive)
+        if a.dest in _RESERVED or a.dest == argparse.SUPPRESS:
+            continue
+        if a.dest not in actions or (isinstance(actions[a.dest], argparse._StoreConstAction)
+                                     and not isinstance(a, argparse._StoreConstAction)):
+            actions[a.dest] = a
+    flags: dict[str, argparse.Action] = {}
+    for a in parser._actions:
+        if a.dest in actions:
+            for opt in a.option_strings:
+                if opt.startswith("--"):
+                    flags[opt[2:].replace("-", "_")] = a
+    out: dict = {}
+    for key, value in settings.items():
+        name = str(key).replace("-", "_")
+        action = actions.get(name) or flags.get(name)
+        if action is None:
+            known = sorted(actions)
+            close = difflib.get_close_matches(name, known, n=3)
+            hint = f"; did you mean {' or '.join(close)}?" if close else f"; known keys: {', '.join(known)}"
+            raise SpecDecodeError(f"--config {path}: unknown key {key!r} for 'specdecode {command}'{hint}")
+        where = f"--config {path}: key {key!r} of 'specdecode {command}'"
+        by_flag = name not in actions
+        if by_flag and isinstance(action, argparse._StoreConstAction) and not isinstance(
+                action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
+            if not isinstance(value, bool):  # a flag like bench's --quick: true gives it
+                raise SpecDecodeError(f"{where} is a switch: write true or false, not {_show(value)}")
+            if value:
+                out[action.dest] = action.const
+            continue
+        if by_flag and isinstance(action, argparse.BooleanOptionalAction) and name.startswith("no_"):
+            if not isinstance(value, bool):
+                raise SpecDecodeError(f"{where} is a switch: write true or false, not {_show(value)}")
+            out[action.dest] = not value  # no-chat = true is chat = false
+            continue
+        out[action.dest] = _check_value(parser, action, value, where)
+    return out
+
+
+def _check_value(parser: argparse.ArgumentParser, action: argparse.Action, value, where: str):
+    if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction, argparse.BooleanOptionalAction)):
+        if not isinstance(value, bool):
+            raise SpecDecodeError(f"{where} is a switch: write true or false, not {_show(value)}")
+        return value
+    if isinstance(action, argparse._StoreConstAction):  # the destination of flags like --quick / --smoke
+        consts = [a.const for a in parser._actions if a.dest == action.dest and
+                  isinstance(a, argparse._StoreConstAction)]
+        if value not in consts:
+            raise SpecDecodeError(f"{where} must be one of {', '.join(map(repr, consts))}, got {_show(value)}")
+        return value
+    if isinstance(action, argparse._AppendAction) or action.nargs in ("*", "+"):
+        items = value if isinstance(value, list) else [value]
+        return [_one(action, v, where) for v in items]
+    if isinstance(value, (list, dict)):
+        raise SpecDecodeError(f"{where} takes one value, got {_show(value)}")
+    return _one(action, value, where)
+
+
+def _one(action: argparse.Action, value, where: str):
+    """One value as the flag's ``type`` makes it from text, then checked against its ``choices``."""
+    kind = action.type
+    if isinstance(value, bool) and kind in (int, float, None, str):
+        raise SpecDecodeError(f"{where} must be {_kind_name(kind)}, not {_show(value)}")
+    if kind is int:
+        if not isinstance(value, int):
+            raise SpecDecodeError(f"{where} must be an integer, got {_show(value)}")
+    elif kind is float:
+        if not isinstance(value, (int, float)) or math.isnan(float(value)):
+            raise SpecDecodeError(f"{where} must be a number, got {_show(value)}")
+        value = float(value)
+    elif kind is None or kind is str:
+        if not isinstance(value, str):
+            raise SpecDecodeError(f"{where} must be a string, got {_show(value)}")
+    else:  # a custom type (e.g. --logit-bias TOKEN=BIAS): it reads the text the flag would get
+        try:
+            value = kind(str(value))
+        except (argparse.ArgumentTypeError, TypeError, ValueError) as exc:
+            raise SpecDecodeError(f"{where}: {exc}") from None
+    if action.choices is not None and value not in action.choices:
+        raise SpecDecodeError(f"{where} must be one of {', '.join(map(str, action.choices))}, got {_show(value)}")
+    return value
+
+
+def _kind_name(kind) -> str:
+    return {int: "an integer", float: "a number"}.get(kind, "a string")
+
+
+def _show(value) -> str:
+    return json.dumps(value) if isinstance(value, (str, bool, list, dict)) else repr(value)
+
+
+def _subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    for a in parser._actions:
+        if isinstance(a, argparse._SubParsersAction):
+            return dict(a.choices)
+    return {}
+
+
+def config_path_in(argv: Sequence[str]) -> str | None:
+    """The FILE of ``--config FILE`` / ``--config=FILE`` in an argument list (the last one given), else None.
+
+    Raises:
+        SpecDecodeError: ``--config`` last, with no file after it.
+    """
+    found = None
+    for i, arg in enumerate(argv):
+        if arg == "--":
+            break
+        if arg == "--config":
+            if i + 1 >= len(argv):
+                raise SpecDecodeError("--config needs a FILE")
+            found = argv[i + 1]
+        elif arg.startswith("--config="):
+            found = arg.partition("=")[2]
+    return found
+
+
+def apply_config(parser: argparse.ArgumentParser, argv: Sequence[str]) -> dict:
+    """When ``argv`` runs a command with ``--config FILE``: that command's parser gets the file's settings as
+    defaults (so the flags of ``argv`` override them). Returns the settings applied ({} without a file).
+
+    Raises:
+        SpecDecodeError: as :func:`read_config`, :func:`command_settings`, :func:`check_settings`.
+    """
+    commands = _subparsers(parser)
+    command = next((a for a in argv if not a.startswith("-")), None)
+    if command not in commands or command not in CONFIG_COMMANDS:
+        return {}
+    rest = list(argv[list(argv).index(command) + 1:])
+    path = config_path_in(rest)
+    if path is None:
+        return {}
+    sub = commands[command]
+    settings = check_settings(sub, command_settings(read_config(path), command, path), command, path)
+    sub.set_defaults(**settings)
+    return settings
+
+
+def parse_with_config(parser: argparse.ArgumentParser, argv: Sequence[str]) -> argparse.Namespace:
+    """``parser.parse_args(argv)`` after :func:`apply_config`: what a command runs with (tests use it)."""
+    apply_config(parser, argv)
+    return parser.parse_args(list(argv))
+
+
+# --------------------------------------------------------------------------- writing (specdecode tune)
+
+
+def toml_value(value) -> str:
+    """One TOML value: strings (JSON escapes are TOML escapes), booleans, integers, finite floats, arrays
+    of those, inline tables.
+
+    Raises:
+        ValueError: a value TOML cannot hold (None, NaN, another type).
+    """
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            raise ValueError(f"TOML has no value for {value!r}")
+        return repr(value)
+    if isinstance(value, str):
+        return json.dumps(value, ensure_ascii=False)
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(toml_value(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{_toml_key(k)} = {toml_value(v)}" for k, v in value.items() if v is not None) + "}"
+    raise ValueError(f"TOML has no value for {value!r} ({type(value).__name__})")
+
+
+def _toml_key(key: str) -> str:
+    bare = key.replace("_", "").replace("-", "").isalnum() and key.isascii()
+    return key if bare else json.dumps(key)
+
+
+def write_toml(path: str | Path, settings: Mapping, tables: Mapping[str, Mapping] = (), *,
+               comments: Sequence[str] = (), arrays: Mapping[str, Sequence[Mapping]] = ()) -> Path:
+    """Write a settings file: ``comments`` (one ``#`` line each) first, then the top-level ``settings``, then each
+    table, then arrays of tables (``[[name]]``). Keys whose value is None are left out.
+
+    Returns:
+        the path written.
+    """
+    lines = [f"# {c}" if c else "#" for c in comments]
+    if lines:
+        lines.append("")
+    lines += [f"{_toml_key(k)} = {toml_value(v)}" for k, v in settings.items() if v is not None]
+    for name, table in dict(tables).items():
+        lines += ["", f"[{name}]"] + [f"{_toml_key(k)} = {toml_value(v)}" for k, v in table.items() if v is not None]
+    for name, rows in dict(arrays).items():
+        for row in rows:
+            lines += ["", f"[[{name}]]"] + [f"{_toml_key(k)} = {toml_value(v)}" for k, v in row.items()
+                                            if v is not None]
+    file = Path(path).expanduser()
+    file.parent.mkdir(parents=True, exist_ok=True)
+    file.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return file
+
+
+__all__ = ["CONFIG_COMMANDS", "METADATA_TABLE", "TOP_LEVEL_COMMANDS", "add_config_argument", "apply_config",
+           "check_settings", "command_settings", "config_path_in", "parse_with_config", "read_config",
+           "toml_value", "write_toml"]

@@ -1,0 +1,86 @@
+"""``--config FILE``: a TOML file's settings become a command's defaults; flags override; bad keys are refused."""
+
+from __future__ import annotations
+
+import tomllib
+
+import pytest
+
+from specdecode.cli import build_parser, main
+from specdecode.configfile import parse_with_config, toml_value, write_toml
+from specdecode.errors import SpecDecodeError
+
+
+def _write(tmp_path, text: str, name: str = "s.toml"):
+    path = tmp_path / name
+    path.write_text(text)
+    return str(path)
+
+
+def test_top_level_and_tables(tmp_path):
+    path = _write(tmp_path, 'target = "smollm2-135m"\ndraft = "layer-skip"\nnum_speculative_tokens = 3\n'
+                            'skip-layers = "3,5"\nthreads = 2\n\n[generate]\nmax_new_tokens = 40\nchat = false\n'
+                            'stop = ["END"]\n\n[serve]\nport = 9001\npolicy = "fixed"\n\n[bench]\ngamma = 6\n'
+                            'methods = "ngram:k=6"\nquick = true\n\n[tune]\nanything = 1\n')
+    gen = parse_with_config(build_parser(), ["generate", "--config", path])
+    assert (gen.draft, gen.num_speculative_tokens, gen.skip_layers, gen.threads) == ("layer-skip", 3, "3,5", 2)
+    assert (gen.max_new_tokens, gen.chat, gen.stop, gen.policy) == (40, False, ["END"], "fixed")
+    srv = parse_with_config(build_parser(), ["serve", f"--config={path}", "--port", "9100"])
+    assert (srv.draft, srv.port, srv.policy, srv.threads) == ("layer-skip", 9100, "fixed", 2)
+    no_adaptive = _write(tmp_path, '[serve]\nno-adaptive = true\n', "n.toml")  # a flag's name: true gives the flag
+    assert parse_with_config(build_parser(), ["serve", "--config", no_adaptive]).policy == "fixed"
+    heuristic = _write(tmp_path, '[serve]\npolicy = "heuristic"\n', "h.toml")
+    assert parse_with_config(build_parser(), ["serve", "--config", heuristic]).policy == "heuristic"
+    adaptive = _write(tmp_path, '[serve]\nadaptive = true\n[generate]\nno-chat = true\n', "a.toml")
+    assert parse_with_config(build_parser(), ["serve", "--config", adaptive]).policy == "cost-model"
+    assert parse_with_config(build_parser(), ["generate", "--config", adaptive]).chat is False
+    bench = parse_with_config(build_parser(), ["bench", "--config", path])
+    assert (bench.gamma, bench.methods, bench.preset, bench.draft) == (6, "ngram:k=6", "quick", None)
+    plain = parse_with_config(build_parser(), ["generate"])  # no file: the parser's own defaults
+    assert (plain.draft, plain.num_speculative_tokens) == ("ngram", 5)
+
+
+@pytest.mark.parametrize("text,match", [
+    ('nonsense = 1\n', "unknown key 'nonsense' for 'specdecode generate'"),
+    ('num_speculative_token = 4\n', "did you mean num_speculative_tokens"),
+    ('num_speculative_tokens = "four"\n', "key 'num_speculative_tokens' .* must be an integer"),
+    ('num_speculative_tokens = true\n', "must be an integer"),
+    ('temperature = "hot"\n', "must be a number"),
+    ('policy = "fastest"\n', "key 'policy' .* must be one of fixed, heuristic"),
+    ('[generate]\nchat = "yes"\n', "is a switch: write true or false"),
+    ('[generate]\nport = 80\n', "unknown key 'port'"),
+    ('[gen]\nx = 1\n', r"unknown table \[gen\]"),
+    ('draft = ["ngram"]\n', "takes one value"),
+    ('target = \n', "not valid TOML"),
+])
+def test_bad_settings_name_the_key_and_the_file(tmp_path, text, match):
+    path = _write(tmp_path, text)
+    with pytest.raises(SpecDecodeError, match=match) as err:
+        parse_with_config(build_parser(), ["generate", "--config", path])
+    assert path in str(err.value)
+
+
+def test_missing_file_and_cli_errors(tmp_path, capsys):
+    with pytest.raises(SpecDecodeError, match="no such file"):
+        parse_with_config(build_parser(), ["generate", "--config", str(tmp_path / "none.toml")])
+    with pytest.raises(SpecDecodeError, match="needs a FILE"):
+        parse_with_config(build_parser(), ["generate", "--config"])
+    bad = _write(tmp_path, "threads = 0.5\n")
+    assert main(["generate", "--config", bad, "--prompt", "x"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --config") and "'threads'" in err and len(err.strip().splitlines()) == 1
+
+
+def test_writer_round_trips():
+    assert tomllib.loads("x = " + toml_value({"a": [1, 2.5, "q\"uote"], "b": True, "c": None}))["x"] == \
+        {"a": [1, 2.5, 'q"uote'], "b": True}
+    with pytest.raises(ValueError):
+        toml_value(float("nan"))
+
+
+def test_write_toml(tmp_path):
+    path = write_toml(tmp_path / "w.toml", {"draft": "ngram", "skip": None}, {"tune": {"k": 1}},
+                      comments=["hello", "→ unicode"], arrays={"tune.rows": [{"m": "a"}, {"m": "b"}]})
+    data = tomllib.loads(path.read_text())
+    assert data == {"draft": "ngram", "tune": {"k": 1, "rows": [{"m": "a"}, {"m": "b"}]}}
+    assert path.read_text().startswith("# hello\n")

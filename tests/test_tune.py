@@ -1,0 +1,308 @@
+"""``specdecode tune``: the decision from measurements (pure), and whole runs on tiny random models.
+
+The whole runs are built so that wall-clock noise cannot flip the choice: a *bigram* target (attention
+output zeroed, so each token is a function of the one before) falls into a short cycle that prompt
+lookup copies (tau near gamma + 1, several times plain decoding even on a loaded machine), and a
+flat target sampled at temperature 1 gives prompt lookup nothing (acceptance ~ 1/V); the useless case
+also asks for a 30% gain, which a drafter that is never accepted cannot reach. Where only the costs
+decide (a draft identical to the target: 100% acceptance but each draft token costs a target step),
+the measured acceptance is kept and the draft cost is injected.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import tomllib
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import make_tiny_model, make_tiny_tokenizer
+from specdecode.errors import SpecDecodeError
+from specdecode.tune import (
+    Candidate,
+    Choice,
+    Confirmation,
+    Prediction,
+    TuneConfig,
+    TuneResult,
+    choose,
+    confirmation_plan,
+    predict,
+    read_prompts_file,
+    run_tune,
+    split_prompts,
+    write_settings,
+)
+
+PROMPTS = ("the cat sat on the mat. the cat sat on the mat.\n---\nhello there, hello there, hello\n---\n"
+           "abc abc abc abc\n---\none two one two one two\n")
+
+
+def _save(path: Path, *, seed: int = 0, scale: float = 1.0, bigram: bool = False) -> Path:
+    tokenizer = make_tiny_tokenizer()
+    model = make_tiny_model(len(tokenizer), seed=seed)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(scale)
+        model.lm_head.weight[2].zero_()  # EOS logit 0: runs go the full length
+        if bigram:
+            for layer in model.model.layers:
+                layer.self_attn.o_proj.weight.zero_()
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("tune")
+    return {"bigram": _save(root / "bigram", bigram=True), "other": _save(root / "other", seed=5),
+            "flat": _save(root / "flat", scale=0.05)}
+
+
+@pytest.fixture()
+def prompts_file(tmp_path) -> Path:
+    path = tmp_path / "prompts.txt"
+    path.write_text(PROMPTS)
+    return path
+
+
+def _config(target: Path, prompts: Path, tmp_path: Path, **kw) -> TuneConfig:
+    base = dict(target=str(target), prompts_file=str(prompts), weights="fp32", threads=1, max_new_tokens=48,
+                budget_s=120.0, repeats=2, output=str(tmp_path / "tuned.toml"))
+    return TuneConfig(**{**base, **kw})
+
+
+# --------------------------------------------------------------------------- whole runs
+
+
+def test_repetitive_workload_picks_ngram(models, prompts_file, tmp_path):
+    """A target whose output cycles: prompt lookup is best by construction; a random draft model as slow as the
+    target is not."""
+    cfg = _config(models["bigram"], prompts_file, tmp_path, drafts=(str(models["other"]),),
+                  drafters=("ngram", "draft-model"), top=2, max_new_tokens=96)
+    result = run_tune(cfg, progress=False, log=lambda _: None)
+    ngram = result.measured["ngram"][2]
+    assert ngram["acceptance_rate"] > 0.8 and ngram["tau"] > 3.0
+    assert result.choice.key == "ngram" and result.choice.measured > 1.5
+    confirmed = {c.key: c for c in result.confirmations}
+    assert confirmed["ngram"].mismatches == 0  # greedy: the same tokens as plain decoding
+    text = "\n".join(result.decision)
+    assert "repetitive" in text and "→ ngram" in text
+    data = tomllib.loads(Path(cfg.output).read_text())
+    assert data["draft"] == "ngram" and data["num_speculative_tokens"] == result.choice.gamma
+    assert data["policy"] == result.choice.policy and data["threads"] == 1 and data["weights"] == "fp32"
+    assert data["tune"]["chosen"] == "ngram" and data["bench"]["methods"].startswith("ngram:k=")
+    report = json.loads(Path(cfg.output).with_suffix(".json").read_text())
+    assert report["choice"]["key"] == "ngram" and report["predictions"]
+
+
+def test_useless_drafters_pick_plain_decoding(models, prompts_file, tmp_path):
+    """A flat target sampled at temperature 1: prompt lookup is (almost) never accepted, so plain decoding."""
+    cfg = _config(models["flat"], prompts_file, tmp_path, temperature=1.0, drafters=("ngram",), min_gain=0.3,
+                  repeats=1)
+    result = run_tune(cfg, progress=False, log=lambda _: None)
+    assert result.measured["ngram"][2]["acceptance_rate"] < 0.2
+    assert result.choice.key == "plain"
+    assert "plain decoding" in result.decision[-1]
+    data = tomllib.loads(Path(cfg.output).read_text())
+    assert data["draft"] == "none" and data["tune"]["chosen"] == "plain"
+
+
+def test_draft_identical_to_target_is_accepted_and_wins_when_drafting_is_cheap(models, prompts_file, tmp_path):
+    """Draft == target: ~100% acceptance measured. Its real draft cost is a target step per token; with the draft
+    cost injected as free, the cost model must pick it, at a long gamma."""
+    spec = str(models["bigram"])
+    cfg = _config(models["bigram"], prompts_file, tmp_path, drafts=(spec,), drafters=("draft-model",), top=1,
+                  repeats=1, max_new_tokens=32)
+    result = run_tune(cfg, progress=False, log=lambda _: None)
+    key = f"draft-model:{spec}"
+    cand, cap, pooled = result.measured[key]
+    assert pooled["acceptance_rate"] > 0.95
+    real = predict(result.plain, result.measured, result.ratio(), cfg.max_gamma)
+    free = dict(result.measured)
+    free[key] = (cand, cap, {**pooled, "draft_time_s": 0.0})
+    cheap = predict(result.plain, free, result.ratio(), cfg.max_gamma)
+    chosen = choose(cheap, [], 0.05)
+    assert chosen.key == key and chosen.gamma >= 4
+    best_real = max(p.speedup for p in real if p.key == key and p.policy == "fixed")
+    best_free = max(p.speedup for p in cheap if p.key == key and p.policy == "fixed")
+    assert best_free > best_real
+    assert any(s.what == "tree:" + spec or s.what.startswith("tree") for s in result.skipped) or \
+        "tree:" + spec in result.measured  # its token trees were tried too (or said why not)
+
+
+def test_budget_skips_what_does_not_fit(models, prompts_file, tmp_path):
+    cfg = _config(models["bigram"], prompts_file, tmp_path, drafters=("ngram", "suffix"), budget_s=0.01)
+    result = run_tune(cfg, progress=False, log=lambda _: None)
+    assert {s.what for s in result.skipped} >= {"ngram", "suffix"}
+    assert result.choice.key == "plain" and any("budget" in s.why for s in result.skipped)
+
+
+# --------------------------------------------------------------------------- the decision (pure)
+
+
+def _p(key, gamma, speedup, policy="fixed", basis="cost model"):
+    return Prediction(key, gamma, policy, speedup, 1.0 + speedup, 0.5, basis)
+
+
+def _c(key, gamma, speedup, policy="fixed"):
+    return Confirmation(key, gamma, policy, speedup, speedup, speedup, 2.0, 0.5, 100.0, 3)
+
+
+def test_choose_rules():
+    preds = [_p("ngram", 4, 1.4), _p("suffix", 8, 1.2, basis="tree run"), _p("ngram", 8, 1.3)]
+    assert choose(preds, [_c("ngram", 4, 1.35), _c("suffix", 8, 1.5)], 0.05).key == "suffix"
+    slow = choose(preds, [_c("ngram", 4, 1.02)], 0.05)
+    assert slow.key == "plain" and "1.02x" in slow.reason
+    unconfirmed = choose(preds, [], 0.05)
+    assert (unconfirmed.key, unconfirmed.gamma, unconfirmed.measured) == ("ngram", 4, None)
+    losing = choose([_p("ngram", 1, 0.8), _p("layer-skip", 2, 0.9)], [], 0.05)
+    assert losing.key == "plain" and "would be slower" in losing.reason
+    assert choose([], [], 0.05).key == "plain"
+
+
+def test_confirmation_plan_takes_the_best_distinct_drafters_and_the_policy():
+    preds = [_p("ngram", 4, 1.4), _p("ngram", 3, 1.39), _p("suffix", 8, 1.2, basis="tree run"),
+             _p("layer-skip", 3, 0.5), _p("ngram", 4, 1.4, policy="cost-model", basis="policy")]
+    plan = confirmation_plan(preds, top=3)
+    assert [(p.key, p.gamma, p.policy) for p in plan] == [("ngram", 4, "fixed"), ("suffix", 8, "fixed"),
+                                                          ("ngram", 4, "cost-model")]
+    only_losers = confirmation_plan([_p("layer-skip", 3, 0.5, basis="tree run")], top=3)
+    assert [p.key for p in only_losers] == ["layer-skip"]  # the best one is still run, to check the prediction
+
+
+def test_predict_from_pooled_metrics():
+    """Chains: a curve over gamma from survival and costs; the cost-model policy never below plain."""
+    plain = {"num_verify_steps": 10, "verify_time_s": 1.0, "other_time_s": 0.0, "num_generated_tokens": 10}
+    spec = {"num_verify_steps": 10, "verify_time_s": 1.2, "other_time_s": 0.0, "draft_time_s": 0.0,
+            "num_drafted_tokens": 40, "survival": [0.9, 0.8, 0.7, 0.6], "draft_lengths": [4] * 10, "tau": 4.0,
+            "acceptance_rate": 0.75, "is_tree": False}
+    cand = Candidate("ngram", "ngram")
+    preds = predict(plain, {"ngram": (cand, 4, spec)}, lambda k: 1.0 + 0.05 * k, 4)
+    fixed = {p.gamma: p for p in preds if p.policy == "fixed"}
+    assert set(fixed) == {1, 2, 3, 4}
+    assert fixed[4].speedup == pytest.approx((1 + 0.9 + 0.8 + 0.7 + 0.6) / 1.2)
+    policy = [p for p in preds if p.policy == "cost-model"]
+    assert len(policy) == 1 and policy[0].speedup >= 1.0 and policy[0].gamma == preds[0].gamma
+
+
+# --------------------------------------------------------------------------- settings file, config, prompts
+
+
+def _result(tmp_path, cand: Candidate, gamma: int, policy: str) -> TuneResult:
+    cfg = TuneConfig(target="smollm2-135m", datasets=("humaneval:2",), output=str(tmp_path / "t.toml"),
+                     max_new_tokens=64)
+    r = TuneResult(config=cfg, weights="int8", threads=2, candidates={cand.key: cand})
+    r.predictions = [_p(cand.key, gamma, 1.4, policy)]
+    r.confirmations = [_c(cand.key, gamma, 1.3, policy)]
+    r.choice = Choice(cand.key, gamma, policy, 1.3, 1.4, "because")
+    r.decision = ["a line", "→ because"]
+    return r
+
+
+@pytest.mark.parametrize("cand,gamma,policy", [
+    (Candidate("ngram", "ngram"), 4, "fixed"),
+    (Candidate("layer-skip", "layer-skip", skip_layers=(3, 5, 7)), 3, "cost-model"),
+    (Candidate("tree:qwen2.5-coder-0.5b", "qwen2.5-coder-0.5b", tree="dynamic", model="qwen2.5-coder-0.5b",
+               trees=True), 6, "fixed"),
+])
+def test_settings_round_trip_into_generate_serve_and_bench(tmp_path, cand, gamma, policy):
+    from specdecode.cli import build_parser
+    from specdecode.configfile import parse_with_config
+
+    path = write_settings(_result(tmp_path, cand, gamma, policy), tmp_path / "t.toml")
+    want = {"target": "smollm2-135m", "draft": cand.draft, "num_speculative_tokens": gamma, "policy": policy,
+            "weights": "int8", "threads": 2, "tree": cand.tree,
+            "skip_layers": ",".join(map(str, cand.skip_layers)) if cand.skip_layers else None}
+    for command in ("generate", "serve"):
+        args = parse_with_config(build_parser(), [command, "--config", str(path)])
+        assert {k: getattr(args, k) for k in want} == want, command
+        if cand.model:
+            assert args.draft_weights == "int8"
+    gen = parse_with_config(build_parser(), ["generate", "--config", str(path)])
+    assert gen.max_new_tokens == 64
+    over = parse_with_config(build_parser(), ["generate", "--config", str(path), "-k", "2", "--threads", "1",
+                                              "--policy", "heuristic"])
+    assert (over.num_speculative_tokens, over.threads, over.policy, over.draft) == (2, 1, "heuristic", cand.draft)
+    bench = parse_with_config(build_parser(), ["bench", "--config", str(path)])
+    assert bench.methods == cand.bench_method(gamma, 16) and bench.weights == "int8" and bench.target == "smollm2-135m"
+    assert bench.draft == cand.model
+    data = tomllib.loads(path.read_text())
+    assert data["tune"]["candidates"][0]["method"].startswith(cand.key)
+    assert path.with_suffix(".json").is_file()
+
+
+def test_plain_choice_writes_draft_none(tmp_path):
+    r = _result(tmp_path, Candidate("ngram", "ngram"), 4, "fixed")
+    r.choice = Choice("plain", 0, "fixed", 1.0, None, "plain")
+    data = tomllib.loads(write_settings(r, tmp_path / "p.toml").read_text())
+    assert data["draft"] == "none" and "methods" not in data["bench"]
+
+
+def test_config_values(tmp_path):
+    with pytest.raises(SpecDecodeError, match="--budget"):
+        TuneConfig(target="x", datasets=("humaneval",), budget_s=0)
+    with pytest.raises(SpecDecodeError, match="--budget"):
+        TuneConfig(target="x", datasets=("humaneval",), budget_s=-5)
+    with pytest.raises(SpecDecodeError, match="unknown drafter 'medusa'"):
+        TuneConfig(target="x", datasets=("humaneval",), drafters=("ngram", "medusa"))
+    with pytest.raises(SpecDecodeError, match="one of --prompts FILE or --dataset"):
+        TuneConfig(target="x")
+    with pytest.raises(SpecDecodeError, match="one of --prompts FILE or --dataset"):
+        TuneConfig(target="x", datasets=("humaneval",), prompts_file="p.txt")
+    with pytest.raises(SpecDecodeError, match="--max-gamma"):
+        TuneConfig(target="x", datasets=("humaneval",), max_gamma=0)
+    with pytest.raises(SpecDecodeError, match="needs --draft"):
+        TuneConfig(target="x", datasets=("humaneval",), drafters=("draft-model",))
+    assert dataclasses.replace(TuneConfig(target="x", datasets=("humaneval",)), top=2).top == 2
+
+
+def test_prompts_files(tmp_path):
+    (tmp_path / "a.jsonl").write_text('"one"\n\n{"prompt": "two", "category": "code", "id": 7}\n{"turns": ["three"]}\n')
+    got = read_prompts_file(tmp_path / "a.jsonl")
+    assert [(p.text, p.category, p.key) for p in got] == [("one", "prompts", "prompts/0"), ("two", "code", "prompts/7"),
+                                                          ("three", "prompts", "prompts/2")]
+    (tmp_path / "b.json").write_text('["x", {"text": "y"}]')
+    assert [p.text for p in read_prompts_file(tmp_path / "b.json")] == ["x", "y"]
+    (tmp_path / "c.txt").write_text("line one\n\nline two\n")
+    assert [p.text for p in read_prompts_file(tmp_path / "c.txt")] == ["line one", "line two"]
+    (tmp_path / "d.txt").write_text("def f():\n    pass\n---\nsecond\nprompt\n")
+    assert [p.text for p in read_prompts_file(tmp_path / "d.txt")] == ["def f():\n    pass", "second\nprompt"]
+    for name, text, match in (("e.txt", "\n\n", "no prompt"), ("f.jsonl", '"ok"\n{bad\n', "line 2 is not JSON"),
+                              ("g.jsonl", '{"id": 1}\n', "entry 1 has no prompt"), ("h.json", '{"a": 1}', "a list")):
+        (tmp_path / name).write_text(text)
+        with pytest.raises(SpecDecodeError, match=match):
+            read_prompts_file(tmp_path / name)
+    with pytest.raises(SpecDecodeError, match="no such file"):
+        read_prompts_file(tmp_path / "missing.txt")
+
+
+def test_split_prompts():
+    assert split_prompts(["a"], 4, 6) == (["a"], ["a"])
+    assert split_prompts(list("abcdefgh"), 4, 6) == (list("abcd"), list("efgh"))
+    assert split_prompts(list("abcdefghij"), 2, 3) == (list("ab"), list("cde"))
+
+
+def test_cli_tune_and_its_errors(models, prompts_file, tmp_path, capsys):
+    from specdecode.cli import main
+
+    out = tmp_path / "cli.toml"
+    rc = main(["tune", "--target", str(models["bigram"]), "--prompts", str(prompts_file), "--weights", "fp32",
+               "--threads", "1", "--max-new-tokens", "24", "--drafters", "ngram", "--repeats", "1", "--budget", "60",
+               "--output", str(out), "--no-progress"])
+    assert rc == 0 and out.is_file()
+    assert "decision:" in capsys.readouterr().out
+    rc = main(["generate", "--config", str(out), "--prompt", "abc abc", "--max-new-tokens", "4", "--json",
+               "--no-warmup"])
+    assert rc == 0 and json.loads(capsys.readouterr().out.splitlines()[0])["num_generated_tokens"] == 4
+    for argv, msg in ((["--budget", "0"], "--budget must be"), (["--drafters", "ngram,medusa"], "unknown drafter"),
+                      (["--prompts", str(tmp_path / "none.txt")], "no such file")):
+        base = ["tune", "--target", str(models["bigram"]), "--weights", "fp32"]
+        if "--prompts" not in argv:
+            base += ["--prompts", str(prompts_file)]
+        assert main(base + argv) == 2
+        assert msg in capsys.readouterr().err
