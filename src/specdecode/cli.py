@@ -5,6 +5,8 @@ Subcommands (one function each, so more can join: ``bench``, ``serve``):
 - ``specdecode generate``: generate text for a prompt, a prompt file or a prompt set,
   streaming the text, then the speculative-decoding metrics; ``--compare-baseline``
   also runs plain decoding of the same target through the same engine.
+- ``specdecode audit``: test that an OpenAI-compatible endpoint (or this engine in-process) samples the
+  target's exact distribution (``specdecode.audit``); exit status 0 PASS, 1 FAIL.
 
 Status and progress go to stderr, results to stdout (``--json``: one object per
 prompt per line). User errors print one ``error: ...`` line and exit with status 2.
