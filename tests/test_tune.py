@@ -306,3 +306,13 @@ def test_cli_tune_and_its_errors(models, prompts_file, tmp_path, capsys):
             base += ["--prompts", str(prompts_file)]
         assert main(base + argv) == 2
         assert msg in capsys.readouterr().err
+
+
+def test_a_busy_machine_is_said_in_the_decision():
+    from specdecode.tune import busy_line
+
+    assert busy_line(1.9, 2.2, threads=2, cores=2) is None  # the run's own two threads
+    assert busy_line(None, None, threads=2, cores=2) is None
+    line = busy_line(1.0, 4.6, threads=2, cores=2)
+    assert line is not None and "4.6" in line and "noisy" in line
+    assert busy_line(5.0, None, threads=8, cores=8) is None

@@ -521,6 +521,9 @@ class TuneResult:
     skipped: list[Skipped] = field(default_factory=list)
     seconds: float = 0.0
     load_average: list[float] = field(default_factory=list)
+    #: 1-minute load average when the run began and when it ended (``os.getloadavg``), None where unknown
+    load_start: float | None = None
+    load_end: float | None = None
 
     def ratio(self):
         """T_verify(k) / T_decode(1) from the probe (None without one)."""
@@ -559,7 +562,7 @@ class TuneResult:
             "plain_confirmed_tokens_per_s": self.plain_confirmed_tokens_per_s,
             "choice": asdict(self.choice) if self.choice else None, "settings": self.chosen_settings(),
             "decision": self.decision, "skipped": [asdict(s) for s in self.skipped], "seconds": self.seconds,
-            "load_average": self.load_average,
+            "load_average": self.load_average, "load1_start": self.load_start, "load1_end": self.load_end,
         }
 
 
@@ -618,9 +621,40 @@ def decision_lines(result: TuneResult) -> list[str]:
         parts = [f"{_label(c.key, c.gamma, c.policy)} {_x(c.speedup)}" for c in result.confirmations]
         lines.append(f"confirmed on {n} held-out prompt(s), {result.config.repeats} repeat(s) each, fastest counts: "
                      + ", ".join(parts))
+    busy = busy_line(result.load_start, result.load_end, result.threads)
+    if busy:
+        lines.append(busy)
     if result.choice is not None:
         lines.append("→ " + result.choice.reason)
     return lines
+
+
+def _load1() -> float | None:
+    """The 1-minute load average, None where the platform has none."""
+    import os
+
+    try:
+        return os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return None
+
+
+def busy_line(load_start: float | None, load_end: float | None, threads: int,
+              cores: int | None = None) -> str | None:
+    """A warning when other processes shared the cores during the run, else None.
+
+    The run itself keeps about ``threads`` cores busy; a 1-minute load average (at the start or the end)
+    above ``max(threads, cores) + 0.5`` means something else ran too, so every time measured (and the
+    prediction made of them) is noisy. ``cores`` defaults to ``os.cpu_count()``.
+    """
+    import os
+
+    cores = cores or os.cpu_count() or 1
+    loads = [x for x in (load_start, load_end) if x is not None]
+    if not loads or max(loads) <= max(threads, cores) + 0.5:
+        return None
+    return (f"the machine was busy (1-min load {max(loads):.1f} on {cores} cores, this run uses {threads}): "
+            "other processes shared the cores, so the times above are noisy; rerun tune when the machine is quiet")
 
 
 # --------------------------------------------------------------------------- measuring
@@ -664,6 +698,7 @@ def run_tune(config: TuneConfig, *, progress: bool = True, log: Callable[[str], 
 
     _quiet_transformers()
     result = TuneResult(config=config)
+    result.load_start = _load1()
     result.threads = set_threads(config.threads, say=status)
     status(f"loading target {config.target!r} (weights {config.weights})")
     target, choice = load_target(config.target, config.weights, dtype=config.dtype, cache_dir=config.cache_dir,
@@ -690,6 +725,7 @@ def run_tune(config: TuneConfig, *, progress: bool = True, log: Callable[[str], 
     finally:
         session.close()
     result.choice = choose(result.predictions, result.confirmations, config.min_gain)
+    result.load_end = _load1()
     result.decision = decision_lines(result)
     result.seconds = clock.elapsed()
     result.environment = environment()
