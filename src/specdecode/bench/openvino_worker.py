@@ -25,6 +25,11 @@ import os
 import sys
 import time
 
+# run as a script, its own folder comes first on sys.path, and that folder holds specdecode's bench/openvino.py,
+# which would shadow the real ``openvino`` package
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
+
 
 def _open_channel():
     """A private text stream on the original stdout; fd 1 then goes to stderr."""
