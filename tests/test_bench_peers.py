@@ -193,9 +193,9 @@ def test_llama_server_client_sends_ids_and_reads_tokens(fake_server):
     body = FakeServer.bodies[-1]
     assert (body["prompt"], body["n_predict"], body["temperature"], body["top_k"]) == ([1, 2, 3], 3, 0.0, 1)
     assert body["cache_prompt"] is False and body["return_tokens"] is True and body["stream"] is False
-    FakeServer.reply = {"tokens": [5], "stop_type": "eos"}  # the EOS that stopped it is not in "tokens"
-    assert (fake_server.complete([1], 8, (2,)).token_ids, fake_server.complete([1], 8, (2,)).finish_reason) == (
-        [5, 2], "stop")
+    FakeServer.reply = {"tokens": [5, 2], "stop_type": "eos"}  # the server keeps the EOS that stopped it
+    res = fake_server.complete([1], 8, (2,))
+    assert (res.token_ids, res.finish_reason) == ([5, 2], "stop")
     FakeServer.reply = {"tokens": [5, 2, 9], "stop_type": "limit"}  # cut at our EOS
     assert fake_server.complete([1], 3, (2,)).token_ids == [5, 2]
 

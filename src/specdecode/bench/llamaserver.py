@@ -20,8 +20,8 @@ draft-mtp, draft-dflash, draft-dspark, ngram-simple, ngram-map-k, ngram-map-k4v,
   --spec-ngram-simple-size-m G``, the peer of our n-gram variant.
 
 Each request is ``POST /completion`` with our prompt as token ids, ``n_predict``, ``temperature`` 0, ``top_k``
-1, ``cache_prompt`` false, ``return_tokens`` true; the new token ids come from the reply's ``tokens`` (the
-end-of-generation token that stopped it is appended when ``stop_type`` is ``eos``, as our engine keeps it).
+1, ``cache_prompt`` false, ``return_tokens`` true; the new token ids come from the reply's ``tokens``, which
+keep the end-of-generation token that stopped it (``stop_type`` "eos"), as our engine does.
 Timing is wall time around the HTTP request on our side (prefill included); the server's own ``timings``
 are recorded too. The GGUF files are the catalog's (:func:`specdecode.models.gguf_file`), 4-bit: outputs
 are compared with llama-server's own plain decoding, and with ours for information.
@@ -233,7 +233,8 @@ class ServerClient:
         raise SpecDecodeError(f"llama-server at {self.base_url} not healthy after {timeout_s:.0f} s")
 
     def complete(self, prompt_ids: Sequence[int], max_new_tokens: int, eos_token_ids: Sequence[int] = ()) -> ServerResult:
-        """Greedy completion; the EOS that stopped it is appended (our engine keeps it), tokens cut at ``eos``."""
+        """Greedy completion; token ids cut after the first of ``eos`` (the server keeps the end-of-generation
+        token that stopped it in ``tokens``, as our engine does)."""
         body = json.dumps(completion_request(prompt_ids, max_new_tokens)).encode()
         req = urllib.request.Request(self.base_url + "/completion", data=body,
                                      headers={"Content-Type": "application/json"})
@@ -253,8 +254,6 @@ class ServerClient:
         cut = next((i for i, t in enumerate(tokens) if t in eos), None)
         if cut is not None:
             tokens, finish = tokens[:cut + 1], "stop"
-        elif reply.get("stop_type") == "eos" and eos and len(tokens) < max_new_tokens:
-            tokens.append(min(eos))  # the server drops the end-of-generation token; which one stopped it is not said
         return ServerResult(tokens, wall, finish, reply.get("timings"))
 
 
