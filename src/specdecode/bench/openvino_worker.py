@@ -81,7 +81,8 @@ class Worker:
         res = self.pipe.generate(inputs, cfg)
         wall = time.perf_counter() - start
         out = [int(t) for t in res.tokens[0]]
-        finish = "stop" if out and out[-1] in eos else "length"
+        # the end-of-generation token that stopped it is kept in ``tokens`` (as our engine keeps it)
+        finish = "stop" if (out and out[-1] in eos) or len(out) < cfg.max_new_tokens else "length"
         return {"ok": True, "token_ids": out, "wall_s": wall, "finish_reason": finish}
 
 
