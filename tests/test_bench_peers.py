@@ -235,7 +235,7 @@ def test_llama_server_runner_starts_waits_and_stops(tmp_path):
 def test_llama_server_args_per_method():
     draft = ls.server_args("t.gguf", "draft", draft="d.gguf", gamma=4, threads=2, port=1234)
     i = draft.index("-md")
-    assert draft[i + 1] == "d.gguf"
+    assert draft[i + 1] == "d.gguf" and draft[draft.index("--spec-type") + 1] == "draft-simple"
     assert draft[draft.index("--spec-draft-n-max") + 1] == "4" and draft[draft.index("--spec-draft-n-min") + 1] == "0"
     assert draft[draft.index("-t") + 1] == "2" and draft[draft.index("--port") + 1] == "1234"
     ngram = ls.server_args("t.gguf", "ngram", gamma=7, max_ngram=3)
@@ -312,6 +312,7 @@ def test_openvino_and_llama_server_variant_keys(monkeypatch, tmp_path):
     assert args == (Path("/ov/qwen2.5-coder-1.5b-int8"), "assisted") and kw["draft"] == Path("/ov/qwen2.5-coder-0.5b-int8")
     assert kw["gamma"] == 3 and kw["threads"] == 2
     assert ovs[0].run([1, 2, 3, 4, 5, 6], 0).token_ids == [1, 2, 3, 4]
+    assert ovs[0].run([1], 0, 2).engine_stats is None
     srv = runner._llama_server_variants(config, specs, mains, (2,), lambda m: None)
     assert [(v.key, v.engine, v.peer_of) for v in srv] == [
         ("llama-server/plain", "llama-server", None),

@@ -14,8 +14,10 @@ draft-mtp, draft-dflash, draft-dspark, ngram-simple, ngram-map-k, ngram-map-k4v,
 (draft length). Variants, greedy, batch size 1, one server process per variant:
 
 - ``llama-server/plain``: no drafting;
-- ``llama-server/draft:k=G,model=DRAFT``: ``-md DRAFT.gguf --spec-draft-n-max G --spec-draft-n-min 0
-  --spec-draft-p-min 0`` (a fixed draft length, as ours), the peer of our draft-model variant;
+- ``llama-server/draft:k=G,model=DRAFT``: ``-md DRAFT.gguf --spec-type draft-simple --spec-draft-n-max G
+  --spec-draft-n-min 0 --spec-draft-p-min 0`` (a fixed draft length, as ours), the peer of our draft-model
+  variant. ``--spec-type draft-simple`` is needed: with ``-md`` alone that build loads the draft model and
+  drafts nothing (``timings`` without ``draft_n``);
 - ``llama-server/ngram:k=G,max_ngram=M``: ``--spec-type ngram-simple --spec-ngram-simple-size-n M
   --spec-ngram-simple-size-m G``, the peer of our n-gram variant.
 
@@ -23,7 +25,7 @@ Each request is ``POST /completion`` with our prompt as token ids, ``n_predict``
 1, ``cache_prompt`` false, ``return_tokens`` true; the new token ids come from the reply's ``tokens``, which
 keep the end-of-generation token that stopped it (``stop_type`` "eos"), as our engine does.
 Timing is wall time around the HTTP request on our side (prefill included); the server's own ``timings``
-are recorded too. The GGUF files are the catalog's (:func:`specdecode.models.gguf_file`), 4-bit: outputs
+(with ``draft_n`` / ``draft_n_accepted`` when it drafted) go into each record as ``engine_stats``. The GGUF files are the catalog's (:func:`specdecode.models.gguf_file`), 4-bit: outputs
 are compared with llama-server's own plain decoding, and with ours for information.
 """
 
@@ -174,7 +176,7 @@ def server_args(model: str | Path, method: str = "plain", *, draft: str | Path |
     args = ["-m", str(model), "-t", str(threads), "-tb", str(threads), "-c", str(n_ctx), "--host", "127.0.0.1",
             "--port", str(port), "-np", "1", "--no-webui", "--seed", "0"]
     if method == "draft":
-        args += ["-md", str(draft), "--spec-draft-n-max", str(gamma), "--spec-draft-n-min", "0",
+        args += ["-md", str(draft), "--spec-type", "draft-simple", "--spec-draft-n-max", str(gamma), "--spec-draft-n-min", "0",
                  "--spec-draft-p-min", "0", "-td", str(threads), "-tbd", str(threads)]
     elif method == "ngram":
         args += ["--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", str(max_ngram),

@@ -436,6 +436,7 @@ class RunOutput:
     wall_s: float
     finish_reason: str
     metrics: dict | None = None
+    engine_stats: dict | None = None  # an external engine's own figures (llama-server's "timings"), recorded as is
 
 
 @dataclass
@@ -735,7 +736,7 @@ def _external_run(engine, eos: tuple[int, ...], max_new_tokens: int) -> Callable
 
     def run(ids: list[int], seed: int, limit: int | None = None) -> RunOutput:
         res = engine.generate(ids, limit or max_new_tokens, eos)
-        return RunOutput(res.token_ids, res.wall_s, res.finish_reason, None)
+        return RunOutput(res.token_ids, res.wall_s, res.finish_reason, None, getattr(res, "timings", None))
 
     return run
 
@@ -1010,6 +1011,7 @@ def _run_matrix(todo, prompts, variants, encoded, config: BenchConfig, store: Re
                 "chat_template": templated, "seed": seed, "token_ids": res.token_ids,
                 "new_tokens": len(res.token_ids), "wall_s": res.wall_s, "finish_reason": res.finish_reason,
                 "metrics": res.metrics, "time": time.time(), "load1_before": load1, "load1_after": _load_average(),
+                **({"engine_stats": res.engine_stats} if res.engine_stats else {}),
             })
             bar.advance(task)
 
