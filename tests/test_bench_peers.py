@@ -253,6 +253,16 @@ def test_llama_server_not_built_says_how(tmp_path, monkeypatch):
     monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path))
     with pytest.raises(SpecDecodeError, match="--setup-peers llama-server"):
         ls.require_binary()
+    exe = ls.binary()
+    exe.parent.mkdir(parents=True)
+    exe.write_text("")
+    assert ls.require_binary() == exe  # no record of its flags: assumed built here
+    record = ls.peer_dir() / "build-flags.json"
+    record.write_text(json.dumps({"cmake": ls.cmake_flags(ls.cpu_flags())}))
+    assert ls.require_binary() == exe
+    record.write_text(json.dumps({"cmake": ls.cmake_flags({"an-imaginary-isa"})}))
+    with pytest.raises(SpecDecodeError, match="another CPU"):
+        ls.require_binary()
 
 
 def test_cmake_flags_follow_the_cpu_flags(tmp_path):

@@ -79,7 +79,21 @@ def require_binary(root: Path | None = None) -> Path:
     if not path.exists():
         raise SpecDecodeError(f"--llama-server: llama-server is not built ({path} is missing); build it first with: "
                               f"specdecode bench --setup-peers llama-server (cmake, a few minutes on 2 cores)")
+    if not built_for_this_cpu(root):
+        raise SpecDecodeError(f"--llama-server: {path} was built for another CPU's instruction sets (see "
+                              f"{(root or peer_dir()) / 'build-flags.json'}); rebuild it with: specdecode bench "
+                              f"--setup-peers llama-server")
     return path
+
+
+def built_for_this_cpu(root: Path | None = None) -> bool:
+    """True unless the recorded cmake flags of the build differ from this CPU's (no record: assumed fine)."""
+    record = (root or peer_dir()) / "build-flags.json"
+    try:
+        flags = json.loads(record.read_text(encoding="utf-8"))["cmake"]
+    except (OSError, ValueError, KeyError):
+        return True
+    return flags == cmake_flags(cpu_flags())
 
 
 # --------------------------------------------------------------------------- build
@@ -112,16 +126,20 @@ def cmake_flags(flags: set[str] | Sequence[str]) -> list[str]:
 
 
 def setup(*, root: Path | None = None, jobs: int = 2, status=print) -> Path:
-    """Fetch the sdist (pip download), unpack its vendored llama.cpp, and build ``llama-server`` once.
+    """Fetch the sdist (pip download), unpack its vendored llama.cpp, and build ``llama-server`` once (again
+    when the machine's instruction sets differ from the recorded build's: machines of this project change).
 
     Raises:
         SpecDecodeError: a step failed (its command is in the message).
     """
     root = root or peer_dir()
-    if binary(root).exists():
+    if binary(root).exists() and built_for_this_cpu(root):
         return binary(root)
     src = vendored_source(root, status)
     build = root / "build"
+    if build.exists() and not built_for_this_cpu(root):
+        status(f"{build} was built for other instruction sets: building again")
+        shutil.rmtree(build)
     flags = cmake_flags(cpu_flags())
     status(f"configuring llama.cpp ({src}) with {' '.join(flags)}")
     _run(["cmake", "-S", str(src), "-B", str(build), *flags])
