@@ -298,11 +298,14 @@ class PrecisionChoice:
     cache_file: str | None = None
 
 
-def machine_key() -> str:
-    """CPU model, the SIMD flags that pick kernels, torch version and thread count: one cache per machine."""
+def machine_key(*, include_threads: bool = True) -> str:
+    """CPU model, the SIMD flags that pick kernels, torch version and (unless ``include_threads`` is
+    False) the current torch thread count, hashed: one cache per machine."""
     from specdecode.bench.env import cpu_flags, cpu_model
 
-    text = f"{cpu_model()}|{','.join(cpu_flags())}|torch {torch.__version__}|threads {torch.get_num_threads()}"
+    text = f"{cpu_model()}|{','.join(cpu_flags())}|torch {torch.__version__}"
+    if include_threads:
+        text += f"|threads {torch.get_num_threads()}"
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 

@@ -32,11 +32,14 @@ _DTYPE_NAMES = {"torch.float32": "fp32", "torch.bfloat16": "bf16", "torch.float1
 
 
 def bandwidth_cache_file(cache_dir: str | Path | None = None) -> Path:
-    """``<cache_dir>/machine/<specdecode.precision.machine_key()>.json`` (the key includes the thread count)."""
+    """``<cache_dir>/machine/<specdecode.precision.machine_key(include_threads=False)>.json``.
+
+    One file per machine whatever the current thread count: its entries are keyed by tensor size and threads.
+    """
     from specdecode.models import default_cache_dir
     from specdecode.precision import machine_key
 
-    return Path(cache_dir or default_cache_dir()) / "machine" / f"{machine_key()}.json"
+    return Path(cache_dir or default_cache_dir()) / "machine" / f"{machine_key(include_threads=False)}.json"
 
 
 def measure_read_bandwidth(cache_dir: str | Path | None = None, *, size_bytes: int = READ_BYTES,
@@ -44,8 +47,8 @@ def measure_read_bandwidth(cache_dir: str | Path | None = None, *, size_bytes: i
                            status: Callable[[str], None] | None = None) -> float:
     """The machine's memory read bandwidth in bytes/s: the fastest of ``repeats`` sums of a float32 tensor.
 
-    Measured once per machine (CPU model, SIMD flags, torch version, thread count:
-    ``specdecode.precision.machine_key``) and tensor size, then read back from
+    Measured once per machine (CPU model, SIMD flags, torch version: ``specdecode.precision.machine_key``),
+    thread count and tensor size, then read back from
     :func:`bandwidth_cache_file`; ``remeasure`` measures again and overwrites the entry. A cache
     that cannot be written is skipped (the figure is still returned).
 
