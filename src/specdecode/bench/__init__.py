@@ -1,9 +1,9 @@
 """``specdecode bench``: a Spec-Bench-style benchmark of every method against plain decoding and the HF peer.
 
 Modules: ``runner`` (the matrix, resume), ``records`` (records.jsonl), ``peer`` (transformers'
-generate), ``llamacpp`` (llama.cpp peer), ``summary`` (figures from records, with
-:mod:`specdecode.costmodel`'s Leviathan et al. 2023 predictions), ``report`` (Markdown / JSON / PNG),
-``env`` (machine facts), ``roofline`` (bytes per step, read bandwidth, byte limit), ``smoke`` (tiny models for CI).
+generate), ``llamacpp`` (llama.cpp peer), ``openvino`` / ``llamaserver`` (external peers, set up by
+``peers``), ``summary`` (figures from records, with :mod:`specdecode.costmodel`'s Leviathan et al. 2023
+predictions), ``report`` (Markdown / JSON / PNG), ``env`` (machine facts), ``roofline`` (bytes per step, read bandwidth, byte limit), ``smoke`` (tiny models for CI).
 
 This module stays light (argparse only): the CLI builds its parser without importing torch.
 """
@@ -76,6 +76,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--llama-cpp", action="store_true", default=None,
                    help="also run llama.cpp (llama-cpp-python) on the target's GGUF file: plain decoding and its "
                         "prompt lookup as the n-gram method's peer, timed the same way (optional dependency)")
+    p.add_argument("--openvino", action="store_true", default=None,
+                   help="also run OpenVINO GenAI (its own venv, int8 exports of target and draft): plain, "
+                        "draft-model assisted generation and prompt lookup as peers of draft-model / ngram "
+                        "(set up first with --setup-peers openvino)")
+    p.add_argument("--openvino-weights", choices=("int8", "int4", "fp16"),
+                   help="weight format of the OpenVINO exports, for --openvino and --setup-peers (default: int8)")
+    p.add_argument("--llama-server", action="store_true", default=None,
+                   help="also run llama.cpp's C++ llama-server on the catalog's GGUF files: plain, a draft model "
+                        "(-md) and ngram-simple lookup as peers of draft-model / ngram (build it first with "
+                        "--setup-peers llama-server)")
+    p.add_argument("--setup-peers", nargs="?", const="all", metavar="LIST",
+                   help="set up the external peers and exit: 'openvino' (venv under $SPECDECODE_CACHE/peers/openvino "
+                        "and OpenVINO exports of --target and --draft), 'llama-server' (built from the "
+                        "llama-cpp-python sdist with cmake into $SPECDECODE_CACHE/peers/llama.cpp), comma-separated, "
+                        "or all (the default); slow, runs niced, skips what is done")
     p.add_argument("--draft-weights", choices=WEIGHT_PRECISIONS,
                    help="precision of draft models' weights (int8 / int4 as --weights: fewer bytes per draft step; "
                         "the HF peer uses the same draft objects) (default: fp32)")
@@ -104,7 +119,8 @@ def config_from_args(args: argparse.Namespace):
     over: dict = {}
     for name in ("target", "draft", "limit", "max_new_tokens", "temperature", "verification", "seed", "gamma",
                  "peer", "chat",
-                 "probe", "warmup", "repeats", "dtype", "kernel", "draft_weights", "weights", "llama_cpp", "threads",
+                 "probe", "warmup", "repeats", "dtype", "kernel", "draft_weights", "weights", "llama_cpp", "openvino",
+                 "openvino_weights", "llama_server", "threads",
                  "remeasure_bandwidth", "output"):
         value = getattr(args, name, None)
         if value is not None:
@@ -133,6 +149,13 @@ def run_command(args: argparse.Namespace) -> int:
     from specdecode.bench.runner import run_bench
     from specdecode.types import SpecDecodeError
 
+    if getattr(args, "setup_peers", None):
+        from specdecode.bench.peers import parse_peers, setup_peers
+
+        names = parse_peers(args.setup_peers)
+        models = [args.target or "smollm2-135m", *([args.draft] if args.draft else [])]
+        setup_peers(names, models, args.openvino_weights or "int8")
+        return 0
     if args.report_only:
         out = Path(args.output or f"bench-out/{args.preset or 'full'}")
         try:

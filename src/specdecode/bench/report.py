@@ -189,9 +189,35 @@ def peer_section(summary: dict, variants: dict[str, dict]) -> str:
                            for c in cats],
                          f"{fn(rc[S.OVERALL]['ours_tokens_per_s'], 2)} / {fn(rc[S.OVERALL]['hf_tokens_per_s'], 2)}"])
         parts.append("Cells: our speedup over our plain / the peer's speedup over its own plain decoding (HF `generate`, "
-                     "llama.cpp) = ratio (> 1: ours gains more).")
-        parts.append(_table(["Ours", "Peer (HF, llama.cpp)", *cats, "tok/s ours / peer"], rows))
+                     "llama.cpp, OpenVINO, llama-server) = ratio (> 1: ours gains more).")
+        parts.append(_table(["Ours", "Peer", *cats, "tok/s ours / peer"], rows))
+    ext = external_table(summary, variants)
+    if ext:
+        parts.append("Other engines (their own weights: GGUF 4-bit for llama.cpp / llama-server, OpenVINO int8 / int4 "
+                     "exports): tokens/s, median speedup over the engine's own plain decoding, and how many greedy "
+                     "outputs equal its own plain decoding's and ours (other weights give other near-ties: "
+                     "'= ours' is information, not a check).")
+        parts.append(ext)
     return "\n\n".join(parts) if parts else "_No peer runs._"
+
+
+def external_table(summary: dict, variants: dict[str, dict]) -> str:
+    """One row per variant of an engine other than ours / HF; '' when there is none."""
+    counts = (summary.get("agreement") or {}).get("external", {})
+
+    def frac(pair) -> str:
+        return f"{pair[0]}/{pair[1]}" if pair else "–"
+
+    rows = []
+    for key, v in variants.items():
+        if not S.is_external(v):
+            continue
+        c = summary["cells"][key][S.OVERALL]
+        own = key == S.baseline_of(v)
+        rows.append([label(v), fn(c["tokens_per_s"], 2), "1.00× (baseline)" if own else
+                     fx((c["speedup"] or {}).get("median")), frac(counts.get(key, {}).get("own_plain")),
+                     frac(counts.get(key, {}).get("ours"))])
+    return _table(["Engine / method", "tok/s", "speedup over own plain", "= own plain", "= ours"], rows) if rows else ""
 
 
 def agreement_section(summary: dict) -> str:
@@ -300,8 +326,8 @@ def markdown(summary: dict, meta: dict) -> str:
         head,
         "## Speedup over plain decoding\n\nMedian over prompts of the wall-clock speedup (tokens/s over plain "
         "decoding of the same target, same prompt, same process, runs interleaved prompt by prompt; prefill "
-        "included). Our rows are over our plain decoding, HF rows over HF plain `generate`, llama.cpp rows "
-        "over llama.cpp plain. τ = tokens per target forward pass.\n\n" + leaderboard_table(summary, {**variants}),
+        "included). Our rows are over our plain decoding, HF rows over HF plain `generate`, each other engine's rows "
+        "(llama.cpp, OpenVINO, llama-server) over its own plain. τ = tokens per target forward pass.\n\n" + leaderboard_table(summary, {**variants}),
         "## Details (all prompts)\n\nThroughput ratio: pooled tokens/s over the baseline's; decode speedup: the "
         "same after the first token (prefill taken out); draft cost / token: drafting time per token the target "
         "emitted (in target tokens, whatever the draft's vocabulary) and as a fraction of one plain decoding "
@@ -319,7 +345,7 @@ def markdown(summary: dict, meta: dict) -> str:
         "overhead-aware prediction. (Token-tree methods are left out: the chain model does not describe "
         "them.)\n\n" + theory_table(summary, variants),
         "## τ and speedup against γ\n\n" + sweep_section(summary),
-        "## Against the peers (Hugging Face transformers, llama.cpp)\n\n" + peer_section(summary, variants),
+        "## Against the peers (Hugging Face transformers, llama.cpp, OpenVINO, llama-server)\n\n" + peer_section(summary, variants),
         "## Output agreement\n\n" + agreement_section(summary),
         "## Cost of verification\n\nOne cached target forward over k + 1 new tokens at a typical context "
         "(least of the timed repetitions), relative to one decoding step.\n\n" + probe_section(summary),

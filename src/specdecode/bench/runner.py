@@ -5,7 +5,10 @@ rotates from prompt to prompt), so the machine's drift hits all of them alike:
 
 - ``specdecode/plain``: our engine with no proposer (the baseline of our speedups);
 - ``specdecode/<method>``: our engine with a proposer, one per method spec and gamma;
-- ``hf/plain``, ``hf/assisted``, ``hf/prompt-lookup``: transformers' ``generate`` (peer.py).
+- ``hf/plain``, ``hf/assisted``, ``hf/prompt-lookup``: transformers' ``generate`` (peer.py);
+- optional external engines, each with its own plain decoding as its baseline: ``llama.cpp/...``
+  (llamacpp.py), ``openvino/plain|assisted|prompt-lookup`` (openvino.py, a worker in its own venv),
+  ``llama-server/plain|draft|ngram`` (llamaserver.py, llama.cpp's C++ server over HTTP).
 
 Each finished (prompt, variant) run is appended to ``records.jsonl`` at once; a rerun with
 the same output directory and settings skips what is there (resume).
@@ -240,7 +243,11 @@ class BenchConfig:
         kernel: "default" (the Hugging Face forward as shipped) or "small-row" (every linear layer of
             target and drafts computed as ``W @ x.T`` for few rows: ``specdecode.kernels``); the HF
             peer runs the same model objects, so both sides get the same kernels.
-        threads: torch intra-op threads (None = torch's default).
+        llama_cpp: also run llama-cpp-python (``bench.llamacpp``).
+        openvino: also run OpenVINO GenAI in its own venv (``bench.openvino``; ``--setup-peers`` first).
+        openvino_weights: weight format of the OpenVINO exports ("int8", "int4", "fp16").
+        llama_server: also run llama.cpp's C++ ``llama-server`` (``bench.llamaserver``; ``--setup-peers`` first).
+        threads: torch intra-op threads (None = torch's default); the peers get the same count.
         remeasure_bandwidth: measure the memory read bandwidth of the roofline again (``bench.roofline``;
             otherwise it is measured once per machine and thread count, and cached).
         output: report directory (records.jsonl, report.md, report.json, PNGs).
@@ -268,6 +275,9 @@ class BenchConfig:
     draft_weights: str = "fp32"
     weights: str = "fp32"
     llama_cpp: bool = False
+    openvino: bool = False
+    openvino_weights: str = "int8"
+    llama_server: bool = False
     threads: int | None = None
     remeasure_bandwidth: bool = False
     output: str = "bench-out/full"
@@ -296,6 +306,8 @@ class BenchConfig:
         if self.draft_weights not in WEIGHT_PRECISIONS:
             raise SpecDecodeError(f"unknown weight precision {self.draft_weights!r}; choose one of "
                                   f"{', '.join(WEIGHT_PRECISIONS)}")
+        if self.openvino_weights not in ("int8", "int4", "fp16"):  # bench.openvino.WEIGHT_FORMATS
+            raise SpecDecodeError(f"unknown OpenVINO weight format {self.openvino_weights!r}; use int8, int4, fp16")
         if self.kernel not in KERNELS:
             raise SpecDecodeError(f"unknown kernel {self.kernel!r}; choose one of {', '.join(KERNELS)}")
 
@@ -311,6 +323,8 @@ class BenchConfig:
             out["weights"] = self.weights
         if self.verification != "auto":
             out["verification"] = self.verification
+        if self.openvino and self.openvino_weights != "int8":
+            out["openvino_weights"] = self.openvino_weights
         return out
 
     def settings_id(self) -> str:
@@ -422,6 +436,7 @@ class RunOutput:
     wall_s: float
     finish_reason: str
     metrics: dict | None = None
+    engine_stats: dict | None = None  # an external engine's own figures (llama-server's "timings"), recorded as is
 
 
 @dataclass
@@ -695,7 +710,112 @@ def build_variants(config: BenchConfig, models: Models, dtype: str, status: Call
                                     peer_of=f"specdecode/{spec.canonical}", draft=draft_spec))
     if config.llama_cpp:
         variants += _llama_cpp_variants(config, specs, main_gamma_of(specs), eos, status)
+    if config.openvino:
+        variants += _openvino_variants(config, specs, main_gamma_of(specs), eos, status)
+    if config.llama_server:
+        variants += _llama_server_variants(config, specs, main_gamma_of(specs), eos, status)
     return variants
+
+
+def _peer_methods(config: BenchConfig, specs, mains: dict) -> list[tuple[str, MethodSpec, str | None, int]]:
+    """(kind, our spec, draft spec, max_ngram) for each family an external engine mirrors at its main gamma:
+    kind "draft" for draft-model methods with a draft of the same tokenizer, "ngram" for the n-gram method."""
+    out = []
+    for spec in specs:
+        if spec.gamma != mains.get(spec.family):
+            continue
+        if spec.name == "draft-model":
+            out.append(("draft", spec, draft_model_of(spec, config.draft), 0))
+        elif spec.name == "ngram":
+            out.append(("ngram", spec, None, int(spec.option("max_ngram", "3"))))
+    return out
+
+
+def _external_run(engine, eos: tuple[int, ...], max_new_tokens: int) -> Callable[..., RunOutput]:
+    """``run(ids, seed, limit)`` over an external runner's ``generate(ids, n, eos)`` (greedy: seed unused)."""
+
+    def run(ids: list[int], seed: int, limit: int | None = None) -> RunOutput:
+        res = engine.generate(ids, limit or max_new_tokens, eos)
+        return RunOutput(res.token_ids, res.wall_s, res.finish_reason, None, getattr(res, "timings", None))
+
+    return run
+
+
+def _openvino_variants(config: BenchConfig, specs, mains: dict, eos: tuple[int, ...], status) -> list[Variant]:
+    """OpenVINO GenAI plain, assisted (peer of draft-model) and prompt lookup (peer of ngram): ``bench.openvino``.
+
+    Raises:
+        SpecDecodeError: the peer is not set up (names ``--setup-peers``), or its worker failed to load.
+    """
+    import atexit
+
+    from specdecode.bench import openvino as ov
+
+    fmt = config.openvino_weights
+    target = ov.require_model(config.target, fmt)
+    threads = config.threads or torch.get_num_threads()
+    peers = _peer_methods(config, specs, mains)
+    drafts = {d: ov.require_model(d, fmt) for kind, _, d, _ in peers if kind == "draft" and d}
+    status(f"OpenVINO GenAI peer on {target.name} ({threads} threads)")
+
+    def runner(method: str, gamma: int = 4, draft=None, max_ngram: int = 3):
+        engine = ov.OpenVinoRunner(target, method, draft=draft, gamma=gamma, max_ngram=max_ngram, threads=threads)
+        atexit.register(engine.close)
+        return _external_run(engine, eos, config.max_new_tokens)
+
+    e = ov.ENGINE
+    out = [Variant(f"{e}/plain", e, "plain", 0, f"{e}/plain", runner("plain"))]
+    for kind, spec, draft, max_ngram in peers:
+        if kind == "draft" and draft:
+            out.append(Variant(f"{e}/assisted:k={spec.gamma},model={draft}", e, "assisted", spec.gamma,
+                               f"{e}/assisted", runner("assisted", spec.gamma, drafts[draft]),
+                               peer_of=f"specdecode/{spec.canonical}", draft=draft))
+        elif kind == "ngram":
+            out.append(Variant(f"{e}/prompt-lookup:k={spec.gamma},max_ngram={max_ngram}", e, "prompt-lookup",
+                               spec.gamma, f"{e}/prompt-lookup", runner("prompt-lookup", spec.gamma, None, max_ngram),
+                               peer_of=f"specdecode/{spec.canonical}"))
+    return out
+
+
+def _llama_server_variants(config: BenchConfig, specs, mains: dict, eos: tuple[int, ...], status) -> list[Variant]:
+    """llama.cpp's C++ server plain, draft (peer of draft-model) and ngram-simple (peer of ngram):
+    ``bench.llamaserver``, on the catalog's GGUF files.
+
+    Raises:
+        SpecDecodeError: llama-server is not built (names ``--setup-peers``), or a server did not start.
+    """
+    import atexit
+
+    from specdecode.bench import llamaserver as ls
+    from specdecode.models import gguf_file
+
+    exe = ls.require_binary()
+    target = gguf_file(config.target)
+    threads = config.threads or torch.get_num_threads()
+    peers = _peer_methods(config, specs, mains)
+    drafts = {d: gguf_file(d) for kind, _, d, _ in peers if kind == "draft" and d}
+    status(f"llama-server peer on {target.name} ({threads} threads)")
+    log = Path(config.output) / "llama-server.log"
+    Path(config.output).mkdir(parents=True, exist_ok=True)
+
+    def runner(method: str, gamma: int = 4, draft=None, max_ngram: int = 3):
+        engine = ls.LlamaServerRunner(target, method, draft=draft, gamma=gamma, max_ngram=max_ngram,
+                                      threads=threads, binary_path=exe, log=log)
+        atexit.register(engine.close)
+        return _external_run(engine, eos, config.max_new_tokens)
+
+    e = ls.ENGINE
+    out = [Variant(f"{e}/plain", e, "plain", 0, f"{e}/plain", runner("plain"))]
+    for kind, spec, draft, max_ngram in peers:
+        if kind == "draft" and draft:
+            out.append(Variant(f"{e}/draft:k={spec.gamma},model={draft}", e, "draft", spec.gamma, f"{e}/draft",
+                               runner("draft", spec.gamma, drafts[draft]),
+                               peer_of=f"specdecode/{spec.canonical}", draft=draft))
+        elif kind == "ngram":
+            out.append(Variant(f"{e}/ngram:k={spec.gamma},max_ngram={max_ngram}", e, "ngram", spec.gamma,
+                               f"{e}/ngram", runner("ngram", spec.gamma, None, max_ngram),
+                               peer_of=f"specdecode/{spec.canonical}"))
+    return out
 
 
 def _llama_cpp_variants(config: BenchConfig, specs, mains: dict, eos: tuple[int, ...], status) -> list[Variant]:
@@ -891,6 +1011,7 @@ def _run_matrix(todo, prompts, variants, encoded, config: BenchConfig, store: Re
                 "chat_template": templated, "seed": seed, "token_ids": res.token_ids,
                 "new_tokens": len(res.token_ids), "wall_s": res.wall_s, "finish_reason": res.finish_reason,
                 "metrics": res.metrics, "time": time.time(), "load1_before": load1, "load1_after": _load_average(),
+                **({"engine_stats": res.engine_stats} if res.engine_stats else {}),
             })
             bar.advance(task)
 

@@ -144,11 +144,15 @@ def agreement(runs: dict[tuple[str, str], dict], variants: Sequence[dict], promp
     """Greedy outputs of every variant against our plain decoding (and HF's against HF plain).
 
     Returns:
-        {"checked": {variant: n}, "mismatches": [{variant, prompt, reference, first_diff, ...}]}
+        {"checked": {variant: n}, "mismatches": [{variant, prompt, reference, first_diff, ...}],
+         "external": {variant: {"own_plain": [equal, n], "ours": [equal, n]}}} (engines other than ours / HF)
     """
     checked: dict[str, int] = {}
     mismatches = []
+    external: dict[str, dict[str, list[int]]] = {}  # other engines: {key: {"own_plain"|"ours": [equal, checked]}}
     for v in variants:
+        if v["engine"] not in ("specdecode", "hf"):
+            external[v["key"]] = _equal_counts(runs, v, prompts)
         # llama.cpp runs the 4-bit GGUF, not our converted weights: checked against its own plain only
         refs = [OURS_PLAIN] if v["key"] != OURS_PLAIN and v["engine"] in ("specdecode", "hf") else []
         if v["engine"] != "specdecode" and v["key"] != baseline_of(v):
@@ -166,7 +170,25 @@ def agreement(runs: dict[tuple[str, str], dict], variants: Sequence[dict], promp
                 if pos is not None:
                     mismatches.append({"variant": v["key"], "prompt": p, "reference": ref_key, "first_diff": pos,
                                        "tokens": len(rec["token_ids"]), "reference_tokens": len(ref["token_ids"])})
-    return {"checked": checked, "mismatches": mismatches}
+    return {"checked": checked, "mismatches": mismatches, "external": external}
+
+
+def is_external(variant: dict) -> bool:
+    """An engine other than ours and HF's (llama.cpp, openvino, llama-server): its own weights, its own baseline."""
+    return variant["engine"] not in ("specdecode", "hf")
+
+
+def _equal_counts(runs: dict[tuple[str, str], dict], v: dict, prompts: Sequence[str]) -> dict[str, list[int]]:
+    """[equal, checked] greedy outputs of an external engine's variant against its own plain and against ours
+    (information only: other weights give other near-ties, so these never count as mismatches)."""
+    out = {}
+    for name, ref_key in (("own_plain", baseline_of(v)), ("ours", OURS_PLAIN)):
+        if ref_key == v["key"]:
+            continue
+        pairs = [(runs[(v["key"], p)], runs[(ref_key, p)]) for p in prompts
+                 if (v["key"], p) in runs and (ref_key, p) in runs]
+        out[name] = [sum(first_difference(a["token_ids"], b["token_ids"]) is None for a, b in pairs), len(pairs)]
+    return out
 
 
 def first_difference(a: Sequence[int], b: Sequence[int]) -> int | None:
