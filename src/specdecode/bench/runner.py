@@ -763,16 +763,23 @@ def _openvino_variants(config: BenchConfig, specs, mains: dict, eos: tuple[int, 
         atexit.register(engine.close)
         return _external_run(engine, eos, config.max_new_tokens)
 
-    e = ov.ENGINE
+    return _external_variants(ov.ENGINE, peers, drafts, runner, draft_method="assisted", ngram_method="prompt-lookup")
+
+
+def _external_variants(e: str, peers, drafts: dict, runner, *, draft_method: str, ngram_method: str) -> list[Variant]:
+    """An external engine's variants: ``e/plain``, then for each mirrored family of ``_peer_methods`` its
+    draft-model method (``draft_method``) or n-gram method (``ngram_method``), keyed ``e/method:k=..,..``;
+    ``runner(method, gamma, draft, max_ngram)`` makes each one's ``run``, ``drafts`` maps draft specs to
+    the engine's own files."""
     out = [Variant(f"{e}/plain", e, "plain", 0, f"{e}/plain", runner("plain"))]
     for kind, spec, draft, max_ngram in peers:
         if kind == "draft" and draft:
-            out.append(Variant(f"{e}/assisted:k={spec.gamma},model={draft}", e, "assisted", spec.gamma,
-                               f"{e}/assisted", runner("assisted", spec.gamma, drafts[draft]),
+            out.append(Variant(f"{e}/{draft_method}:k={spec.gamma},model={draft}", e, draft_method, spec.gamma,
+                               f"{e}/{draft_method}", runner(draft_method, spec.gamma, drafts[draft]),
                                peer_of=f"specdecode/{spec.canonical}", draft=draft))
         elif kind == "ngram":
-            out.append(Variant(f"{e}/prompt-lookup:k={spec.gamma},max_ngram={max_ngram}", e, "prompt-lookup",
-                               spec.gamma, f"{e}/prompt-lookup", runner("prompt-lookup", spec.gamma, None, max_ngram),
+            out.append(Variant(f"{e}/{ngram_method}:k={spec.gamma},max_ngram={max_ngram}", e, ngram_method,
+                               spec.gamma, f"{e}/{ngram_method}", runner(ngram_method, spec.gamma, None, max_ngram),
                                peer_of=f"specdecode/{spec.canonical}"))
     return out
 
@@ -804,18 +811,7 @@ def _llama_server_variants(config: BenchConfig, specs, mains: dict, eos: tuple[i
         atexit.register(engine.close)
         return _external_run(engine, eos, config.max_new_tokens)
 
-    e = ls.ENGINE
-    out = [Variant(f"{e}/plain", e, "plain", 0, f"{e}/plain", runner("plain"))]
-    for kind, spec, draft, max_ngram in peers:
-        if kind == "draft" and draft:
-            out.append(Variant(f"{e}/draft:k={spec.gamma},model={draft}", e, "draft", spec.gamma, f"{e}/draft",
-                               runner("draft", spec.gamma, drafts[draft]),
-                               peer_of=f"specdecode/{spec.canonical}", draft=draft))
-        elif kind == "ngram":
-            out.append(Variant(f"{e}/ngram:k={spec.gamma},max_ngram={max_ngram}", e, "ngram", spec.gamma,
-                               f"{e}/ngram", runner("ngram", spec.gamma, None, max_ngram),
-                               peer_of=f"specdecode/{spec.canonical}"))
-    return out
+    return _external_variants(ls.ENGINE, peers, drafts, runner, draft_method="draft", ngram_method="ngram")
 
 
 def _llama_cpp_variants(config: BenchConfig, specs, mains: dict, eos: tuple[int, ...], status) -> list[Variant]:
