@@ -378,6 +378,10 @@ def test_endpoint_errors_say_what_to_do(live):
         EndpointSource(live.url + "/v1/", "gpt-9").check()
     with pytest.raises(AuditError, match="not an http"):
         EndpointSource("127.0.0.1:8000", "tiny")
+    with pytest.raises(AuditError, match="not a valid URL"):
+        EndpointSource("http://[::1", "tiny")
+    with pytest.raises(AuditError, match="names no host"):
+        EndpointSource("http://:8000", "tiny")
     source = EndpointSource(live.url, "tiny")
     body = source.body(AuditPrompt("x", (5, 6)), SamplingParams(temperature=1.0), 2, 0)
     body["top_p"] = 7.0

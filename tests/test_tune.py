@@ -17,6 +17,7 @@ import tomllib
 from pathlib import Path
 
 import pytest
+from dataclasses import replace
 import torch
 
 from conftest import make_tiny_model, make_tiny_tokenizer
@@ -195,7 +196,7 @@ def test_predict_from_pooled_metrics():
 
 def _result(tmp_path, cand: Candidate, gamma: int, policy: str) -> TuneResult:
     cfg = TuneConfig(target="smollm2-135m", datasets=("humaneval:2",), output=str(tmp_path / "t.toml"),
-                     max_new_tokens=64)
+                     max_new_tokens=64, threads=2)
     r = TuneResult(config=cfg, weights="int8", threads=2, candidates={cand.key: cand})
     r.predictions = [_p(cand.key, gamma, 1.4, policy)]
     r.confirmations = [_c(cand.key, gamma, 1.3, policy)]
@@ -316,3 +317,21 @@ def test_a_busy_machine_is_said_in_the_decision():
     line = busy_line(1.0, 4.6, threads=2, cores=2)
     assert line is not None and "4.6" in line and "noisy" in line
     assert busy_line(5.0, None, threads=8, cores=8) is None
+
+
+def test_an_unwritable_output_is_refused_before_measuring(tmp_path):
+    from specdecode.tune import check_output
+    from specdecode.types import SpecDecodeError
+
+    check_output(tmp_path / "new" / "t.toml")  # a folder that can be made
+    with pytest.raises(SpecDecodeError, match="is a directory"):
+        check_output(tmp_path)
+    with pytest.raises(SpecDecodeError, match="cannot create its folder|not writable"):
+        check_output("/proc/no-such-dir/t.toml")
+
+
+def test_a_thread_count_is_written_only_when_the_user_chose_one(tmp_path):
+    r = _result(tmp_path, Candidate("ngram", "ngram"), 4, "fixed")
+    assert r.chosen_settings()["threads"] == 2
+    r.config = replace(r.config, threads=None)  # tune sampled the idle cores: each later run samples its own
+    assert "threads" not in r.chosen_settings()

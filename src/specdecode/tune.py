@@ -545,7 +545,8 @@ class TuneResult:
             out["draft_weights"] = self.config.draft_weights or self.weights
         if self.config.dtype != "float32":
             out["dtype"] = self.config.dtype
-        out["threads"] = self.threads
+        if self.config.threads:  # a thread count chosen by the user; else each run samples the idle cores itself
+            out["threads"] = self.threads
         return out
 
     def to_dict(self) -> dict:
@@ -629,6 +630,26 @@ def decision_lines(result: TuneResult) -> list[str]:
     return lines
 
 
+def check_output(path: str | Path) -> None:
+    """Refuse a settings file that cannot be written, before anything is measured.
+
+    Raises:
+        SpecDecodeError: the path is a directory, or its folder cannot be created or written.
+    """
+    import os
+
+    out = Path(path)
+    if out.is_dir():
+        raise SpecDecodeError(f"--output {path}: is a directory; give a file name, e.g. {out / 'specdecode-tune.toml'}")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise SpecDecodeError(f"--output {path}: cannot create its folder ({exc.strerror or exc}); "
+                              "choose a writable path") from None
+    if not os.access(out.parent, os.W_OK) or (out.exists() and not os.access(out, os.W_OK)):
+        raise SpecDecodeError(f"--output {path}: not writable; choose a writable path")
+
+
 def _load1() -> float | None:
     """The 1-minute load average, None where the platform has none."""
     import os
@@ -690,6 +711,7 @@ def run_tune(config: TuneConfig, *, progress: bool = True, log: Callable[[str], 
     """
     status = log or (lambda msg: print(f"specdecode tune: {msg}", file=sys.stderr, flush=True))
     clock = _Clock(config.budget_s)
+    check_output(config.output)  # before any measuring: a path that cannot be written would lose the run
     prompts = select_tune_prompts(config)  # a bad file or dataset: refused before torch loads a model
     from specdecode.bench.env import environment
     from specdecode.bench.runner import _quiet_transformers, encode_all
@@ -1053,8 +1075,10 @@ def write_settings(result: TuneResult, path: str | Path) -> Path:
     settings = result.chosen_settings()
     choice = result.choice
     gen = {"max_new_tokens": cfg.max_new_tokens, "temperature": cfg.temperature}
-    bench = {"target": cfg.target, "weights": result.weights, "threads": result.threads,
+    bench = {"target": cfg.target, "weights": result.weights,
              "max_new_tokens": cfg.max_new_tokens, "temperature": cfg.temperature}
+    if cfg.threads:
+        bench["threads"] = result.threads
     if choice is not None and choice.key != PLAIN:
         cand = result.candidates[choice.key]
         bench["methods"] = cand.bench_method(choice.gamma, cfg.tree_nodes)

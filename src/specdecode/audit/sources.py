@@ -144,6 +144,15 @@ def _base_url(url: str) -> str:
     if not base.startswith(("http://", "https://")):
         raise AuditError(f"--endpoint {url!r} is not an http(s) URL: give the server's address, like "
                          "http://127.0.0.1:8000")
+    from urllib.parse import urlsplit
+
+    try:
+        host, _ = urlsplit(base).hostname, urlsplit(base).port  # .port raises on a malformed port
+    except ValueError as exc:
+        raise AuditError(f"--endpoint {url!r} is not a valid URL ({exc}): give the server's address, like "
+                         "http://127.0.0.1:8000") from None
+    if not host:
+        raise AuditError(f"--endpoint {url!r} names no host: give the server's address, like http://127.0.0.1:8000")
     return base
 
 
