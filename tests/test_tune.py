@@ -335,3 +335,13 @@ def test_a_thread_count_is_written_only_when_the_user_chose_one(tmp_path):
     assert r.chosen_settings()["threads"] == 2
     r.config = replace(r.config, threads=None)  # tune sampled the idle cores: each later run samples its own
     assert "threads" not in r.chosen_settings()
+
+
+def test_a_run_that_measured_nothing_says_to_raise_the_budget(tmp_path):
+    from specdecode.tune import decision_lines
+
+    r = TuneResult(config=TuneConfig(target="smollm2-135m", datasets=("humaneval:2",), budget_s=5,
+                                     output=str(tmp_path / "t.toml")))
+    assert any("raise --budget" in line for line in decision_lines(r))
+    r.measured = {"ngram": None}
+    assert not any("raise --budget" in line for line in decision_lines(r))

@@ -622,6 +622,10 @@ def decision_lines(result: TuneResult) -> list[str]:
         parts = [f"{_label(c.key, c.gamma, c.policy)} {_x(c.speedup)}" for c in result.confirmations]
         lines.append(f"confirmed on {n} held-out prompt(s), {result.config.repeats} repeat(s) each, fastest counts: "
                      + ", ".join(parts))
+    if not result.measured:
+        lines.append(f"no drafter was measured within --budget {result.config.budget_s:g} s, so plain decoding is "
+                     "kept by default, not by measurement: raise --budget (the skipped lines above say how long "
+                     "each stage needs)")
     busy = busy_line(result.load_start, result.load_end, result.threads)
     if busy:
         lines.append(busy)
