@@ -382,3 +382,18 @@ def test_report_rows_for_other_engines():
     assert "| openvino prompt-lookup γ=5 | 10.00 | 1.50× | 2/2 | 1/2 |" in table
     assert "| openvino plain | 10.00 | 1.00× (baseline) | – | 1/2 |" in table
     assert "Other engines" in report.peer_section(summary, {v["key"]: v for v in variants})
+
+
+def test_external_peers_are_greedy_only_and_never_run_twice(tmp_path):
+    from specdecode.bench import runner
+    from specdecode.types import SpecDecodeError
+
+    with pytest.raises(SpecDecodeError, match="greedy decoding only"):
+        runner.BenchConfig(target="smollm2-135m", output=str(tmp_path), openvino=True, temperature=0.7)
+    spec = types.SimpleNamespace(gamma=4, canonical="ngram:k=4")
+    other = types.SimpleNamespace(gamma=4, canonical="ngram:k=4,min_ngram=2")  # the same to the peer
+    made = []
+    out = runner._external_variants("peer", [("ngram", spec, None, 3), ("ngram", other, None, 3)], {},
+                                    lambda *a: made.append(a) or (lambda *x: None),
+                                    draft_method="draft", ngram_method="ngram")
+    assert [v.key for v in out] == ["peer/plain", "peer/ngram:k=4,max_ngram=3"] and len(made) == 2

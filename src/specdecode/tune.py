@@ -716,11 +716,11 @@ def run_tune(config: TuneConfig, *, progress: bool = True, log: Callable[[str], 
     status = log or (lambda msg: print(f"specdecode tune: {msg}", file=sys.stderr, flush=True))
     clock = _Clock(config.budget_s)
     check_output(config.output)  # before any measuring: a path that cannot be written would lose the run
-    prompts = select_tune_prompts(config)
+    prompts = select_tune_prompts(config)  # a bad file or dataset: refused before torch loads a model
     from specdecode.preflight import check_models
 
     for draft in config.drafts or (None,):  # every model resolves (and a draft's tokenizer is read) before weights
-        check_models(config.target, draft, cache_dir=config.cache_dir, cross_vocab=True)  # a bad file or dataset: refused before torch loads a model
+        check_models(config.target, draft, cache_dir=config.cache_dir, cross_vocab=True)
     from specdecode.bench.env import environment
     from specdecode.bench.runner import _quiet_transformers, encode_all
     from specdecode.cliargs import set_threads

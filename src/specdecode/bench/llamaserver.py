@@ -149,15 +149,18 @@ def setup(*, root: Path | None = None, jobs: int = 2, status=print) -> Path:
     return require_binary(root)
 
 
-def vendored_source(root: Path, status=print) -> Path:
+def vendored_source(root: Path, status=print, _unpacked: bool = False) -> Path:
     """``root/src/<sdist>/vendor/llama.cpp``, downloaded with pip and unpacked when missing."""
     import glob
     import sys
 
     src_root = root / "src"
-    found = glob.glob(str(src_root / "llama_cpp_python-*" / "vendor" / "llama.cpp" / "CMakeLists.txt"))
+    folder = "llama_cpp_python-" + SDIST.split("==")[-1]  # this version's unpacked sdist, not an older one
+    found = glob.glob(str(src_root / folder / "vendor" / "llama.cpp" / "CMakeLists.txt"))
     if found:
         return Path(found[0]).parent
+    if _unpacked:
+        raise SpecDecodeError(f"the {SDIST} sdist unpacked into {src_root} holds no vendor/llama.cpp/CMakeLists.txt")
     src_root.mkdir(parents=True, exist_ok=True)
     status(f"downloading the {SDIST} sdist (its vendored llama.cpp)")
     _run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", "llama-cpp-python", SDIST,
@@ -167,11 +170,14 @@ def vendored_source(root: Path, status=print) -> Path:
         raise SpecDecodeError(f"pip download {SDIST} left no sdist in {src_root}")
     with tarfile.open(tars[-1]) as tar:
         tar.extractall(src_root, filter="data")
-    return vendored_source(root, status)
+    return vendored_source(root, status, _unpacked=True)
 
 
 def _run(cmd: list[str]) -> None:
     full = ["nice", "-n", "19", *cmd] if shutil.which("nice") else cmd
+    if shutil.which(cmd[0]) is None and not Path(cmd[0]).exists():
+        raise SpecDecodeError(f"llama-server set-up needs {cmd[0]}, which is not installed "
+                              f"(e.g. pip install {cmd[0]} or apt install {cmd[0]})")
     done = subprocess.run(full)
     if done.returncode != 0:
         raise SpecDecodeError(f"llama-server set-up failed (status {done.returncode}): {' '.join(cmd)}")
@@ -234,6 +240,7 @@ class ServerClient:
 
     def __init__(self, base_url: str, timeout_s: float = 600.0) -> None:
         self.base_url, self.timeout_s = base_url.rstrip("/"), timeout_s
+        self.log: str | None = None  # where the server's output goes, for error messages
 
     def healthy(self) -> bool:
         try:
@@ -245,10 +252,10 @@ class ServerClient:
     def wait_healthy(self, timeout_s: float, alive=lambda: True) -> None:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
+            if not alive():  # first: a server that died on its port must not pass for another one there
+                raise SpecDecodeError(f"llama-server exited before it got healthy (see {self.log or 'its log'})")
             if self.healthy():
                 return
-            if not alive():
-                raise SpecDecodeError("llama-server exited before it got healthy (its log is on stderr)")
             time.sleep(0.2)
         raise SpecDecodeError(f"llama-server at {self.base_url} not healthy after {timeout_s:.0f} s")
 
@@ -267,8 +274,12 @@ class ServerClient:
         except (urllib.error.URLError, OSError) as exc:
             raise SpecDecodeError(f"llama-server /completion failed: {exc}") from None
         wall = time.perf_counter() - start
-        reply = json.loads(raw)
-        tokens = [int(t) for t in reply.get("tokens") or []]
+        try:
+            reply = json.loads(raw)
+            tokens = [int(t) for t in reply["tokens"]]
+        except (ValueError, KeyError, TypeError):
+            raise SpecDecodeError(f"llama-server /completion: no token ids in its reply ({raw[:200]!r}); "
+                                  "is it a llama.cpp server that returns 'tokens'?") from None
         eos = set(int(t) for t in eos_token_ids)
         finish = "stop" if reply.get("stop_type") in ("eos", "word") else "length"
         cut = next((i for i, t in enumerate(tokens) if t in eos), None)
@@ -298,9 +309,10 @@ class LlamaServerRunner:
         self.proc = subprocess.Popen(self.command, stdout=self._log, stderr=subprocess.STDOUT,
                                      env={**os.environ, "LLAMA_ARG_NO_WEBUI": "1"})
         self.client = ServerClient(f"http://127.0.0.1:{port}")
+        self.client.log = str(log) if log else None
         try:
             self.client.wait_healthy(start_timeout_s, alive=lambda: self.proc.poll() is None)
-        except SpecDecodeError:
+        except BaseException:  # not healthy, or Ctrl-C: no server left behind
             self.close()
             raise
 
@@ -314,5 +326,6 @@ class LlamaServerRunner:
                 self.proc.wait(timeout=20)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
+                self.proc.wait()
         if self._log is not subprocess.DEVNULL:
             self._log.close()

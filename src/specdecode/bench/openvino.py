@@ -113,9 +113,16 @@ class WorkerClient:
         except BrokenPipeError:
             line = ""
         if not line:
-            self.proc.wait(timeout=10)
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
             raise SpecDecodeError(f"OpenVINO worker exited with status {self.proc.returncode} during {op!r}")
-        reply = json.loads(line)
+        try:
+            reply = json.loads(line)
+        except ValueError:
+            raise SpecDecodeError(f"OpenVINO worker, {op}: not a JSON reply: {line[:200]!r}") from None
         if not reply.get("ok"):
             raise SpecDecodeError(f"OpenVINO worker, {op}: {reply.get('error')}")
         return reply
@@ -128,6 +135,7 @@ class WorkerClient:
                 self.proc.wait(timeout=30)
             except (BrokenPipeError, subprocess.TimeoutExpired):
                 self.proc.kill()
+                self.proc.wait()
 
 
 class OpenVinoRunner:
@@ -152,8 +160,12 @@ class OpenVinoRunner:
             raise ValueError("OpenVINO assisted generation takes a draft model, and only it does")
         self.method, self.gamma, self.max_ngram = method, gamma, max_ngram
         self.client = WorkerClient([str(python or venv_python()), str(worker)])
-        reply = self.client.request("load", model=str(model), draft=str(draft) if draft else None,
-                                    prompt_lookup=method == "prompt-lookup", threads=threads)
+        try:
+            reply = self.client.request("load", model=str(model), draft=str(draft) if draft else None,
+                                        prompt_lookup=method == "prompt-lookup", threads=threads)
+        except BaseException:  # a failed load (or Ctrl-C) leaves no worker behind
+            self.client.close()
+            raise
         self.load_s, self.version = reply.get("load_s"), reply.get("openvino_genai")
 
     def generate(self, prompt_ids: Sequence[int], max_new_tokens: int, eos_token_ids: Sequence[int]) -> OpenVinoResult:
@@ -252,6 +264,9 @@ def hf_dir_of(spec: str) -> Path:
 def _run(cmd: list[str], env: dict[str, str] | None = None) -> None:
     """Run a set-up step at low priority (``nice``), its output passed through."""
     full = ["nice", "-n", "19", *cmd] if os.name == "posix" else cmd
-    done = subprocess.run(full, env={**os.environ, **(env or {})})
+    try:
+        done = subprocess.run(full, env={**os.environ, **(env or {})})
+    except OSError as exc:  # the program itself is missing
+        raise SpecDecodeError(f"OpenVINO peer set-up: cannot run {cmd[0]} ({exc.strerror or exc})") from None
     if done.returncode != 0:
         raise SpecDecodeError(f"OpenVINO peer set-up failed (status {done.returncode}): {' '.join(cmd)}")

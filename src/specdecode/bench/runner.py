@@ -306,6 +306,9 @@ class BenchConfig:
         if self.draft_weights not in WEIGHT_PRECISIONS:
             raise SpecDecodeError(f"unknown weight precision {self.draft_weights!r}; choose one of "
                                   f"{', '.join(WEIGHT_PRECISIONS)}")
+        if (self.openvino or self.llama_server) and self.temperature > 0:
+            raise SpecDecodeError("--openvino / --llama-server run greedy decoding only: drop them or use "
+                                  "--temperature 0")
         if self.openvino_weights not in ("int8", "int4", "fp16"):  # bench.openvino.WEIGHT_FORMATS
             raise SpecDecodeError(f"unknown OpenVINO weight format {self.openvino_weights!r}; use int8, int4, fp16")
         if self.kernel not in KERNELS:
@@ -772,7 +775,11 @@ def _external_variants(e: str, peers, drafts: dict, runner, *, draft_method: str
     ``runner(method, gamma, draft, max_ngram)`` makes each one's ``run``, ``drafts`` maps draft specs to
     the engine's own files."""
     out = [Variant(f"{e}/plain", e, "plain", 0, f"{e}/plain", runner("plain"))]
+    seen: set[tuple] = set()
     for kind, spec, draft, max_ngram in peers:
+        if (kind, spec.gamma, draft, max_ngram) in seen:  # two of our families the engine cannot tell apart
+            continue
+        seen.add((kind, spec.gamma, draft, max_ngram))
         if kind == "draft" and draft:
             out.append(Variant(f"{e}/{draft_method}:k={spec.gamma},model={draft}", e, draft_method, spec.gamma,
                                f"{e}/{draft_method}", runner(draft_method, spec.gamma, drafts[draft]),

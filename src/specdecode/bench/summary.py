@@ -151,7 +151,7 @@ def agreement(runs: dict[tuple[str, str], dict], variants: Sequence[dict], promp
     mismatches = []
     external: dict[str, dict[str, list[int]]] = {}  # other engines: {key: {"own_plain"|"ours": [equal, checked]}}
     for v in variants:
-        if v["engine"] not in ("specdecode", "hf"):
+        if is_external(v):
             external[v["key"]] = _equal_counts(runs, v, prompts)
         # llama.cpp runs the 4-bit GGUF, not our converted weights: checked against its own plain only
         refs = [OURS_PLAIN] if v["key"] != OURS_PLAIN and v["engine"] in ("specdecode", "hf") else []
