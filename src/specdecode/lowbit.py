@@ -1,37 +1,37 @@
-"""Weight-only low-bit linear layers made from a GGUF file's own blocks (``--weights int4``) or from
-float weights (``--weights int8``), and the CPU kernel that runs them.
+"""Low-bit linear layers that run a GGUF file's own blocks (``--weights int4``) or blocks quantized
+from float weights (``--weights int8``: Q8_0), and the CPU kernels that run them.
 
 A GGUF model *is* its quantized blocks: our converted float32 copy is those blocks dequantized
-(``models._write_streamed``). :func:`gguf_linear_weights` reads the blocks of every linear layer
-back out of the file, without requantizing anything:
+(``models._write_streamed``). :func:`modules_from_gguf` keeps every linear layer's blocks as the
+file stores them (Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q6_K: 4.5 to 8.5 bits per weight, the LM head
+included), so a step reads the file's bytes and no more.
 
-- 4-bit types (Q4_0, Q4_1, Q4_K) become :class:`GroupInt4Linear`: per group of 32 weights along
-  ``in_features``, ``w = scale * q + offset`` with ``q`` in 0..15 (Q4_K's two-level scales
-  ``d * sc`` and ``dmin * m`` are exact in float32).
-- Wider types (Q5_0, Q6_K, Q8_0) become :class:`GroupInt8Linear`: ``w = scale * q`` with ``q`` in
-  -128..127 per group of 32 (Q6_K: 16).
+The products (``csrc/qgemm.c``; Kim et al. / llama.cpp's block formats, our kernels) quantize each
+activation row to 8 bits on its own (a scale per block of 32 for the 32-weight formats, per 256
+with sums per 16 for the K-quants) and accumulate every (row, output) in one fixed order: integer
+dot products inside a block, float32 across blocks. Each weight block is read and unpacked once
+per call and dotted with every row, so verifying gamma + 1 tokens costs little more than one
+decoding step, and a row's result is bit for bit the same alone or among 1..16 rows: speculative
+decoding equals plain decoding of the same low-bit target by construction.
 
-So the low-bit model computes with the very weights of the float copy (up to one float32
-rounding of ``scale * q + offset``); activations stay float32. Both modules read each weight byte
-once per call whatever the number of rows (one decoding step, a verification of gamma + 1 tokens,
-a batch), and a row's result does not depend on the other rows (the kernel accumulates every
-row in one fixed order), so speculative decoding stays token-for-token equal to plain decoding of
-the same low-bit target (the batch-invariance contract of ``kv.owned.OwnedRunner``).
-
-The kernel (``csrc/lowbit.cpp``, AVX-512) is compiled with torch's C++ extension tools on first
-use (about a minute; it says so) and cached under ``<cache dir>/kernels/``; without a compiler or AVX-512 the
-same products run as a torch reference (dequantize, then a float32 product in fixed 16-row
-blocks: slower, same contract). :func:`kernel_status` says which one runs.
-
-Formats: ggml's block layouts (``ggml-common.h`` / ``ggml-quants.c`` of llama.cpp, and the ``gguf``
-Python package's ``quants.py``), read here with numpy.
+Kernels: one plain-C source compiled per instruction-set variant with gcc (seconds, cached under
+``<cache dir>/kernels/``): ``avx2`` (AVX2 + FMA + F16C, every x86-64 CPU of the last ten years),
+``avx512`` (the same with AVX-512 F/BW/VL), ``avx512vnni`` (VNNI dot products). The fastest variant
+this CPU runs is chosen by measuring at first use; ``SPECDECODE_KERNEL_ISA=avx2|avx512|avx512vnni``
+forces one (tests, benchmarks), ``SPECDECODE_KERNEL_ISA=reference`` the torch reference. The thread
+split and the C++ layer loop live in a torch extension (``csrc/lowbit.cpp``, ``csrc/step.cpp``, built
+once per machine with torch's C++ extension tools, about a minute; it says so). Without a compiler the
+same products run as a torch reference (slower, row-invariant too). :func:`kernel_status` says which.
 """
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
+import json
 import logging
 import os
+import subprocess
 import sys
 import threading
 import time
@@ -45,61 +45,188 @@ from specdecode.errors import SpecDecodeError
 
 logger = logging.getLogger(__name__)
 
-#: Rows above which a call that need not be row-invariant (a prompt's prefill) dequantizes the
-#: weight and runs one float32 matrix product instead of the few-row kernel.
-PREFILL_ROWS = 32
-
-_SOURCES = [Path(__file__).with_name("csrc") / name for name in ("lowbit.cpp", "step.cpp")]
+_CSRC = Path(__file__).with_name("csrc")
+_SOURCES = [_CSRC / name for name in ("lowbit.cpp", "step.cpp")]
+_QGEMM = _CSRC / "qgemm.c"
 _lock = threading.Lock()
-_kernel = None  # the compiled module, False once its build failed
+_kernel = None  # the compiled torch extension, False once its build failed
 _kernel_note = "not loaded yet"
 
+#: GGUF block types run as stored: name -> (format id in csrc/qgemm.c, weights per block, bytes per block).
+GGUF_BLOCKS = {"Q4_0": (0, 32, 18), "Q4_1": (1, 32, 20), "Q5_0": (2, 32, 22), "Q8_0": (3, 32, 34),
+               "Q4_K": (4, 256, 144), "Q6_K": (5, 256, 210)}
 
-def _cpu_has_avx512() -> bool:
+#: Instruction-set variants of the kernel, fastest first where the CPU runs several: name ->
+#: (the /proc/cpuinfo flags it needs, gcc flags, the macro csrc/qgemm.c reads).
+VARIANTS = {
+    "avx512vnni": (("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni"),
+                   ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni"],
+                   "SD_VARIANT_AVX512VNNI"),
+    "avx512": (("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl"),
+               ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl"], "SD_VARIANT_AVX512"),
+    "avx2": (("avx2", "fma", "f16c"), ["-mavx2", "-mfma", "-mf16c"], "SD_VARIANT_AVX2"),
+}
+#: The environment variable that forces a variant (or ``reference``).
+ISA_ENV = "SPECDECODE_KERNEL_ISA"
+
+
+def cpu_flags() -> set[str]:
+    """This CPU's feature flags (``/proc/cpuinfo``); empty where they cannot be read."""
     try:
-        return torch.backends.cpu.get_cpu_capability() in ("AVX512", "AMX")
-    except Exception:  # noqa: BLE001 - an old torch: read the flags
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def supported_variants() -> list[str]:
+    """The kernel variants this CPU executes, in :data:`VARIANTS` order."""
+    flags = cpu_flags()
+    return [name for name, (need, _, _) in VARIANTS.items() if all(f in flags for f in need)]
+
+
+def _cache_base(cache_dir=None) -> Path:
+    from specdecode.models import default_cache_dir
+
+    return Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
+
+
+_variants: dict[str, tuple[ctypes.CDLL, int]] = {}
+
+
+def load_variant(name: str, cache_dir=None) -> int:
+    """The address of variant ``name``'s kernel table (compiled with gcc on first use, cached).
+
+    Raises:
+        SpecDecodeError: unknown variant, a CPU without its instructions, or no compiler.
+    """
+    if name not in VARIANTS:
+        raise SpecDecodeError(f"unknown kernel variant {name!r}; choose one of {', '.join(VARIANTS)} or reference")
+    if name in _variants:
+        return _variants[name][1]
+    if name not in supported_variants():
+        raise SpecDecodeError(f"this CPU cannot run the {name} kernel (it runs: {', '.join(supported_variants()) or 'none'})")
+    _, flags, macro = VARIANTS[name]
+    digest = hashlib.sha256(_QGEMM.read_bytes() + " ".join(flags).encode()).hexdigest()[:12]
+    out = _cache_base(cache_dir) / "kernels" / f"qgemm-{name}-{digest}.so"
+    if not out.is_file():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
+        cmd = [os.environ.get("CC", "gcc"), "-O3", "-std=gnu11", "-shared", "-fPIC", *flags, f"-D{macro}",
+               str(_QGEMM), "-o", str(tmp)]
         try:
-            return "avx512bw" in Path("/proc/cpuinfo").read_text()
-        except OSError:
-            return False
+            subprocess.run(cmd, check=True, capture_output=True, text=True)
+        except (OSError, subprocess.CalledProcessError) as exc:
+            detail = getattr(exc, "stderr", "") or str(exc)
+            raise SpecDecodeError(f"could not compile the {name} kernel: {detail.strip()[:300]}") from exc
+        os.replace(tmp, out)
+    lib = ctypes.CDLL(str(out))
+    lib.sd_table.restype = ctypes.c_void_p
+    address = int(lib.sd_table())
+    _variants[name] = (lib, address)
+    return address
+
+
+def _time_variant(kernel, address: int) -> float:
+    """Seconds of a Q4_K product of 1 and 5 rows (the decoding and verification shapes), best of 5."""
+    rng = np.random.default_rng(0)
+    n, k = 1024, 2048
+    raw = torch.from_numpy(_random_raw("Q4_K", n, k, rng))
+    total = 0.0
+    for rows in (1, 5):
+        x = torch.randn(rows, k)
+        times = []
+        for _ in range(5):
+            start = time.perf_counter()
+            kernel.q_linear(x, raw, GGUF_BLOCKS["Q4_K"][0], address)
+            times.append(time.perf_counter() - start)
+        total += min(times)
+    return total
+
+
+def _random_raw(kind: str, rows: int, cols: int, rng) -> np.ndarray:
+    """Random bytes shaped as ``kind`` blocks with sane float16 scales (random bytes are valid blocks)."""
+    _, size, nbytes = GGUF_BLOCKS[kind]
+    raw = rng.integers(0, 256, size=(rows, cols // size, nbytes), dtype=np.uint8)
+    scale = lambda n: rng.uniform(1e-3, 2e-2, size=(rows, cols // size, n)).astype(np.float16).view(np.uint8)  # noqa: E731
+    if kind == "Q6_K":
+        raw[..., 208:210] = scale(1)
+    elif kind in ("Q4_K", "Q4_1"):
+        raw[..., 0:4] = scale(2)
+    else:
+        raw[..., 0:2] = scale(1)
+    return raw.reshape(rows, -1)
+
+
+_chosen: str | None = None
+
+
+def active_variant() -> str | None:
+    """The variant the products run: ``SPECDECODE_KERNEL_ISA`` when set, else the fastest this CPU
+    executes (measured once per process, about a second); None: the torch reference runs."""
+    global _chosen, _kernel_note
+    forced = os.environ.get(ISA_ENV, "").strip().lower()
+    if forced == "reference":
+        return None
+    kernel = load_kernel()
+    if kernel is None:
+        return None
+    if forced:
+        load_variant(forced)
+        return forced
+    if _chosen is None:
+        with _lock:
+            if _chosen is None:
+                timed = {}
+                for name in supported_variants():
+                    try:
+                        timed[name] = _time_variant(kernel, load_variant(name))
+                    except SpecDecodeError as exc:
+                        logger.warning("%s", exc)
+                _chosen = min(timed, key=timed.get) if timed else ""
+                if timed:
+                    figures = ", ".join(f"{k} {1e3 * v:.2f} ms" for k, v in timed.items())
+                    _kernel_note = f"{_chosen} kernel (measured here: {figures})"
+    return _chosen or None
+
+
+def variant_table() -> int:
+    """The kernel table address of :func:`active_variant`, 0 for the torch reference."""
+    name = active_variant()
+    return load_variant(name) if name else 0
 
 
 def load_kernel(cache_dir: str | Path | None = None):
-    """The compiled low-bit kernel module, building it on first use; None where it cannot run.
-
-    Build directory: ``<cache dir>/kernels/lowbit-<torch version>-<source hash>`` (reused by later
-    processes). ``SPECDECODE_LOWBIT_KERNEL=reference`` forces the torch reference (tests).
-    """
+    """The compiled torch extension (thread split, C++ layer loop), building it on first use; None
+    where it cannot run. Build directory: ``<cache dir>/kernels/lowbit-<torch version>-<source hash>``.
+    ``SPECDECODE_KERNEL_ISA=reference`` forces the torch reference (tests)."""
     global _kernel, _kernel_note
-    if os.environ.get("SPECDECODE_LOWBIT_KERNEL") == "reference":
-        if _kernel_note != "torch reference (SPECDECODE_LOWBIT_KERNEL=reference)":
-            _kernel_note = "torch reference (SPECDECODE_LOWBIT_KERNEL=reference)"
+    if os.environ.get(ISA_ENV, "").strip().lower() == "reference":
+        if _kernel_note != f"torch reference ({ISA_ENV}=reference)":
+            _kernel_note = f"torch reference ({ISA_ENV}=reference)"
             print(f"specdecode: low-bit products run the slower {_kernel_note}", file=sys.stderr, flush=True)
         return None
     with _lock:
         if _kernel is not None:
             return _kernel or None
-        if not _cpu_has_avx512():
-            _kernel, _kernel_note = False, "torch reference (this CPU has no AVX-512)"
+        if not supported_variants():
+            _kernel, _kernel_note = False, "torch reference (this CPU has no AVX2 + FMA + F16C)"
             print(f"specdecode: low-bit products run the slower {_kernel_note}", file=sys.stderr, flush=True)
             return None
-        from specdecode.models import default_cache_dir
-
         # the source, this checkout and this interpreter (ninja's build file holds their absolute paths)
         where = f"{Path(__file__).resolve().parent}|{sys.prefix}".encode()
         digest = hashlib.sha256(b"".join(s.read_bytes() for s in _SOURCES) + where).hexdigest()[:12]
-        base = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
-        build = base / "kernels" / f"lowbit-{torch.__version__.split('+')[0]}-{digest}"
+        build = _cache_base(cache_dir) / "kernels" / f"lowbit-{torch.__version__.split('+')[0]}-{digest}"
         try:
             from torch.utils.cpp_extension import load
 
             build.mkdir(parents=True, exist_ok=True)
-            flags = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma", "-fopenmp"]
             name = f"specdecode_lowbit_{digest}"
             fresh = not any(build.glob(f"{name}*.so"))
             if fresh:  # the first use on this machine (or of this source): say why it pauses
-                print(f"specdecode: compiling the low-bit kernel and the C++ layer loop into {build} "
+                print(f"specdecode: compiling the low-bit products' thread split and the C++ layer loop into {build} "
                       "(once per machine and version, about a minute)", file=sys.stderr, flush=True)
             start = time.perf_counter()
             import fcntl
@@ -114,15 +241,15 @@ def load_kernel(cache_dir: str | Path | None = None):
                     print(f"specdecode: removing {stale}, left by a build that was interrupted", file=sys.stderr,
                           flush=True)
                     stale.unlink(missing_ok=True)
-                _kernel = load(name, [str(s) for s in _SOURCES], extra_cflags=flags, extra_ldflags=["-fopenmp"],
-                               build_directory=str(build), verbose=False)
+                _kernel = load(name, [str(s) for s in _SOURCES], extra_cflags=["-O3", "-fopenmp"],
+                               extra_ldflags=["-fopenmp"], build_directory=str(build), verbose=False)
             took = time.perf_counter() - start
             if fresh:
                 print(f"specdecode: compiled in {took:.0f} s", file=sys.stderr, flush=True)
-            _kernel_note = f"AVX-512 kernel ({build}; {'compiled' if fresh else 'loaded'} in {took:.1f} s)"
+            _kernel_note = f"kernel extension {'compiled' if fresh else 'loaded'} in {took:.1f} s (variant not chosen yet)"
         except Exception as exc:  # noqa: BLE001 - no compiler / headers / ninja: the reference runs
             _kernel = False
-            _kernel_note = f"torch reference (the AVX-512 kernel did not build: {type(exc).__name__}: {str(exc)[:200]})"
+            _kernel_note = f"torch reference (the kernel extension did not build: {type(exc).__name__}: {str(exc)[:200]})"
             print(f"specdecode: low-bit products run the slower {_kernel_note}", file=sys.stderr, flush=True)
         return _kernel or None
 
@@ -134,299 +261,138 @@ def fast_bf16() -> bool:
     """Whether this CPU runs bfloat16 matrix products natively (AVX512-BF16 or AMX-BF16)."""
     global _bf16_fast
     if _bf16_fast is None:
-        try:
-            flags = Path("/proc/cpuinfo").read_text().split()
-        except OSError:
-            flags = []
+        flags = cpu_flags()
         _bf16_fast = "avx512_bf16" in flags or "amx_bf16" in flags
     return _bf16_fast
 
 
 def kernel_status() -> str:
-    """One line: which implementation runs the low-bit products (after :func:`load_kernel`)."""
+    """One line: which implementation (and instruction-set variant) runs the low-bit products."""
     return _kernel_note
 
 
-class _GroupLinear(torch.nn.Module):
-    """Shared parts of the two low-bit linear modules (bias, row blocking, prefill path)."""
+# Activations ------------------------------------------------------------------------------------
 
-    weight_precision = "int4"
-    bits = 4
+def quantize_activations(x: torch.Tensor, kind: str) -> torch.Tensor:
+    """The float32 values the kernel multiplies for ``x`` [rows, in] (8 bits per row, a scale per
+    block of 32 for the 32-weight formats, per 256 for Q4_K / Q6_K), dequantized: the torch
+    reference's input, and the tests' float64 reference. Rounding: to nearest, ties to even."""
+    block = 256 if GGUF_BLOCKS[kind][1] == 256 else 32
+    rows, k = x.shape
+    g = x.float().reshape(rows, k // block, block)
+    amax = g.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    q = torch.round(g * inv).clamp(-127, 127)
+    return (q * (amax / 127.0)).reshape(rows, k)
 
-    def __init__(self, out_features: int, in_features: int, bias: torch.Tensor | None) -> None:
+
+# The module -------------------------------------------------------------------------------------
+
+class QuantLinear(torch.nn.Module):
+    """A linear layer whose weight is GGUF blocks, run by the few-row kernel.
+
+    Args:
+        raw: [out, bytes per row] uint8: each output row's blocks as a GGUF file stores them.
+        kind: the block type, a key of :data:`GGUF_BLOCKS` ("Q4_K", "Q6_K", "Q4_1", ...).
+        in_features: the row length in weights (a multiple of the type's block size).
+        bias: [out] or None.
+        precision: the model-level name this layer belongs to ("int4": a GGUF file's own blocks;
+            "int8": Q8_0 quantized from float weights).
+
+    Input [..., in_features] (any float dtype); output [..., out_features] float32.
+
+    Raises:
+        SpecDecodeError: an unknown type, or ``raw`` that does not hold ``in_features`` of it.
+    """
+
+    def __init__(self, raw: torch.Tensor, kind: str, in_features: int, bias: torch.Tensor | None = None,
+                 precision: str = "int4") -> None:
         super().__init__()
-        self.out_features, self.in_features = int(out_features), int(in_features)
+        if kind not in GGUF_BLOCKS:
+            raise SpecDecodeError(f"GGUF tensor type {kind} has no low-bit kernel here (types run: {', '.join(GGUF_BLOCKS)})")
+        fmt, size, nbytes = GGUF_BLOCKS[kind]
+        if in_features % size or raw.dim() != 2 or raw.shape[1] != in_features // size * nbytes:
+            raise SpecDecodeError(f"GGUF {kind} weight of {tuple(raw.shape)} bytes does not hold rows of {in_features} "
+                                  f"weights ({in_features // size * nbytes} bytes each)")
+        self.raw = raw.to(torch.uint8).contiguous()
+        self.kind, self.fmt = kind, fmt
+        self.out_features, self.in_features = int(raw.shape[0]), int(in_features)
         self.bias = None if bias is None else bias.detach().float().clone()
+        self.weight_precision = precision
+        self._reference_weight = None
 
-    def dequantize(self) -> torch.Tensor:  # [out, in] float32
-        raise NotImplementedError
+    @property
+    def bits(self) -> float:
+        """Bits per weight as stored (Q4_K 4.5, Q6_K 6.56, Q4_1 5, Q8_0 8.5)."""
+        _, size, nbytes = GGUF_BLOCKS[self.kind]
+        return 8 * nbytes / size
 
-    def _kernel_call(self, kernel, x: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
+    @classmethod
+    def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None = None, kind: str = "Q8_0",
+                   precision: str = "int8") -> "QuantLinear":
+        """Quantize float weights [out, in] to ``kind`` blocks with the gguf package (Q8_0, Q4_0, Q4_1,
+        Q5_0: the types it quantizes)."""
+        import gguf
+
+        w = weight.detach().float().numpy()
+        raw = gguf.quants.quantize(w, gguf.GGMLQuantizationType[kind])
+        return cls(torch.from_numpy(np.ascontiguousarray(raw)), kind, w.shape[1], bias, precision)
+
+    def dequantize(self) -> torch.Tensor:
+        """[out, in] float32: the weights these blocks hold (``gguf.dequantize``)."""
+        import gguf
+
+        values = gguf.quants.dequantize(self.raw.numpy(), gguf.GGMLQuantizationType[self.kind])
+        return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).reshape(self.out_features, -1)
 
     def forward(self, x: torch.Tensor, exact: bool = True, prompt: bool = False) -> torch.Tensor:
-        """x [..., in_features] (any float dtype) -> [..., out_features] float32.
-
-        ``exact=False`` with more than :data:`PREFILL_ROWS` rows: dequantize once and run one
-        many-row product (not row-invariant): float32, or with ``prompt`` (a prompt's prefill, which
-        plain and speculative decoding run alike) bfloat16 on CPUs with AVX512-BF16 / AMX, 3-5x faster
-        there. Otherwise the few-row kernel (float32 products on the exact weights).
-        """
+        """x [..., in_features] -> [..., out_features] float32; the same arithmetic for any number of
+        rows (``exact`` / ``prompt`` are accepted for the owned forward's calls and change nothing)."""
         rows = x.reshape(-1, self.in_features).float().contiguous()
-        if not exact and rows.shape[0] > PREFILL_ROWS:
-            kernel = load_kernel()
-            weight = self.dequantize() if kernel is None else self._kernel_dequantize(kernel)
-            if prompt and fast_bf16():
-                out = F.linear(rows.to(torch.bfloat16), weight.to(torch.bfloat16)).float()
-            else:
-                out = F.linear(rows, weight)
-        else:
-            kernel = load_kernel()
-            if kernel is not None:
-                out = self._kernel_call(kernel, rows)
-            else:  # the reference: fixed 16-row blocks, every block padded (row-invariant)
-                from specdecode.kernels import row_product
+        kernel, table = load_kernel(), variant_table()
+        if kernel is not None and table:
+            out = kernel.q_linear(rows, self.raw, self.fmt, table)
+        else:  # the reference: 8-bit activations, fixed 16-row blocks, every block padded (row-invariant)
+            from specdecode.kernels import row_product
 
-                out = row_product("padded", self.dequantize(), rows)
+            if self._reference_weight is None:
+                self._reference_weight = self.dequantize()
+            out = row_product("padded", self._reference_weight, quantize_activations(rows, self.kind))
         if self.bias is not None:
             out = out + self.bias
         return out.reshape(*x.shape[:-1], self.out_features)
 
     def weight_nbytes(self) -> int:
-        """Bytes one product reads: the quantized values, their scales (and offsets), the bias."""
-        return sum(t.numel() * t.element_size() for t in self._buffers_for_bytes())
-
-    def _buffers_for_bytes(self) -> list[torch.Tensor]:
-        return [t for t in (*self.state_tensors().values(), self.bias) if t is not None]
+        """Bytes one product reads: the blocks and the bias."""
+        return self.raw.numel() + (0 if self.bias is None else self.bias.numel() * 4)
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
-        raise NotImplementedError
+        return {"raw": self.raw}
 
     def extra_repr(self) -> str:
-        return (f"in_features={self.in_features}, out_features={self.out_features}, {self.bits}-bit groups of "
-                f"{self.group}, bias={self.bias is not None}")
+        return (f"in_features={self.in_features}, out_features={self.out_features}, {self.kind} "
+                f"({self.bits:.2f} bits per weight), bias={self.bias is not None}")
 
 
-class GroupInt4Linear(_GroupLinear):
-    """A linear layer with 4-bit weights in groups of 32: ``w[n, k] = scales[n, g] * q + offsets[n, g]``.
-
-    Args:
-        qweight: [out, in / 2] uint8; per group of 32, byte j holds element j (low nibble) and
-            element j + 16 (high nibble).
-        scales, offsets: [out, in / 32] float32.
-        bias: [out] or None.
-
-    Input [..., in] float; output [..., out] float32. ``in`` must be a multiple of 32.
-    """
-
-    group = 32
-
-    def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor,
-                 bias: torch.Tensor | None = None) -> None:
-        super().__init__(qweight.shape[0], qweight.shape[1] * 2, bias)
-        if self.in_features % 32 or scales.shape != (self.out_features, self.in_features // 32) or offsets.shape != scales.shape:
-            raise ValueError(f"int4 groups: qweight {tuple(qweight.shape)}, scales {tuple(scales.shape)}, "
-                             f"offsets {tuple(offsets.shape)} do not fit groups of 32")
-        self.qweight = qweight.to(torch.uint8).contiguous()
-        self.scales = scales.float().contiguous()
-        self.offsets = offsets.float().contiguous()
-
-    @classmethod
-    def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> "GroupInt4Linear":
-        """Quantize float weights [out, in] to 4-bit groups of 32 (asymmetric min / max per group;
-        for models that do not come from a 4-bit file, and tests)."""
-        w = weight.detach().float()
-        n, k = w.shape
-        g = w.reshape(n, k // 32, 32)
-        lo, hi = g.amin(-1), g.amax(-1)
-        scales = ((hi - lo) / 15).clamp_min(1e-12)
-        q = ((g - lo[..., None]) / scales[..., None]).round().clamp(0, 15).to(torch.uint8)
-        return cls(pack_nibbles(q.reshape(n, k)), scales, lo, bias)
-
-    def dequantize(self) -> torch.Tensor:
-        q = unpack_nibbles(self.qweight).reshape(self.out_features, -1, 32).float()
-        return (q * self.scales[..., None] + self.offsets[..., None]).reshape(self.out_features, self.in_features)
-
-    def _kernel_call(self, kernel, x):
-        return kernel.int4_linear(x, self.qweight, self.scales, self.offsets)
-
-    def _kernel_dequantize(self, kernel):
-        return kernel.int4_dequantize(self.qweight, self.scales, self.offsets)
-
-    def state_tensors(self) -> dict[str, torch.Tensor]:
-        return {"qweight": self.qweight, "scales": self.scales, "offsets": self.offsets}
+LOWBIT_TYPES = (QuantLinear,)
 
 
-class GroupInt8Linear(_GroupLinear):
-    """A linear layer with int8 weights in groups of 16 or 32: ``w[n, k] = scales[n, g] * q``.
-
-    Args:
-        qweight: [out, in] int8; scales: [out, in / group] float32; bias: [out] or None.
-        group: 16 or 32.
-    """
-
-    weight_precision = "int8"
-    bits = 8
-
-    def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None,
-                 group: int = 32) -> None:
-        super().__init__(qweight.shape[0], qweight.shape[1], bias)
-        if group not in (16, 32) or self.in_features % group or scales.shape != (self.out_features, self.in_features // group):
-            raise ValueError(f"int8 groups: qweight {tuple(qweight.shape)}, scales {tuple(scales.shape)}, group {group}")
-        self.group = int(group)
-        self.qweight = qweight.to(torch.int8).contiguous()
-        self.scales = scales.float().contiguous()
-
-    @classmethod
-    def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None = None, group: int = 32) -> "GroupInt8Linear":
-        """Quantize float weights [out, in] to symmetric int8 per group (scale = max |w| / 127)."""
-        w = weight.detach().float()
-        n, k = w.shape
-        g = w.reshape(n, k // group, group)
-        scales = (g.abs().amax(-1) / 127).clamp_min(1e-12)
-        q = (g / scales[..., None]).round().clamp(-127, 127).to(torch.int8)
-        return cls(q.reshape(n, k), scales, bias, group)
-
-    def dequantize(self) -> torch.Tensor:
-        q = self.qweight.reshape(self.out_features, -1, self.group).float()
-        return (q * self.scales[..., None]).reshape(self.out_features, self.in_features)
-
-    def _kernel_call(self, kernel, x):
-        return kernel.int8_linear(x, self.qweight, self.scales, self.group)
-
-    def _kernel_dequantize(self, kernel):
-        return kernel.int8_dequantize(self.qweight, self.scales, self.group)
-
-    def state_tensors(self) -> dict[str, torch.Tensor]:
-        return {"qweight": self.qweight, "scales": self.scales}
-
-
-LOWBIT_TYPES = (GroupInt4Linear, GroupInt8Linear)
-
-
-def concat(parts: list[_GroupLinear]) -> _GroupLinear | None:
+def concat(parts: list[QuantLinear]) -> QuantLinear | None:
     """One module computing ``cat([p(x) for p in parts], -1)`` in one product, or None when the
-    parts differ in kind or group (then they run one after another)."""
-    kinds = {(type(p), p.group, p.in_features) for p in parts}
-    if len(kinds) != 1:
+    parts differ in block type or row length (then they run one after another)."""
+    if len({(p.kind, p.in_features) for p in parts}) != 1:
         return None
     biases = None
     if any(p.bias is not None for p in parts):
         biases = torch.cat([p.bias if p.bias is not None else torch.zeros(p.out_features) for p in parts])
-    tensors = {name: torch.cat([p.state_tensors()[name] for p in parts]) for name in parts[0].state_tensors()}
-    if isinstance(parts[0], GroupInt4Linear):
-        return GroupInt4Linear(tensors["qweight"], tensors["scales"], tensors["offsets"], biases)
-    return GroupInt8Linear(tensors["qweight"], tensors["scales"], biases, parts[0].group)
-
-
-def pack_nibbles(q: torch.Tensor) -> torch.Tensor:
-    """[out, in] values 0..15 -> [out, in / 2] uint8, per group of 32: byte j = q[j] | q[j + 16] << 4."""
-    n, k = q.shape
-    g = q.to(torch.uint8).reshape(n, k // 32, 32)
-    return (g[..., :16] | (g[..., 16:] << 4)).reshape(n, k // 2).contiguous()
-
-
-def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
-    """The inverse of :func:`pack_nibbles`: [out, in / 2] uint8 -> [out, in] uint8."""
-    n, half = packed.shape
-    g = packed.reshape(n, half // 16, 16)
-    return torch.cat([g & 0xF, g >> 4], dim=-1).reshape(n, half * 2)
-
-
-# GGUF blocks ------------------------------------------------------------------------------------
-
-#: GGUF tensor types this module reads, with their block size (weights) and bytes per block.
-GGUF_BLOCKS = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q4_K": (256, 144), "Q5_0": (32, 22), "Q8_0": (32, 34),
-               "Q6_K": (256, 210)}
-
-
-def _f16(raw: np.ndarray) -> np.ndarray:
-    return raw.copy().view(np.float16).astype(np.float32)[..., 0]
-
-
-def decode_blocks(kind: str, raw: np.ndarray, rows: int, cols: int) -> tuple:
-    """One GGUF tensor's raw blocks -> ("int4", q [rows, cols] uint8, scales, offsets [rows, cols/32])
-    or ("int8", q [rows, cols] int8, scales [rows, cols/group], group).
-
-    ``raw``: the tensor's bytes ([rows, bytes per row] uint8, as ``gguf.GGUFReader`` gives them).
-    Scales and offsets are float32 and exact: ``scales * q + offsets`` is what ``gguf.dequantize``
-    returns (up to float32 rounding of that one expression).
-
-    Raises:
-        SpecDecodeError: a type this module does not read, or a size that does not fit.
-    """
-    if kind not in GGUF_BLOCKS:
-        raise SpecDecodeError(f"GGUF tensor type {kind} has no low-bit layout here (types read: {', '.join(GGUF_BLOCKS)})")
-    size, nbytes = GGUF_BLOCKS[kind]
-    if cols % size or raw.size != rows * cols // size * nbytes:
-        raise SpecDecodeError(f"GGUF {kind} tensor of {rows}x{cols} has {raw.size} bytes, expected {rows * cols // size * nbytes}")
-    b = np.ascontiguousarray(raw).reshape(rows, cols // size, nbytes)
-    if kind in ("Q4_0", "Q4_1"):
-        d = _f16(b[..., 0:2])
-        qs = b[..., 4:20] if kind == "Q4_1" else b[..., 2:18]
-        q = np.concatenate([qs & 0xF, qs >> 4], axis=-1)  # [rows, blocks, 32]: element j, then j + 16
-        offsets = _f16(b[..., 2:4]) if kind == "Q4_1" else -8 * d
-        return "int4", q.reshape(rows, cols), d, offsets.astype(np.float32)
-    if kind == "Q4_K":
-        d, dmin = _f16(b[..., 0:2]), _f16(b[..., 2:4])
-        sc_raw, qs = b[..., 4:16], b[..., 16:144]
-        sc = np.empty(b.shape[:2] + (8,), np.uint8)
-        mn = np.empty_like(sc)
-        sc[..., :4], mn[..., :4] = sc_raw[..., 0:4] & 63, sc_raw[..., 4:8] & 63
-        sc[..., 4:] = (sc_raw[..., 8:12] & 0xF) | ((sc_raw[..., 0:4] >> 6) << 4)
-        mn[..., 4:] = (sc_raw[..., 8:12] >> 4) | ((sc_raw[..., 4:8] >> 6) << 4)
-        chunks = qs.reshape(rows, -1, 4, 32)  # 4 chunks of 32 bytes: sub-blocks 2c (low) and 2c + 1 (high)
-        q = np.stack([chunks & 0xF, chunks >> 4], axis=3)  # [rows, blocks, 4, 2, 32]
-        scales = d[..., None] * sc.astype(np.float32)
-        offsets = -(dmin[..., None] * mn.astype(np.float32))
-        return "int4", q.reshape(rows, cols), scales.reshape(rows, -1), offsets.reshape(rows, -1)
-    if kind == "Q8_0":
-        d = _f16(b[..., 0:2])
-        return "int8", b[..., 2:34].view(np.int8).reshape(rows, cols), d, 32
-    if kind == "Q5_0":
-        d = _f16(b[..., 0:2])
-        qh = b[..., 2:6].copy().view("<u4")[..., 0]  # [rows, blocks]
-        qs = b[..., 6:22].astype(np.int16)
-        j = np.arange(16)
-        high0 = ((qh[..., None] >> j) & 1) << 4
-        high1 = ((qh[..., None] >> (j + 16)) & 1) << 4
-        q = np.concatenate([(qs & 0xF) | high0, (qs >> 4) | high1], axis=-1) - 16
-        return "int8", q.astype(np.int8).reshape(rows, cols), d, 32
-    # Q6_K: ql[128], qh[64], scales[16] int8, d
-    ql, qh = b[..., 0:128].astype(np.int16), b[..., 128:192].astype(np.int16)
-    sc = b[..., 192:208].view(np.int8).astype(np.float32)
-    d = _f16(b[..., 208:210])
-    out = np.empty(b.shape[:2] + (256,), np.int16)
-    for half in range(2):
-        l0, h0 = ql[..., 64 * half : 64 * half + 32], qh[..., 32 * half : 32 * half + 32]
-        l1 = ql[..., 64 * half + 32 : 64 * half + 64]
-        base = 128 * half
-        out[..., base : base + 32] = (l0 & 0xF) | (((h0 >> 0) & 3) << 4)
-        out[..., base + 32 : base + 64] = (l1 & 0xF) | (((h0 >> 2) & 3) << 4)
-        out[..., base + 64 : base + 96] = (l0 >> 4) | (((h0 >> 4) & 3) << 4)
-        out[..., base + 96 : base + 128] = (l1 >> 4) | (((h0 >> 6) & 3) << 4)
-    q = (out - 32).astype(np.int8)
-    return "int8", q.reshape(rows, cols), (d[..., None] * sc).reshape(rows, -1), 16
-
-
-def module_from_blocks(kind: str, raw: np.ndarray, rows: int, cols: int, bias: torch.Tensor | None = None,
-                       row_order: np.ndarray | None = None) -> _GroupLinear:
-    """A low-bit linear layer [rows, cols] holding one GGUF tensor's blocks (``row_order``: the
-    output rows' order in the model, when the converter permuted them, as for Llama's q / k)."""
-    decoded = decode_blocks(kind, raw, rows, cols)
-    arrays = [decoded[1], decoded[2]] + ([decoded[3]] if decoded[0] == "int4" else [])
-    if row_order is not None:
-        arrays = [a[row_order] for a in arrays]
-    tensors = [torch.from_numpy(np.ascontiguousarray(a)) for a in arrays]
-    if decoded[0] == "int4":
-        return GroupInt4Linear(pack_nibbles(tensors[0]), tensors[1].float(), tensors[2].float(), bias)
-    return GroupInt8Linear(tensors[0], tensors[1].float(), bias, decoded[3])
+    return QuantLinear(torch.cat([p.raw for p in parts]), parts[0].kind, parts[0].in_features, biases,
+                       parts[0].weight_precision)
 
 
 # Whole models ------------------------------------------------------------------------------------
 
 #: Bump when the cached low-bit file's layout changes (older files are rebuilt).
-CACHE_FORMAT = 1
+CACHE_FORMAT = 2
 
 
 def _linear_names(model: torch.nn.Module) -> list[str]:
@@ -449,9 +415,9 @@ def _row_order(processor, name: str, rows: int) -> np.ndarray | None:
     return order
 
 
-def modules_from_gguf(model: torch.nn.Module, gguf: str | Path, progress: bool = False) -> dict[str, _GroupLinear]:
-    """Low-bit modules for ``model``'s linear layers, from the blocks of the GGUF file it was converted
-    from: {module name: GroupInt4Linear / GroupInt8Linear}. A tied LM head takes the embedding's blocks.
+def modules_from_gguf(model: torch.nn.Module, gguf: str | Path, progress: bool = False) -> dict[str, QuantLinear]:
+    """Low-bit modules for ``model``'s linear layers, holding the blocks of the GGUF file it was converted
+    from as the file stores them: {module name: QuantLinear}. A tied LM head takes the embedding's blocks.
 
     Raises:
         SpecDecodeError: the file is not what the model was converted from (shapes), or a linear
@@ -466,13 +432,13 @@ def modules_from_gguf(model: torch.nn.Module, gguf: str | Path, progress: bool =
     by_key = {key: t for t, key, _ in plan.tensors}
     params = dict(model.named_parameters(remove_duplicate=False))
     mapping = model.get_expanded_tied_weights_keys() if hasattr(model, "get_expanded_tied_weights_keys") else {}
-    out: dict[str, _GroupLinear] = {}
+    out: dict[str, QuantLinear] = {}
     names = _linear_names(model)
     iterator = names
     if progress:
         from tqdm import tqdm
 
-        iterator = tqdm(names, desc=f"reading 4-bit blocks of {Path(gguf).name}", unit="layer", leave=False)
+        iterator = tqdm(names, desc=f"reading the blocks of {Path(gguf).name}", unit="layer", leave=False)
     for name in iterator:
         key = f"{name}.weight"
         t = by_key.get(key) or by_key.get(mapping.get(key, ""))
@@ -483,17 +449,19 @@ def modules_from_gguf(model: torch.nn.Module, gguf: str | Path, progress: bool =
             raise SpecDecodeError(f"{gguf}: {t.name} ({key}) is stored as {kind}, which has no low-bit layout here "
                                   f"(read: {', '.join(GGUF_BLOCKS)}); use --weights bf16")
         rows, cols = params[key].shape
-        bias = params.get(f"{name}.bias")
-        out[name] = module_from_blocks(kind, np.asarray(t.data), rows, cols, bias,
-                                       _row_order(plan.processor, t.name, rows))
+        raw = np.asarray(t.data).reshape(rows, -1)
+        order = _row_order(plan.processor, t.name, rows)
+        if order is not None:
+            raw = raw[order]
+        out[name] = QuantLinear(torch.from_numpy(np.ascontiguousarray(raw)), kind, cols, params.get(f"{name}.bias"))
     return out
 
 
-def modules_from_float(model: torch.nn.Module, precision: str) -> dict[str, _GroupLinear]:
-    """Low-bit modules quantized from ``model``'s float weights ("int4": asymmetric 4-bit groups of
-    32; "int8": symmetric int8 groups of 32)."""
-    make = GroupInt4Linear.from_float if precision == "int4" else GroupInt8Linear.from_float
-    return {name: make(m.weight, m.bias) for name, m in model.named_modules()
+def modules_from_float(model: torch.nn.Module, precision: str) -> dict[str, QuantLinear]:
+    """Low-bit modules quantized from ``model``'s float weights ("int4": Q4_1, 4-bit groups of 32 with
+    a scale and a minimum; "int8": Q8_0, symmetric int8 groups of 32)."""
+    kind = "Q4_1" if precision == "int4" else "Q8_0"
+    return {name: QuantLinear.from_float(m.weight, m.bias, kind, precision) for name, m in model.named_modules()
             if type(m) is torch.nn.Linear and m.in_features % 32 == 0}  # other layers stay float
 
 
@@ -502,10 +470,8 @@ def cache_path(converted_dir: str | Path, precision: str) -> Path:
     return Path(converted_dir) / f"specdecode-{precision}.safetensors"
 
 
-def save_modules(path: Path, modules: dict[str, _GroupLinear], source: dict) -> None:
+def save_modules(path: Path, modules: dict[str, QuantLinear], source: dict) -> None:
     """Write ``modules`` as one safetensors file (atomic rename), with ``source`` in its metadata."""
-    import json
-
     from safetensors.torch import save_file
 
     tensors, layout = {}, {}
@@ -514,17 +480,15 @@ def save_modules(path: Path, modules: dict[str, _GroupLinear], source: dict) -> 
             tensors[f"{name}.{part}"] = t.contiguous()
         if m.bias is not None:
             tensors[f"{name}.bias"] = m.bias.contiguous()
-        layout[name] = [type(m).__name__, m.group]
+        layout[name] = [m.kind, m.in_features, m.weight_precision]
     meta = {"format": str(CACHE_FORMAT), "layout": json.dumps(layout), "source": json.dumps(source)}
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     save_file(tensors, str(tmp), metadata=meta)
     os.replace(tmp, path)
 
 
-def load_modules(path: Path, source: dict) -> dict[str, _GroupLinear] | None:
+def load_modules(path: Path, source: dict) -> dict[str, QuantLinear] | None:
     """The modules :func:`save_modules` wrote, memory-mapped; None when missing, stale or unreadable."""
-    import json
-
     from safetensors import safe_open
     from safetensors.torch import load_file
 
@@ -538,17 +502,12 @@ def load_modules(path: Path, source: dict) -> dict[str, _GroupLinear] | None:
     except Exception:  # noqa: BLE001 - a missing or damaged cache is rebuilt
         return None
     out = {}
-    for name, (kind, group) in layout.items():
-        bias = tensors.get(f"{name}.bias")
-        if kind == "GroupInt4Linear":
-            out[name] = GroupInt4Linear(tensors[f"{name}.qweight"], tensors[f"{name}.scales"],
-                                        tensors[f"{name}.offsets"], bias)
-        else:
-            out[name] = GroupInt8Linear(tensors[f"{name}.qweight"], tensors[f"{name}.scales"], bias, group)
+    for name, (kind, in_features, precision) in layout.items():
+        out[name] = QuantLinear(tensors[f"{name}.raw"], kind, in_features, tensors.get(f"{name}.bias"), precision)
     return out
 
 
-def install(model: torch.nn.Module, modules: dict[str, _GroupLinear]) -> torch.nn.Module:
+def install(model: torch.nn.Module, modules: dict[str, QuantLinear]) -> torch.nn.Module:
     """Replace ``model``'s linear layers by ``modules`` (in place; activations run in float32)."""
     model.__dict__.pop("_specdecode_fused_layers", None)  # owned-forward weight views of the old precision
     model.float()
@@ -614,8 +573,6 @@ def _gguf_of(loaded, out_dir: Path | None, cache_dir=None) -> Path | None:
     """The GGUF file behind ``loaded`` (joined again from its packages for a catalog model), or None."""
     if not loaded.sha256:
         return None
-    import json
-
     from specdecode.models import gguf_file
 
     try:

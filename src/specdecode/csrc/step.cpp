@@ -9,17 +9,16 @@
 #include <optional>
 #include <vector>
 
-torch::Tensor int4_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales, torch::Tensor offsets);
-torch::Tensor int8_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales, int64_t group);
+torch::Tensor q_linear(torch::Tensor x, torch::Tensor w, int64_t fmt, int64_t table);  // lowbit.cpp
 
 namespace {
 
 constexpr int64_t kRowBlock = 16;  // kernels.ROW_BLOCK
 
 struct Part {
-  int64_t kind = 0;  // 0: float weight [out, in]; 1: int4 groups; 2: int8 groups
-  torch::Tensor a, b, c;  // weight | qweight, scales, offsets
-  int64_t group = 32;
+  int64_t kind = 0;  // 0: float weight [out, in]; 1: GGUF blocks [out, bytes per row]
+  torch::Tensor a;   // the weight
+  int64_t fmt = 0, in = 0, table = 0;  // kind 1: block format, in_features, kernel table address
   std::optional<torch::Tensor> bias;
 };
 
@@ -42,10 +41,9 @@ torch::Tensor apply_part(const Part& p, const torch::Tensor& x, bool padded) {
     if (x.size(0) > 16 || p.a.scalar_type() != torch::kFloat32) return torch::linear(x, p.a);
     return torch::mm(p.a, x.t()).t();
   }
-  // lowbit._GroupLinear.forward (the few-row kernel; the caller never sends a prefill-sized call)
-  const int64_t in = p.kind == 1 ? p.a.size(1) * 2 : p.a.size(1);
-  torch::Tensor rows = x.reshape({-1, in}).to(torch::kFloat32).contiguous();
-  torch::Tensor out = p.kind == 1 ? int4_linear(rows, p.a, p.b, p.c) : int8_linear(rows, p.a, p.b, p.group);
+  // lowbit.QuantLinear.forward (the kernel: row-invariant for any number of rows)
+  torch::Tensor rows = x.reshape({-1, p.in}).to(torch::kFloat32).contiguous();
+  torch::Tensor out = q_linear(rows, p.a, p.fmt, p.table);
   if (p.bias) out = out + *p.bias;
   return out;
 }
@@ -87,7 +85,7 @@ class LayerStack {
   LayerStack(int64_t heads, int64_t kv_heads, int64_t head_dim, double eps)
       : h_(heads), kvh_(kv_heads), d_(head_dim), eps_(eps) {}
 
-  // parts: a list of (kind, a, b, c, group, bias) per product
+  // parts: a list of (kind, weight, fmt, in_features, table, bias) per product
   void add_layer(torch::Tensor ln1, torch::Tensor ln2, std::optional<torch::Tensor> qkv_bias,
                  std::vector<std::vector<py::tuple>> products) {
     Layer layer{ln1, ln2, qkv_bias, {}, {}, {}, {}};
@@ -98,9 +96,11 @@ class LayerStack {
         Part p;
         p.kind = t[0].cast<int64_t>();
         p.a = t[1].cast<torch::Tensor>();
-        if (p.kind != 0) p.b = t[2].cast<torch::Tensor>();
-        if (p.kind == 1) p.c = t[3].cast<torch::Tensor>();
-        p.group = t[4].cast<int64_t>();
+        if (p.kind == 1) {
+          p.fmt = t[2].cast<int64_t>();
+          p.in = t[3].cast<int64_t>();
+          p.table = t[4].cast<int64_t>();
+        }
         if (!t[5].is_none()) p.bias = t[5].cast<torch::Tensor>();
         slots[i]->parts.push_back(p);
       }

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from specdecode.kernels import ROW_BLOCK, row_product
-from specdecode.lowbit import LOWBIT_TYPES, PREFILL_ROWS, concat as concat_lowbit
+from specdecode.lowbit import LOWBIT_TYPES, QuantLinear, concat as concat_lowbit, variant_table
 from specdecode.kv.base import SlotRunner
 from specdecode.types import SpecDecodeError
 
@@ -49,7 +49,7 @@ def supports(model: torch.nn.Module) -> bool:
 
 
 def _is_linear(module) -> bool:
-    """nn.Linear, or a low-bit linear (``kernels.set_weight_precision(model, "int8" / "int4")``)."""
+    """nn.Linear, or a low-bit linear (``lowbit.QuantLinear``: GGUF blocks)."""
     return type(module) in (torch.nn.Linear, *LOWBIT_TYPES, _OutputSlice)
 
 
@@ -171,7 +171,7 @@ class OwnedRunner(SlotRunner):
     Numerics, the batch-invariance contract: with ``batch_invariant`` a token's logits do not depend
     on how many tokens share a decoding / verification forward (one row or k + 1; one request or a
     batch), so speculative output equals plain decoding token for token. Products: low-bit weights
-    (``lowbit.GroupInt8Linear`` / ``GroupInt4Linear``) accumulate every row in one fixed order; float
+    (``lowbit.QuantLinear``: GGUF blocks, 8-bit activations per row) accumulate every row in one fixed order; float
     weights run :func:`specdecode.kernels.row_product` as zero-padded blocks of exactly ``ROW_BLOCK``
     rows (one shape, one kernel, one summation order; checked per machine by
     ``precision.check_batch_invariance``; a one-token step then costs a
@@ -292,8 +292,7 @@ class OwnedRunner(SlotRunner):
         att_dtype = x.dtype if last is not None and n > ROW_BLOCK else self.cache_dtype
         capture = self.capture_layers if layers is None else None  # a draft head's features (full forwards)
         kept = {0: x} if capture and 0 in capture else {}
-        # (a low-bit prompt's prefill stays in Python: its products dequantize, which only the module does)
-        whole = layers is None and not capture and (exact or n <= PREFILL_ROWS or not self.lowbit)
+        whole = layers is None and not capture
         native = self._native_stack() if whole else None
         if native is not None:  # the same operations as the loop below, in one C++ call
             x = native.run(x, cos, sin, self.k_cache, self.v_cache, rows.start or 0, rows.stop, columns,
@@ -352,19 +351,15 @@ class OwnedRunner(SlotRunner):
         return emb.cos().to(self.dtype), emb.sin().to(self.dtype)
 
 
-def _native_parts(weight) -> list[tuple] | None:
-    """A product's parts as the C++ loop takes them: (kind, a, b, c, group, bias)."""
+def _native_parts(weight, table: int) -> list[tuple] | None:
+    """A product's parts as the C++ loop takes them: (kind, weight, fmt, in_features, table, bias)."""
     if isinstance(weight, torch.Tensor):
-        return [(0, weight, None, None, 0, None)]
+        return [(0, weight, 0, 0, 0, None)]
     if isinstance(weight, _Parts):
-        parts = [_native_parts(p) for p in weight.parts]
+        parts = [_native_parts(p, table) for p in weight.parts]
         return None if any(p is None for p in parts) else [x for p in parts for x in p]
-    from specdecode.lowbit import GroupInt4Linear, GroupInt8Linear
-
-    if isinstance(weight, GroupInt4Linear):
-        return [(1, weight.qweight, weight.scales, weight.offsets, 32, weight.bias)]
-    if isinstance(weight, GroupInt8Linear):
-        return [(2, weight.qweight, weight.scales, None, weight.group, weight.bias)]
+    if isinstance(weight, QuantLinear) and table:
+        return [(1, weight.raw, weight.fmt, weight.in_features, table, weight.bias)]
     return None
 
 
@@ -378,9 +373,10 @@ def _build_native(runner: OwnedRunner):
     kernel = load_kernel()
     if kernel is None or not hasattr(kernel, "LayerStack"):
         return None
+    table = variant_table() if runner.lowbit else 0
     stack = kernel.LayerStack(runner.num_heads, runner.num_kv_heads, runner.head_dim, runner.eps)
     for layer in runner.layers:
-        products = [_native_parts(w) for w in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+        products = [_native_parts(w, table) for w in (layer.qkv, layer.o, layer.gate_up, layer.down)]
         if any(p is None for p in products):
             return None
         stack.add_layer(layer.ln1, layer.ln2, layer.qkv_bias, products)
