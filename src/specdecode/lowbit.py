@@ -56,6 +56,36 @@ _kernel_note = "not loaded yet"
 GGUF_BLOCKS = {"Q4_0": (0, 32, 18), "Q4_1": (1, 32, 20), "Q5_0": (2, 32, 22), "Q8_0": (3, 32, 34),
                "Q4_K": (4, 256, 144), "Q6_K": (5, 256, 210)}
 
+#: Fields of a 32-weight block (byte ranges), which the kernel reads as one array per field per row
+#: (:func:`repack`: same bytes, eight blocks' scales in one load). K-quants are run as stored.
+_FIELDS = {"Q4_0": ((0, 2), (2, 18)), "Q4_1": ((0, 2), (2, 4), (4, 20)), "Q5_0": ((0, 2), (2, 6), (6, 22)),
+           "Q8_0": ((0, 2), (2, 34))}
+
+
+def repack(raw: np.ndarray, kind: str) -> np.ndarray:
+    """GGUF rows [rows, bytes] -> the kernel's layout [rows, bytes] (the same bytes, each block field
+    as one array per row: ``d[nb] | m[nb] | qs[nb][16]`` for Q4_1). K-quants are returned as they are."""
+    if kind not in _FIELDS:
+        return np.ascontiguousarray(raw)
+    rows = raw.shape[0]
+    blocks = raw.reshape(rows, -1, GGUF_BLOCKS[kind][2])
+    return np.ascontiguousarray(np.concatenate([blocks[..., a:b].reshape(rows, -1) for a, b in _FIELDS[kind]], axis=1))
+
+
+def unpack(packed: np.ndarray, kind: str) -> np.ndarray:
+    """The inverse of :func:`repack`: the kernel's layout -> GGUF rows."""
+    if kind not in _FIELDS:
+        return np.ascontiguousarray(packed)
+    rows, nbytes = packed.shape[0], GGUF_BLOCKS[kind][2]
+    nb = packed.shape[1] // nbytes
+    out = np.empty((rows, nb, nbytes), np.uint8)
+    at = 0
+    for a, b in _FIELDS[kind]:
+        out[..., a:b] = packed[:, at : at + nb * (b - a)].reshape(rows, nb, b - a)
+        at += nb * (b - a)
+    return out.reshape(rows, -1)
+
+
 #: Instruction-set variants of the kernel, fastest first where the CPU runs several: name ->
 #: (the /proc/cpuinfo flags it needs, gcc flags, the macro csrc/qgemm.c reads).
 VARIANTS = {
@@ -292,7 +322,8 @@ class QuantLinear(torch.nn.Module):
     """A linear layer whose weight is GGUF blocks, run by the few-row kernel.
 
     Args:
-        raw: [out, bytes per row] uint8: each output row's blocks as a GGUF file stores them.
+        raw: [out, bytes per row] uint8: each output row's blocks as a GGUF file stores them (or, with
+            ``packed``, as :func:`repack` lays them out for the kernel; :attr:`packed` holds that).
         kind: the block type, a key of :data:`GGUF_BLOCKS` ("Q4_K", "Q6_K", "Q4_1", ...).
         in_features: the row length in weights (a multiple of the type's block size).
         bias: [out] or None.
@@ -306,7 +337,7 @@ class QuantLinear(torch.nn.Module):
     """
 
     def __init__(self, raw: torch.Tensor, kind: str, in_features: int, bias: torch.Tensor | None = None,
-                 precision: str = "int4") -> None:
+                 precision: str = "int4", packed: bool = False) -> None:
         super().__init__()
         if kind not in GGUF_BLOCKS:
             raise SpecDecodeError(f"GGUF tensor type {kind} has no low-bit kernel here (types run: {', '.join(GGUF_BLOCKS)})")
@@ -314,7 +345,8 @@ class QuantLinear(torch.nn.Module):
         if in_features % size or raw.dim() != 2 or raw.shape[1] != in_features // size * nbytes:
             raise SpecDecodeError(f"GGUF {kind} weight of {tuple(raw.shape)} bytes does not hold rows of {in_features} "
                                   f"weights ({in_features // size * nbytes} bytes each)")
-        self.raw = raw.to(torch.uint8).contiguous()
+        raw = raw.to(torch.uint8).contiguous()
+        self.packed = raw if packed else torch.from_numpy(repack(raw.numpy(), kind))
         self.kind, self.fmt = kind, fmt
         self.out_features, self.in_features = int(raw.shape[0]), int(in_features)
         self.bias = None if bias is None else bias.detach().float().clone()
@@ -342,8 +374,12 @@ class QuantLinear(torch.nn.Module):
         """[out, in] float32: the weights these blocks hold (``gguf.dequantize``)."""
         import gguf
 
-        values = gguf.quants.dequantize(self.raw.numpy(), gguf.GGMLQuantizationType[self.kind])
+        values = gguf.quants.dequantize(self.gguf_raw(), gguf.GGMLQuantizationType[self.kind])
         return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).reshape(self.out_features, -1)
+
+    def gguf_raw(self) -> np.ndarray:
+        """[out, bytes per row] uint8: the blocks as a GGUF file stores them."""
+        return unpack(self.packed.numpy(), self.kind)
 
     def forward(self, x: torch.Tensor, exact: bool = True, prompt: bool = False) -> torch.Tensor:
         """x [..., in_features] -> [..., out_features] float32; the same arithmetic for any number of
@@ -351,7 +387,7 @@ class QuantLinear(torch.nn.Module):
         rows = x.reshape(-1, self.in_features).float().contiguous()
         kernel, table = load_kernel(), variant_table()
         if kernel is not None and table:
-            out = kernel.q_linear(rows, self.raw, self.fmt, table)
+            out = kernel.q_linear(rows, self.packed, self.fmt, table)
         else:  # the reference: 8-bit activations, fixed 16-row blocks, every block padded (row-invariant)
             from specdecode.kernels import row_product
 
@@ -364,10 +400,10 @@ class QuantLinear(torch.nn.Module):
 
     def weight_nbytes(self) -> int:
         """Bytes one product reads: the blocks and the bias."""
-        return self.raw.numel() + (0 if self.bias is None else self.bias.numel() * 4)
+        return self.packed.numel() + (0 if self.bias is None else self.bias.numel() * 4)
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
-        return {"raw": self.raw}
+        return {"packed": self.packed}
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, {self.kind} "
@@ -385,8 +421,8 @@ def concat(parts: list[QuantLinear]) -> QuantLinear | None:
     biases = None
     if any(p.bias is not None for p in parts):
         biases = torch.cat([p.bias if p.bias is not None else torch.zeros(p.out_features) for p in parts])
-    return QuantLinear(torch.cat([p.raw for p in parts]), parts[0].kind, parts[0].in_features, biases,
-                       parts[0].weight_precision)
+    return QuantLinear(torch.cat([p.packed for p in parts]), parts[0].kind, parts[0].in_features, biases,
+                       parts[0].weight_precision, packed=True)
 
 
 # Whole models ------------------------------------------------------------------------------------
@@ -503,7 +539,8 @@ def load_modules(path: Path, source: dict) -> dict[str, QuantLinear] | None:
         return None
     out = {}
     for name, (kind, in_features, precision) in layout.items():
-        out[name] = QuantLinear(tensors[f"{name}.raw"], kind, in_features, tensors.get(f"{name}.bias"), precision)
+        out[name] = QuantLinear(tensors[f"{name}.packed"], kind, in_features, tensors.get(f"{name}.bias"), precision,
+                                packed=True)
     return out
 
 

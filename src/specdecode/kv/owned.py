@@ -359,7 +359,7 @@ def _native_parts(weight, table: int) -> list[tuple] | None:
         parts = [_native_parts(p, table) for p in weight.parts]
         return None if any(p is None for p in parts) else [x for p in parts for x in p]
     if isinstance(weight, QuantLinear) and table:
-        return [(1, weight.raw, weight.fmt, weight.in_features, table, weight.bias)]
+        return [(1, weight.packed, weight.fmt, weight.in_features, table, weight.bias)]
     return None
 
 
