@@ -48,9 +48,14 @@ logger = logging.getLogger(__name__)
 _CSRC = Path(__file__).with_name("csrc")
 _SOURCES = [_CSRC / name for name in ("lowbit.cpp", "step.cpp")]
 _QGEMM = _CSRC / "qgemm.c"
+_HEADER = _CSRC / "qtable.h"  # the table layout both sides share
 _lock = threading.Lock()
 _kernel = None  # the compiled torch extension, False once its build failed
 _kernel_note = "not loaded yet"
+
+#: Rows above which a prompt's prefill (which need not be row-invariant: plain and speculative decoding
+#: prefill alike) dequantizes the weight and runs one many-row float product instead of the kernel.
+PREFILL_ROWS = 32
 
 #: GGUF block types run as stored: name -> (format id in csrc/qgemm.c, weights per block, bytes per block).
 GGUF_BLOCKS = {"Q4_0": (0, 32, 18), "Q4_1": (1, 32, 20), "Q5_0": (2, 32, 22), "Q8_0": (3, 32, 34),
@@ -139,13 +144,13 @@ def load_variant(name: str, cache_dir=None) -> int:
     if name not in supported_variants():
         raise SpecDecodeError(f"this CPU cannot run the {name} kernel (it runs: {', '.join(supported_variants()) or 'none'})")
     _, flags, macro = VARIANTS[name]
-    digest = hashlib.sha256(_QGEMM.read_bytes() + " ".join(flags).encode()).hexdigest()[:12]
+    digest = hashlib.sha256(_QGEMM.read_bytes() + _HEADER.read_bytes() + " ".join(flags).encode()).hexdigest()[:12]
     out = _cache_base(cache_dir) / "kernels" / f"qgemm-{name}-{digest}.so"
     if not out.is_file():
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
         cmd = [os.environ.get("CC", "gcc"), "-O3", "-std=gnu11", "-shared", "-fPIC", *flags, f"-D{macro}",
-               str(_QGEMM), "-o", str(tmp)]
+               f"-I{_CSRC}", str(_QGEMM), "-o", str(tmp), "-lm"]
         try:
             subprocess.run(cmd, check=True, capture_output=True, text=True)
         except (OSError, subprocess.CalledProcessError) as exc:
@@ -247,7 +252,7 @@ def load_kernel(cache_dir: str | Path | None = None):
             return None
         # the source, this checkout and this interpreter (ninja's build file holds their absolute paths)
         where = f"{Path(__file__).resolve().parent}|{sys.prefix}".encode()
-        digest = hashlib.sha256(b"".join(s.read_bytes() for s in _SOURCES) + where).hexdigest()[:12]
+        digest = hashlib.sha256(b"".join(s.read_bytes() for s in (*_SOURCES, _HEADER)) + where).hexdigest()[:12]
         build = _cache_base(cache_dir) / "kernels" / f"lowbit-{torch.__version__.split('+')[0]}-{digest}"
         try:
             from torch.utils.cpp_extension import load
@@ -272,6 +277,7 @@ def load_kernel(cache_dir: str | Path | None = None):
                           flush=True)
                     stale.unlink(missing_ok=True)
                 _kernel = load(name, [str(s) for s in _SOURCES], extra_cflags=["-O3", "-fopenmp"],
+                               extra_include_paths=[str(_CSRC)],
                                extra_ldflags=["-fopenmp"], build_directory=str(build), verbose=False)
             took = time.perf_counter() - start
             if fresh:
@@ -382,11 +388,21 @@ class QuantLinear(torch.nn.Module):
         return unpack(self.packed.numpy(), self.kind)
 
     def forward(self, x: torch.Tensor, exact: bool = True, prompt: bool = False) -> torch.Tensor:
-        """x [..., in_features] -> [..., out_features] float32; the same arithmetic for any number of
-        rows (``exact`` / ``prompt`` are accepted for the owned forward's calls and change nothing)."""
+        """x [..., in_features] -> [..., out_features] float32; the same arithmetic for any number of rows.
+
+        ``exact=False`` with more than :data:`PREFILL_ROWS` rows (a prompt's prefill): the weight is
+        dequantized once and multiplied in one many-row product (float32, or with ``prompt`` bfloat16 on
+        CPUs with AVX512-BF16 / AMX), which is faster there and not row-invariant.
+        """
         rows = x.reshape(-1, self.in_features).float().contiguous()
         kernel, table = load_kernel(), variant_table()
-        if kernel is not None and table:
+        if not exact and rows.shape[0] > PREFILL_ROWS:
+            weight = kernel.q_dequantize(self.packed, self.fmt, self.in_features, table) if table else self.dequantize()
+            if prompt and fast_bf16():
+                out = F.linear(rows.to(torch.bfloat16), weight.to(torch.bfloat16)).float()
+            else:
+                out = F.linear(rows, weight)
+        elif kernel is not None and table:
             out = kernel.q_linear(rows, self.packed, self.fmt, table)
         else:  # the reference: 8-bit activations, fixed 16-row blocks, every block padded (row-invariant)
             from specdecode.kernels import row_product

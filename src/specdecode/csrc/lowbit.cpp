@@ -10,21 +10,13 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include <vector>
+
 #include <tuple>
 
-namespace {
+#include "qtable.h"
 
-struct SdTable {
-  int32_t version;
-  const char* name;
-  void (*quantize32)(const float*, int64_t, int64_t, int8_t*, float*, float*);
-  void (*quantize256)(const float*, int64_t, int64_t, int8_t*, float*, int16_t*);
-  void (*gemm32)(int, const uint8_t*, int64_t, int64_t, const int8_t*, const float*, const float*, int64_t, float*,
-                 int64_t, int64_t, int64_t);
-  void (*gemmk)(int, const uint8_t*, int64_t, int64_t, const int8_t*, const float*, const int16_t*, int64_t, float*,
-                int64_t, int64_t, int64_t);
-  void (*dequantize)(int, const uint8_t*, int64_t, int64_t, float*, int64_t, int64_t);
-};
+namespace {
 
 constexpr int kFormats = 6;
 constexpr int kBlockBytes[kFormats] = {18, 20, 22, 34, 144, 210};  // Q4_0 Q4_1 Q5_0 Q8_0 Q4_K Q6_K
@@ -33,7 +25,8 @@ constexpr int kBlockSize[kFormats] = {32, 32, 32, 32, 256, 256};
 const SdTable* table_of(int64_t address) {
   TORCH_CHECK(address != 0, "no low-bit kernel variant loaded");
   const auto* t = reinterpret_cast<const SdTable*>(address);
-  TORCH_CHECK(t->version == 1, "low-bit kernel table version ", t->version, ", expected 1");
+  TORCH_CHECK(t->version == SD_TABLE_VERSION, "low-bit kernel table version ", t->version, ", expected ",
+              SD_TABLE_VERSION, " (a kernel compiled from another source)");
   return t;
 }
 
@@ -47,6 +40,31 @@ void check_weight(const torch::Tensor& w, int64_t fmt, int64_t k) {
 }
 
 }  // namespace
+
+const SdTable* sd_table_at(int64_t address) { return table_of(address); }
+
+// out[r * ldo + n] = x[r] . w[n] for rows r < rows, n < n_out: the activation quantization and the
+// thread split of q_linear on raw buffers (the C++ layer loop's products).
+void q_product(const SdTable* t, const float* x, int64_t rows, int64_t k, const uint8_t* w, int64_t n_out,
+               int64_t ldw, int64_t fmt, float* out, int64_t ldo) {
+  std::vector<int8_t> q(rows * k);
+  if (kBlockSize[fmt] == 32) {
+    std::vector<float> d(rows * (k / 32)), s(rows * (k / 32));
+    t->quantize32(x, rows, k, q.data(), d.data(), s.data());
+    const int64_t grain = std::max<int64_t>(8, n_out / (8 * at::get_num_threads()) + 1);
+    at::parallel_for(0, n_out, grain, [&](int64_t n0, int64_t n1) {
+      t->gemm32(static_cast<int>(fmt), w, ldw, k, q.data(), d.data(), s.data(), rows, out, ldo, n0, n1);
+    });
+  } else {
+    std::vector<float> d(rows * (k / 256));
+    std::vector<int16_t> b(rows * (k / 16));
+    t->quantize256(x, rows, k, q.data(), d.data(), b.data());
+    const int64_t grain = std::max<int64_t>(8, n_out / (8 * at::get_num_threads()) + 1);
+    at::parallel_for(0, n_out, grain, [&](int64_t n0, int64_t n1) {
+      t->gemmk(static_cast<int>(fmt), w, ldw, k, q.data(), d.data(), b.data(), rows, out, ldo, n0, n1);
+    });
+  }
+}
 
 // x [rows, k] float32 -> the 8-bit activations the format multiplies:
 //   32-blocks: (q [rows, k] int8, d [rows, k/32] float32, s [rows, k/32] float32 = d * sum q)
@@ -71,27 +89,13 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> q_quantize(torch::Tensor
 // x [rows, k] float32 @ w.T -> [rows, out] float32, w: GGUF blocks of ``fmt``, [out, bytes per row]
 torch::Tensor q_linear(torch::Tensor x, torch::Tensor w, int64_t fmt, int64_t table) {
   const SdTable* t = table_of(table);
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(),
+              "x must be a contiguous float32 [rows, in_features] tensor");
   const int64_t k = x.size(1);
   check_weight(w, fmt, k);
-  auto [q, d, s] = q_quantize(x, fmt, table);
-  const int64_t rows = x.size(0), n_out = w.size(0), ldw = w.size(1);
+  const int64_t rows = x.size(0), n_out = w.size(0);
   auto out = torch::empty({rows, n_out}, torch::kFloat32);
-  const uint8_t* wp = w.data_ptr<uint8_t>();
-  const int8_t* qp = q.data_ptr<int8_t>();
-  const float* dp = d.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  const int64_t grain = std::max<int64_t>(8, n_out / (8 * at::get_num_threads()) + 1);
-  if (kBlockSize[fmt] == 32) {
-    const float* sp = s.data_ptr<float>();
-    at::parallel_for(0, n_out, grain, [&](int64_t n0, int64_t n1) {
-      t->gemm32(static_cast<int>(fmt), wp, ldw, k, qp, dp, sp, rows, op, n_out, n0, n1);
-    });
-  } else {
-    const int16_t* bp = s.data_ptr<int16_t>();
-    at::parallel_for(0, n_out, grain, [&](int64_t n0, int64_t n1) {
-      t->gemmk(static_cast<int>(fmt), wp, ldw, k, qp, dp, bp, rows, op, n_out, n0, n1);
-    });
-  }
+  q_product(t, x.data_ptr<float>(), rows, k, w.data_ptr<uint8_t>(), n_out, w.size(1), fmt, out.data_ptr<float>(), n_out);
   return out;
 }
 

@@ -20,8 +20,11 @@
 // bit the same alone or among any rows (batch-invariant by construction), which is what keeps
 // speculative decoding equal to plain decoding.
 #include <immintrin.h>
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
+
+#include "qtable.h"
 
 enum { SD_Q4_0 = 0, SD_Q4_1 = 1, SD_Q5_0 = 2, SD_Q8_0 = 3, SD_Q4_K = 4, SD_Q6_K = 5 };
 
@@ -398,20 +401,124 @@ static void dequantize(int fmt, const uint8_t* w, int64_t ldw, int64_t k, float*
 }
 
 // ---------------------------------------------------------------------------------------------
+// The rest of a decoder layer, row by row: each row's arithmetic in one fixed order, so a row's
+// result does not depend on the other rows (the same batch-invariance as the products).
+
+// e^x for x <= 88 (x < -87: 0), relative error about 2e-7: 2^n * p(r), r = x - n ln 2
+static inline __m256 exp8(__m256 x) {
+  const __m256 lo = _mm256_set1_ps(-87.0f);
+  const __m256 under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
+  x = _mm256_min_ps(_mm256_max_ps(x, lo), _mm256_set1_ps(88.0f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_andnot_ps(under, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
+}
+
+static inline __m256 load_h8(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)); }
+
+// one query row's attention over the visible cache columns, in column order, for heads h0..h1
+static void attention(const float* q, int64_t heads, int64_t kv_heads, int64_t d, const uint16_t* kc,
+                      const uint16_t* vc, int64_t plane, const uint8_t* visible, int64_t kv_len, float scale,
+                      float* scratch, float* out, int64_t h0, int64_t h1) {
+  const int64_t group = heads / kv_heads, dv = d / 8;  // d: a multiple of 8 (checked by the caller)
+  for (int64_t h = h0; h < h1; ++h) {
+    const float* qh = q + h * d;
+    const uint16_t* kh = kc + (h / group) * plane * d;
+    const uint16_t* vh = vc + (h / group) * plane * d;
+    __m256 qv[32];
+    for (int64_t i = 0; i < dv; ++i) qv[i] = _mm256_mul_ps(_mm256_loadu_ps(qh + 8 * i), _mm256_set1_ps(scale));
+    float m = -INFINITY;
+    for (int64_t j = 0; j < kv_len; ++j) {  // scores
+      if (visible && !visible[j]) continue;
+      const uint16_t* kj = kh + j * d;
+      __m256 a0 = _mm256_mul_ps(qv[0], load_h8(kj)), a1 = _mm256_setzero_ps();
+      for (int64_t i = 1; i < dv; ++i) {
+        if (i & 1) a1 = _mm256_fmadd_ps(qv[i], load_h8(kj + 8 * i), a1);
+        else a0 = _mm256_fmadd_ps(qv[i], load_h8(kj + 8 * i), a0);
+      }
+      const float sc = hsum(_mm256_add_ps(a0, a1));
+      scratch[j] = sc;
+      m = sc > m ? sc : m;
+    }
+    // probabilities (masked columns 0), their sum lane by lane (column j in lane j % 8)
+    __m256 sum = _mm256_setzero_ps();
+    const __m256 mv = _mm256_set1_ps(m);
+    int64_t j = 0;
+    for (; j < kv_len; j += 8) {
+      const int cnt = kv_len - j < 8 ? (int)(kv_len - j) : 8;
+      float t[8] = {0};
+      int keep[8] = {0};
+      for (int i = 0; i < cnt; ++i) {
+        keep[i] = !visible || visible[j + i];
+        t[i] = keep[i] ? scratch[j + i] : m;
+      }
+      __m256 p = exp8(_mm256_sub_ps(_mm256_loadu_ps(t), mv));
+      const __m256 km = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_loadu_si256((const __m256i*)keep), _mm256_setzero_si256()));
+      p = _mm256_and_ps(p, km);
+      _mm256_storeu_ps(t, p);
+      for (int i = 0; i < cnt; ++i) scratch[j + i] = t[i];
+      sum = _mm256_add_ps(sum, p);
+    }
+    const float inv = 1.0f / hsum(sum);
+    __m256 acc[32];
+    for (int64_t i = 0; i < dv; ++i) acc[i] = _mm256_setzero_ps();
+    for (j = 0; j < kv_len; ++j) {
+      if (visible && !visible[j]) continue;
+      const __m256 pj = _mm256_set1_ps(scratch[j]);
+      const uint16_t* vj = vh + j * d;
+      for (int64_t i = 0; i < dv; ++i) acc[i] = _mm256_fmadd_ps(pj, load_h8(vj + 8 * i), acc[i]);
+    }
+    for (int64_t i = 0; i < dv; ++i) _mm256_storeu_ps(out + h * d + 8 * i, _mm256_mul_ps(acc[i], _mm256_set1_ps(inv)));
+  }
+}
+
+static void rmsnorm(const float* x, const float* w, int64_t n, float eps, float* out) {
+  __m256 s = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 v = _mm256_loadu_ps(x + i);
+    s = _mm256_fmadd_ps(v, v, s);
+  }
+  float ss = hsum(s);
+  for (; i < n; ++i) ss += x[i] * x[i];
+  const float inv = 1.0f / sqrtf(ss / (float)n + eps);
+  for (i = 0; i + 8 <= n; i += 8)
+    _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_loadu_ps(w + i), _mm256_mul_ps(_mm256_loadu_ps(x + i), _mm256_set1_ps(inv))));
+  for (; i < n; ++i) out[i] = w[i] * (x[i] * inv);
+}
+
+static void silu_mul(const float* g, const float* u, int64_t n, float* out) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 gv = _mm256_loadu_ps(g + i);
+    const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), gv));
+    const __m256 sv = _mm256_div_ps(gv, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
+    _mm256_storeu_ps(out + i, _mm256_mul_ps(sv, _mm256_loadu_ps(u + i)));
+  }
+  for (; i < n; ++i) out[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+}
+
+static void to_f16(const float* x, uint16_t* out, int64_t n) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    _mm_storeu_si128((__m128i*)(out + i), _mm256_cvtps_ph(_mm256_loadu_ps(x + i), _MM_FROUND_TO_NEAREST_INT));
+  for (; i < n; ++i) out[i] = _cvtss_sh(x[i], _MM_FROUND_TO_NEAREST_INT);
+}
+
+// ---------------------------------------------------------------------------------------------
 // The table the Python side reads (through ctypes) and hands to the torch extension.
 
-typedef struct {
-  int32_t version;
-  const char* name;
-  void (*quantize32)(const float*, int64_t, int64_t, int8_t*, float*, float*);
-  void (*quantize256)(const float*, int64_t, int64_t, int8_t*, float*, int16_t*);
-  void (*gemm32)(int, const uint8_t*, int64_t, int64_t, const int8_t*, const float*, const float*, int64_t, float*,
-                 int64_t, int64_t, int64_t);
-  void (*gemmk)(int, const uint8_t*, int64_t, int64_t, const int8_t*, const float*, const int16_t*, int64_t, float*,
-                int64_t, int64_t, int64_t);
-  void (*dequantize)(int, const uint8_t*, int64_t, int64_t, float*, int64_t, int64_t);
-} SdTable;
-
-static const SdTable kTable = {1, SD_NAME, quantize32, quantize256, gemm32, gemmk, dequantize};
+static const SdTable kTable = {SD_TABLE_VERSION, SD_NAME, quantize32, quantize256, gemm32, gemmk, dequantize,
+                               attention, rmsnorm, silu_mul, to_f16};
 
 const SdTable* sd_table(void) { return &kTable; }

@@ -6,10 +6,18 @@
 #include <torch/extension.h>
 #include <pybind11/stl.h>
 
+#include <ATen/Parallel.h>
+
+#include <cmath>
 #include <optional>
 #include <vector>
 
+#include "qtable.h"
+
 torch::Tensor q_linear(torch::Tensor x, torch::Tensor w, int64_t fmt, int64_t table);  // lowbit.cpp
+const SdTable* sd_table_at(int64_t address);                                             // lowbit.cpp
+void q_product(const SdTable* t, const float* x, int64_t rows, int64_t k, const uint8_t* w, int64_t n_out,
+               int64_t ldw, int64_t fmt, float* out, int64_t ldo);                      // lowbit.cpp
 
 namespace {
 
@@ -57,6 +65,46 @@ struct Product {
     return torch::cat(outs, -1);
   }
 };
+
+// The product on raw buffers: every part a GGUF-block weight (kind 1), written side by side.
+void fused_product(const Product& prod, const SdTable* t, const float* x, int64_t rows, float* out, int64_t ldo) {
+  int64_t col = 0;
+  for (const auto& p : prod.parts) {
+    const int64_t n_out = p.a.size(0);
+    q_product(t, x, rows, p.in, p.a.data_ptr<uint8_t>(), n_out, p.a.size(1), p.fmt, out + col, ldo);
+    if (p.bias) {
+      const float* b = p.bias->data_ptr<float>();
+      for (int64_t r = 0; r < rows; ++r)
+        for (int64_t n = 0; n < n_out; ++n) out[r * ldo + col + n] += b[n];
+    }
+    col += n_out;
+  }
+}
+
+int64_t product_width(const Product& prod) {
+  int64_t w = 0;
+  for (const auto& p : prod.parts) w += p.a.size(0);
+  return w;
+}
+
+bool all_quant(const Product& prod) {
+  for (const auto& p : prod.parts)
+    if (p.kind != 1) return false;
+  return !prod.parts.empty();
+}
+
+// rotate-half RoPE of one row's heads in place: x [heads, d], cos / sin [d]
+void rope_row(float* x, int64_t heads, int64_t d, const float* cos, const float* sin) {
+  const int64_t half = d / 2;
+  for (int64_t h = 0; h < heads; ++h) {
+    float* v = x + h * d;
+    for (int64_t i = 0; i < half; ++i) {
+      const float a = v[i], b = v[i + half];
+      v[i] = a * cos[i] - b * sin[i];
+      v[i + half] = b * cos[i + half] + a * sin[i + half];
+    }
+  }
+}
 
 struct Layer {
   torch::Tensor ln1, ln2;
@@ -152,6 +200,102 @@ class LayerStack {
     return x;
   }
 
+  // Every layer in C++ on raw float32 buffers (low-bit models): the products of lowbit.cpp, RMSNorm,
+  // RoPE, attention over a float16 cache and SiLU from the kernel table, each row in one fixed order,
+  // so a row's result does not depend on the other rows (batch-invariant by construction).
+  // x [n, hidden] float32 (n = b * q); cos / sin [n, d] float32; k_cache / v_cache float16
+  // [layers, slots, kv_heads, columns, d]; rows [row0, row0 + b) of the slots; columns [b, q] int64;
+  // visible [b, q, kv_len] bool or None (None: every column < kv_len); layers: the layers to run
+  // (empty: all); capture: after which layers (0 = the input) to keep x. Returns [x, kept...].
+  std::vector<torch::Tensor> run_fused(torch::Tensor x_in, torch::Tensor cos, torch::Tensor sin, torch::Tensor k_cache,
+                                       torch::Tensor v_cache, int64_t row0, torch::Tensor columns,
+                                       std::optional<torch::Tensor> visible, int64_t kv_len, int64_t table,
+                                       std::vector<int64_t> layers, std::vector<int64_t> capture) const {
+    const SdTable* t = sd_table_at(table);
+    TORCH_CHECK(k_cache.scalar_type() == torch::kHalf && v_cache.scalar_type() == torch::kHalf &&
+                k_cache.is_contiguous() && v_cache.is_contiguous(), "the fused forward takes a contiguous float16 cache");
+    TORCH_CHECK(d_ % 8 == 0 && d_ <= 256, "head_dim must be a multiple of 8, at most 256");
+    const int64_t b = columns.size(0), q = columns.size(1), n = b * q;
+    const int64_t h = h_, kvh = kvh_, d = d_, hidden = x_in.size(1);
+    const int64_t slots = k_cache.size(1), plane = k_cache.size(3);
+    const int64_t layer_stride = slots * kvh * plane * d, slot_stride = kvh * plane * d;
+    torch::Tensor xt = x_in.to(torch::kFloat32).contiguous().clone();
+    float* x = xt.data_ptr<float>();
+    const float* cs = cos.data_ptr<float>();
+    const float* sn = sin.data_ptr<float>();
+    const int64_t* col = columns.data_ptr<int64_t>();
+    torch::Tensor vis_t;
+    const uint8_t* vis = nullptr;
+    if (visible) {
+      vis_t = visible->to(torch::kUInt8).contiguous();
+      vis = vis_t.data_ptr<uint8_t>();
+    }
+    uint16_t* kc = reinterpret_cast<uint16_t*>(k_cache.data_ptr<at::Half>());
+    uint16_t* vc = reinterpret_cast<uint16_t*>(v_cache.data_ptr<at::Half>());
+    std::vector<int64_t> order = layers;
+    if (order.empty())
+      for (size_t i = 0; i < layers_.size(); ++i) order.push_back(static_cast<int64_t>(i));
+    const int64_t qkv_w = (h + 2 * kvh) * d;
+    int64_t inter = 0;
+    for (const auto& l : layers_) inter = std::max<int64_t>(inter, product_width(l.gate_up) / 2);
+    std::vector<float> hbuf(n * hidden), qkv(n * qkv_w), att(n * h * d), tmp(n * hidden), gu(n * 2 * inter),
+        act(n * inter);
+    std::vector<torch::Tensor> kept;
+    auto keep = [&](int64_t after) {
+      for (int64_t c : capture)
+        if (c == after) kept.push_back(xt.clone());
+    };
+    keep(0);
+    for (int64_t li : order) {
+      const Layer& L = layers_.at(li);
+      TORCH_CHECK(all_quant(L.qkv) && all_quant(L.o) && all_quant(L.gate_up) && all_quant(L.down),
+                  "the fused forward runs GGUF-block products only");
+      // 1. attention block: norm, q/k/v, RoPE, cache write, attention, output projection
+      for (int64_t r = 0; r < n; ++r) t->rmsnorm(x + r * hidden, L.ln1.data_ptr<float>(), hidden, (float)eps_, hbuf.data() + r * hidden);
+      fused_product(L.qkv, t, hbuf.data(), n, qkv.data(), qkv_w);
+      if (L.qkv_bias) {
+        const float* bb = L.qkv_bias->data_ptr<float>();
+        for (int64_t r = 0; r < n; ++r)
+          for (int64_t i = 0; i < qkv_w; ++i) qkv[r * qkv_w + i] += bb[i];
+      }
+      uint16_t* kl = kc + li * layer_stride;
+      uint16_t* vl = vc + li * layer_stride;
+      for (int64_t r = 0; r < n; ++r) {
+        float* row = qkv.data() + r * qkv_w;
+        rope_row(row, h, d, cs + r * d, sn + r * d);
+        rope_row(row + h * d, kvh, d, cs + r * d, sn + r * d);
+        const int64_t slot = row0 + r / q, c = col[r];
+        for (int64_t g = 0; g < kvh; ++g) {
+          t->to_f16(row + (h + g) * d, kl + slot * slot_stride + g * plane * d + c * d, d);
+          t->to_f16(row + (h + kvh + g) * d, vl + slot * slot_stride + g * plane * d + c * d, d);
+        }
+      }
+      const float scale = 1.0f / std::sqrt(static_cast<float>(d));
+      at::parallel_for(0, n * h, 1, [&](int64_t i0, int64_t i1) {
+        std::vector<float> scratch(kv_len);
+        for (int64_t i = i0; i < i1; ++i) {
+          const int64_t r = i / h, head = i % h, slot = row0 + r / q;
+          t->attention(qkv.data() + r * qkv_w, h, kvh, d, kl + slot * slot_stride, vl + slot * slot_stride, plane,
+                       vis ? vis + r * kv_len : nullptr, kv_len, scale, scratch.data(), att.data() + r * h * d, head,
+                       head + 1);
+        }
+      });
+      fused_product(L.o, t, att.data(), n, tmp.data(), hidden);
+      for (int64_t i = 0; i < n * hidden; ++i) x[i] += tmp[i];
+      // 2. MLP block: norm, gate / up, SiLU(gate) * up, down
+      for (int64_t r = 0; r < n; ++r) t->rmsnorm(x + r * hidden, L.ln2.data_ptr<float>(), hidden, (float)eps_, hbuf.data() + r * hidden);
+      const int64_t I = product_width(L.gate_up) / 2;
+      fused_product(L.gate_up, t, hbuf.data(), n, gu.data(), 2 * I);
+      for (int64_t r = 0; r < n; ++r) t->silu_mul(gu.data() + r * 2 * I, gu.data() + r * 2 * I + I, I, act.data() + r * I);
+      fused_product(L.down, t, act.data(), n, tmp.data(), hidden);
+      for (int64_t i = 0; i < n * hidden; ++i) x[i] += tmp[i];
+      keep(li + 1);
+    }
+    std::vector<torch::Tensor> result{xt};
+    for (auto& k : kept) result.push_back(k);
+    return result;
+  }
+
  private:
   int64_t h_, kvh_, d_;
   double eps_;
@@ -162,5 +306,6 @@ void register_step(py::module_& m) {
   py::class_<LayerStack>(m, "LayerStack")
       .def(py::init<int64_t, int64_t, int64_t, double>())
       .def("add_layer", &LayerStack::add_layer)
-      .def("run", &LayerStack::run, py::call_guard<py::gil_scoped_release>());
+      .def("run", &LayerStack::run, py::call_guard<py::gil_scoped_release>())
+      .def("run_fused", &LayerStack::run_fused, py::call_guard<py::gil_scoped_release>());
 }

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from specdecode.kernels import ROW_BLOCK, row_product
-from specdecode.lowbit import LOWBIT_TYPES, QuantLinear, concat as concat_lowbit, variant_table
+from specdecode.lowbit import LOWBIT_TYPES, PREFILL_ROWS, QuantLinear, concat as concat_lowbit, variant_table
 from specdecode.kv.base import SlotRunner
 from specdecode.types import SpecDecodeError
 
@@ -215,6 +215,7 @@ class OwnedRunner(SlotRunner):
         # float32 like the Hugging Face rotary embedding, so both forwards rotate identically
         self.inv_freq = 1.0 / (theta ** (torch.arange(0, self.head_dim, 2, dtype=torch.int64).float() / self.head_dim))
         int8 = any(not isinstance(l.qkv, torch.Tensor) for l in self.layers)  # low-bit modules
+        asked_fast = batch_invariant is False  # teacher forcing: invariance not needed
         if batch_invariant is None:
             batch_invariant = default_batch_invariant(model)
         self.batch_invariant = bool(batch_invariant or int8)
@@ -222,8 +223,10 @@ class OwnedRunner(SlotRunner):
         #: low-bit products of many rows in a full forward take the fast dequantized product unless the
         #: caller asked for invariance (the engine's default); ``batch_invariant=False`` (teacher forcing)
         #: gets the fast one
-        self._exact_products = batch_invariant is not False
-        self.cache_dtype = torch.float64 if self.batch_invariant else self.dtype
+        self._exact_products = not asked_fast
+        # float16 keys / values for low-bit weights (attention row by row in C, fixed order: no float64 needed)
+        self.cache_dtype = torch.float16 if int8 else torch.float64 if self.batch_invariant else self.dtype
+        self._table = 0  # the low-bit kernel table the C++ layer loop calls (set when it is built)
         #: The product kernel of float weights in decoding / verification forwards
         #: (``kernels.row_product``; None: int8 modules, row-invariant themselves, or not invariant).
         self.row_kernel = "padded" if batch_invariant and not int8 else None
@@ -277,6 +280,8 @@ class OwnedRunner(SlotRunner):
     def _run(self, rows, ids, positions, columns, mask, kv_len, layers, last):
         b, q = ids.shape
         n = b * q
+        if self.lowbit and last is not None and b > 1 and n > PREFILL_ROWS:
+            return self._prefill_rows_alone(rows, ids, positions, columns, mask, layers, last)
         h, kvh, d = self.num_heads, self.num_kv_heads, self.head_dim
         cos, sin = self._rope(positions.reshape(-1))  # [n, d]
         x = self.embed[ids.reshape(-1)]  # [n, hidden]
@@ -290,11 +295,21 @@ class OwnedRunner(SlotRunner):
         # a prompt-sized last_only forward attends in the model's dtype (its cache columns converted once per
         # layer); small ones (drafting) read the cache as it is
         att_dtype = x.dtype if last is not None and n > ROW_BLOCK else self.cache_dtype
+        prefill = last is not None and n > PREFILL_ROWS  # a prompt: fast float products, not row-invariant
+        if self.lowbit:  # float16 cache; the Python loop attends in float64 (exact) but for a prompt
+            att_dtype = torch.float32 if prefill else torch.float64
         capture = self.capture_layers if layers is None else None  # a draft head's features (full forwards)
         kept = {0: x} if capture and 0 in capture else {}
-        whole = layers is None and not capture
-        native = self._native_stack() if whole else None
-        if native is not None:  # the same operations as the loop below, in one C++ call
+        native = self._native_stack() if (self.lowbit and not prefill) or (layers is None and not capture) else None
+        if native is not None and self.lowbit:  # every layer in C++, row-invariant by construction
+            order = list(range(self.num_layers)) if layers is None else list(layers)
+            wanted = sorted(set(capture or ()))
+            outs = native.run_fused(x, cos.float(), sin.float(), self.k_cache, self.v_cache, rows.start or 0,
+                                    columns, mask, kv_len, self._table, order, wanted)
+            x = outs[0]
+            met = [a for a in [0] + [i + 1 for i in order] if a in wanted]
+            kept = dict(zip(met, outs[1:]))
+        elif native is not None:  # the same operations as the loop below, in one C++ call
             x = native.run(x, cos, sin, self.k_cache, self.v_cache, rows.start or 0, rows.stop, columns,
                            -1 if start is None else start, attn_mask, kv_len, att_dtype == self.cache_dtype,
                            kernel == "padded")
@@ -338,6 +353,26 @@ class OwnedRunner(SlotRunner):
         hidden = _rms_norm(x.reshape(-1, x.shape[-1]), self.norm, self.eps)
         return _mm(self.lm_head, hidden, kernel, exact, prompt).float().view(b, x.shape[1], -1)
 
+    def _prefill_rows_alone(self, rows, ids, positions, columns, mask, layers, last):
+        """A low-bit batch's prompts prefilled one row at a time, each with its own token count: a long
+        prompt's fast float products are not row-invariant, so a row's prefill must not depend on the
+        rows beside it (plain decoding prefills it alone)."""
+        b, q = ids.shape
+        first = rows.start or 0
+        logits, features = [], []
+        for i in range(b):
+            c = int(last[i]) + 1
+            kv_len = int(columns[i, :c].max()) + 1
+            m = None if mask is None else mask[i : i + 1, :c, :kv_len]
+            logits.append(self._run(slice(first + i, first + i + 1), ids[i : i + 1, :c], positions[i : i + 1, :c],
+                                    columns[i : i + 1, :c], m, kv_len, layers, last[i : i + 1]))
+            if self.capture_layers and layers is None:
+                f = self.last_features
+                features.append(torch.cat([f, f.new_zeros(1, q - c, f.shape[-1])], dim=1))
+        if features:
+            self.last_features = torch.cat(features)
+        return torch.cat(logits)
+
     def _native_stack(self):
         """The C++ layer loop (``csrc/step.cpp``) over this runner's weights, or None: the extension did
         not build, ``SPECDECODE_NATIVE_STEP=0``, or a product this loop does not know."""
@@ -374,6 +409,9 @@ def _build_native(runner: OwnedRunner):
     if kernel is None or not hasattr(kernel, "LayerStack"):
         return None
     table = variant_table() if runner.lowbit else 0
+    if runner.lowbit and not table:
+        return None
+    runner._table = table
     stack = kernel.LayerStack(runner.num_heads, runner.num_kv_heads, runner.head_dim, runner.eps)
     for layer in runner.layers:
         products = [_native_parts(w, table) for w in (layer.qkv, layer.o, layer.gate_up, layer.down)]

@@ -1,0 +1,33 @@
+// The function table of one instruction-set variant of csrc/qgemm.c (C ABI), shared by the variant
+// (which fills it) and the torch extension (which calls it). Bump kSdTableVersion with any change.
+#pragma once
+#include <stdint.h>
+
+#define SD_TABLE_VERSION 2
+
+typedef struct {
+  int32_t version;
+  const char* name;
+  // x [rows, k] float32 -> int8 q [rows, k], d and s [rows, k/32] (s = d * sum q)
+  void (*quantize32)(const float*, int64_t, int64_t, int8_t*, float*, float*);
+  // x [rows, k] float32 -> int8 q [rows, k], d [rows, k/256], bsums int16 [rows, k/16]
+  void (*quantize256)(const float*, int64_t, int64_t, int8_t*, float*, int16_t*);
+  // (fmt, w, bytes per weight row, k, q, d, s, rows, out, ldo, n0, n1): out[r * ldo + n], n0 <= n < n1
+  void (*gemm32)(int, const uint8_t*, int64_t, int64_t, const int8_t*, const float*, const float*, int64_t, float*,
+                 int64_t, int64_t, int64_t);
+  void (*gemmk)(int, const uint8_t*, int64_t, int64_t, const int8_t*, const float*, const int16_t*, int64_t, float*,
+                int64_t, int64_t, int64_t);
+  // (fmt, w, bytes per row, k, out [n1 - n0, k], n0, n1)
+  void (*dequantize)(int, const uint8_t*, int64_t, int64_t, float*, int64_t, int64_t);
+  // attention of one query row, heads h0..h1: (q [heads, d], heads, kv_heads, d, k / v cache float16
+  // [kv_heads, plane, d] of this slot and layer, plane (columns per kv head), visible [kv_len] uint8 or
+  // NULL (all), kv_len, scale, scratch [kv_len] float32, out [heads, d], h0, h1)
+  void (*attention)(const float*, int64_t, int64_t, int64_t, const uint16_t*, const uint16_t*, int64_t,
+                    const uint8_t*, int64_t, float, float*, float*, int64_t, int64_t);
+  // out [n] = w * x * rsqrt(mean(x^2) + eps)  (one row)
+  void (*rmsnorm)(const float*, const float*, int64_t, float, float*);
+  // out [n] = silu(g) * u
+  void (*silu_mul)(const float*, const float*, int64_t, float*);
+  // float32 [n] -> float16 [n] (round to nearest even)
+  void (*to_f16)(const float*, uint16_t*, int64_t);
+} SdTable;
