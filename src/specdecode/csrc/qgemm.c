@@ -22,6 +22,7 @@
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "qtable.h"
@@ -158,7 +159,6 @@ static void quantize256(const float* x, int64_t rows, int64_t k, int8_t* q, floa
 // Per row and block: the int32 lanes of u . x, acc += float(lanes) * (dw * dx); per group of eight
 // blocks m += mw * s (s: the activation block's scaled sum).
 
-#define SD_MAX_ROWS 16
 
 static const int kBlockBytes[6] = {18, 20, 22, 34, 144, 210};
 static const int kBlockSize[6] = {32, 32, 32, 32, 256, 256};
@@ -195,7 +195,7 @@ static inline __m256i unpack32(int fmt, const Soa* a, int64_t b) {
 static inline __m256 load_f16x8(const uint8_t* p, int cnt) {
   if (cnt == 8) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p));
   uint16_t t[8] = {0};
-  memcpy(t, p, 2 * cnt);
+  for (int i = 0; i < cnt; ++i) memcpy(t + i, p + 2 * i, 2);
   return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)t));
 }
 
@@ -217,41 +217,101 @@ static inline void scales8(int fmt, const Soa* a, int64_t b0, int cnt, __m256* d
   }
 }
 
-static void gemm32(int fmt, const uint8_t* w, int64_t ldw, int64_t k, const int8_t* xq, const float* xd,
-                   const float* xs, int64_t rows, float* out, int64_t ldo, int64_t n0, int64_t n1) {
-  const int64_t nb = k / 32;
-  const int signed_w = fmt == SD_Q8_0;
-  for (int64_t n = n0; n < n1; ++n) {
-    const Soa a = soa(fmt, w + n * ldw, nb);
-    for (int64_t r0 = 0; r0 < rows; r0 += SD_MAX_ROWS) {
-      const int64_t rr = rows - r0 < SD_MAX_ROWS ? rows - r0 : SD_MAX_ROWS;
-      __m256 acc[SD_MAX_ROWS], macc[SD_MAX_ROWS];
-      for (int64_t r = 0; r < rr; ++r) acc[r] = macc[r] = _mm256_setzero_ps();
-      for (int64_t b0 = 0; b0 < nb; b0 += 8) {
-        const int cnt = nb - b0 < 8 ? (int)(nb - b0) : 8;
-        __m256i u[8];
-        __m256 dw, mw;
-        scales8(fmt, &a, b0, cnt, &dw, &mw);
-        for (int i = 0; i < cnt; ++i) {
-          u[i] = unpack32(fmt, &a, b0 + i);
-          if (signed_w) u[i] = _mm256_sign_epi8(u[i], u[i]);  // |q|; the sign moves to x below
-        }
-        for (int64_t r = 0; r < rr; ++r) {
-          const int64_t row = r0 + r;
-          float sx[8];
-          _mm256_storeu_ps(sx, _mm256_mul_ps(dw, load_f32x8(xd + row * nb + b0, cnt)));
-          const int8_t* xr = xq + row * k + 32 * b0;
-          for (int i = 0; i < cnt; ++i) {
-            __m256i xv = _mm256_loadu_si256((const __m256i*)(xr + 32 * i));
-            if (signed_w) xv = _mm256_sign_epi8(xv, _mm256_loadu_si256((const __m256i*)(a.qs + 32 * (b0 + i))));
-            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u8s8(u[i], xv)), _mm256_broadcast_ss(sx + i), acc[r]);
-          }
-          macc[r] = _mm256_fmadd_ps(mw, load_f32x8(xs + row * nb + b0, cnt), macc[r]);
-        }
+// Rows per pass: every row keeps its accumulators in registers (16 vector registers on AVX2, 32 with
+// AVX-512). The pass size changes nothing in a row's arithmetic: each row has its own two float
+// accumulators (even / odd blocks), used the same way in any pass.
+#if defined(SD_VARIANT_AVX2)
+#define SD_PASS 4
+#else
+#define SD_PASS 8
+#endif
+#define SD_INLINE static inline __attribute__((always_inline))
+
+// One column's blocks, unpacked once into L1 (then read by every pass of rows).
+typedef struct {
+  uint8_t* u;    // [nb][32] unsigned values (Q8_0: |q|)
+  int8_t* sgn;   // Q8_0: the signed values (the sign moves to x); else unused
+  float* dw;     // [nb rounded up to 8] scales, zero-padded
+  float* mw;     // [nb rounded up to 8] zero-point terms, zero-padded
+} Col32;
+
+SD_INLINE void unpack_col32(int fmt, const Soa* a, int64_t nb, Col32* c) {
+  for (int64_t b0 = 0; b0 < nb; b0 += 8) {
+    const int cnt = nb - b0 < 8 ? (int)(nb - b0) : 8;
+    __m256 dw, mw;
+    scales8(fmt, a, b0, cnt, &dw, &mw);
+    _mm256_storeu_ps(c->dw + b0, dw);
+    _mm256_storeu_ps(c->mw + b0, mw);
+    for (int i = 0; i < cnt; ++i) {
+      __m256i u = unpack32(fmt, a, b0 + i);
+      if (fmt == SD_Q8_0) {
+        _mm256_storeu_si256((__m256i*)(c->sgn + 32 * (b0 + i)), u);
+        u = _mm256_sign_epi8(u, u);
       }
-      for (int64_t r = 0; r < rr; ++r) out[(r0 + r) * ldo + n] = hsum(acc[r]) + hsum(macc[r]);
+      _mm256_storeu_si256((__m256i*)(c->u + 32 * (b0 + i)), u);
     }
   }
+}
+
+// Rows r0..r0+P of one column. Per row: two float accumulators (even / odd blocks) and one for the
+// zero-point terms, whatever P.
+SD_INLINE void pass32(const int P, const int q8, const Col32* c, int64_t nb, int64_t k, const int8_t* xq,
+                      const float* xd, const float* xs, int64_t r0, float* out, int64_t ldo, int64_t n) {
+  __m256 a0[SD_PASS], a1[SD_PASS];
+  for (int r = 0; r < P; ++r) a0[r] = a1[r] = _mm256_setzero_ps();
+#define SD_BLOCK(b, acc)                                                                                  \
+  {                                                                                                       \
+    const __m256i u = _mm256_loadu_si256((const __m256i*)(c->u + 32 * (b)));                              \
+    const __m256i sg = q8 ? _mm256_loadu_si256((const __m256i*)(c->sgn + 32 * (b))) : u;                 \
+    const float dwb = c->dw[b];                                                                           \
+    for (int r = 0; r < P; ++r) {                                                                         \
+      __m256i xv = _mm256_loadu_si256((const __m256i*)(xq + (r0 + r) * k + 32 * (b)));                    \
+      if (q8) xv = _mm256_sign_epi8(xv, sg);                                                              \
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u8s8(u, xv)), _mm256_set1_ps(dwb * xd[(r0 + r) * nb + (b)]), acc[r]); \
+    }                                                                                                     \
+  }
+  int64_t b = 0;
+  for (; b + 1 < nb; b += 2) {
+    SD_BLOCK(b, a0)
+    SD_BLOCK(b + 1, a1)
+  }
+  if (b < nb) SD_BLOCK(b, a0)
+#undef SD_BLOCK
+  float ms[SD_PASS];
+  for (int r = 0; r < P; ++r) {  // zero-point terms, block after block
+    const float* xr = xs + (r0 + r) * nb;
+    __m256 v = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 8 <= nb; i += 8) v = _mm256_fmadd_ps(_mm256_loadu_ps(c->mw + i), _mm256_loadu_ps(xr + i), v);
+    float t = hsum(v);
+    for (; i < nb; ++i) t = fmaf(c->mw[i], xr[i], t);
+    ms[r] = t;
+  }
+  for (int r = 0; r < P; ++r) out[(r0 + r) * ldo + n] = hsum(_mm256_add_ps(a0[r], a1[r])) + ms[r];
+}
+
+static void gemm32(int fmt, const uint8_t* w, int64_t ldw, int64_t k, const int8_t* xq, const float* xd,
+                   const float* xs, int64_t rows, float* out, int64_t ldo, int64_t n0, int64_t n1) {
+  const int64_t nb = k / 32, nb8 = (nb + 7) / 8 * 8;
+  uint8_t* mem = (uint8_t*)aligned_alloc(64, (size_t)(64 * nb8 + 8 * nb8 + 64));
+  Col32 c = {mem, (int8_t*)(mem + 32 * nb8), (float*)(mem + 64 * nb8), (float*)(mem + 64 * nb8 + 4 * nb8)};
+  for (int64_t n = n0; n < n1; ++n) {
+    const Soa a = soa(fmt, w + n * ldw, nb);
+    unpack_col32(fmt, &a, nb, &c);
+    for (int64_t r0 = 0; r0 < rows; r0 += SD_PASS) {
+      const int64_t p = rows - r0 < SD_PASS ? rows - r0 : SD_PASS;
+      switch (p) {
+#define SD_CASE(P) case P: if (fmt == SD_Q8_0) pass32(P, 1, &c, nb, k, xq, xd, xs, r0, out, ldo, n); \
+                           else pass32(P, 0, &c, nb, k, xq, xd, xs, r0, out, ldo, n); break;
+        SD_CASE(1) SD_CASE(2) SD_CASE(3) SD_CASE(4)
+#if SD_PASS > 4
+        SD_CASE(5) SD_CASE(6) SD_CASE(7) SD_CASE(8)
+#endif
+#undef SD_CASE
+      }
+    }
+  }
+  free(mem);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -326,39 +386,100 @@ static inline void unpack_q6k(const uint8_t* blk, SuperBlock* sb) {
   sb->msc = s16;
 }
 
+// Two sub-blocks (u0: scale vector c0, u1: c1) of P rows: x at sub-block offsets j0, j1 (x 32 bytes)
+#define SD_PAIR(u0, c0, j0, u1, c1, j1)                                                                  \
+  for (int r = 0; r < P; ++r) {                                                                         \
+    const int8_t* xr = xq + (r0 + r) * k + 256 * b;                                                     \
+    s0[r] = dot_scaled(s0[r], u0, _mm256_loadu_si256((const __m256i*)(xr + 32 * (j0))), c0);           \
+    s1[r] = dot_scaled(s1[r], u1, _mm256_loadu_si256((const __m256i*)(xr + 32 * (j1))), c1);           \
+  }
+
+// Rows r0..r0+P of one column of K-quant super-blocks, unpacked in registers as they are read (every
+// row of the pass consumes them). Integer sums inside a super-block (exact in any order), one float
+// accumulator per row across super-blocks (and one for Q4_K's minimums), whatever P.
+SD_INLINE void passk(const int P, const int q6, const uint8_t* wn, int64_t nb, int64_t k, const int8_t* xq,
+                     const float* xd, const int16_t* bsums, int64_t r0, float* out, int64_t ldo, int64_t n) {
+  __m256 acc[SD_PASS], macc[SD_PASS];
+  for (int r = 0; r < P; ++r) acc[r] = macc[r] = _mm256_setzero_ps();
+  const __m256i m4 = _mm256_set1_epi8(0x0F), m2 = _mm256_set1_epi8(0x03);
+  for (int64_t b = 0; b < nb; ++b) {
+    __m256i s0[SD_PASS], s1[SD_PASS], msc;
+    for (int r = 0; r < P; ++r) s0[r] = s1[r] = _mm256_setzero_si256();
+    float d, dmin = 0.0f;
+    if (q6) {
+      const uint8_t* blk = wn + 210 * b;
+      d = f16(blk + 208);
+      const __m256i s16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(blk + 192)));
+      msc = s16;
+      for (int h = 0; h < 2; ++h) {
+        const __m256i sh = h ? _mm256_permute2x128_si256(s16, s16, 0x11) : _mm256_permute2x128_si256(s16, s16, 0x00);
+        const __m256i l0 = _mm256_loadu_si256((const __m256i*)(blk + 64 * h));
+        const __m256i l1 = _mm256_loadu_si256((const __m256i*)(blk + 64 * h + 32));
+        const __m256i hb = _mm256_loadu_si256((const __m256i*)(blk + 128 + 32 * h));
+        const __m256i u0 = _mm256_or_si256(_mm256_and_si256(l0, m4), _mm256_slli_epi16(_mm256_and_si256(hb, m2), 4));
+        const __m256i u1 = _mm256_or_si256(_mm256_and_si256(l1, m4),
+                                           _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 2), m2), 4));
+        SD_PAIR(u0, pick16(sh, 0, 1), 4 * h, u1, pick16(sh, 2, 3), 4 * h + 1)
+        const __m256i u2 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4),
+                                           _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 4), m2), 4));
+        const __m256i u3 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4),
+                                           _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 6), m2), 4));
+        SD_PAIR(u2, pick16(sh, 4, 5), 4 * h + 2, u3, pick16(sh, 6, 7), 4 * h + 3)
+      }
+    } else {
+      const uint8_t* blk = wn + 144 * b;
+      d = f16(blk);
+      dmin = f16(blk + 2);
+      uint32_t a[3];
+      memcpy(a, blk + 4, 12);
+      const uint32_t sc_lo = a[0] & 0x3f3f3f3fu, mn_lo = a[1] & 0x3f3f3f3fu;
+      const uint32_t sc_hi = (a[2] & 0x0f0f0f0fu) | ((a[0] >> 2) & 0x30303030u);
+      const uint32_t mn_hi = ((a[2] >> 4) & 0x0f0f0f0fu) | ((a[1] >> 2) & 0x30303030u);
+      const __m256i v16 = _mm256_cvtepu8_epi16(_mm_setr_epi32((int)sc_lo, (int)sc_hi, (int)mn_lo, (int)mn_hi));
+      const __m128i mn = _mm256_extracti128_si256(v16, 1);
+      const __m256i sc = _mm256_permute2x128_si256(v16, v16, 0x00);
+      msc = _mm256_set_m128i(_mm_unpackhi_epi16(mn, mn), _mm_unpacklo_epi16(mn, mn));
+      for (int c = 0; c < 4; ++c) {
+        const __m256i v = _mm256_loadu_si256((const __m256i*)(blk + 16 + 32 * c));
+        const __m256i u0 = _mm256_and_si256(v, m4), u1 = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+        SD_PAIR(u0, pick16(sc, 2 * c, 2 * c), 2 * c, u1, pick16(sc, 2 * c + 1, 2 * c + 1), 2 * c + 1)
+      }
+    }
+    for (int r = 0; r < P; ++r) {
+      const int64_t row = r0 + r;
+      __m256i sumi = _mm256_add_epi32(s0[r], s1[r]);
+      const __m256i bs = _mm256_loadu_si256((const __m256i*)(bsums + row * (k / 16) + 16 * b));
+      const __m256i summ = _mm256_madd_epi16(msc, bs);  // per pair of 16s: m * (sum of x)
+      const float dx = xd[row * nb + b];
+      if (q6) {  // w = d * sc * (u - 32): the zero point is an integer too
+        sumi = _mm256_sub_epi32(sumi, _mm256_slli_epi32(summ, 5));
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sumi), _mm256_set1_ps(d * dx), acc[r]);
+      } else {
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sumi), _mm256_set1_ps(d * dx), acc[r]);
+        macc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(summ), _mm256_set1_ps(dmin * dx), macc[r]);
+      }
+    }
+  }
+  for (int r = 0; r < P; ++r) out[(r0 + r) * ldo + n] = hsum(acc[r]) - hsum(macc[r]);
+}
+#undef SD_PAIR
+
 static void gemmk(int fmt, const uint8_t* w, int64_t ldw, int64_t k, const int8_t* xq, const float* xd,
                   const int16_t* bsums, int64_t rows, float* out, int64_t ldo, int64_t n0, int64_t n1) {
-  const int64_t nb = k / 256, bytes = kBlockBytes[fmt];
-  const int q6 = fmt == SD_Q6_K;
-  SuperBlock sb;
+  const int64_t nb = k / 256;
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* wn = w + n * ldw;
-    for (int64_t r0 = 0; r0 < rows; r0 += SD_MAX_ROWS) {
-      const int64_t rr = rows - r0 < SD_MAX_ROWS ? rows - r0 : SD_MAX_ROWS;
-      __m256 acc[SD_MAX_ROWS], macc[SD_MAX_ROWS];
-      for (int64_t r = 0; r < rr; ++r) acc[r] = macc[r] = _mm256_setzero_ps();
-      for (int64_t b = 0; b < nb; ++b) {
-        if (q6) unpack_q6k(wn + b * bytes, &sb);
-        else unpack_q4k(wn + b * bytes, &sb);
-        for (int64_t r = 0; r < rr; ++r) {
-          const int64_t row = r0 + r;
-          const int8_t* xr = xq + row * k + 256 * b;
-          __m256i sumi = _mm256_setzero_si256();
-          for (int j = 0; j < 8; ++j)
-            sumi = dot_scaled(sumi, sb.u[j], _mm256_loadu_si256((const __m256i*)(xr + 32 * j)), sb.sc[j]);
-          const __m256i bs = _mm256_loadu_si256((const __m256i*)(bsums + row * (k / 16) + 16 * b));
-          const __m256i summ = _mm256_madd_epi16(sb.msc, bs);  // per pair of 16s: m * (sum of x)
-          const float dx = xd[row * nb + b];
-          if (q6) {  // w = d * sc * (u - 32): the zero point is an integer too
-            sumi = _mm256_sub_epi32(sumi, _mm256_slli_epi32(summ, 5));
-            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sumi), _mm256_set1_ps(sb.d * dx), acc[r]);
-          } else {
-            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sumi), _mm256_set1_ps(sb.d * dx), acc[r]);
-            macc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(summ), _mm256_set1_ps(sb.dmin * dx), macc[r]);
-          }
-        }
+    for (int64_t r0 = 0; r0 < rows; r0 += SD_PASS) {
+      const int64_t p = rows - r0 < SD_PASS ? rows - r0 : SD_PASS;
+      switch (p) {
+#define SD_CASE(P) case P: if (fmt == SD_Q6_K) passk(P, 1, wn, nb, k, xq, xd, bsums, r0, out, ldo, n); \
+                           else passk(P, 0, wn, nb, k, xq, xd, bsums, r0, out, ldo, n); break;
+        SD_CASE(1) SD_CASE(2) SD_CASE(3) SD_CASE(4)
+#if SD_PASS > 4
+        SD_CASE(5) SD_CASE(6) SD_CASE(7) SD_CASE(8)
+#endif
+#undef SD_CASE
       }
-      for (int64_t r = 0; r < rr; ++r) out[(r0 + r) * ldo + n] = hsum(acc[r]) - hsum(macc[r]);
     }
   }
 }
