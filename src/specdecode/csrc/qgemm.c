@@ -227,91 +227,66 @@ static inline void scales8(int fmt, const Soa* a, int64_t b0, int cnt, __m256* d
 #endif
 #define SD_INLINE static inline __attribute__((always_inline))
 
-// One column's blocks, unpacked once into L1 (then read by every pass of rows).
-typedef struct {
-  uint8_t* u;    // [nb][32] unsigned values (Q8_0: |q|)
-  int8_t* sgn;   // Q8_0: the signed values (the sign moves to x); else unused
-  float* dw;     // [nb rounded up to 8] scales, zero-padded
-  float* mw;     // [nb rounded up to 8] zero-point terms, zero-padded
-} Col32;
-
-SD_INLINE void unpack_col32(int fmt, const Soa* a, int64_t nb, Col32* c) {
+// Rows r0..r0+P of one column of 32-weight blocks, each block unpacked in registers once and dotted
+// with every row of the pass. Per row: two float accumulators (even / odd blocks) and one for the
+// zero-point terms (eight blocks a lane), whatever P.
+SD_INLINE void pass32(const int P, const int fmt, const Soa* a, int64_t nb, int64_t k, const int8_t* xq,
+                      const float* xd, const float* xs, int64_t r0, float* out, int64_t ldo, int64_t n) {
+  __m256 a0[SD_PASS], a1[SD_PASS], m[SD_PASS];
+  for (int r = 0; r < P; ++r) a0[r] = a1[r] = m[r] = _mm256_setzero_ps();
+  const int q8 = fmt == SD_Q8_0;
+#define SD_BLOCK(i, acc)                                                                                  \
+  {                                                                                                       \
+    const int64_t b = b0 + (i);                                                                           \
+    const __m256i raw = unpack32(fmt, a, b);                                                              \
+    const __m256i u = q8 ? _mm256_sign_epi8(raw, raw) : raw;                                              \
+    for (int r = 0; r < P; ++r) {                                                                         \
+      __m256i xv = _mm256_loadu_si256((const __m256i*)(xq + (r0 + r) * k + 32 * b));                      \
+      if (q8) xv = _mm256_sign_epi8(xv, raw);                                                             \
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u8s8(u, xv)), _mm256_set1_ps(dwa[i] * xd[(r0 + r) * nb + b]), acc[r]); \
+    }                                                                                                     \
+  }
   for (int64_t b0 = 0; b0 < nb; b0 += 8) {
     const int cnt = nb - b0 < 8 ? (int)(nb - b0) : 8;
     __m256 dw, mw;
     scales8(fmt, a, b0, cnt, &dw, &mw);
-    _mm256_storeu_ps(c->dw + b0, dw);
-    _mm256_storeu_ps(c->mw + b0, mw);
-    for (int i = 0; i < cnt; ++i) {
-      __m256i u = unpack32(fmt, a, b0 + i);
-      if (fmt == SD_Q8_0) {
-        _mm256_storeu_si256((__m256i*)(c->sgn + 32 * (b0 + i)), u);
-        u = _mm256_sign_epi8(u, u);
-      }
-      _mm256_storeu_si256((__m256i*)(c->u + 32 * (b0 + i)), u);
+    float dwa[8];
+    _mm256_storeu_ps(dwa, dw);
+    const __m256i keep = _mm256_cmpgt_epi32(_mm256_set1_epi32(cnt), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    for (int r = 0; r < P; ++r) m[r] = _mm256_fmadd_ps(mw, _mm256_maskload_ps(xs + (r0 + r) * nb + b0, keep), m[r]);
+    int i = 0;
+    for (; i + 1 < cnt; i += 2) {
+      SD_BLOCK(i, a0)
+      SD_BLOCK(i + 1, a1)
     }
+    if (i < cnt) SD_BLOCK(i, a0)
   }
-}
-
-// Rows r0..r0+P of one column. Per row: two float accumulators (even / odd blocks) and one for the
-// zero-point terms, whatever P.
-SD_INLINE void pass32(const int P, const int q8, const Col32* c, int64_t nb, int64_t k, const int8_t* xq,
-                      const float* xd, const float* xs, int64_t r0, float* out, int64_t ldo, int64_t n) {
-  __m256 a0[SD_PASS], a1[SD_PASS];
-  for (int r = 0; r < P; ++r) a0[r] = a1[r] = _mm256_setzero_ps();
-#define SD_BLOCK(b, acc)                                                                                  \
-  {                                                                                                       \
-    const __m256i u = _mm256_loadu_si256((const __m256i*)(c->u + 32 * (b)));                              \
-    const __m256i sg = q8 ? _mm256_loadu_si256((const __m256i*)(c->sgn + 32 * (b))) : u;                 \
-    const float dwb = c->dw[b];                                                                           \
-    for (int r = 0; r < P; ++r) {                                                                         \
-      __m256i xv = _mm256_loadu_si256((const __m256i*)(xq + (r0 + r) * k + 32 * (b)));                    \
-      if (q8) xv = _mm256_sign_epi8(xv, sg);                                                              \
-      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u8s8(u, xv)), _mm256_set1_ps(dwb * xd[(r0 + r) * nb + (b)]), acc[r]); \
-    }                                                                                                     \
-  }
-  int64_t b = 0;
-  for (; b + 1 < nb; b += 2) {
-    SD_BLOCK(b, a0)
-    SD_BLOCK(b + 1, a1)
-  }
-  if (b < nb) SD_BLOCK(b, a0)
 #undef SD_BLOCK
-  float ms[SD_PASS];
-  for (int r = 0; r < P; ++r) {  // zero-point terms, block after block
-    const float* xr = xs + (r0 + r) * nb;
-    __m256 v = _mm256_setzero_ps();
-    int64_t i = 0;
-    for (; i + 8 <= nb; i += 8) v = _mm256_fmadd_ps(_mm256_loadu_ps(c->mw + i), _mm256_loadu_ps(xr + i), v);
-    float t = hsum(v);
-    for (; i < nb; ++i) t = fmaf(c->mw[i], xr[i], t);
-    ms[r] = t;
-  }
-  for (int r = 0; r < P; ++r) out[(r0 + r) * ldo + n] = hsum(_mm256_add_ps(a0[r], a1[r])) + ms[r];
+  for (int r = 0; r < P; ++r) out[(r0 + r) * ldo + n] = hsum(_mm256_add_ps(a0[r], a1[r])) + hsum(m[r]);
 }
 
 static void gemm32(int fmt, const uint8_t* w, int64_t ldw, int64_t k, const int8_t* xq, const float* xd,
                    const float* xs, int64_t rows, float* out, int64_t ldo, int64_t n0, int64_t n1) {
-  const int64_t nb = k / 32, nb8 = (nb + 7) / 8 * 8;
-  uint8_t* mem = (uint8_t*)aligned_alloc(64, (size_t)(64 * nb8 + 8 * nb8 + 64));
-  Col32 c = {mem, (int8_t*)(mem + 32 * nb8), (float*)(mem + 64 * nb8), (float*)(mem + 64 * nb8 + 4 * nb8)};
+  const int64_t nb = k / 32;
   for (int64_t n = n0; n < n1; ++n) {
     const Soa a = soa(fmt, w + n * ldw, nb);
-    unpack_col32(fmt, &a, nb, &c);
     for (int64_t r0 = 0; r0 < rows; r0 += SD_PASS) {
       const int64_t p = rows - r0 < SD_PASS ? rows - r0 : SD_PASS;
-      switch (p) {
-#define SD_CASE(P) case P: if (fmt == SD_Q8_0) pass32(P, 1, &c, nb, k, xq, xd, xs, r0, out, ldo, n); \
-                           else pass32(P, 0, &c, nb, k, xq, xd, xs, r0, out, ldo, n); break;
-        SD_CASE(1) SD_CASE(2) SD_CASE(3) SD_CASE(4)
+      switch (fmt * 16 + p) {
+#define SD_CASE(F, P) case F * 16 + P: pass32(P, F, &a, nb, k, xq, xd, xs, r0, out, ldo, n); break;
+#define SD_ROWS(F) SD_CASE(F, 1) SD_CASE(F, 2) SD_CASE(F, 3) SD_CASE(F, 4) SD_MORE(F)
 #if SD_PASS > 4
-        SD_CASE(5) SD_CASE(6) SD_CASE(7) SD_CASE(8)
+#define SD_MORE(F) SD_CASE(F, 5) SD_CASE(F, 6) SD_CASE(F, 7) SD_CASE(F, 8)
+#else
+#define SD_MORE(F)
 #endif
+        SD_ROWS(SD_Q4_0) SD_ROWS(SD_Q4_1) SD_ROWS(SD_Q5_0) SD_ROWS(SD_Q8_0)
+#undef SD_MORE
+#undef SD_ROWS
 #undef SD_CASE
       }
     }
   }
-  free(mem);
 }
 
 // ---------------------------------------------------------------------------------------------
