@@ -178,16 +178,18 @@ def add_drafter_arguments(group: argparse._ArgumentGroup, *, policy_default: str
                        help="dtype the weights are loaded in; bfloat16 halves the bytes and verifies k tokens at "
                             "about one step's cost on AVX512-BF16 CPUs (see also --weights) (default: %(default)s)")
     group.add_argument("--weights", default="auto", choices=WEIGHT_CHOICES,
-                       help="precision the target's weights execute in. auto (default): the fastest precision that "
-                            "keeps the model (next-token agreement with float32 >= 97%%, perplexity within 1%%) and "
-                            "keeps speculative output equal to plain decoding on this machine, measured at first "
-                            "load and cached per machine; fp32: float32 as converted (the reference, slow few-row "
-                            "products on most CPUs); bf16: half the bytes, batch-invariant forward; int8: weight-only "
-                            "int8 in groups of 32 (about 1.1 bytes per weight); int4: the GGUF file's own 4-bit "
-                            "blocks (the model itself, not a requantization; other tensor types of the file run as "
-                            "int8 groups), about 0.75 bytes per weight; a model without a GGUF file (a model "
-                            "directory, a hub id) is quantized from its float weights instead, which changes it. int8 / int4 are cached next to the converted "
-                            "copy after the first load and keep speculative output equal to plain decoding")
+                       help="precision the target's weights execute in. auto (default): for a GGUF model (the "
+                            "catalog's, or a .gguf path) on an x86 CPU with AVX2, int4 at once; otherwise the fastest "
+                            "precision that keeps the model (next-token agreement with float32 >= 97%%, perplexity "
+                            "within 1%%) and keeps speculative output equal to plain decoding, measured at first load "
+                            "and cached per machine; fp32: float32 as converted (the reference, slow few-row products "
+                            "on most CPUs); bf16: half the bytes, batch-invariant forward; int4: the GGUF file's own "
+                            "blocks as stored (Q4_K, Q6_K, Q4_0, Q4_1, Q5_0, Q8_0: 4.5 to 8.5 bits per weight, the "
+                            "model itself), run by the project's kernel with 8-bit activations per row, as llama.cpp "
+                            "runs the file; int8: Q8_0 blocks quantized from the float weights (8.5 bits per weight); "
+                            "a model without a GGUF file is quantized from its float weights for int4 too (Q4_1), "
+                            "which changes it. int4 / int8 are cached next to the converted copy after the first "
+                            "load and keep speculative output equal to plain decoding by construction")
     group.add_argument("--draft-weights", default=None, choices=WEIGHT_PRECISIONS,
                        help="precision of the draft model's weights (default: the target's, i.e. what --weights "
                             "auto picked). int8 / int4: as --weights, fewer bytes per draft step; a "

@@ -84,14 +84,14 @@ def set_weight_precision(model: torch.nn.Module, precision: str) -> torch.nn.Mod
     - ``bf16``: parameters cast to bfloat16 (AVX512-BF16 CPUs run few-row products at
       about the one-row cost; half the bytes of float32).
     - ``int8``: every ``nn.Linear`` (the LM head included) whose ``in_features`` is a multiple of
-      32 becomes a :class:`specdecode.lowbit.GroupInt8Linear`: weight-only int8, one scale per group
-      of 32 weights (symmetric), activations float32. About 1.1 bytes per weight.
-    - ``int4``: the same with :class:`specdecode.lowbit.GroupInt4Linear` (4-bit groups of 32,
-      min / max), quantized from the float weights. A model converted from a GGUF file gets its
-      file's own 4-bit blocks instead (``lowbit.quantize_loaded``, what ``load_target`` runs).
+      32 becomes a :class:`specdecode.lowbit.QuantLinear` of Q8_0 blocks (int8, one float16 scale per
+      32 weights: 8.5 bits per weight), activations quantized to 8 bits per row by the kernel.
+    - ``int4``: the same with Q4_1 blocks (4-bit groups of 32 with a scale and a minimum), quantized
+      from the float weights. A model converted from a GGUF file gets its file's own blocks instead
+      (``lowbit.quantize_loaded``, what ``load_target`` runs).
 
     Both low-bit kinds give a row the same result whatever rows share the call, so with the
-    project's own forward (``kv.owned.OwnedRunner``, float64 attention for them) a low-bit target
+    project's own forward (``kv.owned.OwnedRunner``: the C++ layer loop, row by row) a low-bit target
     stays lossless: speculative == plain decoding of the same model. Embeddings and norms stay
     float32.
 

@@ -320,7 +320,7 @@ def _shift_right(x: torch.Tensor, shift: int) -> torch.Tensor:
 
 
 def _dequantized_weight(module: torch.nn.Module) -> torch.Tensor:
-    """The float weight of a low-bit module (``lowbit.GroupInt8Linear`` / ``GroupInt4Linear``)."""
+    """The float weight of a low-bit module (``lowbit.QuantLinear``)."""
     unpack = getattr(module, "dequantize", None)
     if callable(unpack):
         return unpack()

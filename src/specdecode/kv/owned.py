@@ -170,16 +170,21 @@ class OwnedRunner(SlotRunner):
 
     Numerics, the batch-invariance contract: with ``batch_invariant`` a token's logits do not depend
     on how many tokens share a decoding / verification forward (one row or k + 1; one request or a
-    batch), so speculative output equals plain decoding token for token. Products: low-bit weights
-    (``lowbit.QuantLinear``: GGUF blocks, 8-bit activations per row) accumulate every row in one fixed order; float
-    weights run :func:`specdecode.kernels.row_product` as zero-padded blocks of exactly ``ROW_BLOCK``
-    rows (one shape, one kernel, one summation order; checked per machine by
-    ``precision.check_batch_invariance``; a one-token step then costs a
-    16-row product). Attention: float64 on a float64 cache (the keys and
-    values are stored exactly), so its rounding, which depends on the query count and the cache
-    length, is ~1e-16, below what a bfloat16 / float32 result can show. Norms, RoPE and residuals
-    are per row. Prefill (``last_only`` forwards: the prompt, drafting) needs no invariance (plain and
-    speculative decoding prefill alike) and runs the fast kernels with attention in the model's dtype.
+    batch), so speculative output equals plain decoding token for token.
+
+    - Low-bit weights (``lowbit.QuantLinear``: GGUF blocks): every layer runs in the C++ layer loop
+      (``csrc/step.cpp`` ``run_fused``): the products quantize each activation row on its own and
+      accumulate it in one fixed order, and RMSNorm, RoPE, attention over a float16 key / value
+      cache (visible columns in column order) and SiLU are computed row by row: invariant by
+      construction, no float64 needed. A prompt longer than ``lowbit.PREFILL_ROWS`` tokens is
+      prefilled with fast float products (each row of a batch alone, so a row's prefill never
+      depends on the rows beside it).
+    - Float weights run :func:`specdecode.kernels.row_product` as zero-padded blocks of exactly
+      ``ROW_BLOCK`` rows (one shape, one kernel, one summation order; checked per machine by
+      ``precision.check_batch_invariance``; a one-token step then costs a 16-row product), with
+      attention in float64 on a float64 cache (rounding ~1e-16, below what a bfloat16 / float32 result
+      can show). Prefill (``last_only`` forwards) needs no invariance (plain and speculative decoding
+      prefill alike) and runs the fast kernels with attention in the model's dtype.
     (Thinking Machines, "Defeating Nondeterminism in LLM Inference", 2025, make GPU kernels
     batch-invariant the same way: one reduction order whatever the batch.)
 
@@ -300,7 +305,10 @@ class OwnedRunner(SlotRunner):
             att_dtype = torch.float32 if prefill else torch.float64
         capture = self.capture_layers if layers is None else None  # a draft head's features (full forwards)
         kept = {0: x} if capture and 0 in capture else {}
-        native = self._native_stack() if (self.lowbit and not prefill) or (layers is None and not capture) else None
+        if self.lowbit:  # the C++ layer loop, but for a prompt (the Python loop's fast float products)
+            native = None if prefill else self._native_stack()
+        else:
+            native = self._native_stack() if layers is None and not capture else None
         if native is not None and self.lowbit:  # every layer in C++, row-invariant by construction
             order = list(range(self.num_layers)) if layers is None else list(layers)
             wanted = sorted(set(capture or ()))

@@ -67,7 +67,7 @@ STALE_AFTER = 15.0
 #: Seconds a leaving replica's running requests get to finish (``graceful_shutdown_timeout_s``; a Ray Serve
 #: config file can set another).
 DRAIN_SECONDS = 300.0
-_ENV_PASSED = ("SPECDECODE_CACHE", "HF_HUB_OFFLINE", "HF_HOME", "TRANSFORMERS_OFFLINE", "SPECDECODE_LOWBIT_KERNEL",
+_ENV_PASSED = ("SPECDECODE_CACHE", "HF_HUB_OFFLINE", "HF_HOME", "TRANSFORMERS_OFFLINE", "SPECDECODE_KERNEL_ISA",
                "SPECDECODE_NATIVE_STEP", "TOKENIZERS_PARALLELISM")
 
 
