@@ -100,6 +100,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "once per machine and thread count and cached under the specdecode cache's machine/)")
     p.add_argument("--output", metavar="DIR",
                    help="report directory; rerunning with the same directory resumes (default: bench-out/PRESET)")
+    p.add_argument("--verify-table", action="store_true",
+                   help="instead of the method matrix: the cost of verifying k = 1, 2, 3, 4, 6, 8, 16 tokens, T(k) / "
+                        "T(1), for --target (and --draft) on the GGUF file's own blocks, beside llama-bench's on the "
+                        "same file (interleaved; --no-peer: ours alone), and plain decoding against the byte limit; "
+                        "writes verify_table.md / .json in --output")
+    p.add_argument("--depths", metavar="LIST",
+                   help="with --verify-table: tokens of context before each forward, e.g. 256,2000 (default: 256)")
     p.add_argument("--report-only", action="store_true",
                    help="rebuild report.md / report.json / plots from DIR's records without running anything")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -155,6 +162,21 @@ def run_command(args: argparse.Namespace) -> int:
         names = parse_peers(args.setup_peers)
         models = [args.target or "smollm2-135m", *([args.draft] if args.draft else [])]
         setup_peers(names, models, args.openvino_weights or "int8")
+        return 0
+    if getattr(args, "verify_table", False):
+        from specdecode.bench.verifytable import run_table
+
+        try:
+            depths = tuple(int(d) for d in (args.depths or "256").split(",") if d.strip())
+        except ValueError:
+            raise SpecDecodeError(f"--depths must be integers separated by commas, got {args.depths!r}") from None
+        if not depths or min(depths) < 1:
+            raise SpecDecodeError(f"--depths must be positive token counts, got {args.depths!r}")
+        out = Path(args.output or "bench-out/verify-table")
+        models = [args.target or "smollm2-135m", *([args.draft] if args.draft else [])]
+        run_table(models, out, depths=depths, repeats=args.repeats or 5, threads=args.threads,
+                  peer=args.peer is not False)
+        print((out / "verify_table.md").read_text(encoding="utf-8"))
         return 0
     if args.report_only:
         out = Path(args.output or f"bench-out/{args.preset or 'full'}")
