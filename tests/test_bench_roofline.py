@@ -40,8 +40,8 @@ def test_int8_counts_packed_weights_with_their_scales():
                if type(m) is torch.nn.Linear]  # the LM head included
     norms = 2 * 2 + 1  # two per layer and the final one
     kinds = roofline.weight_bytes_by_kind(model)
-    # int8 values, one float32 scale per 32 weights, no biases (the tiny Llama has none)
-    assert kinds == {"int8": sum(o * i + 4 * o * i // 32 for o, i in linears), "fp32": 4 * (norms * HIDDEN + HIDDEN)}
+    # Q8_0 blocks: int8 values, one float16 scale per 32 weights, no biases (the tiny Llama has none)
+    assert kinds == {"int8": sum(o * i + 2 * o * i // 32 for o, i in linears), "fp32": 4 * (norms * HIDDEN + HIDDEN)}
     facts = roofline.model_facts("tiny", "target", model, torch.float64)
     assert facts["precision"] == "int8" and facts["weight_bytes"] == sum(kinds.values())
     assert facts["weight_bytes"] < roofline.weight_bytes_per_step(_tiny()) / 3

@@ -50,8 +50,10 @@ def test_owned_forward_matches_hugging_face_in_float32_across_cache_growth(famil
 def test_owned_forward_runs_an_int8_model_like_the_hf_forward(family):
     model = set_weight_precision(MODELS[family](torch.float32), "int8")  # Qwen2: q/k/v biases inside the int8 modules
     hf, owned = make_runner(model, "hf").row(0), make_runner(model, "owned").row(0)  # owned fuses q/k/v (shared)
-    for chunk in ([1, 2, 3, 4], [5], [6, 7]):
-        torch.testing.assert_close(owned.forward(chunk), hf.forward(chunk), atol=1e-4, rtol=1e-4)
+    for chunk in ([1, 2, 3, 4], [5], [6, 7]):  # the owned forward keeps keys / values in float16
+        got, want = owned.forward(chunk), hf.forward(chunk)
+        assert (got - want).abs().max() < 0.02 * want.abs().max()
+        assert torch.equal(got.argmax(-1), want.argmax(-1))
 
 
 def test_owned_forward_in_bfloat16_matches_hf():
@@ -126,7 +128,8 @@ def _invariant_runner(family: str, config: str, slots: int = 1):
     else:
         model = MODELS[family](weights)
     runner = OwnedRunner(model, slots, batch_invariant=True)
-    assert runner.batch_invariant and runner.cache_dtype == torch.float64
+    # low-bit: float16 keys / values (attention row by row in C); float weights: a float64 cache
+    assert runner.batch_invariant and runner.cache_dtype == (torch.float16 if runner.lowbit else torch.float64)
     # int8 modules: integer sums, row-invariant by construction; float weights: zero-padded 16-row blocks
     assert runner.row_kernel == kernel
     return runner
@@ -284,8 +287,10 @@ def test_the_contract_comparison_detects_a_forward_that_is_not_batch_invariant()
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16", "int8", "int4"])
 def test_the_c_plus_plus_layer_loop_equals_the_python_loop_bit_for_bit(monkeypatch, precision):
-    """csrc/step.cpp runs the same ATen operations as OwnedRunner._run's loop: one row, a verification,
-    a ragged batch of two rows and a prompt-sized prefill give the same bits either way."""
+    """Float weights: csrc/step.cpp's ``run`` runs the same ATen operations as OwnedRunner._run's loop: one
+    row, a verification, a ragged batch of two rows and a prompt-sized prefill give the same bits either
+    way. Low-bit weights: ``run_fused`` is its own arithmetic (8-bit activations, float16 cache, C
+    attention) and the Python loop the fallback without a compiler: the same model up to rounding."""
     model = set_weight_precision(tiny_llama(seed=0, dtype=torch.float32, hidden=64), precision)
 
     def run(native: str):
@@ -302,4 +307,7 @@ def test_the_c_plus_plus_layer_loop_equals_the_python_loop_bit_for_bit(monkeypat
         pytest.skip("the C++ extension is not available here (the Python loop runs)")
     assert not unused
     for a, b in zip(fast, slow):
-        assert torch.equal(a, b)
+        if precision in ("int8", "int4"):
+            assert (a - b).abs().max() < 0.02 * b.abs().max() and torch.equal(a.argmax(-1), b.argmax(-1))
+        else:
+            assert torch.equal(a, b)

@@ -533,8 +533,12 @@ static void attention(const float* q, int64_t heads, int64_t kv_heads, int64_t d
     const uint16_t* vh = vc + (h / group) * plane * d;
     __m256 qv[32];
     for (int64_t i = 0; i < dv; ++i) qv[i] = _mm256_mul_ps(_mm256_loadu_ps(qh + 8 * i), _mm256_set1_ps(scale));
+    // 1. scores of the visible columns, kept in order in scratch[0, nv): a key's place in the sums below is
+    // its rank among the visible keys, so a token-tree node (whose ancestors sit in other columns) sums
+    // exactly as the same path fed as a chain
     float m = -INFINITY;
-    for (int64_t j = 0; j < kv_len; ++j) {  // scores
+    int64_t nv = 0;
+    for (int64_t j = 0; j < kv_len; ++j) {
       if (visible && !visible[j]) continue;
       const uint16_t* kj = kh + j * d;
       __m256 a0 = _mm256_mul_ps(qv[0], load_h8(kj)), a1 = _mm256_setzero_ps();
@@ -543,34 +547,37 @@ static void attention(const float* q, int64_t heads, int64_t kv_heads, int64_t d
         else a0 = _mm256_fmadd_ps(qv[i], load_h8(kj + 8 * i), a0);
       }
       const float sc = hsum(_mm256_add_ps(a0, a1));
-      scratch[j] = sc;
+      scratch[nv++] = sc;
       m = sc > m ? sc : m;
     }
-    // probabilities (masked columns 0), their sum lane by lane (column j in lane j % 8)
+    // 2. probabilities (unnormalised) and their sum, lane by rank
     __m256 sum = _mm256_setzero_ps();
     const __m256 mv = _mm256_set1_ps(m);
-    int64_t j = 0;
-    for (; j < kv_len; j += 8) {
-      const int cnt = kv_len - j < 8 ? (int)(kv_len - j) : 8;
-      float t[8] = {0};
-      int keep[8] = {0};
-      for (int i = 0; i < cnt; ++i) {
-        keep[i] = !visible || visible[j + i];
-        t[i] = keep[i] ? scratch[j + i] : m;
-      }
+    int64_t i8 = 0;
+    for (; i8 + 8 <= nv; i8 += 8) {
+      const __m256 p = exp8(_mm256_sub_ps(_mm256_loadu_ps(scratch + i8), mv));
+      _mm256_storeu_ps(scratch + i8, p);
+      sum = _mm256_add_ps(sum, p);
+    }
+    if (i8 < nv) {
+      float t[8];
+      const int cnt = (int)(nv - i8);
+      for (int i = 0; i < 8; ++i) t[i] = i < cnt ? scratch[i8 + i] : m;
       __m256 p = exp8(_mm256_sub_ps(_mm256_loadu_ps(t), mv));
-      const __m256 km = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_loadu_si256((const __m256i*)keep), _mm256_setzero_si256()));
-      p = _mm256_and_ps(p, km);
+      p = _mm256_and_ps(p, _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(cnt),
+                                                                 _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7))));
       _mm256_storeu_ps(t, p);
-      for (int i = 0; i < cnt; ++i) scratch[j + i] = t[i];
+      for (int i = 0; i < cnt; ++i) scratch[i8 + i] = t[i];
       sum = _mm256_add_ps(sum, p);
     }
     const float inv = 1.0f / hsum(sum);
+    // 3. the values, visible columns in order
     __m256 acc[32];
     for (int64_t i = 0; i < dv; ++i) acc[i] = _mm256_setzero_ps();
-    for (j = 0; j < kv_len; ++j) {
+    int64_t rank = 0;
+    for (int64_t j = 0; j < kv_len; ++j) {
       if (visible && !visible[j]) continue;
-      const __m256 pj = _mm256_set1_ps(scratch[j]);
+      const __m256 pj = _mm256_set1_ps(scratch[rank++]);
       const uint16_t* vj = vh + j * d;
       for (int64_t i = 0; i < dv; ++i) acc[i] = _mm256_fmadd_ps(pj, load_h8(vj + 8 * i), acc[i]);
     }
