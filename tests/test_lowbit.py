@@ -241,3 +241,28 @@ def test_a_batch_of_more_rows_than_a_prompt_gives_each_row_what_it_gets_alone(va
     for i, n in enumerate(lengths):
         runner.rollback(i, n)
         assert torch.equal(runner.forward(slice(i, i + 1), [feeds[i]])[0], together[i])
+
+
+def test_a_draft_with_a_reduced_vocabulary_stays_lossless():
+    """A draft scoring only its first 40 of 64 token ids: probability 0 elsewhere; greedy output equals plain
+    decoding and sampled runs still accept drafts (the target verifies whatever is drafted)."""
+    from specdecode.kv import make_runner
+    from specdecode.proposers.draft_model import DraftModelConfig
+
+    target = set_weight_precision(tiny_llama(seed=0, dtype=torch.float32, scale=3.0), "int8")
+    draft = set_weight_precision(tiny_llama(seed=0, dtype=torch.float32, scale=3.0), "int8")
+    runner = make_runner(draft, "owned").row(0)
+    runner.runner.limit_vocabulary(40)
+    logits = runner.forward([1, 2, 3])
+    assert torch.isinf(logits[:, 40:]).all() and torch.isfinite(logits[:, :40]).all()
+    plain = SpeculativeEngine(target, None)
+    config = DraftModelConfig(vocab=40)
+    for params in (SamplingParams(max_new_tokens=24), SamplingParams(max_new_tokens=24, temperature=1.0, seed=3)):
+        want = [plain.generate(p, params).token_ids for p in PROMPTS]
+        engine = SpeculativeEngine(target, DraftModelProposer(draft, config), EngineConfig(num_speculative_tokens=3))
+        outs = [engine.generate(p, params) for p in PROMPTS]
+        if params.temperature == 0:
+            assert [o.token_ids for o in outs] == want
+        assert sum(o.metrics.num_accepted_tokens for o in outs) > 0
+    with pytest.raises(lowbit.SpecDecodeError, match="draft vocabulary"):
+        runner.runner.limit_vocabulary(65)

@@ -214,6 +214,15 @@ class SlotRunner:
     def has_pending_tree(self, slot: int) -> bool:
         return self._tree_start[slot] is not None
 
+    def limit_vocabulary(self, rows: int) -> None:
+        """Score only token ids below ``rows`` (a draft's reduced output layer); the rest get -inf logits.
+
+        Raises:
+            SpecDecodeError: this forward cannot (only the owned forward slices its output layer).
+        """
+        raise SpecDecodeError(f"{type(self).__name__} cannot limit its vocabulary: a draft vocabulary needs the "
+                              "owned forward (Llama / Qwen2 families)")
+
     def check_tree_support(self) -> None:
         """Raise TreeAttentionUnsupported when this forward cannot take a tree mask (owned: always can)."""
 

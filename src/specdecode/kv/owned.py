@@ -237,6 +237,7 @@ class OwnedRunner(SlotRunner):
         self.row_kernel = "padded" if batch_invariant and not int8 else None
         self.k_cache = self.v_cache = None
         self._native = None  # the layer loop in C++ (built on first use; False: unavailable)
+        self._vocab_rows: int | None = None  # limit_vocabulary
 
     #: This forward can run a subset of the layers (layer-skip drafting).
     skips_layers = True
@@ -359,7 +360,33 @@ class OwnedRunner(SlotRunner):
         if last is not None:
             x = x[torch.arange(b), last].unsqueeze(1)  # [b, 1, hidden]
         hidden = _rms_norm(x.reshape(-1, x.shape[-1]), self.norm, self.eps)
-        return _mm(self.lm_head, hidden, kernel, exact, prompt).float().view(b, x.shape[1], -1)
+        logits = _mm(self.lm_head, hidden, kernel, exact, prompt).float().view(b, x.shape[1], -1)
+        if self._vocab_rows is None:
+            return logits
+        full = logits.new_full((b, x.shape[1], self.vocab_size), float("-inf"))
+        full[..., : self._vocab_rows] = logits
+        return full
+
+    def limit_vocabulary(self, rows: int) -> None:
+        """Score only token ids below ``rows``: the output layer's first ``rows`` rows are read, every other
+        id gets a -inf logit (probability 0). For a draft: byte-level BPE vocabularies put frequent tokens
+        at low ids, and a draft's output layer is a large share of its step (the Qwen2.5 0.5B's
+        151,936 x 896 rows are a quarter of its bytes). Lossless: the target verifies whatever is drafted,
+        and a sampled draft reports q = 0 outside (EAGLE-2 / EAGLE-3's draft vocabulary, Li et al. 2024/2025).
+
+        Raises:
+            SpecDecodeError: ``rows`` outside 1..vocabulary size.
+        """
+        if not 1 <= rows <= self.vocab_size:
+            raise SpecDecodeError(f"a draft vocabulary of {rows} tokens: give 1..{self.vocab_size}")
+        head = self.lm_head
+        if isinstance(head, QuantLinear):
+            bias = None if head.bias is None else head.bias[:rows]
+            self.lm_head = QuantLinear(head.packed[:rows], head.kind, head.in_features, bias, head.weight_precision,
+                                       packed=True)
+        else:
+            self.lm_head = head[:rows]
+        self._vocab_rows = rows if rows < self.vocab_size else None
 
     def _prefill_rows_alone(self, rows, ids, positions, columns, mask, layers, last):
         """A low-bit batch's prompts prefilled one row at a time, each with its own token count: a long

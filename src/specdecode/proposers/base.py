@@ -171,6 +171,9 @@ class DraftModelSlots(Proposer):
         from_ctx = min(getattr(self, "max_context", target.max_context), target.max_context)
         # a draft needs no batch invariance (its tokens are verified by the target): its fast numerics
         self.runner = make_runner(self.model, self.forward, num_slots, from_ctx, batch_invariant=False)
+        vocab = getattr(getattr(self, "config", None), "vocab", None)
+        if vocab is not None:
+            self.runner.limit_vocabulary(vocab)
         self.max_context = self.runner.max_context
 
     #: Rows lacking more tokens than this (a new prompt) are fed alone before the batched forward; shorter

@@ -29,13 +29,20 @@ class DraftModelConfig:
 
     Attributes:
         forward: the draft's forward backend ("auto", "hf", "owned"; see :func:`specdecode.kv.make_runner`).
+        vocab: score only the draft's first ``vocab`` token ids (its output layer's first rows; the others
+            get probability 0), None = all. Cuts the draft's step where its output layer is large (the
+            Qwen2.5 0.5B: 151,936 rows); lossless, since the target verifies every draft token. Owned
+            forward only.
     """
 
     forward: str = "auto"
+    vocab: int | None = None
 
     def __post_init__(self) -> None:
         if self.forward not in FORWARD_BACKENDS:
             raise SpecDecodeError(f"forward must be one of {FORWARD_BACKENDS}, got {self.forward!r}")
+        if self.vocab is not None and self.vocab < 1:
+            raise SpecDecodeError(f"vocab must be a positive token count (or None for all), got {self.vocab!r}")
 
 
 @register("draft-model")
