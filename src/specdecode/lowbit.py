@@ -6,7 +6,7 @@ A GGUF model *is* its quantized blocks: our converted float32 copy is those bloc
 file stores them (Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q6_K: 4.5 to 8.5 bits per weight, the LM head
 included), so a step reads the file's bytes and no more.
 
-The products (``csrc/qgemm.c``; Kim et al. / llama.cpp's block formats, our kernels) quantize each
+The products (``csrc/qgemm.c``: our kernels over llama.cpp's GGUF block formats) quantize each
 activation row to 8 bits on its own (a scale per block of 32 for the 32-weight formats, per 256
 with sums per 16 for the K-quants) and accumulate every (row, output) in one fixed order: integer
 dot products inside a block, float32 across blocks. Each weight block is read and unpacked once

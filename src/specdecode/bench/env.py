@@ -89,11 +89,21 @@ def environment() -> dict:
         "transformers": transformers.__version__,
         "specdecode": __version__,
         "git_commit": git_commit(),
+        "lowbit_kernel": _lowbit_kernel(),
     }
+
+
+def _lowbit_kernel() -> str:
+    """Which low-bit kernel variant ran (``lowbit.kernel_status``), or that none was loaded."""
+    from specdecode.lowbit import kernel_status
+
+    return kernel_status()
 
 
 def describe(env: dict) -> str:
     """One line for report headers: 'AMD EPYC, 2 cores (2 torch threads), 24 GiB; torch 2.x, transformers 5.x'."""
     mem = f", {env['memory_gib']:g} GiB" if env.get("memory_gib") else ""
+    kernel = env.get("lowbit_kernel") or ""
+    kernel = f"; low-bit products: {kernel}" if kernel and kernel != "not loaded yet" else ""
     return (f"{env['cpu_model']}, {env['usable_cores']} cores ({env['torch_threads']} torch threads){mem}; "
-            f"torch {env['torch']}, transformers {env['transformers']}, Python {env['python']}")
+            f"torch {env['torch']}, transformers {env['transformers']}, Python {env['python']}{kernel}")
