@@ -13,7 +13,8 @@ import pytest
 from specdecode.bench import env
 
 FIELDS = {"date", "cpu_model", "cpu_flags", "cpu_count", "usable_cores", "memory_gib", "torch_threads",
-          "torch_interop_threads", "platform", "python", "torch", "transformers", "specdecode", "git_commit"}
+          "torch_interop_threads", "platform", "python", "torch", "transformers", "specdecode", "git_commit",
+          "lowbit_kernel"}
 
 
 def test_environment_has_every_field_and_is_json():

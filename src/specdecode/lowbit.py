@@ -68,7 +68,7 @@ _FIELDS = {"Q4_0": ((0, 2), (2, 18)), "Q4_1": ((0, 2), (2, 4), (4, 20)), "Q5_0":
 
 
 def repack(raw: np.ndarray, kind: str) -> np.ndarray:
-    """GGUF rows [rows, bytes] -> the kernel's layout [rows, bytes] (the same bytes, each block field
+    """GGUF rows [rows, bytes] uint8 -> the kernel's layout [rows, bytes] uint8 (the same bytes, each block field
     as one array per row: ``d[nb] | m[nb] | qs[nb][16]`` for Q4_1). K-quants are returned as they are."""
     if kind not in _FIELDS:
         return np.ascontiguousarray(raw)
@@ -78,7 +78,7 @@ def repack(raw: np.ndarray, kind: str) -> np.ndarray:
 
 
 def unpack(packed: np.ndarray, kind: str) -> np.ndarray:
-    """The inverse of :func:`repack`: the kernel's layout -> GGUF rows."""
+    """The inverse of :func:`repack`: the kernel's layout [rows, bytes] uint8 -> GGUF rows [rows, bytes] uint8."""
     if kind not in _FIELDS:
         return np.ascontiguousarray(packed)
     rows, nbytes = packed.shape[0], GGUF_BLOCKS[kind][2]
@@ -129,18 +129,27 @@ def _cache_base(cache_dir=None) -> Path:
 
 
 _variants: dict[str, tuple[ctypes.CDLL, int]] = {}
+_variant_lock = threading.Lock()
 
 
 def load_variant(name: str, cache_dir=None) -> int:
-    """The address of variant ``name``'s kernel table (compiled with gcc on first use, cached).
+    """The address of variant ``name``'s kernel table (compiled with gcc on first use, cached; one
+    compilation at a time in this process, each into its own temporary file, then an atomic rename).
 
     Raises:
         SpecDecodeError: unknown variant, a CPU without its instructions, or no compiler.
     """
     if name not in VARIANTS:
         raise SpecDecodeError(f"unknown kernel variant {name!r}; choose one of {', '.join(VARIANTS)} or reference")
-    if name in _variants:
-        return _variants[name][1]
+    with _variant_lock:
+        if name not in _variants:
+            _variants[name] = _compile_variant(name, cache_dir)
+    return _variants[name][1]
+
+
+def _compile_variant(name: str, cache_dir=None) -> tuple[ctypes.CDLL, int]:
+    import tempfile
+
     if name not in supported_variants():
         raise SpecDecodeError(f"this CPU cannot run the {name} kernel (it runs: {', '.join(supported_variants()) or 'none'})")
     _, flags, macro = VARIANTS[name]
@@ -148,20 +157,21 @@ def load_variant(name: str, cache_dir=None) -> int:
     out = _cache_base(cache_dir) / "kernels" / f"qgemm-{name}-{digest}.so"
     if not out.is_file():
         out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
+        fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp")
+        os.close(fd)
         cmd = [os.environ.get("CC", "gcc"), "-O3", "-std=gnu11", "-shared", "-fPIC", *flags, f"-D{macro}",
-               f"-I{_CSRC}", str(_QGEMM), "-o", str(tmp), "-lm"]
+               f"-I{_CSRC}", str(_QGEMM), "-o", tmp, "-lm"]
         try:
             subprocess.run(cmd, check=True, capture_output=True, text=True)
+            os.replace(tmp, out)
         except (OSError, subprocess.CalledProcessError) as exc:
-            detail = getattr(exc, "stderr", "") or str(exc)
-            raise SpecDecodeError(f"could not compile the {name} kernel: {detail.strip()[:300]}") from exc
-        os.replace(tmp, out)
+            Path(tmp).unlink(missing_ok=True)
+            detail = (getattr(exc, "stderr", "") or str(exc)).strip()
+            first = next((line for line in detail.splitlines() if "error" in line), detail.splitlines()[0] if detail else "")
+            raise SpecDecodeError(f"could not compile the {name} kernel: {first[:200]}") from exc
     lib = ctypes.CDLL(str(out))
     lib.sd_table.restype = ctypes.c_void_p
-    address = int(lib.sd_table())
-    _variants[name] = (lib, address)
-    return address
+    return lib, int(lib.sd_table())
 
 
 def _time_variant(kernel, address: int) -> float:
@@ -171,7 +181,7 @@ def _time_variant(kernel, address: int) -> float:
     raw = torch.from_numpy(_random_raw("Q4_K", n, k, rng))
     total = 0.0
     for rows in (1, 5):
-        x = torch.randn(rows, k)
+        x = torch.from_numpy(rng.standard_normal((rows, k), dtype=np.float32))
         times = []
         for _ in range(5):
             start = time.perf_counter()
@@ -200,7 +210,10 @@ _chosen: str | None = None
 
 def active_variant() -> str | None:
     """The variant the products run: ``SPECDECODE_KERNEL_ISA`` when set, else the fastest this CPU
-    executes (measured once per process, about a second); None: the torch reference runs."""
+    executes (measured once per process, about a second); None: the torch reference runs.
+
+    Raises:
+        SpecDecodeError: a forced variant that is unknown or that this CPU cannot run."""
     global _chosen, _kernel_note
     forced = os.environ.get(ISA_ENV, "").strip().lower()
     if forced == "reference":
@@ -210,6 +223,7 @@ def active_variant() -> str | None:
         return None
     if forced:
         load_variant(forced)
+        _kernel_note = f"{forced} kernel (forced by {ISA_ENV})"
         return forced
     if _chosen is None:
         with _lock:
@@ -228,7 +242,10 @@ def active_variant() -> str | None:
 
 
 def variant_table() -> int:
-    """The kernel table address of :func:`active_variant`, 0 for the torch reference."""
+    """The kernel table address of :func:`active_variant`, 0 for the torch reference.
+
+    Raises:
+        SpecDecodeError: as :func:`active_variant`."""
     name = active_variant()
     return load_variant(name) if name else 0
 
@@ -285,7 +302,8 @@ def load_kernel(cache_dir: str | Path | None = None):
             _kernel_note = f"kernel extension {'compiled' if fresh else 'loaded'} in {took:.1f} s (variant not chosen yet)"
         except Exception as exc:  # noqa: BLE001 - no compiler / headers / ninja: the reference runs
             _kernel = False
-            _kernel_note = f"torch reference (the kernel extension did not build: {type(exc).__name__}: {str(exc)[:200]})"
+            first = next((line for line in str(exc).splitlines() if line.strip()), "")
+            _kernel_note = f"torch reference (the kernel extension did not build: {type(exc).__name__}: {first[:200]})"
             print(f"specdecode: low-bit products run the slower {_kernel_note}", file=sys.stderr, flush=True)
         return _kernel or None
 

@@ -4,7 +4,7 @@
 //   out[r, n] = sum_k x[r, k] * w[n, k],  r < rows (a decoding step: 1; a verification: gamma + 1)
 //
 // Plain C with intrinsics and no torch headers: compiled once per instruction-set variant by
-// specdecode/qkernel.py (gcc, seconds) and called through the table sd_table() returns.
+// specdecode/lowbit.py (gcc, seconds) and called through the table sd_table() returns.
 //   SD_VARIANT_AVX2        AVX2 + FMA + F16C (the floor)
 //   SD_VARIANT_AVX512      the same code with AVX-512 F/BW/VL enabled (EVEX encodings, 32 registers)
 //   SD_VARIANT_AVX512VNNI  AVX-512 VNNI on 256-bit vectors: vpdpbusd / vpdpwssd replace the
@@ -13,8 +13,8 @@
 // Activations: per row, quantized alone (llama.cpp's Q8_0 / Q8_K layouts, our code):
 //   act32  (for Q4_0, Q4_1, Q5_0, Q8_0): per block of 32, float d, int8 q[32], float s = d * sum(q)
 //   act256 (for Q4_K, Q6_K): per block of 256, float d, int8 q[256], int16 bsums[16] (sums per 16)
-// Weights: each block of a column is read once per call and unpacked once (into a 256-byte
-// scratch in L1), then dotted with every row. Every (row, column) is accumulated in one fixed
+// Weights: each block of a column is read and unpacked once per pass of rows (4 rows with AVX2,
+// 8 with AVX-512: their accumulators stay in registers), then dotted with every row of the pass. Every (row, column) is accumulated in one fixed
 // order that depends on nothing but that row and that column: neither on how many rows share
 // the call, nor on how the columns are split across threads. A row's result is therefore bit for
 // bit the same alone or among any rows (batch-invariant by construction), which is what keeps
@@ -50,7 +50,8 @@ static inline float hsum(__m256 v) {  // fixed order: (lanes 0-3 + lanes 4-7), t
   return _mm_cvtss_f32(s);
 }
 
-// u8 [32] . s8 [32] -> 8 int32 lanes (lane i: elements 4i..4i+3). u8 values <= 127 (no saturation).
+// u8 [32] . s8 [32] -> 8 int32 lanes (lane i: elements 4i..4i+3). u8 values <= 128, s8 in -127..127:
+// a vpmaddubsw pair is at most 2 * 128 * 127 = 32512, inside int16 (no saturation).
 static inline __m256i dot_u8s8(__m256i u, __m256i s) {
 #if defined(SD_VARIANT_AVX512VNNI)
   return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
@@ -199,12 +200,6 @@ static inline __m256 load_f16x8(const uint8_t* p, int cnt) {
   return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)t));
 }
 
-static inline __m256 load_f32x8(const float* p, int cnt) {
-  if (cnt == 8) return _mm256_loadu_ps(p);
-  float t[8] = {0};
-  memcpy(t, p, 4 * cnt);
-  return _mm256_loadu_ps(t);
-}
 
 // the scale and zero-point terms of blocks b0..b0+cnt: w = dw * u + mw
 static inline void scales8(int fmt, const Soa* a, int64_t b0, int cnt, __m256* dw, __m256* mw) {
@@ -301,7 +296,6 @@ typedef struct {
   float d, dmin;   // Q4_K: w = d * sc * u - dmin * m;  Q6_K: w = d * sc * (u - 32)
 } SuperBlock;
 
-// int16 lane broadcasts: kPick[j] makes every int16 of a 128-bit lane int16 j of that lane
 static inline __m256i pick16(__m256i v, int lo, int hi) {  // low lane: int16 lo, high lane: int16 hi
   const __m256i idx = _mm256_setr_epi8(2 * lo, 2 * lo + 1, 2 * lo, 2 * lo + 1, 2 * lo, 2 * lo + 1, 2 * lo, 2 * lo + 1,
                                        2 * lo, 2 * lo + 1, 2 * lo, 2 * lo + 1, 2 * lo, 2 * lo + 1, 2 * lo, 2 * lo + 1,

@@ -1,5 +1,5 @@
 // The function table of one instruction-set variant of csrc/qgemm.c (C ABI), shared by the variant
-// (which fills it) and the torch extension (which calls it). Bump kSdTableVersion with any change.
+// (which fills it) and the torch extension (which calls it). Bump SD_TABLE_VERSION with any change.
 #pragma once
 #include <stdint.h>
 

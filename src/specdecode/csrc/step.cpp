@@ -1,8 +1,11 @@
 // The decoder-layer loop of the owned forward (specdecode/kv/owned.py, OwnedRunner._run) as one C++
-// call per forward: the same ATen operations in the same order on the same tensors, so the result
-// is bit-for-bit what the Python loop computes, without its per-operation interpreter and dispatch
-// cost (about 35 Python-level tensor calls per layer: on a 135M model that is half a decoding
-// step). Built with lowbit.cpp into one extension (specdecode/lowbit.py compiles and caches it).
+// call per forward, without the Python loop's per-operation interpreter and dispatch cost (about 35
+// tensor calls per layer: on a 135M model that is half a decoding step).
+//   run:       float weights: the same ATen operations in the same order as the Python loop (the
+//              same bits);
+//   run_fused: GGUF-block weights: every layer on raw buffers with csrc/qgemm.c's kernels, each row
+//              in one fixed order (its own arithmetic: 8-bit activations, a float16 KV cache).
+// Built with lowbit.cpp into one extension (specdecode/lowbit.py compiles and caches it).
 #include <torch/extension.h>
 #include <pybind11/stl.h>
 
@@ -150,6 +153,12 @@ class LayerStack {
           p.table = t[4].cast<int64_t>();
         }
         if (!t[5].is_none()) p.bias = t[5].cast<torch::Tensor>();
+        if (p.kind == 1) {
+          TORCH_CHECK(p.fmt >= 0 && p.fmt < 6, "unknown block format ", p.fmt);
+          TORCH_CHECK(p.a.dim() == 2 && p.a.scalar_type() == torch::kUInt8 && p.a.is_contiguous(),
+                      "GGUF-block weight: contiguous uint8 [out, bytes per row]");
+          sd_table_at(p.table);
+        }
         slots[i]->parts.push_back(p);
       }
     layers_.push_back(layer);
@@ -212,6 +221,21 @@ class LayerStack {
                                        std::optional<torch::Tensor> visible, int64_t kv_len, int64_t table,
                                        std::vector<int64_t> layers, std::vector<int64_t> capture) const {
     const SdTable* t = sd_table_at(table);
+    for (int64_t li : layers) TORCH_CHECK(li >= 0 && li < static_cast<int64_t>(layers_.size()), "no layer ", li);
+    for (const auto& L : layers_)
+      TORCH_CHECK(all_quant(L.qkv) && all_quant(L.o) && all_quant(L.gate_up) && all_quant(L.down),
+                  "the fused forward runs GGUF-block products only");
+    TORCH_CHECK(columns.dim() == 2 && columns.scalar_type() == torch::kInt64 && columns.is_contiguous(),
+                "columns: contiguous int64 [b, q]");
+    TORCH_CHECK(x_in.dim() == 2 && x_in.size(0) == columns.numel(), "x: [b * q, hidden]");
+    TORCH_CHECK(cos.scalar_type() == torch::kFloat32 && sin.scalar_type() == torch::kFloat32 && cos.is_contiguous() &&
+                sin.is_contiguous() && cos.numel() == columns.numel() * d_ && sin.numel() == cos.numel(),
+                "cos / sin: contiguous float32 [b * q, head_dim]");
+    TORCH_CHECK(k_cache.dim() == 5 && k_cache.sizes() == v_cache.sizes() && row0 >= 0 &&
+                row0 + columns.size(0) <= k_cache.size(1) && kv_len >= 1 && kv_len <= k_cache.size(3) &&
+                columns.max().item<int64_t>() < kv_len && columns.min().item<int64_t>() >= 0,
+                "cache rows / columns out of range");
+    TORCH_CHECK(!visible || (visible->numel() == columns.numel() * kv_len), "visible: [b, q, kv_len]");
     TORCH_CHECK(k_cache.scalar_type() == torch::kHalf && v_cache.scalar_type() == torch::kHalf &&
                 k_cache.is_contiguous() && v_cache.is_contiguous(), "the fused forward takes a contiguous float16 cache");
     TORCH_CHECK(d_ % 8 == 0 && d_ <= 256, "head_dim must be a multiple of 8, at most 256");
@@ -248,8 +272,6 @@ class LayerStack {
     keep(0);
     for (int64_t li : order) {
       const Layer& L = layers_.at(li);
-      TORCH_CHECK(all_quant(L.qkv) && all_quant(L.o) && all_quant(L.gate_up) && all_quant(L.down),
-                  "the fused forward runs GGUF-block products only");
       // 1. attention block: norm, q/k/v, RoPE, cache write, attention, output projection
       for (int64_t r = 0; r < n; ++r) t->rmsnorm(x + r * hidden, L.ln1.data_ptr<float>(), hidden, (float)eps_, hbuf.data() + r * hidden);
       fused_product(L.qkv, t, hbuf.data(), n, qkv.data(), qkv_w);

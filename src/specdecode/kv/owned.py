@@ -41,10 +41,17 @@ def supports(model: torch.nn.Module) -> bool:
         return False
     if getattr(cfg, "attention_bias", False) or getattr(cfg, "mlp_bias", False):
         return False  # o_proj / MLP biases are not carried by the owned forward (q/k/v biases are)
+    layers = getattr(getattr(model, "model", None), "layers", [])
     linears_ok = all(
         _is_linear(getattr(layer.self_attn, "q_proj", None)) and _is_linear(getattr(layer.mlp, "down_proj", None))
-        for layer in getattr(getattr(model, "model", None), "layers", [])
+        for layer in layers
     ) and _is_linear(model.get_output_embeddings())
+    # every projection float, or every one low-bit (a layer too narrow for 32-weight blocks stays float)
+    kinds = {type(getattr(parent, name)) is torch.nn.Linear for layer in layers
+             for parent, names in ((layer.self_attn, ("q_proj", "k_proj", "v_proj", "o_proj")),
+                                   (layer.mlp, ("gate_proj", "up_proj", "down_proj"))) for name in names
+             if hasattr(parent, name)}
+    linears_ok = linears_ok and len(kinds) <= 1
     return linears_ok and getattr(cfg, "hidden_act", "silu") == "silu"
 
 
@@ -219,25 +226,27 @@ class OwnedRunner(SlotRunner):
         self.dtype = self.embed.dtype
         # float32 like the Hugging Face rotary embedding, so both forwards rotate identically
         self.inv_freq = 1.0 / (theta ** (torch.arange(0, self.head_dim, 2, dtype=torch.int64).float() / self.head_dim))
-        int8 = any(not isinstance(l.qkv, torch.Tensor) for l in self.layers)  # low-bit modules
+        lowbit = any(not isinstance(l.qkv, torch.Tensor) for l in self.layers)  # GGUF-block modules
         asked_fast = batch_invariant is False  # teacher forcing: invariance not needed
         if batch_invariant is None:
             batch_invariant = default_batch_invariant(model)
-        self.batch_invariant = bool(batch_invariant or int8)
-        self.lowbit = int8
+        self.batch_invariant = bool(batch_invariant or lowbit)
+        self.lowbit = lowbit
         #: low-bit products of many rows in a full forward take the fast dequantized product unless the
         #: caller asked for invariance (the engine's default); ``batch_invariant=False`` (teacher forcing)
         #: gets the fast one
         self._exact_products = not asked_fast
         # float16 keys / values for low-bit weights (attention row by row in C, fixed order: no float64 needed)
-        self.cache_dtype = torch.float16 if int8 else torch.float64 if self.batch_invariant else self.dtype
+        self.cache_dtype = torch.float16 if lowbit else torch.float64 if self.batch_invariant else self.dtype
         self._table = 0  # the low-bit kernel table the C++ layer loop calls (set when it is built)
         #: The product kernel of float weights in decoding / verification forwards
         #: (``kernels.row_product``; None: int8 modules, row-invariant themselves, or not invariant).
-        self.row_kernel = "padded" if batch_invariant and not int8 else None
+        self.row_kernel = "padded" if batch_invariant and not lowbit else None
         self.k_cache = self.v_cache = None
         self._native = None  # the layer loop in C++ (built on first use; False: unavailable)
         self._vocab_rows: int | None = None  # limit_vocabulary
+        self._full_head = self.lm_head
+        self._rope_table: tuple[torch.Tensor, torch.Tensor] | None = None  # cos, sin [positions, d] float32
 
     #: This forward can run a subset of the layers (layer-skip drafting).
     skips_layers = True
@@ -367,26 +376,28 @@ class OwnedRunner(SlotRunner):
         full[..., : self._vocab_rows] = logits
         return full
 
-    def limit_vocabulary(self, rows: int) -> None:
-        """Score only token ids below ``rows``: the output layer's first ``rows`` rows are read, every other
+    def limit_vocabulary(self, tokens: int) -> None:
+        """Score only token ids below ``tokens``: the output layer's first ``rows`` rows are read, every other
         id gets a -inf logit (probability 0). For a draft: byte-level BPE vocabularies put frequent tokens
         at low ids, and a draft's output layer is a large share of its step (the Qwen2.5 0.5B's
         151,936 x 896 rows are a quarter of its bytes). Lossless: the target verifies whatever is drafted,
         and a sampled draft reports q = 0 outside (EAGLE-2 / EAGLE-3's draft vocabulary, Li et al. 2024/2025).
 
         Raises:
-            SpecDecodeError: ``rows`` outside 1..vocabulary size.
+            SpecDecodeError: ``tokens`` outside 1..vocabulary size.
         """
-        if not 1 <= rows <= self.vocab_size:
-            raise SpecDecodeError(f"a draft vocabulary of {rows} tokens: give 1..{self.vocab_size}")
-        head = self.lm_head
-        if isinstance(head, QuantLinear):
-            bias = None if head.bias is None else head.bias[:rows]
-            self.lm_head = QuantLinear(head.packed[:rows], head.kind, head.in_features, bias, head.weight_precision,
+        if not 1 <= tokens <= self.vocab_size:
+            raise SpecDecodeError(f"a draft vocabulary of {tokens} tokens: give 1..{self.vocab_size}")
+        head = self._full_head
+        if tokens == self.vocab_size:
+            self.lm_head = head
+        elif isinstance(head, QuantLinear):
+            bias = None if head.bias is None else head.bias[:tokens]
+            self.lm_head = QuantLinear(head.packed[:tokens], head.kind, head.in_features, bias, head.weight_precision,
                                        packed=True)
         else:
-            self.lm_head = head[:rows]
-        self._vocab_rows = rows if rows < self.vocab_size else None
+            self.lm_head = head[:tokens]
+        self._vocab_rows = tokens if tokens < self.vocab_size else None
 
     def _prefill_rows_alone(self, rows, ids, positions, columns, mask, layers, last):
         """A low-bit batch's prompts prefilled one row at a time, each with its own token count: a long
@@ -416,9 +427,23 @@ class OwnedRunner(SlotRunner):
         return self._native or None
 
     def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [n, d/2] float32
-        emb = torch.cat([freqs, freqs], dim=-1)
-        return emb.cos().to(self.dtype), emb.sin().to(self.dtype)
+        """cos / sin [n, d] of ``positions`` [n], read from a table computed once per runner: a position's
+        values never depend on which positions share the call (a vectorised cos may round an element in a
+        vector body and in a scalar tail differently)."""
+        need = int(positions.max()) + 1 if positions.numel() else 1
+        if self._rope_table is None or self._rope_table[0].shape[0] < need:
+            size = max(need, 256, 2 * (0 if self._rope_table is None else self._rope_table[0].shape[0]))
+            freqs = torch.arange(size).float()[:, None] * self.inv_freq[None, :]  # [size, d/2] float32
+            emb = torch.cat([freqs, freqs], dim=-1)
+            if self._rope_table is not None:  # the rows already handed out keep their bits
+                old = self._rope_table[0].shape[0]
+                cos, sin = emb.cos(), emb.sin()
+                cos[:old], sin[:old] = self._rope_table
+                self._rope_table = (cos, sin)
+            else:
+                self._rope_table = (emb.cos(), emb.sin())
+        cos, sin = self._rope_table
+        return cos[positions].to(self.dtype), sin[positions].to(self.dtype)
 
 
 def _native_parts(weight, table: int) -> list[tuple] | None:
