@@ -13,8 +13,9 @@
 // Activations: per row, quantized alone (llama.cpp's Q8_0 / Q8_K layouts, our code):
 //   act32  (for Q4_0, Q4_1, Q5_0, Q8_0): per block of 32, float d, int8 q[32], float s = d * sum(q)
 //   act256 (for Q4_K, Q6_K): per block of 256, float d, int8 q[256], int16 bsums[16] (sums per 16)
-// Weights: each block of a column is read and unpacked once per pass of rows (4 rows with AVX2,
-// 8 with AVX-512: their accumulators stay in registers), then dotted with every row of the pass. Every (row, column) is accumulated in one fixed
+// Weights: each block of a column is read and unpacked once per pass of rows (32-weight formats:
+// 4 rows with AVX2, 8 with AVX-512; K-quants: 4; their accumulators stay in registers), then dotted
+// with every row of the pass. Every (row, column) is accumulated in one fixed
 // order that depends on nothing but that row and that column: neither on how many rows share
 // the call, nor on how the columns are split across threads. A row's result is therefore bit for
 // bit the same alone or among any rows (batch-invariant by construction), which is what keeps
@@ -86,66 +87,60 @@ static inline __m256i bits_to_0x10(uint32_t bits) {  // byte j = 0x10 if bit j o
 // ---------------------------------------------------------------------------------------------
 // Activations
 
+// max |x| over n floats (n a multiple of 8), in a fixed order
+static inline float absmax(const float* x, int n) {
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  __m256 m = _mm256_setzero_ps();
+  for (int i = 0; i < n; i += 8) m = _mm256_max_ps(m, _mm256_andnot_ps(sign, _mm256_loadu_ps(x + i)));
+  __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+  m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+  return _mm_cvtss_f32(m4);
+}
+
+static inline int32_t hsum_i32(__m256i t) {
+  __m128i t4 = _mm_add_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256(t, 1));
+  t4 = _mm_add_epi32(t4, _mm_shuffle_epi32(t4, 0x4E));
+  t4 = _mm_add_epi32(t4, _mm_shuffle_epi32(t4, 0xB1));
+  return _mm_cvtsi128_si32(t4);
+}
+
+// 32 floats times id, rounded to nearest (ties to even) -> 32 int8 at q; qi: the four int32 vectors
+static inline void quantize_block(const float* x, float id, int8_t* q, __m256i qi[4]) {
+  for (int i = 0; i < 4; ++i) qi[i] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + 8 * i), _mm256_set1_ps(id)));
+  // int32 -> int8 in order (packs interleave 128-bit lanes; the permute puts them back)
+  __m256i p8 = _mm256_packs_epi16(_mm256_packs_epi32(qi[0], qi[1]), _mm256_packs_epi32(qi[2], qi[3]));
+  p8 = _mm256_permutevar8x32_epi32(p8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+  _mm256_storeu_si256((__m256i*)q, p8);
+}
+
 // x [rows, k] float32 -> q [rows, k] int8, d [rows, k/32], s [rows, k/32] (act32)
 static void quantize32(const float* x, int64_t rows, int64_t k, int8_t* q, float* d, float* s) {
   const int64_t nb = k / 32;
-  const __m256 sign = _mm256_set1_ps(-0.0f);
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t b = 0; b < nb; ++b) {
       const float* xb = x + r * k + 32 * b;
-      __m256 v[4], m = _mm256_setzero_ps();
-      for (int i = 0; i < 4; ++i) {
-        v[i] = _mm256_loadu_ps(xb + 8 * i);
-        m = _mm256_max_ps(m, _mm256_andnot_ps(sign, v[i]));
-      }
-      __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
-      m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-      m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
-      const float amax = _mm_cvtss_f32(m4), dd = amax / 127.0f, id = amax > 0 ? 127.0f / amax : 0.0f;
+      const float amax = absmax(xb, 32), dd = amax / 127.0f, id = amax > 0 ? 127.0f / amax : 0.0f;
       __m256i qi[4];
-      for (int i = 0; i < 4; ++i) qi[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], _mm256_set1_ps(id)));
-      // int32 -> int8 in order (packs interleave 128-bit lanes; the permute puts them back)
-      __m256i p16a = _mm256_packs_epi32(qi[0], qi[1]), p16b = _mm256_packs_epi32(qi[2], qi[3]);
-      __m256i p8 = _mm256_packs_epi16(p16a, p16b);
-      p8 = _mm256_permutevar8x32_epi32(p8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-      _mm256_storeu_si256((__m256i*)(q + r * k + 32 * b), p8);
-      __m256i t = _mm256_add_epi32(_mm256_add_epi32(qi[0], qi[1]), _mm256_add_epi32(qi[2], qi[3]));
-      __m128i t4 = _mm_add_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256(t, 1));
-      t4 = _mm_add_epi32(t4, _mm_shuffle_epi32(t4, 0x4E));
-      t4 = _mm_add_epi32(t4, _mm_shuffle_epi32(t4, 0xB1));
+      quantize_block(xb, id, q + r * k + 32 * b, qi);
       d[r * nb + b] = dd;
-      s[r * nb + b] = dd * (float)_mm_cvtsi128_si32(t4);
+      s[r * nb + b] = dd * (float)hsum_i32(_mm256_add_epi32(_mm256_add_epi32(qi[0], qi[1]), _mm256_add_epi32(qi[2], qi[3])));
     }
 }
 
 // x [rows, k] float32 -> q [rows, k] int8, d [rows, k/256], bsums [rows, k/16] int16 (act256)
 static void quantize256(const float* x, int64_t rows, int64_t k, int8_t* q, float* d, int16_t* bsums) {
   const int64_t nb = k / 256;
-  const __m256 sign = _mm256_set1_ps(-0.0f);
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t b = 0; b < nb; ++b) {
       const float* xb = x + r * k + 256 * b;
-      __m256 m = _mm256_setzero_ps();
-      for (int i = 0; i < 32; ++i) m = _mm256_max_ps(m, _mm256_andnot_ps(sign, _mm256_loadu_ps(xb + 8 * i)));
-      __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
-      m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-      m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
-      const float amax = _mm_cvtss_f32(m4), id = amax > 0 ? 127.0f / amax : 0.0f;
+      const float amax = absmax(xb, 256), id = amax > 0 ? 127.0f / amax : 0.0f;
       d[r * nb + b] = amax / 127.0f;
       for (int c = 0; c < 8; ++c) {  // 32 elements at a time
         __m256i qi[4];
-        for (int i = 0; i < 4; ++i)
-          qi[i] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xb + 32 * c + 8 * i), _mm256_set1_ps(id)));
-        __m256i p8 = _mm256_packs_epi16(_mm256_packs_epi32(qi[0], qi[1]), _mm256_packs_epi32(qi[2], qi[3]));
-        p8 = _mm256_permutevar8x32_epi32(p8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-        _mm256_storeu_si256((__m256i*)(q + r * k + 256 * b + 32 * c), p8);
-        for (int h = 0; h < 2; ++h) {
-          __m256i t = _mm256_add_epi32(qi[2 * h], qi[2 * h + 1]);
-          __m128i t4 = _mm_add_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256(t, 1));
-          t4 = _mm_add_epi32(t4, _mm_shuffle_epi32(t4, 0x4E));
-          t4 = _mm_add_epi32(t4, _mm_shuffle_epi32(t4, 0xB1));
-          bsums[r * (k / 16) + 16 * b + 2 * c + h] = (int16_t)_mm_cvtsi128_si32(t4);
-        }
+        quantize_block(xb + 32 * c, id, q + r * k + 256 * b + 32 * c, qi);
+        for (int h = 0; h < 2; ++h)
+          bsums[r * (k / 16) + 16 * b + 2 * c + h] = (int16_t)hsum_i32(_mm256_add_epi32(qi[2 * h], qi[2 * h + 1]));
       }
     }
 }
@@ -220,6 +215,10 @@ static inline void scales8(int fmt, const Soa* a, int64_t b0, int cnt, __m256* d
 #else
 #define SD_PASS 8
 #endif
+// K-quant passes keep four vectors per row (two integer sums, two float accumulators) next to the
+// unpacked weights and scales: four rows fit the registers of every variant, more spill (measured:
+// six rows of a Q4_K pass cost as much as eleven).
+#define SD_PASSK 4
 #define SD_INLINE static inline __attribute__((always_inline))
 
 // Rows r0..r0+P of one column of 32-weight blocks, each block unpacked in registers once and dotted
@@ -304,18 +303,25 @@ static inline __m256i pick16(__m256i v, int lo, int hi) {  // low lane: int16 lo
   return _mm256_shuffle_epi8(v, idx);
 }
 
-static inline void unpack_q4k(const uint8_t* blk, SuperBlock* sb) {
-  sb->d = f16(blk);
-  sb->dmin = f16(blk + 2);
-  // the 6-bit scales and minimums of the 8 sub-blocks (12 bytes), four at a time
+// Q4_K's 6-bit scales and minimums of its 8 sub-blocks (12 bytes at blk + 4), four at a time:
+// sc = 8 int16 scales in both 128-bit lanes; msc = the minimums, each twice (one per 16 elements)
+static inline void q4k_scales(const uint8_t* blk, __m256i* sc, __m256i* msc) {
   uint32_t a[3];
   memcpy(a, blk + 4, 12);
   const uint32_t sc_lo = a[0] & 0x3f3f3f3fu, mn_lo = a[1] & 0x3f3f3f3fu;
   const uint32_t sc_hi = (a[2] & 0x0f0f0f0fu) | ((a[0] >> 2) & 0x30303030u);
   const uint32_t mn_hi = ((a[2] >> 4) & 0x0f0f0f0fu) | ((a[1] >> 2) & 0x30303030u);
   const __m256i v16 = _mm256_cvtepu8_epi16(_mm_setr_epi32((int)sc_lo, (int)sc_hi, (int)mn_lo, (int)mn_hi));
-  const __m128i mn = _mm256_extracti128_si256(v16, 1);                 // 8 x int16 minimums
-  const __m256i sc = _mm256_permute2x128_si256(v16, v16, 0x00);         // 8 x int16 scales, both lanes
+  const __m128i mn = _mm256_extracti128_si256(v16, 1);
+  *sc = _mm256_permute2x128_si256(v16, v16, 0x00);
+  *msc = _mm256_set_m128i(_mm_unpackhi_epi16(mn, mn), _mm_unpacklo_epi16(mn, mn));
+}
+
+static inline void unpack_q4k(const uint8_t* blk, SuperBlock* sb) {
+  sb->d = f16(blk);
+  sb->dmin = f16(blk + 2);
+  __m256i sc;
+  q4k_scales(blk, &sc, &sb->msc);
   const uint8_t* qs = blk + 16;
   const __m256i m4 = _mm256_set1_epi8(0x0F);
   for (int c = 0; c < 4; ++c) {
@@ -324,7 +330,6 @@ static inline void unpack_q4k(const uint8_t* blk, SuperBlock* sb) {
     sb->u[2 * c + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
   }
   for (int j = 0; j < 8; ++j) sb->sc[j] = pick16(sc, j, j);
-  sb->msc = _mm256_set_m128i(_mm_unpackhi_epi16(mn, mn), _mm_unpacklo_epi16(mn, mn));
 }
 
 static inline void unpack_q6k(const uint8_t* blk, SuperBlock* sb) {
@@ -368,11 +373,11 @@ static inline void unpack_q6k(const uint8_t* blk, SuperBlock* sb) {
 // accumulator per row across super-blocks (and one for Q4_K's minimums), whatever P.
 SD_INLINE void passk(const int P, const int q6, const uint8_t* wn, int64_t nb, int64_t k, const int8_t* xq,
                      const float* xd, const int16_t* bsums, int64_t r0, float* out, int64_t ldo, int64_t n) {
-  __m256 acc[SD_PASS], macc[SD_PASS];
+  __m256 acc[SD_PASSK], macc[SD_PASSK];
   for (int r = 0; r < P; ++r) acc[r] = macc[r] = _mm256_setzero_ps();
   const __m256i m4 = _mm256_set1_epi8(0x0F), m2 = _mm256_set1_epi8(0x03);
   for (int64_t b = 0; b < nb; ++b) {
-    __m256i s0[SD_PASS], s1[SD_PASS], msc;
+    __m256i s0[SD_PASSK], s1[SD_PASSK], msc;
     for (int r = 0; r < P; ++r) s0[r] = s1[r] = _mm256_setzero_si256();
     float d, dmin = 0.0f;
     if (q6) {
@@ -399,15 +404,8 @@ SD_INLINE void passk(const int P, const int q6, const uint8_t* wn, int64_t nb, i
       const uint8_t* blk = wn + 144 * b;
       d = f16(blk);
       dmin = f16(blk + 2);
-      uint32_t a[3];
-      memcpy(a, blk + 4, 12);
-      const uint32_t sc_lo = a[0] & 0x3f3f3f3fu, mn_lo = a[1] & 0x3f3f3f3fu;
-      const uint32_t sc_hi = (a[2] & 0x0f0f0f0fu) | ((a[0] >> 2) & 0x30303030u);
-      const uint32_t mn_hi = ((a[2] >> 4) & 0x0f0f0f0fu) | ((a[1] >> 2) & 0x30303030u);
-      const __m256i v16 = _mm256_cvtepu8_epi16(_mm_setr_epi32((int)sc_lo, (int)sc_hi, (int)mn_lo, (int)mn_hi));
-      const __m128i mn = _mm256_extracti128_si256(v16, 1);
-      const __m256i sc = _mm256_permute2x128_si256(v16, v16, 0x00);
-      msc = _mm256_set_m128i(_mm_unpackhi_epi16(mn, mn), _mm_unpacklo_epi16(mn, mn));
+      __m256i sc;
+      q4k_scales(blk, &sc, &msc);
       for (int c = 0; c < 4; ++c) {
         const __m256i v = _mm256_loadu_si256((const __m256i*)(blk + 16 + 32 * c));
         const __m256i u0 = _mm256_and_si256(v, m4), u1 = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
@@ -438,15 +436,12 @@ static void gemmk(int fmt, const uint8_t* w, int64_t ldw, int64_t k, const int8_
   const int64_t nb = k / 256;
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* wn = w + n * ldw;
-    for (int64_t r0 = 0; r0 < rows; r0 += SD_PASS) {
-      const int64_t p = rows - r0 < SD_PASS ? rows - r0 : SD_PASS;
+    for (int64_t r0 = 0; r0 < rows; r0 += SD_PASSK) {
+      const int64_t p = rows - r0 < SD_PASSK ? rows - r0 : SD_PASSK;
       switch (p) {
 #define SD_CASE(P) case P: if (fmt == SD_Q6_K) passk(P, 1, wn, nb, k, xq, xd, bsums, r0, out, ldo, n); \
                            else passk(P, 0, wn, nb, k, xq, xd, bsums, r0, out, ldo, n); break;
         SD_CASE(1) SD_CASE(2) SD_CASE(3) SD_CASE(4)
-#if SD_PASS > 4
-        SD_CASE(5) SD_CASE(6) SD_CASE(7) SD_CASE(8)
-#endif
 #undef SD_CASE
       }
     }

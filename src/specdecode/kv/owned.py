@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from specdecode.kernels import ROW_BLOCK, row_product
-from specdecode.lowbit import LOWBIT_TYPES, PREFILL_ROWS, QuantLinear, concat as concat_lowbit, variant_table
+from specdecode.lowbit import LOWBIT_TYPES, QuantLinear, concat as concat_lowbit, prefill_rows, variant_table
 from specdecode.kv.base import SlotRunner
 from specdecode.types import SpecDecodeError
 
@@ -183,7 +183,7 @@ class OwnedRunner(SlotRunner):
       (``csrc/step.cpp`` ``run_fused``): the products quantize each activation row on its own and
       accumulate it in one fixed order, and RMSNorm, RoPE, attention over a float16 key / value
       cache (visible columns in column order) and SiLU are computed row by row: invariant by
-      construction, no float64 needed. A prompt longer than ``lowbit.PREFILL_ROWS`` tokens is
+      construction, no float64 needed. A prompt longer than ``lowbit.prefill_rows(model)`` tokens is
       prefilled with fast float products (each row of a batch alone, so a row's prefill never
       depends on the rows beside it).
     - Float weights run :func:`specdecode.kernels.row_product` as zero-padded blocks of exactly
@@ -244,6 +244,11 @@ class OwnedRunner(SlotRunner):
         self.row_kernel = "padded" if batch_invariant and not lowbit else None
         self.k_cache = self.v_cache = None
         self._native = None  # the layer loop in C++ (built on first use; False: unavailable)
+        #: prompt tokens above which a low-bit prefill takes the dequantized float products
+        self.prefill_rows = prefill_rows(model) if lowbit else 32
+        for m in model.modules():
+            if isinstance(m, QuantLinear):
+                m.prefill_rows = self.prefill_rows
         self._vocab_rows: int | None = None  # limit_vocabulary
         self._full_head = self.lm_head
         self._rope_table: tuple[torch.Tensor, torch.Tensor] | None = None  # cos, sin [positions, d] float32
@@ -295,7 +300,7 @@ class OwnedRunner(SlotRunner):
     def _run(self, rows, ids, positions, columns, mask, kv_len, layers, last):
         b, q = ids.shape
         n = b * q
-        if self.lowbit and last is not None and b > 1 and n > PREFILL_ROWS:
+        if self.lowbit and last is not None and b > 1 and n > self.prefill_rows:
             return self._prefill_rows_alone(rows, ids, positions, columns, mask, layers, last)
         h, kvh, d = self.num_heads, self.num_kv_heads, self.head_dim
         cos, sin = self._rope(positions.reshape(-1))  # [n, d]
@@ -310,7 +315,7 @@ class OwnedRunner(SlotRunner):
         # a prompt-sized last_only forward attends in the model's dtype (its cache columns converted once per
         # layer); small ones (drafting) read the cache as it is
         att_dtype = x.dtype if last is not None and n > ROW_BLOCK else self.cache_dtype
-        prefill = last is not None and n > PREFILL_ROWS  # a prompt: fast float products, not row-invariant
+        prefill = last is not None and n > self.prefill_rows  # a long prompt: float products, not row-invariant
         if self.lowbit:  # float16 cache; the Python loop attends in float64 (exact) but for a prompt
             att_dtype = torch.float32 if prefill else torch.float64
         capture = self.capture_layers if layers is None else None  # a draft head's features (full forwards)
