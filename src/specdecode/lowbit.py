@@ -168,6 +168,8 @@ def _compile_variant(name: str, cache_dir=None) -> tuple[ctypes.CDLL, int]:
     digest = hashlib.sha256(_QGEMM.read_bytes() + _HEADER.read_bytes() + " ".join(flags).encode()).hexdigest()[:12]
     out = _cache_base(cache_dir) / "kernels" / f"qgemm-{name}-{digest}.so"
     if not out.is_file():
+        print(f"specdecode: compiling the {name} low-bit kernel into {out.parent} (once per machine and version, "
+              "seconds)", file=sys.stderr, flush=True)
         out.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp")
         os.close(fd)
@@ -534,10 +536,9 @@ def modules_from_gguf(model: torch.nn.Module, gguf: str | Path, progress: bool =
             raise SpecDecodeError(f"{gguf}: {t.name} ({key}) is stored as {kind}, which has no low-bit layout here "
                                   f"(read: {', '.join(GGUF_BLOCKS)}); use --weights bf16")
         rows, cols = params[key].shape
-        raw = np.asarray(t.data).reshape(rows, -1)
+        raw = np.asarray(t.data).reshape(rows, -1)  # a read-only view of the file
         order = _row_order(plan.processor, t.name, rows)
-        if order is not None:
-            raw = raw[order]
+        raw = raw[order] if order is not None else np.array(raw)  # a writable copy either way
         out[name] = QuantLinear(torch.from_numpy(np.ascontiguousarray(raw)), kind, cols, params.get(f"{name}.bias"))
     return out
 

@@ -589,10 +589,7 @@ def _gguf_blocks_choice(spec: str, cache_dir, progress: bool, status, forward: s
         return None
     if source.kind not in ("catalog", "gguf"):
         return None
-    try:
-        variant = active_variant()
-    except SpecDecodeError:
-        variant = None
+    variant = active_variant()  # a wrong SPECDECODE_KERNEL_ISA says so here, before anything loads
     if variant is None:
         return None
     try:  # a tensor type or architecture without a low-bit layout here: the measured choice instead
@@ -635,8 +632,12 @@ def _explicit(loaded, weights: str, cache: Path, forward: str = "auto",
         from specdecode.kv.owned import supports
 
         if supports(loaded.model):  # row-independent low-bit products and attention: by construction
+            from specdecode.lowbit import active_variant, kernel_status
+
             exact = True
-            reason += "; speculation stays exact (row-independent low-bit products in the owned forward)"
+            active_variant()
+            reason += (f"; {kernel_status()}; speculation stays exact (row-independent low-bit products in the "
+                       "owned forward)")
     if exact is None:
         reason += "; whether speculation stays exact with it here was not measured (--weights auto measures it)"
     elif not exact:

@@ -109,12 +109,16 @@ def run_table(models: Sequence[str], output: Path, *, ks: Sequence[int] = KS, de
     from specdecode.lowbit import kernel_status, variant_table
     from specdecode.models import gguf_file
 
-    output.mkdir(parents=True, exist_ok=True)
+    try:
+        output.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise SpecDecodeError(f"cannot create the report directory {output} ({exc.strerror}): choose a writable "
+                              "--output") from None
     if not os.access(output, os.W_OK):
         raise SpecDecodeError(f"cannot write the report to {output}: choose a writable --output")
-    if threads:
-        torch.set_num_threads(threads)
-    threads = torch.get_num_threads()
+    from specdecode.cliargs import set_threads
+
+    threads = set_threads(threads, say=say)  # None: one per core other processes leave idle
     bench_bin = peer_binary(name="llama-bench")
     if peer and not bench_bin.exists():
         raise SpecDecodeError(f"{bench_bin} is missing: run 'specdecode bench --setup-peers llama-server' first "
@@ -151,14 +155,16 @@ def run_table(models: Sequence[str], output: Path, *, ks: Sequence[int] = KS, de
 def render(result: dict) -> str:
     """The Markdown report of :func:`run_table`'s result."""
     env = result["environment"]
+    peer = any(row["llama_s"] for row in result["models"])
     flags = " ".join(f for f in env["cpu_flags"] if re.match(r"(avx|fma|f16c|amx|sse4)", f))
     lines = [
-        "# Verification cost: T(k) / T(1), ours beside llama.cpp (same GGUF file)",
+        "# Verification cost: T(k) / T(1)" + (", ours beside llama.cpp (same GGUF file)" if peer else ", ours"),
         "",
-        f"{env['cpu_model']}, {result['threads']} threads; SIMD flags: {flags}",
+        f"{env['cpu_model']}, {result['threads']} thread{'s' if result['threads'] != 1 else ''}; SIMD flags: {flags}",
         f"Kernel: {result['kernel']}; read bandwidth {result['bandwidth_bytes_s'] / 1e9:.1f} GB/s; "
         f"load average at start {result['load_at_start'][0]:.2f}, at end {result['load_at_end'][0]:.2f}; "
-        f"fastest of {result['repeats']} per figure, ours and llama-bench interleaved k by k; {env['date']}",
+        f"fastest of {result['repeats']} per figure"
+        + (", ours and llama-bench interleaved k by k" if peer else "") + f"; {env['date']}",
         "",
     ]
     for row in result["models"]:
