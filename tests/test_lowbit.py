@@ -266,3 +266,26 @@ def test_a_draft_with_a_reduced_vocabulary_stays_lossless():
         assert sum(o.metrics.num_accepted_tokens for o in outs) > 0
     with pytest.raises(lowbit.SpecDecodeError, match="draft vocabulary"):
         runner.runner.limit_vocabulary(65)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_every_variant_and_thread_count_gives_the_same_bits(kind):
+    """Integer dot products inside a block and one float order per (row, output) across blocks: the AVX2,
+    AVX-512 and VNNI variants and any thread count give identical results (replicas on different x86 CPUs
+    agree bit for bit)."""
+    kernel = lowbit.load_kernel()
+    if kernel is None or not VARIANTS:
+        pytest.skip("no kernel variant on this CPU")
+    cols = _cols(kind)
+    module = lowbit.QuantLinear(torch.from_numpy(_raw(kind, 64, cols, seed=4)), kind, cols)
+    x = torch.randn(7, cols, generator=torch.Generator().manual_seed(4))
+    threads = torch.get_num_threads()
+    try:
+        outs = []
+        for name in VARIANTS:
+            for n in (1, 2):
+                torch.set_num_threads(n)
+                outs.append(kernel.q_linear(x, module.packed, module.fmt, lowbit.load_variant(name)))
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(o, outs[0]) for o in outs)
