@@ -14,7 +14,7 @@ from specdecode.engine import EngineConfig, SpeculativeEngine
 from specdecode.kernels import set_weight_precision
 from specdecode.proposers import DraftModelProposer, NgramProposer, TreeDraftConfig, TreeDraftProposer
 from specdecode.types import SamplingParams
-from tiny import tiny_llama, tiny_qwen2
+from tiny import chi2_pvalue, exact_joint, tiny_llama, tiny_qwen2
 
 gguf = pytest.importorskip("gguf")
 VARIANTS = lowbit.supported_variants()
@@ -289,3 +289,23 @@ def test_every_variant_and_thread_count_gives_the_same_bits(kind):
     finally:
         torch.set_num_threads(threads)
     assert all(torch.equal(o, outs[0]) for o in outs)
+
+
+@pytest.mark.parametrize("precision", ["int4", "int8"])
+def test_sampled_output_of_a_low_bit_target_follows_its_exact_law(variant, precision):
+    """First three sampled tokens, speculative (a low-bit draft model, gamma 2) against the exact joint of the
+    low-bit target's own forward; negative control: the same samples against the draft's law fail."""
+    vocab = 5
+    tgt = set_weight_precision(tiny_llama(vocab_size=vocab, seed=3, layers=1, hidden=32, scale=4.0,
+                                          dtype=torch.float32), precision)
+    drf = set_weight_precision(tiny_llama(vocab_size=vocab, seed=4, layers=1, hidden=32, scale=4.0,
+                                          dtype=torch.float32), precision)
+    prompt = [1, 2]
+    exact = exact_joint(tgt, prompt, 3, backend="owned")
+    engine = SpeculativeEngine(tgt, DraftModelProposer(drf), EngineConfig(num_speculative_tokens=2))
+    counts = np.zeros(vocab**3)
+    for s in range(2000):
+        out = engine.generate(prompt, SamplingParams(temperature=1.0, max_new_tokens=3, seed=s))
+        counts[np.ravel_multi_index(out.token_ids, (vocab,) * 3)] += 1
+    assert chi2_pvalue(counts, exact) > 1e-3
+    assert chi2_pvalue(counts, exact_joint(drf, prompt, 3, backend="owned")) < 1e-6
