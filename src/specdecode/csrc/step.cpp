@@ -17,7 +17,6 @@
 
 #include "qtable.h"
 
-torch::Tensor q_linear(torch::Tensor x, torch::Tensor w, int64_t fmt, int64_t table);  // lowbit.cpp
 const SdTable* sd_table_at(int64_t address);                                             // lowbit.cpp
 void q_product(const SdTable* t, const float* x, int64_t rows, int64_t k, const uint8_t* w, int64_t n_out,
                int64_t ldw, int64_t fmt, float* out, int64_t ldo);                      // lowbit.cpp
@@ -52,11 +51,8 @@ torch::Tensor apply_part(const Part& p, const torch::Tensor& x, bool padded) {
     if (x.size(0) > 16 || p.a.scalar_type() != torch::kFloat32) return torch::linear(x, p.a);
     return torch::mm(p.a, x.t()).t();
   }
-  // lowbit.QuantLinear.forward (the kernel: row-invariant for any number of rows)
-  torch::Tensor rows = x.reshape({-1, p.in}).to(torch::kFloat32).contiguous();
-  torch::Tensor out = q_linear(rows, p.a, p.fmt, p.table);
-  if (p.bias) out = out + *p.bias;
-  return out;
+  TORCH_CHECK(false, "GGUF-block products run in run_fused, not in run");
+  return x;
 }
 
 struct Product {
