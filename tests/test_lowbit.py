@@ -309,3 +309,19 @@ def test_sampled_output_of_a_low_bit_target_follows_its_exact_law(variant, preci
         counts[np.ravel_multi_index(out.token_ids, (vocab,) * 3)] += 1
     assert chi2_pvalue(counts, exact) > 1e-3
     assert chi2_pvalue(counts, exact_joint(drf, prompt, 3, backend="owned")) < 1e-6
+
+
+def test_a_batch_of_long_prompts_is_prefilled_row_by_row_as_each_alone():
+    """A batched prefill longer than the model's prefill_rows runs each row alone with its own token count
+    (the float products are not row-invariant): each row's logits and cache equal its lone prefill's."""
+    from specdecode.kv import make_runner
+
+    model = set_weight_precision(tiny_llama(seed=0, dtype=torch.float32, scale=3.0), "int8")
+    prompts = [list(range(1, 41)), [5, 6, 7], list(range(3, 60))]
+    together = make_runner(model, "owned", num_slots=3)
+    assert sum(map(len, prompts)) > together.prefill_rows
+    both = together.forward(slice(0, 3), prompts, last_only=True)
+    for i, p in enumerate(prompts):
+        alone = make_runner(model, "owned", num_slots=1)
+        assert torch.equal(alone.forward(slice(0, 1), [p], last_only=True)[0, -1], both[i, -1])
+        assert torch.equal(alone.k_cache[:, 0, :, : len(p)], together.k_cache[:, i, :, : len(p)])

@@ -328,7 +328,7 @@ class OwnedRunner(SlotRunner):
             order = list(range(self.num_layers)) if layers is None else list(layers)
             wanted = sorted(set(capture or ()))
             outs = native.run_fused(x, cos.float(), sin.float(), self.k_cache, self.v_cache, rows.start or 0,
-                                    columns, mask, kv_len, self._table, order, wanted)
+                                    columns.contiguous(), mask, kv_len, self._table, order, wanted)
             x = outs[0]
             met = [a for a in [0] + [i + 1 for i in order] if a in wanted]
             kept = dict(zip(met, outs[1:]))
