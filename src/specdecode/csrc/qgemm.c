@@ -152,8 +152,9 @@ static void quantize256(const float* x, int64_t rows, int64_t k, int8_t* q, floa
 //   Q4_0: d[nb] f16 | qs[nb][16]          Q4_1: d[nb] | m[nb] | qs[nb][16]
 //   Q5_0: d[nb] | qh[nb] u32 | qs[nb][16]  Q8_0: d[nb] | qs[nb][32]
 // A block unpacks to 32 bytes u (unsigned; Q8_0: signed) with w = dw * u + mw (Q8_0: w = dw * q).
-// Per row and block: the int32 lanes of u . x, acc += float(lanes) * (dw * dx); per group of eight
-// blocks m += mw * s (s: the activation block's scaled sum).
+// Per row and group of eight blocks: the int32 sums u . x of the eight blocks in one vector (exact),
+// acc += float(sums) * (dw * dx) and m += mw * s (s: the activation block's scaled sum), lane i
+// holding block i of every group.
 
 
 static const int kBlockBytes[6] = {18, 20, 22, 34, 144, 210};
@@ -221,42 +222,54 @@ static inline void scales8(int fmt, const Soa* a, int64_t b0, int cnt, __m256* d
 #define SD_PASSK 4
 #define SD_INLINE static inline __attribute__((always_inline))
 
-// Rows r0..r0+P of one column of 32-weight blocks, each block unpacked in registers once and dotted
-// with every row of the pass. Per row: two float accumulators (even / odd blocks) and one for the
-// zero-point terms (eight blocks a lane), whatever P.
+// The int32 lanes of eight blocks' dot products -> one int32 per block (lane i: block i). Integer
+// sums: exact, so the order inside is free.
+static inline __m256i reduce8(const __m256i d[8]) {
+  const __m256i q0 = _mm256_hadd_epi32(_mm256_hadd_epi32(d[0], d[1]), _mm256_hadd_epi32(d[2], d[3]));
+  const __m256i q1 = _mm256_hadd_epi32(_mm256_hadd_epi32(d[4], d[5]), _mm256_hadd_epi32(d[6], d[7]));
+  return _mm256_add_epi32(_mm256_permute2x128_si256(q0, q1, 0x20), _mm256_permute2x128_si256(q0, q1, 0x31));
+}
+
+// Rows r0..r0+P of one column of 32-weight blocks, in groups of eight blocks: each block of the group
+// is unpacked in registers once and dotted with every row of the pass; per row the eight blocks'
+// integer sums become one vector (lane i: block i), and one multiply-add per group applies the
+// scales: acc += float(sum_i) * (dw_i * dx_i). Per row two float accumulators (products, zero-point
+// terms), whatever P; a group past the end of the row has its missing blocks as zeros.
+SD_INLINE void group32(const int P, const int fmt, const int cnt, const Soa* a, int64_t nb, int64_t k,
+                       const int8_t* xq, const float* xd, const float* xs, int64_t r0, int64_t b0, __m256* acc,
+                       __m256* m) {
+  const int q8 = fmt == SD_Q8_0;
+  __m256 dw, mw;
+  scales8(fmt, a, b0, cnt, &dw, &mw);
+  const __m256i keep = _mm256_cmpgt_epi32(_mm256_set1_epi32(cnt), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+  __m256i raw[8], u[8];
+  for (int i = 0; i < 8; ++i) {
+    raw[i] = i < cnt ? unpack32(fmt, a, b0 + i) : _mm256_setzero_si256();
+    u[i] = q8 ? _mm256_sign_epi8(raw[i], raw[i]) : raw[i];
+  }
+  for (int r = 0; r < P; ++r) {
+    const int8_t* xr = xq + (r0 + r) * k + 32 * b0;
+    __m256i d[8];
+    for (int i = 0; i < 8; ++i) {
+      __m256i xv = i < cnt ? _mm256_loadu_si256((const __m256i*)(xr + 32 * i)) : _mm256_setzero_si256();
+      if (q8) xv = _mm256_sign_epi8(xv, raw[i]);
+      d[i] = dot_u8s8(u[i], xv);
+    }
+    const __m256 dx = cnt == 8 ? _mm256_loadu_ps(xd + (r0 + r) * nb + b0) : _mm256_maskload_ps(xd + (r0 + r) * nb + b0, keep);
+    const __m256 sx = cnt == 8 ? _mm256_loadu_ps(xs + (r0 + r) * nb + b0) : _mm256_maskload_ps(xs + (r0 + r) * nb + b0, keep);
+    acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(reduce8(d)), _mm256_mul_ps(dw, dx), acc[r]);
+    m[r] = _mm256_fmadd_ps(mw, sx, m[r]);
+  }
+}
+
 SD_INLINE void pass32(const int P, const int fmt, const Soa* a, int64_t nb, int64_t k, const int8_t* xq,
                       const float* xd, const float* xs, int64_t r0, float* out, int64_t ldo, int64_t n) {
-  __m256 a0[SD_PASS], a1[SD_PASS], m[SD_PASS];
-  for (int r = 0; r < P; ++r) a0[r] = a1[r] = m[r] = _mm256_setzero_ps();
-  const int q8 = fmt == SD_Q8_0;
-#define SD_BLOCK(i, acc)                                                                                  \
-  {                                                                                                       \
-    const int64_t b = b0 + (i);                                                                           \
-    const __m256i raw = unpack32(fmt, a, b);                                                              \
-    const __m256i u = q8 ? _mm256_sign_epi8(raw, raw) : raw;                                              \
-    for (int r = 0; r < P; ++r) {                                                                         \
-      __m256i xv = _mm256_loadu_si256((const __m256i*)(xq + (r0 + r) * k + 32 * b));                      \
-      if (q8) xv = _mm256_sign_epi8(xv, raw);                                                             \
-      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u8s8(u, xv)), _mm256_set1_ps(dwa[i] * xd[(r0 + r) * nb + b]), acc[r]); \
-    }                                                                                                     \
-  }
-  for (int64_t b0 = 0; b0 < nb; b0 += 8) {
-    const int cnt = nb - b0 < 8 ? (int)(nb - b0) : 8;
-    __m256 dw, mw;
-    scales8(fmt, a, b0, cnt, &dw, &mw);
-    float dwa[8];
-    _mm256_storeu_ps(dwa, dw);
-    const __m256i keep = _mm256_cmpgt_epi32(_mm256_set1_epi32(cnt), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-    for (int r = 0; r < P; ++r) m[r] = _mm256_fmadd_ps(mw, _mm256_maskload_ps(xs + (r0 + r) * nb + b0, keep), m[r]);
-    int i = 0;
-    for (; i + 1 < cnt; i += 2) {
-      SD_BLOCK(i, a0)
-      SD_BLOCK(i + 1, a1)
-    }
-    if (i < cnt) SD_BLOCK(i, a0)
-  }
-#undef SD_BLOCK
-  for (int r = 0; r < P; ++r) out[(r0 + r) * ldo + n] = hsum(_mm256_add_ps(a0[r], a1[r])) + hsum(m[r]);
+  __m256 acc[SD_PASS], m[SD_PASS];
+  for (int r = 0; r < P; ++r) acc[r] = m[r] = _mm256_setzero_ps();
+  int64_t b0 = 0;
+  for (; b0 + 8 <= nb; b0 += 8) group32(P, fmt, 8, a, nb, k, xq, xd, xs, r0, b0, acc, m);
+  if (b0 < nb) group32(P, fmt, (int)(nb - b0), a, nb, k, xq, xd, xs, r0, b0, acc, m);
+  for (int r = 0; r < P; ++r) out[(r0 + r) * ldo + n] = hsum(acc[r]) + hsum(m[r]);
 }
 
 static void gemm32(int fmt, const uint8_t* w, int64_t ldw, int64_t k, const int8_t* xq, const float* xd,
