@@ -12,7 +12,7 @@ import torch
 from conftest import make_tiny_tokenizer, save_tiny_model_dir
 from specdecode.generator import SpecDecoder, TextTracker
 from specdecode.models import IncompatibleTokenizerError, LoadedModel, load_model
-from specdecode.proposers import DraftModelProposer, NgramConfig, NgramProposer
+from specdecode.proposers import DraftModelProposer, NgramConfig, NgramProposer, TreeDraftConfig, TreeDraftProposer
 from specdecode.types import EmptyPromptError, InvalidSamplingParams, PromptTooLongError, SpecDecodeError
 
 PROMPTS = ["the cat and the dog", "once upon a time, in a land far away", "def f(x): return x"]
@@ -420,7 +420,12 @@ def _check_counted_to_the_end(m, num_tokens: int) -> None:
     assert m.num_verify_steps <= m.num_step_tokens
     assert m.num_step_tokens - m.num_verify_steps <= m.num_accepted_tokens <= m.num_step_tokens
     assert sum(m.accepted_by_position) == m.num_accepted_tokens
-    assert sum(m.drafted_by_position) == m.num_drafted_tokens == sum(m.draft_lengths)
+    assert m.num_drafted_tokens == sum(m.draft_lengths)
+    if m.num_tree_steps:  # a token tree: drafted counts nodes, positions count depths
+        assert sum(m.drafted_by_position) == m.tree_depth_sum and m.num_tree_nodes == m.num_drafted_tokens
+        assert m.tree_accepted_depth_sum == m.num_accepted_tokens
+    else:
+        assert sum(m.drafted_by_position) == m.num_drafted_tokens
 
 
 @pytest.mark.parametrize("stop", ["and!", "nand"])
@@ -443,11 +448,13 @@ def test_counters_stop_at_a_stop_string(tiny_loaded, stop):
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
-@pytest.mark.parametrize("kind", ["ngram", "draft-model"])
+@pytest.mark.parametrize("kind", ["ngram", "draft-model", "tree"])
 def test_counters_stop_at_the_committed_end_whatever_ended_the_request(tiny_loaded, kind, temperature):
     """Stop strings at many places, EOS (a stop token), the token cap: the counters cover what was delivered."""
     def decoder():
-        proposer = NgramProposer(NgramConfig(1, 3)) if kind == "ngram" else DraftModelProposer(tiny_loaded.model)
+        proposer = {"ngram": lambda: NgramProposer(NgramConfig(1, 3)),
+                    "draft-model": lambda: DraftModelProposer(tiny_loaded.model),
+                    "tree": lambda: TreeDraftProposer(tiny_loaded.model, TreeDraftConfig(num_nodes=8, top_k=2))}[kind]()
         return SpecDecoder(tiny_loaded, proposer, num_speculative_tokens=4)
 
     kw = dict(max_new_tokens=40, ignore_eos=True, temperature=temperature, seed=3)
