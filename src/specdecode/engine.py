@@ -340,7 +340,8 @@ class SpeculativeEngine:
             t1 = time.perf_counter()
             results, logits = self._verify(rows, drafts)  # 2. verify: one target forward over every row
             t2 = time.perf_counter()
-            outputs = [self._commit(r, d, v, logits[i]) for i, (r, d, v) in enumerate(zip(rows, drafts, results))]
+            outputs = [self._commit(r, d, v, logits[i])  # 3. commit: kept tokens, caches cut back to them
+                       for i, (r, d, v) in enumerate(zip(rows, drafts, results))]
             self._adapt(rows, drafts, results, outputs, t1 - t0, t2 - t1)  # 4. adapt: proposer and policy learn
         except BaseException as exc:  # a step cut short leaves its rows' caches unknown: every row leaves
             self._fail(rows, exc)
