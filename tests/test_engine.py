@@ -494,3 +494,97 @@ def test_generate_batch_equals_one_at_a_time(target, draft):
     with pytest.raises(PromptTooLongError):
         engine.generate_batch([[1], [1] * 300], _greedy(5))  # checked before anything runs
     assert engine.rows == []
+
+
+# --------------------------------------------------------------------------- every way out frees the rows
+
+
+class _FailOnce(NgramProposer):
+    """An n-gram drafter that raises ``error`` once: in ``start`` (admission) or in its second ``propose``."""
+
+    def __init__(self, where: str, error: BaseException) -> None:
+        super().__init__(NgramConfig(1, 3))
+        self.where, self.error, self.proposals = where, error, 0
+
+    def start(self, ctx) -> None:
+        if self.where == "start":
+            self.where = None
+            raise self.error
+        super().start(ctx)
+
+    def propose(self, batch, max_tokens):
+        self.proposals += 1
+        if self.where == "propose" and self.proposals == 2:
+            self.where = None
+            raise self.error
+        return super().propose(batch, max_tokens)
+
+
+@pytest.mark.parametrize("where", ["start", "propose"])
+@pytest.mark.parametrize("error", [KeyboardInterrupt(), RuntimeError("drafter bug")])
+@pytest.mark.parametrize("entry", ["generate", "stream", "generate_batch", "add-step"])
+def test_every_way_out_of_the_engine_frees_every_row(target, where, error, entry):
+    """An exception or Ctrl-C in the admission or in a step, under each entry point: no row stays taken,
+    a row another caller added leaves too (a step that did not complete leaves every row's cache unknown:
+    they end with finish reason "error", or "cancelled" for an interrupt), and the engine then generates
+    exactly what plain decoding does."""
+    engine = SpeculativeEngine(target, _FailOnce(where, error), EngineConfig(num_speculative_tokens=4,
+                                                                             max_batch_size=3))
+    other = None
+    if where == "propose":
+        other, _ = engine.add([40, 2, 40, 2], _greedy(30))
+    params = _greedy(20)
+    with pytest.raises(type(error)):
+        if entry == "generate":
+            engine.generate(PROMPTS[2], params)
+        elif entry == "stream":
+            for _ in engine.stream(PROMPTS[2], params):
+                pass
+        elif entry == "generate_batch":
+            engine.generate_batch(PROMPTS[2:4], params)
+        else:
+            req, _ = engine.add(PROMPTS[2], params)
+            while req.finish_reason is None:
+                engine.step()
+    assert engine.rows == []
+    if other is not None:
+        reason = "cancelled" if isinstance(error, KeyboardInterrupt) else "error"
+        assert other.finish_reason == reason and type(error).__name__ in other.error
+    plain = _engine(target, None)
+    assert engine.generate(PROMPTS[2], params).token_ids == plain.generate(PROMPTS[2], params).token_ids
+    assert [o.token_ids for o in engine.generate_batch(PROMPTS[3:6], params)] == \
+        [plain.generate(p, params).token_ids for p in PROMPTS[3:6]]
+
+
+def test_a_stream_closed_early_frees_its_row_and_counts_what_it_committed(target, draft):
+    engine = SpeculativeEngine(target, DraftModelProposer(draft), EngineConfig(num_speculative_tokens=3))
+    stream = engine.stream(PROMPTS[3], _greedy(30))
+    got = [t for _, out in zip(range(3), stream) for t in out.token_ids]
+    stream.close()
+    m = engine.last_output.metrics
+    assert engine.rows == [] and engine.last_output.finish_reason == "stop"
+    assert m.num_generated_tokens == len(got) and m.num_step_tokens == len(got) - 1
+    assert m.num_target_forwards == m.num_verify_steps + 1 == 3
+
+
+def test_abort_keeps_the_tokens_the_caller_delivers_and_counts_to_there(target):
+    """``abort(keep=n)``: a front end that found a stop string n tokens in ends the request there; its tokens
+    and every counter stop at n, running or already finished."""
+    engine = SpeculativeEngine(target, DraftModelProposer(target), EngineConfig(num_speculative_tokens=4))
+    whole = engine.generate(PROMPTS[2], _greedy(30, ignore_eos=True))
+    req, _ = engine.add(PROMPTS[2], _greedy(30))
+    engine.step()
+    engine.step()  # draft == target: 1 + 5 + 5 tokens
+    engine.abort(req, "stop", keep=8)
+    assert engine.rows == [] and req.finish_reason == "stop"
+    out = engine.output(req)
+    m = out.metrics
+    assert out.token_ids == whole.token_ids[:8] and m.num_generated_tokens == 8
+    assert (m.num_verify_steps, m.num_step_tokens, m.num_drafted_tokens, m.num_accepted_tokens) == (2, 7, 6, 6)
+    assert m.accepted_by_position == m.drafted_by_position == [2, 2, 1, 1] and m.num_target_forwards == 3
+    done, _ = engine.add(PROMPTS[2], _greedy(9))  # finished by its token cap, then cut by the caller
+    while done.finish_reason is None:
+        engine.step()
+    engine.abort(done, keep=3)
+    assert done.finish_reason == "length" and engine.output(done).token_ids == whole.token_ids[:3]
+    assert (done.metrics.num_verify_steps, done.metrics.num_accepted_tokens, done.metrics.num_step_tokens) == (1, 2, 2)

@@ -12,7 +12,7 @@ import torch
 from conftest import make_tiny_tokenizer, save_tiny_model_dir
 from specdecode.generator import SpecDecoder, TextTracker
 from specdecode.models import IncompatibleTokenizerError, LoadedModel, load_model
-from specdecode.proposers import DraftModelProposer, NgramConfig, NgramProposer
+from specdecode.proposers import DraftModelProposer, NgramConfig, NgramProposer, TreeDraftConfig, TreeDraftProposer
 from specdecode.types import EmptyPromptError, InvalidSamplingParams, PromptTooLongError, SpecDecodeError
 
 PROMPTS = ["the cat and the dog", "once upon a time, in a land far away", "def f(x): return x"]
@@ -348,3 +348,127 @@ def test_verification_reaches_the_engine(tiny_loaded):
         assert len(out.token_ids) <= 20
     with pytest.raises(SpecDecodeError, match="verification"):
         SpecDecoder(tiny_loaded, None, verification="tree")
+
+
+# Every way out of a generation frees its row (issue 28, item 1) ------------------------------------
+
+
+class _FailOnce(NgramProposer):
+    """An n-gram drafter that raises ``error`` once: in ``start`` (the request's admission) or in its second
+    ``propose`` (the middle of a step)."""
+
+    def __init__(self, where: str | None = None, error: BaseException | None = None) -> None:
+        super().__init__(NgramConfig(1, 3))
+        self.where, self.error, self.proposals = where, error, 0
+
+    def _maybe_fail(self, where: str) -> None:
+        if self.where == where:
+            self.where = None
+            raise self.error
+
+    def start(self, ctx) -> None:
+        self._maybe_fail("start")
+        super().start(ctx)
+
+    def propose(self, batch, max_tokens):
+        self.proposals += 1
+        if self.proposals == 2:
+            self._maybe_fail("propose")
+        return super().propose(batch, max_tokens)
+
+
+def _raising_on_second_piece(error: BaseException):
+    pieces = []
+
+    def on_text(piece: str) -> None:
+        pieces.append(piece)
+        if len(pieces) == 2:
+            raise error
+
+    return on_text
+
+
+@pytest.mark.parametrize("way, error", [
+    ("on_text", ZeroDivisionError()),  # a callback that fails
+    ("on_text", KeyboardInterrupt()),  # Ctrl-C while the caller handles text
+    ("propose", KeyboardInterrupt()),  # Ctrl-C inside a step
+    ("propose", RuntimeError("drafter bug")),  # a step that fails
+    ("start", KeyboardInterrupt()),  # Ctrl-C inside the admission (a drafter's prefill, a layer search)
+])
+def test_every_way_out_of_a_generation_frees_its_row(tiny_loaded, way, error):
+    ref = _reference(SpecDecoder(tiny_loaded), PROMPTS[1], 24)
+    proposer = _FailOnce(None if way == "on_text" else way, error)
+    dec = SpecDecoder(tiny_loaded, proposer, num_speculative_tokens=4)
+    on_text = _raising_on_second_piece(error) if way == "on_text" else None
+    with pytest.raises(type(error)):
+        dec.generate(PROMPTS[1], max_new_tokens=24, ignore_eos=True, on_text=on_text)
+    assert dec.engine.rows == []
+    again = dec.generate(PROMPTS[1], max_new_tokens=24, ignore_eos=True)  # the same decoder: the row was freed
+    assert again.token_ids == ref.token_ids[:24] and dec.engine.rows == []
+
+
+# Counters stop at the committed end (issue 28, item 3) ---------------------------------------------
+
+
+def _check_counted_to_the_end(m, num_tokens: int) -> None:
+    """Every counter of a chain run covers the ``num_tokens`` delivered tokens and nothing after them: the
+    prefill's token, then steps that each kept at least one token, each kept token either an accepted draft
+    token or the step's last (recovered / bonus) token."""
+    assert m.num_generated_tokens == num_tokens
+    assert m.num_step_tokens == max(0, num_tokens - 1)
+    assert m.num_target_forwards == m.num_verify_steps + 1 == len(m.draft_lengths) + 1
+    assert m.num_verify_steps <= m.num_step_tokens
+    assert m.num_step_tokens - m.num_verify_steps <= m.num_accepted_tokens <= m.num_step_tokens
+    assert sum(m.accepted_by_position) == m.num_accepted_tokens
+    assert m.num_drafted_tokens == sum(m.draft_lengths)
+    if m.num_tree_steps:  # a token tree: drafted counts nodes, positions count depths
+        assert sum(m.drafted_by_position) == m.tree_depth_sum and m.num_tree_nodes == m.num_drafted_tokens
+        assert m.tree_accepted_depth_sum == m.num_accepted_tokens
+    else:
+        assert sum(m.drafted_by_position) == m.num_drafted_tokens
+
+
+@pytest.mark.parametrize("stop", ["and!", "nand"])
+def test_counters_stop_at_a_stop_string(tiny_loaded, stop):
+    """Draft == target with gamma 4: every step keeps its 4 draft tokens and a bonus, so the counters of a
+    run cut at E tokens are exact: (E - 1) // 5 whole steps, and a step keeping r = (E - 1) % 5 tokens counts
+    r drafted and r accepted ("and!" ends inside the third step; "nand" ends where the third step begins,
+    inside a token, so that step counts nothing)."""
+    dec = SpecDecoder(tiny_loaded, DraftModelProposer(tiny_loaded.model), num_speculative_tokens=4)
+    out = dec.generate("the cat and the dog", max_new_tokens=30, ignore_eos=True, stop=[stop])
+    end = len(out.token_ids)
+    whole, r = divmod(end - 1, 5)
+    assert out.stop_string == stop and (end, r) == ({"and!": 12, "nand": 11}[stop], {"and!": 1, "nand": 0}[stop])
+    m = out.metrics
+    assert (m.num_drafted_tokens, m.num_accepted_tokens) == (4 * whole + r, 4 * whole + r)
+    assert (m.num_verify_steps, m.num_step_tokens, m.num_target_forwards) == (whole + (r > 0), end - 1,
+                                                                              whole + (r > 0) + 1)
+    assert m.mean_accepted_length == (end - 1) / (whole + (r > 0)) and m.acceptance_rate == 1.0
+    _check_counted_to_the_end(m, end)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+@pytest.mark.parametrize("kind", ["ngram", "draft-model", "tree"])
+def test_counters_stop_at_the_committed_end_whatever_ended_the_request(tiny_loaded, kind, temperature):
+    """Stop strings at many places, EOS (a stop token), the token cap: the counters cover what was delivered."""
+    def decoder():
+        proposer = {"ngram": lambda: NgramProposer(NgramConfig(1, 3)),
+                    "draft-model": lambda: DraftModelProposer(tiny_loaded.model),
+                    "tree": lambda: TreeDraftProposer(tiny_loaded.model, TreeDraftConfig(num_nodes=8, top_k=2))}[kind]()
+        return SpecDecoder(tiny_loaded, proposer, num_speculative_tokens=4)
+
+    kw = dict(max_new_tokens=40, ignore_eos=True, temperature=temperature, seed=3)
+    full = decoder().generate(PROMPTS[1], **kw)
+    _check_counted_to_the_end(full.metrics, len(full.token_ids))
+    ends = set()
+    for start in range(2, len(full.text) - 3, 3):
+        for stop in (full.text[start : start + 2], full.text[start : start + 3]):
+            out = decoder().generate(PROMPTS[1], stop=[stop], **kw)
+            assert out.stop_string == stop
+            _check_counted_to_the_end(out.metrics, len(out.token_ids))
+            ends.add(len(out.token_ids))
+    assert len(ends) > 5
+    eos = decoder().generate(PROMPTS[1], stop_token_ids=[full.token_ids[9]], **kw)
+    _check_counted_to_the_end(eos.metrics, len(eos.token_ids))
+    capped = decoder().generate(PROMPTS[1], **{**kw, "max_new_tokens": 13})
+    _check_counted_to_the_end(capped.metrics, 13)

@@ -54,6 +54,34 @@ def test_tree_steps_count_nodes_as_drafted_and_depths_as_positions():
     assert m.acceptance_rate == 5 / 16 and m.mean_accepted_length == 3.5
 
 
+def test_a_cut_counts_every_counter_to_the_committed_end():
+    """``cut(end)``: steps are recounted from their records by one rule, also what an EOS inside a block does
+    at record time: a step ending inside its accepted block counts its kept tokens as drafted and accepted;
+    a step wholly past the end is no forward at all; the prefill's forward stays."""
+    m = RunMetrics(num_generated_tokens=14)
+    m.num_target_forwards = 1  # the prefill: token 0
+    m.record_step(4, 4, 5)  # tokens 1..5
+    m.record_step(4, 1, 2)  # tokens 6, 7 (position 1 rejected)
+    m.record_step(4, 4, 3)  # tokens 8..10: an EOS at the third accepted token
+    m.record_step(5, 2, 3, depth=3)  # a token tree: 5 nodes, 3 levels, accepted depth 2; tokens 11..13
+    assert (m.num_drafted_tokens, m.num_accepted_tokens, m.num_step_tokens) == (4 + 4 + 3 + 5, 4 + 1 + 3 + 2, 13)
+    assert m.draft_lengths == [4, 4, 3, 5] and m.num_target_forwards == 5 and m.num_tree_steps == 1
+    tree = m.copy()
+    tree.cut(13)  # a cut inside the tree's accepted path: its nodes and depth count the kept tokens
+    assert (tree.num_tree_steps, tree.num_tree_nodes, tree.tree_depth_sum, tree.tree_accepted_depth_sum) == (1, 2, 2, 2)
+    assert tree.num_generated_tokens == 13 and m.num_generated_tokens == 14 and m.num_tree_nodes == 5
+    m.cut(9)  # a stop string keeps tokens 0..8: one token of the third step
+    assert m.num_generated_tokens == 9 and m.num_target_forwards == 4 == m.num_verify_steps + 1
+    assert (m.num_drafted_tokens, m.num_accepted_tokens, m.num_step_tokens) == (4 + 4 + 1, 4 + 1 + 1, 8)
+    assert m.drafted_by_position == [3, 2, 2, 2] and m.accepted_by_position == [3, 1, 1, 1]
+    assert m.draft_lengths == [4, 4, 1] and m.num_tree_steps == 0 and m.mean_accepted_length == 8 / 3
+    m.cut(6)  # a cut at a step boundary drops the steps after it
+    assert (m.num_verify_steps, m.num_drafted_tokens, m.num_accepted_tokens, m.num_step_tokens) == (1, 4, 4, 5)
+    m.cut(0)  # nothing delivered: only the prefill's forward
+    assert (m.num_target_forwards, m.num_verify_steps, m.num_drafted_tokens, m.drafted_by_position) == (1, 0, 0, [])
+    assert "steps" not in m.to_dict() and m.copy().steps == m.steps and m.copy().steps is not m.steps
+
+
 def test_rates_of_an_empty_run_are_zero_not_errors():
     m = RunMetrics()
     assert m.acceptance_rate == m.mean_accepted_length == m.mean_draft_length == m.tokens_per_s == 0.0

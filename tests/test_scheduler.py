@@ -15,7 +15,7 @@ import torch
 
 from specdecode.engine import EngineConfig, SpeculativeEngine
 from specdecode.kv import make_runner
-from specdecode.proposers import DraftModelProposer
+from specdecode.proposers import DraftModelProposer, NgramConfig, NgramProposer
 from specdecode.proposers.factory import DrafterOptions, parse_draft, proposer_factory
 from specdecode.scheduler import BatchRequest, EngineStoppedError, QueueFullError, Scheduler
 from specdecode.types import PromptTooLongError, SamplingParams
@@ -432,3 +432,61 @@ def test_stats_never_move_the_policy(target):
     assert (engine.policy.acceptance(), engine.policy._steps, engine.policy._plain_run,
             engine.policy._probe_left) == before
     _drain(scheduler)
+
+
+# --------------------------------------------------------------------------- every way out frees the rows
+
+
+class _InterruptOnce(NgramProposer):
+    """An n-gram drafter that raises KeyboardInterrupt once: in ``start`` (admission) or its second ``propose``."""
+
+    def __init__(self, where: str | None) -> None:
+        super().__init__(NgramConfig(1, 3))
+        self.where, self.proposals = where, 0
+
+    def start(self, ctx) -> None:
+        if self.where == "start":
+            self.where = None
+            raise KeyboardInterrupt
+        super().start(ctx)
+
+    def propose(self, batch, max_tokens):
+        self.proposals += 1
+        if self.where == "propose" and self.proposals == 2:
+            self.where = None
+            raise KeyboardInterrupt
+        return super().propose(batch, max_tokens)
+
+
+@pytest.mark.parametrize("where", ["listener", "start", "propose"])
+def test_an_interrupted_step_frees_every_row_and_ends_every_request(target, where):
+    """Ctrl-C while the scheduler is stepped by hand (in a listener, in an admission, in the engine's step):
+    the interrupt reaches the caller, no row stays taken, every request that had started gets its last event,
+    a request still waiting stays queued, and the scheduler then serves as before."""
+    proposer = _InterruptOnce(None if where == "listener" else where)
+    scheduler = Scheduler(SpeculativeEngine(target, proposer, EngineConfig(num_speculative_tokens=4,
+                                                                           max_batch_size=3)))
+    events = {0: [], 1: []}
+    interrupted = []
+
+    def listener(ev, i):
+        events[i].append(ev)
+        if where == "listener" and i == 1 and len(events[1]) == 2 and not interrupted:
+            interrupted.append(True)
+            raise KeyboardInterrupt
+
+    scheduler.submit(BatchRequest(PROMPTS[2], SamplingParams(max_new_tokens=30), lambda ev: listener(ev, 0)))
+    if where != "start":
+        scheduler.step()
+    scheduler.submit(BatchRequest(PROMPTS[6], SamplingParams(max_new_tokens=30), lambda ev: listener(ev, 1)))
+    with pytest.raises(KeyboardInterrupt):
+        for _ in range(5):
+            scheduler.step()
+    assert scheduler.num_active == 0 and scheduler.engine.rows == []
+    _drain(scheduler)  # a request still waiting when the interrupt came runs now
+    for evs in events.values():
+        assert evs and evs[-1].finished and sum(ev.finished for ev in evs) == 1
+    waited = where == "start"  # the second request was still waiting
+    assert [events[i][-1].finish_reason for i in (0, 1)] == ["cancelled", "length" if waited else "cancelled"]
+    out = _run_batch(scheduler, PROMPTS[:2], [SamplingParams(max_new_tokens=12)] * 2)
+    assert out == [_solo(target, None, p, SamplingParams(max_new_tokens=12)) for p in PROMPTS[:2]]

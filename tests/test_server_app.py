@@ -628,3 +628,81 @@ def test_metrics_totals_equal_the_summed_usage(tiny64):
     assert m["specdecode_accepted_tokens_total"] == sum(u.speculative["num_accepted_tokens"] for u in usages)
     assert m["specdecode_draft_tokens_total"] > 0
     assert m["specdecode_requests_total{endpoint=completions,outcome=ok}"] == len(usages) - 1
+
+
+def test_usage_and_metrics_count_to_the_committed_end(tiny64, tiny_model_dir):
+    """Issue 28, item 3: a stop string, a stop token (EOS) and the token cap inside an accepted block, n > 1,
+    streams: each request's ``usage.speculative`` equals the library's counters of the same run (draft ==
+    target with gamma 4: every step keeps its draft, so any count past the delivered tokens shows), and the
+    /metrics totals, by-position counters and verify steps are the sums of what the usage bodies say."""
+    from specdecode.generator import SpecDecoder
+    from specdecode.proposers import DraftModelProposer
+
+    draft = load_float64(tiny_model_dir)
+    library = SpecDecoder(tiny64, DraftModelProposer(draft.model), num_speculative_tokens=4)
+    prompt = "the cat and the dog"
+    cases = [dict(stop=["and!"]), dict(stop=["nand"]), dict(stop_token_ids=[library.encode("!")[-1]]),
+             dict(max_tokens=13), dict(stop=["6thx"], n=2)]
+    with serving(tiny64, draft=draft, max_batch_size=2, num_speculative_tokens=4) as server:
+        client = server.client()
+        before = server.metrics()
+        usages, choices = [], 0
+        for case in cases:
+            n = case.get("n", 1)
+            kw = dict(model=MODEL, prompt=prompt, max_tokens=case.get("max_tokens", 30), temperature=0, n=n,
+                      stop=case.get("stop"), extra_body={"stop_token_ids": case.get("stop_token_ids")})
+            want = library.generate(prompt, max_new_tokens=kw["max_tokens"], stop=case.get("stop"),
+                                     stop_token_ids=case.get("stop_token_ids", ())).metrics
+            out = client.completions.create(**kw)
+            streamed = list(client.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
+            for usage in (out.usage, streamed[-1].usage):
+                spec = usage.speculative
+                assert usage.completion_tokens == n * want.num_generated_tokens, case
+                assert (spec["num_drafted_tokens"], spec["num_accepted_tokens"], spec["num_target_forwards"]) == (
+                    n * want.num_drafted_tokens, n * want.num_accepted_tokens, n * want.num_target_forwards), case
+                assert spec["mean_accepted_length"] == pytest.approx(want.mean_accepted_length), case
+                usages.append(usage)
+                choices += n
+            assert want.num_step_tokens == want.num_generated_tokens - 1 < 29, case
+        after = server.metrics()
+
+    def moved(name):
+        return after.get(name, 0.0) - before.get(name, 0.0)
+
+    drafted = sum(u.speculative["num_drafted_tokens"] for u in usages)
+    accepted = sum(u.speculative["num_accepted_tokens"] for u in usages)
+    assert moved("specdecode_generation_tokens_total") == sum(u.completion_tokens for u in usages)
+    assert moved("specdecode_draft_tokens_total") == drafted and moved("specdecode_accepted_tokens_total") == accepted
+    assert moved("specdecode_verify_steps_total") == sum(u.speculative["num_target_forwards"] for u in usages) - choices
+    by_position = [moved(f"specdecode_{k}_by_position_total{{position={i}}}") for k in ("draft_tokens",
+                                                                                         "accepted_tokens")
+                   for i in range(4)]
+    assert sum(by_position[:4]) == drafted and sum(by_position[4:]) == accepted
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_request_failing_inside_the_server_frees_its_rows(live, monkeypatch, stream):
+    """Issue 28, item 1, the server's path: the server's own code failing mid-request (here: taking an engine
+    event) answers an error, cancels the request's rows within a step or two, and the server serves on."""
+    from specdecode.server import app as app_module
+
+    scheduler = live.state.scheduler
+    real, calls = app_module._Choice.feed, []
+
+    def feed(self, ev):
+        calls.append(ev)
+        if len(calls) == 3:
+            raise RuntimeError("server bug")
+        return real(self, ev)
+
+    monkeypatch.setattr(app_module._Choice, "feed", feed)
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 200, "temperature": 0, "ignore_eos": True, "n": 2,
+            "stream": stream}
+    with _slow_steps(scheduler, 0.02):
+        with contextlib.suppress(httpx.HTTPError):
+            resp = httpx.post(f"{live.url}/v1/completions", json=body, timeout=30)
+            assert resp.status_code == 500 or "[DONE]" not in resp.text
+        _wait(lambda: scheduler.num_active == 0 and scheduler.num_pending == 0, timeout=3.0)
+    monkeypatch.setattr(app_module._Choice, "feed", real)
+    out = live.client().completions.create(model=MODEL, prompt=PROMPT, max_tokens=5, temperature=0)
+    assert len(out.choices[0].token_ids) == 5

@@ -53,6 +53,17 @@ def test_positions_count_drafted_and_accepted_per_position():
     assert drafted == [3, 2, 2, 1, 1] and accepted == [2, 1, 0, 0, 0]
 
 
+def test_acceptance_hook_adds_a_requests_counts_by_position():
+    m = ServerMetrics(4)
+    m.observe_acceptance([3, 2, 2], [2, 1, 0])  # one ended request's RunMetrics lists
+    m.observe_acceptance([1, 1, 1, 1, 1], [1, 1, 1, 1, 0])  # deeper than max_gamma: the series grow
+    m.observe_acceptance([], [])  # plain decoding
+    s = _samples(m)
+    drafted = [s[f"specdecode_draft_tokens_by_position_total{{position={i}}}"] for i in range(5)]
+    accepted = [s[f"specdecode_accepted_tokens_by_position_total{{position={i}}}"] for i in range(5)]
+    assert drafted == [4, 3, 3, 1, 1] and accepted == [3, 2, 1, 1, 0]
+
+
 def test_usage_hook_adds_the_usage_figures():
     m = ServerMetrics(4)
     for prompt, completion, drafted, accepted, steps in ((10, 20, 16, 9, 6), (3, 1, 0, 0, 0)):

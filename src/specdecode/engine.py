@@ -25,12 +25,13 @@ import itertools
 import secrets
 import time
 from collections.abc import Iterator, Sequence
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 
 import torch
 
 from specdecode.kv import SlotRunner, make_runner
-from specdecode.metrics import RunMetrics
+from specdecode.metrics import RunMetrics, StepRecord
 from specdecode.policy import FixedPolicy
 from specdecode.proposers.base import ProposeContext, Proposer
 from specdecode.coupled import CoupledNoise
@@ -236,28 +237,79 @@ class SpeculativeEngine:
         if prompt_logprobs is not None:
             req.prompt_logprobs = self._score_prompt(slot, prompt, prompt_logprobs)
         self.runner.clear(slot)
-        logits = self.runner.forward(slice(slot, slot + 1), [prompt], last_only=True)[:, -1:]  # [1, 1, V]
-        self.rows.append(req)
-        first = self._verify_chains([req], [Draft.empty()], logits)[0]
-        m = req.metrics
-        m.num_target_forwards += 1
-        m.prefill_time_s = m.time_to_first_token_s = time.perf_counter() - req.started_at
-        out = self._commit(req, Draft.empty(), first, logits[0], prefill=True)
-        out.prompt_logprobs = req.prompt_logprobs
-        if req.finish_reason is None and self.proposer is not None:
-            self.proposer.start(ctx)
+        self.rows.append(req)  # the one place a row is taken: whatever fails from here frees it
+        started = False
+        try:
+            logits = self.runner.forward(slice(slot, slot + 1), [prompt], last_only=True)[:, -1:]  # [1, 1, V]
+            first = self._verify_chains([req], [Draft.empty()], logits)[0]
+            m = req.metrics
+            m.num_target_forwards += 1
+            m.prefill_time_s = m.time_to_first_token_s = time.perf_counter() - req.started_at
+            out = self._commit(req, Draft.empty(), first, logits[0], prefill=True)
+            out.prompt_logprobs = req.prompt_logprobs
+            if req.finish_reason is None and self.proposer is not None:
+                started = True  # a proposer interrupted inside start() cleans up in finish()
+                self.proposer.start(ctx)
+        except BaseException as exc:
+            self._fail([req], exc, started=started)
+            raise
         if req.finish_reason is not None:
             self._remove(slot, started=False)
         return req, out
 
-    def abort(self, request: Request, reason: str = "cancelled") -> None:
-        """Remove a running request at a step boundary (its slot is freed now)."""
+    @contextmanager
+    def running(self, prompt_ids: Sequence[int], params: SamplingParams, **add_kwargs
+                ) -> Iterator[tuple[Request, StepOutput]]:
+        """:meth:`add` as a context: ``with engine.running(ids, params) as (request, first): ...``. However the
+        block is left, the request's row is free afterwards: at the block's end (or a generator closed early,
+        GeneratorExit) a request still running is aborted with finish reason "stop"; on any other exception
+        (one raised by a callback, KeyboardInterrupt) with "cancelled", and the exception goes on. Every
+        in-process front end (``generate``, ``stream``, ``generate_batch``, ``SpecDecoder.generate``) runs its
+        requests through it.
+
+        Args:
+            prompt_ids, params, add_kwargs: as :meth:`add`.
+
+        Raises:
+            as :meth:`add`.
+        """
+        req, first = self.add(prompt_ids, params, **add_kwargs)
+        reason = "cancelled"
+        try:
+            yield req, first
+            reason = "stop"
+        except GeneratorExit:
+            reason = "stop"
+            raise
+        finally:
+            if req.finish_reason is None:
+                self.abort(req, reason)
+
+    def abort(self, request: Request, reason: str = "cancelled", keep: int | None = None) -> None:
+        """Remove a running request at a step boundary (its slot is freed now).
+
+        Args:
+            request: a Request of this engine, running or finished (then only ``keep`` applies).
+            reason: its finish reason, when it had none.
+            keep: None, or the number of generated tokens the caller delivers (a front end found a stop string
+                there): the request's tokens after them are dropped and every counter of its RunMetrics stops
+                there (``RunMetrics.cut``), so every front end reports what was delivered.
+
+        Raises:
+            SpecDecodeError: ``keep`` < 0.
+        """
+        if keep is not None and keep < 0:
+            raise SpecDecodeError(f"keep must be >= 0, got {keep}")
         if request.finish_reason is None:
             request.finish_reason = reason
         for i, row in enumerate(self.rows):
             if row is request:
                 self._remove(i)
-                return
+                break
+        if keep is not None and keep < len(request.generated):
+            del request.generated[keep:]
+            del request.ctx.token_ids[request.ctx.num_prompt_tokens + keep :]
+            request.metrics.cut(keep)
 
     def release(self) -> None:
         """Free the KV cache buffers (no rows): memory goes back to the allocator."""
@@ -273,17 +325,27 @@ class SpeculativeEngine:
 
         Returns:
             per row (Request, StepOutput) in batch order; finished rows have left the batch.
+
+        Raises:
+            whatever cut the step short (a model or proposer error, KeyboardInterrupt), after every row of
+            the batch left it: finish reason "error" ("cancelled" for an interrupt that is not an
+            Exception), ``Request.error`` naming the exception.
         """
         rows = list(self.rows)
         if not rows:
             return []
-        t0 = time.perf_counter()
-        drafts = self._propose(rows)  # 1. propose: every row drafts at once
-        t1 = time.perf_counter()
-        results, logits = self._verify(rows, drafts)  # 2. verify: one target forward over every row
-        t2 = time.perf_counter()
-        outputs = [self._commit(r, d, v, logits[i]) for i, (r, d, v) in enumerate(zip(rows, drafts, results))]  # 3.
-        self._adapt(rows, drafts, results, outputs, t1 - t0, t2 - t1)  # 4. adapt: proposer and policy learn
+        try:
+            t0 = time.perf_counter()
+            drafts = self._propose(rows)  # 1. propose: every row drafts at once
+            t1 = time.perf_counter()
+            results, logits = self._verify(rows, drafts)  # 2. verify: one target forward over every row
+            t2 = time.perf_counter()
+            outputs = [self._commit(r, d, v, logits[i])  # 3. commit: kept tokens, caches cut back to them
+                       for i, (r, d, v) in enumerate(zip(rows, drafts, results))]
+            self._adapt(rows, drafts, results, outputs, t1 - t0, t2 - t1)  # 4. adapt: proposer and policy learn
+        except BaseException as exc:  # a step cut short leaves its rows' caches unknown: every row leaves
+            self._fail(rows, exc)
+            raise
         for i in range(len(rows) - 1, -1, -1):  # 5. finished rows leave the batch
             if rows[i].finish_reason is not None:
                 self._remove(i)
@@ -411,7 +473,8 @@ class SpeculativeEngine:
         """Append the kept tokens after the stopping rules; cut the row's cache back to them.
 
         The target cache holds every committed token but the last (the next step feeds it); a tree
-        keeps only the accepted path. Counters count only draft tokens that could be committed.
+        keeps only the accepted path. The step is recorded as verified (``RunMetrics.record_step``); its
+        counters count only draft tokens that could be committed (``StepRecord.counted``).
         """
         slot = row.ctx.slot
         if row.finish_reason is not None:  # failed before verification (a broken draft): commit nothing
@@ -433,17 +496,18 @@ class SpeculativeEngine:
         if self.runner.has_pending_tree(slot):
             self.runner.keep_tree_path(slot, [0, *(i + 1 for i in kept)])
         self.runner.rollback(slot, min(len(self.runner.ids[slot]), len(row.ctx.token_ids) - 1))
-        c = len(tokens)
         depth = tree_depth(draft.parents[0]) if self.trees and draft.num_tokens else None
-        nodes, drafted, accepted = draft.num_tokens, (depth if depth is not None else draft.num_tokens), n_acc
-        if c <= n_acc:  # an EOS or the token cap inside the accepted block: later drafts could not commit
-            nodes = drafted = accepted = c
+        start = len(row.generated) - len(tokens)
         if not prefill:
-            row.metrics.record_step(nodes, accepted, c, depth=None if depth is None else drafted)
+            row.metrics.record_step(draft.num_tokens, n_acc, len(tokens), depth=depth, start=start)
+        # what the step counts (an EOS or the token cap inside the accepted block: no draft after it)
+        counted = StepRecord(start, draft.num_tokens, n_acc, len(tokens), depth).counted(len(row.generated)) \
+            or StepRecord(start, 0, 0, 0)
+        drafted = counted.nodes if counted.depth is None else counted.depth
         row.metrics.num_generated_tokens = len(row.generated)
         row.metrics.wall_time_s = time.perf_counter() - row.started_at
         lp, top = self._logprobs(row, logits, tokens, kept)
-        return StepOutput(tokens, drafted, accepted, row.finish_reason is not None, row.finish_reason, lp, top)
+        return StepOutput(tokens, drafted, counted.accepted, row.finish_reason is not None, row.finish_reason, lp, top)
 
     def _adapt(self, rows, drafts, results, outputs, draft_s: float, verify_s: float) -> None:
         """The proposer observes; the policy learns from what was verified (the draft depth and the
@@ -524,6 +588,23 @@ class SpeculativeEngine:
             out.append(d)
         return out
 
+    def _fail(self, rows: list[Request], exc: BaseException, started: bool = True) -> None:
+        """``rows`` leave the batch because ``exc`` cut their admission or step short: finish reason "error"
+        (or "cancelled" for an interrupt that is not an Exception) unless they had one, the error named.
+        Removed from the last slot down, so no cache is moved."""
+        reason = "error" if isinstance(exc, Exception) else "cancelled"
+        for i in range(len(self.rows) - 1, -1, -1):
+            row = self.rows[i]
+            if not any(row is r for r in rows):
+                continue
+            if row.finish_reason is None:
+                row.finish_reason, row.error = reason, f"{type(exc).__name__}: {exc}".rstrip(": ")
+            try:
+                self._remove(i, started=started)
+            except Exception:  # noqa: BLE001 - the row leaves even if its cleanup fails; ``exc`` is what is raised
+                if i < len(self.rows) and self.rows[i] is row:
+                    self.rows.pop(i)
+
     def _remove(self, index: int, started: bool = True) -> None:
         """Free row ``index``'s slot; the last row moves into it, so rows stay in slots 0..B-1."""
         row = self.rows[index]
@@ -554,25 +635,27 @@ class SpeculativeEngine:
         Raises:
             EmptyPromptError, PromptTooLongError, SpecDecodeError, EngineFullError.
         """
-        req, _ = self.add(prompt_ids, params)
-        while req.finish_reason is None:
-            self.step()
+        with self.running(prompt_ids, params) as (req, _):
+            while req.finish_reason is None:
+                self.step()
         return self.output(req)
 
     def stream(self, prompt_ids: Sequence[int], params: SamplingParams) -> Iterator[StepOutput]:
         """Like :meth:`generate`, yielding each step's committed tokens. The final GenerationOutput is
-        ``engine.last_output`` afterwards, also when the caller stops early (finish reason "stop")."""
-        req, first = self.add(prompt_ids, params)
+        ``engine.last_output`` afterwards, also when the caller stops early (``close()``: finish reason
+        "stop"). However the stream ends, its row is freed (:meth:`running`); a stream the caller leaves
+        unclosed is closed when it is garbage-collected (``contextlib.closing`` closes it at once)."""
+        req = None
         try:
-            yield first
-            while req.finish_reason is None:
-                for r, out in self.step():
-                    if r is req:
-                        yield out
+            with self.running(prompt_ids, params) as (req, first):
+                yield first
+                while req.finish_reason is None:
+                    for r, out in self.step():
+                        if r is req:
+                            yield out
         finally:
-            if req.finish_reason is None:
-                self.abort(req, "stop")
-            self.last_output = self.output(req)
+            if req is not None:
+                self.last_output = self.output(req)
 
     def generate_batch(self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams]
                        ) -> list[GenerationOutput]:
@@ -586,11 +669,12 @@ class SpeculativeEngine:
             self.check_prompt(p, sp)
         waiting = list(range(len(prompts)))
         requests: dict[int, Request] = {}
-        while waiting or any(r.finish_reason is None for r in requests.values()):
-            while waiting and len(self.rows) < self.runner.num_slots:
-                i = waiting.pop(0)
-                requests[i], _ = self.add(prompts[i], params_list[i])
-            self.step()
+        with ExitStack() as running:  # however this ends, no request of it keeps a row
+            while waiting or any(r.finish_reason is None for r in requests.values()):
+                while waiting and len(self.rows) < self.runner.num_slots:
+                    i = waiting.pop(0)
+                    requests[i], _ = running.enter_context(self.running(prompts[i], params_list[i]))
+                self.step()
         return [self.output(requests[i]) for i in range(len(prompts))]
 
     def output(self, req: Request) -> GenerationOutput:

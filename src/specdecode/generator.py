@@ -63,8 +63,9 @@ class TextOutput:
             longest prefix of the generated ids whose text is a prefix of the text
             before the stop string.
         finish_reason: "length" (max_new_tokens), "stop" (EOS or a stop string).
-        metrics: RunMetrics of the run; ``num_generated_tokens == len(token_ids)``,
-            while drafted / accepted / forwards count the work actually done.
+        metrics: RunMetrics of the run, every counter up to the last returned token (a stop string ends
+            them where it ends the ids): ``num_generated_tokens == len(token_ids)``, drafted / accepted /
+            forwards / tau / per-position acceptance count only the steps and draft tokens that led to them.
         prompt_token_ids: the prompt as the engine saw it.
         stop_string: the stop string that ended generation, None otherwise.
     """
@@ -370,7 +371,9 @@ class SpecDecoder:
             TextOutput.
 
         Raises:
-            InvalidSamplingParams, EmptyPromptError, PromptTooLongError, SpecDecodeError.
+            InvalidSamplingParams, EmptyPromptError, PromptTooLongError, SpecDecodeError; whatever ``on_text``
+            raises (KeyboardInterrupt included), after the request left the engine: the decoder is ready for
+            the next call.
         """
         stops = check_stops(stop)
         params = SamplingParams(
@@ -385,25 +388,25 @@ class SpecDecoder:
         grammar = self.compile_structured(json_schema=json_schema, regex=regex, response_format=response_format)
         prompt_ids = self.encode(prompt, chat=chat) if isinstance(prompt, str) else [int(t) for t in prompt]
         tracker = TextTracker(self.decode, stops)
-        # The engine's add / step / abort: the same loop as every front end, stoppable at a stop string.
-        state, first = self.engine.add(prompt_ids, params,
-                                       constraint=None if grammar is None else grammar.new_constraint())
-        committed = first.token_ids
-        while True:
-            piece = tracker.add(committed)
-            if piece and on_text is not None:
-                on_text(piece)
-            if tracker.stop_string is not None or state.finish_reason is not None:
-                break
-            committed = next((out.token_ids for r, out in self.engine.step() if r is state), [])
-        if state.finish_reason is None:
-            self.engine.abort(state, "stop")
+        # The engine's loop, as every front end runs it, stoppable at a stop string; its row is freed however
+        # this block is left (a callback raising, Ctrl-C: ``SpeculativeEngine.running``).
+        with self.engine.running(prompt_ids, params,
+                                 constraint=None if grammar is None else grammar.new_constraint()) as (state, first):
+            committed = first.token_ids
+            while True:
+                piece = tracker.add(committed)
+                if piece and on_text is not None:
+                    on_text(piece)
+                if tracker.stop_string is not None or state.finish_reason is not None:
+                    break
+                committed = next((out.token_ids for r, out in self.engine.step() if r is state), [])
+            # the request ends where its delivered tokens do: its ids and every counter stop there
+            self.engine.abort(state, "stop", keep=len(tracker.ids))
         result = self.engine.output(state)
         piece = tracker.finish()
         if piece and on_text is not None:
             on_text(piece)
         metrics = result.metrics
-        metrics.num_generated_tokens = len(tracker.ids)
         return TextOutput(
             text=tracker.text,
             token_ids=list(tracker.ids),

@@ -2,26 +2,73 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+import dataclasses
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """One verification step of one request, as verified (before any cut of the request's output).
+
+    Attributes:
+        start: tokens the request had generated before this step (the prefill's first token included).
+        nodes: draft nodes verified (a chain: its length; 0 = a plain decoding step).
+        accepted: draft tokens verification kept (a tree: the accepted depth).
+        committed: tokens the step committed after the stopping rules (EOS, the token cap): 1..accepted + 1.
+        depth: a token tree's deepest level; None for a chain.
+    """
+
+    start: int
+    nodes: int
+    accepted: int
+    committed: int
+    depth: int | None = None
+
+    def counted(self, end: int) -> "StepRecord | None":
+        """This step as counted when the request's output ends at ``end`` generated tokens (the one rule
+        every counter follows, whatever ended the request: EOS, the token cap, a stop string, the caller).
+
+        Returns None when none of the step's tokens is kept (it is not counted at all: not a forward, not
+        a draft). When the end falls inside the accepted block, the draft tokens past it could never be
+        committed: the step counts ``kept`` drafted, ``kept`` accepted (a tree: nodes and depth too) and
+        ``kept`` committed. Otherwise (every committed token kept) the step counts as verified.
+        """
+        kept = min(self.committed, end - self.start)
+        if kept <= 0:
+            return None
+        if kept <= self.accepted:
+            return StepRecord(self.start, kept, kept, kept, None if self.depth is None else kept)
+        return self
+
+
+#: The counters a step moves (what :meth:`RunMetrics.cut` recounts from the step records).
+_STEP_COUNTERS = ("num_drafted_tokens", "num_accepted_tokens", "num_verify_steps", "num_step_tokens",
+                  "num_tree_steps", "num_tree_nodes", "tree_depth_sum", "tree_accepted_depth_sum")
 
 
 @dataclass
 class RunMetrics:
     """What one request did. Times in seconds.
 
+    Every step counter is counted from the step records (``steps``) up to the request's committed end:
+    the tokens it delivered, whatever ended it (:meth:`StepRecord.counted`). A front end that ends the
+    output before the engine's last token (a stop string found in the text) calls :meth:`cut`.
+
     Counters:
         num_prompt_tokens, num_generated_tokens: prompt length and committed output length.
-        num_drafted_tokens, num_accepted_tokens: draft tokens verified / kept by verification.
-        num_target_forwards: every target forward pass, the prefill included.
-        num_verify_steps: target forwards after the prefill (one per loop step).
+        num_drafted_tokens, num_accepted_tokens: draft tokens verified that could be committed / kept by
+            verification and committed.
+        num_target_forwards: every target forward pass that committed a delivered token, the prefill included.
+        num_verify_steps: those forwards after the prefill (one per loop step).
         num_step_tokens: tokens committed by those steps (bonus / recovered included).
         drafted_by_position[i], accepted_by_position[i]: steps whose draft reached
             position i, and steps that kept the draft token at position i.
-        draft_lengths: gamma chosen at each step (what the draft-length policy did).
+        draft_lengths: gamma chosen at each step (what the draft-length policy did), cut as drafted is.
         prefill_time_s, draft_time_s, verify_time_s, wall_time_s, time_to_first_token_s.
         num_tree_steps, num_tree_nodes, tree_depth_sum, tree_accepted_depth_sum: token-tree
             steps, their nodes (tree size), deepest levels and accepted depths. For a tree,
             "drafted" counts nodes and "position" i means depth i + 1.
+        steps: the [StepRecord] of every verification step, as verified (not in :meth:`to_dict`).
     """
 
     num_prompt_tokens: int = 0
@@ -43,32 +90,71 @@ class RunMetrics:
     num_tree_nodes: int = 0
     tree_depth_sum: int = 0
     tree_accepted_depth_sum: int = 0
+    steps: list[StepRecord] = field(default_factory=list, repr=False)
 
-    def record_step(self, num_drafted: int, num_accepted: int, num_committed: int, depth: int | None = None) -> None:
-        """Count one verification step: gamma drafted, tokens kept, tokens committed (after stopping).
+    def record_step(self, num_drafted: int, num_accepted: int, num_committed: int, depth: int | None = None,
+                    start: int | None = None) -> None:
+        """Count one verification step: draft nodes verified, draft tokens kept by verification, tokens
+        committed (after the stopping rules), as :meth:`StepRecord.counted` counts them (an EOS or the token
+        cap inside the accepted block: only the draft tokens up to it).
 
         ``depth``: for a token tree, its deepest level (``num_drafted`` = nodes, ``num_accepted``
-        = accepted depth); positions then count depths.
+        = accepted depth); positions then count depths. ``start``: tokens generated before the step
+        (default: right after the previous step, or after the prefill's one token).
         """
-        if depth is not None:
+        if start is None:
+            start = self.steps[-1].start + self.steps[-1].committed if self.steps else 1
+        step = StepRecord(start, num_drafted, num_accepted, num_committed, depth)
+        self.steps.append(step)
+        self._count(step.counted(start + num_committed))
+
+    def cut(self, end: int) -> None:
+        """The request's output ends at ``end`` generated tokens (a front end found a stop string there, or
+        kept only that many): every step counter is recounted from ``steps`` up to there, the forwards of
+        steps past it dropped, the prefill's kept.
+
+        Raises:
+            ValueError: ``end`` < 0.
+        """
+        if end < 0:
+            raise ValueError(f"a request's output cannot end at {end} tokens")
+        prefill_forwards = self.num_target_forwards - self.num_verify_steps
+        for name in _STEP_COUNTERS:
+            setattr(self, name, 0)
+        self.drafted_by_position, self.accepted_by_position, self.draft_lengths = [], [], []
+        for step in self.steps:
+            self._count(step.counted(end))
+        self.num_target_forwards = prefill_forwards + self.num_verify_steps
+        self.num_generated_tokens = min(self.num_generated_tokens, end)
+
+    def copy(self) -> "RunMetrics":
+        """An independent copy (its lists too): a snapshot another thread may cut."""
+        return dataclasses.replace(self, **{f.name: list(getattr(self, f.name)) for f in dataclasses.fields(self)
+                                            if isinstance(getattr(self, f.name), list)})
+
+    def _count(self, step: StepRecord | None) -> None:
+        """Add one counted step (None: a step past the end, not counted) to the counters: the one place they move."""
+        if step is None:
+            return
+        if step.depth is not None:
             self.num_tree_steps += 1
-            self.num_tree_nodes += num_drafted
-            self.tree_depth_sum += depth
-            self.tree_accepted_depth_sum += num_accepted
+            self.num_tree_nodes += step.nodes
+            self.tree_depth_sum += step.depth
+            self.tree_accepted_depth_sum += step.accepted
         self.num_verify_steps += 1
         self.num_target_forwards += 1
-        self.num_drafted_tokens += num_drafted
-        self.num_accepted_tokens += num_accepted
-        self.num_step_tokens += num_committed
-        self.draft_lengths.append(num_drafted)
-        positions = num_drafted if depth is None else depth
+        self.num_drafted_tokens += step.nodes
+        self.num_accepted_tokens += step.accepted
+        self.num_step_tokens += step.committed
+        self.draft_lengths.append(step.nodes)
+        positions = step.nodes if step.depth is None else step.depth
         grow = positions - len(self.drafted_by_position)
         if grow > 0:
             self.drafted_by_position.extend([0] * grow)
             self.accepted_by_position.extend([0] * grow)
         for i in range(positions):
             self.drafted_by_position[i] += 1
-        for i in range(num_accepted):
+        for i in range(step.accepted):
             self.accepted_by_position[i] += 1
 
     # Derived figures -------------------------------------------------------------
@@ -127,7 +213,8 @@ class RunMetrics:
         return self.num_generated_tokens / self.wall_time_s if self.wall_time_s > 0 else 0.0
 
     def to_dict(self) -> dict:
-        d = asdict(self)
+        d = {f.name: (list(v) if isinstance(v := getattr(self, f.name), list) else v)  # the step log left out:
+             for f in dataclasses.fields(self) if f.name != "steps"}  # the counters are what it adds up to
         d.update(
             acceptance_rate=self.acceptance_rate,
             mean_accepted_length=self.mean_accepted_length,

@@ -69,6 +69,7 @@ class BatchRequest:
     cancelled: bool = False
     submitted_at: float = field(default_factory=time.perf_counter)
     row: Request | None = None
+    ended: bool = False  # its last event (finished) was delivered
 
 
 @dataclass
@@ -187,11 +188,15 @@ class Scheduler:
     # One iteration -------------------------------------------------------------------
 
     def step(self) -> StepStats | None:
-        """Drop cancelled rows, admit waiting requests (prefill), one engine step.
+        """Drop cancelled rows, admit waiting requests (prefill), one engine step, deliver its events.
 
         Returns StepStats, or None when there was nothing to decode. An exception inside the model
-        ends the running requests with an error event; the scheduler keeps serving.
+        ends the running requests with an error event; the scheduler keeps serving. An interrupt that
+        is not an Exception (KeyboardInterrupt while the scheduler is stepped by hand), wherever it comes
+        from (a listener, an admission, the engine's step), ends every request that had a row with a
+        "cancelled" event, frees every row, and is raised; requests still waiting stay queued.
         """
+        rows: list[Request] = []
         try:
             self._drop_cancelled()
             self._admit()
@@ -199,17 +204,20 @@ class Scheduler:
                 self._maybe_release()
                 return None
             t0 = time.perf_counter()
-            batch = len(self.engine.rows)
+            rows = list(self.engine.rows)
             outputs = self.engine.step()
-        except Exception as exc:  # noqa: BLE001 - report to the requests, keep the loop alive
-            self._fail_all(f"{type(exc).__name__}: {exc}")
+            drafted = accepted = committed = 0
+            for row, out in outputs:
+                self._emit(row, out)
+                drafted += out.num_drafted
+                accepted += out.num_accepted
+                committed += len(out.token_ids)
+        except BaseException as exc:  # noqa: BLE001 - report to the requests; keep the loop alive on an Exception
+            self._fail_all(exc, rows)
+            if not isinstance(exc, Exception):
+                raise
             return None
-        drafted = accepted = committed = 0
-        for row, out in outputs:
-            self._emit(row, out)
-            drafted += out.num_drafted
-            accepted += out.num_accepted
-            committed += len(out.token_ids)
+        batch = len(rows)
         self._maybe_release()
         stats = StepStats(batch, self.engine.last_gamma, time.perf_counter() - t0,
                           committed, drafted, accepted, len(self._pending))
@@ -227,13 +235,16 @@ class Scheduler:
             if request.cancelled:
                 self._end(request, None, "cancelled")
                 continue
-            try:
+            try:  # a failing admission frees its own row (``engine.add``)
                 row, first = self.engine.add(request.prompt_ids, request.params, request.logprobs, tag=request,
                                              speculation=request.speculation,
                                              prompt_logprobs=request.prompt_logprobs, constraint=request.constraint)
-            except Exception as exc:  # noqa: BLE001 - this request fails alone; the batch goes on
-                self._end(request, None, "error", f"{type(exc).__name__}: {exc}")
-                continue
+            except BaseException as exc:  # noqa: BLE001 - this request fails alone; the batch goes on
+                if isinstance(exc, Exception):
+                    self._end(request, None, "error", f"{type(exc).__name__}: {exc}")
+                    continue
+                self._end(request, None, "cancelled")
+                raise
             request.row = row
             self._emit(row, first)
 
@@ -242,13 +253,16 @@ class Scheduler:
         event = RowEvent(out.token_ids, out.num_drafted, out.num_accepted, out.finished, out.finish_reason,
                          out.logprobs, out.top_logprobs, out.error or row.error, out.prompt_logprobs,
                          metrics=row.metrics)
+        request.ended = request.ended or out.finished
         try:
             request.on_event(event)
         except Exception:  # noqa: BLE001 - a broken listener cancels its own request, not the engine
             request.cancelled = True
 
     def _end(self, request: BatchRequest, row: Request | None, reason: str, error: str | None = None) -> None:
+        """The last event of a request that did not finish in a step (cancelled, failed)."""
         metrics = row.metrics if row is not None else RunMetrics(num_prompt_tokens=len(request.prompt_ids))
+        request.ended = True
         try:
             request.on_event(RowEvent([], finished=True, finish_reason=reason, metrics=metrics, error=error))
         except Exception:  # noqa: BLE001 - a broken listener must not stop the scheduler
@@ -264,10 +278,17 @@ class Scheduler:
             self.engine.release()
             _trim_heap()
 
-    def _fail_all(self, message: str) -> None:
-        for row in list(self.engine.rows):
-            self.engine.abort(row, "error")
-            self._end(row.tag, row, "error", message)
+    def _fail_all(self, exc: BaseException, rows: Sequence[Request] = ()) -> None:
+        """``exc`` cut a step short: every row leaves the engine (``rows``, the step's batch, may have left
+        it already) and every request among them without its last event gets one: "error" naming ``exc``,
+        or "cancelled" for an interrupt that is not an Exception."""
+        reason = "error" if isinstance(exc, Exception) else "cancelled"
+        message = f"{type(exc).__name__}: {exc}" if reason == "error" else None
+        every = list(rows) + [r for r in self.engine.rows if not any(r is s for s in rows)]
+        for row in every:
+            self.engine.abort(row, reason)
+            if row.tag is not None and not row.tag.ended:
+                self._end(row.tag, row, reason, message)
         self.engine.release()
 
     # Introspection -----------------------------------------------------------------

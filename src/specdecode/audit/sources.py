@@ -88,7 +88,8 @@ class EngineSource:
         coupled: see above.
 
     Attributes:
-        drafted, accepted: draft tokens verified / kept over every request drawn so far.
+        drafted, accepted: draft tokens verified / kept over every request drawn so far, counted up to the
+            tokens drawn (``SpeculativeEngine.abort(keep=)``).
     """
 
     def __init__(self, engine, name: str = "specdecode engine (in-process)", coupled: bool | None = False) -> None:
@@ -109,16 +110,22 @@ class EngineSource:
         requests = []
         ids = list(prompt.token_ids)
         done = 0
-        while waiting or engine.rows:
-            while waiting and len(engine.rows) < engine.max_batch_size:
-                requests.append(engine.add(ids, self.request_params(dataclasses.replace(base, seed=waiting.pop())))[0])
-            engine.step()
-            for row in [r for r in engine.rows if len(r.generated) >= num_tokens]:
-                engine.abort(row)
-            if progress is not None:
-                progress(len(requests) - len(engine.rows) - done)
-            done = len(requests) - len(engine.rows)
+        try:
+            while waiting or engine.rows:
+                while waiting and len(engine.rows) < engine.max_batch_size:
+                    params_i = self.request_params(dataclasses.replace(base, seed=waiting.pop()))
+                    requests.append(engine.add(ids, params_i)[0])
+                engine.step()
+                for row in [r for r in engine.rows if len(r.generated) >= num_tokens]:
+                    engine.abort(row)
+                if progress is not None:
+                    progress(len(requests) - len(engine.rows) - done)
+                done = len(requests) - len(engine.rows)
+        finally:  # interrupted: no request of this draw keeps a row
+            for r in requests:
+                engine.abort(r)
         for r in requests:
+            engine.abort(r, keep=num_tokens)  # the counters cover the tokens drawn, not the extra ones
             self.drafted += r.metrics.num_drafted_tokens
             self.accepted += r.metrics.num_accepted_tokens
         return [Outcome(tuple(r.generated[:num_tokens]), None, "stop" if r.finish_reason == "stop" else "length")

@@ -472,9 +472,9 @@ def held_out_estimate(loaded, head_dir: Path, *, prompts: str = "spec-bench", ma
         times = []
         for engine in (plain, spec):
             t0 = time.perf_counter()
-            req, _ = engine.add(ids, params)
-            while req.finish_reason is None:
-                engine.step()
+            with engine.running(ids, params) as (req, _):
+                while req.finish_reason is None:
+                    engine.step()
             times.append(time.perf_counter() - t0)
             m = req.metrics
         ratios.append(times[0] / times[1])

@@ -41,6 +41,7 @@ from specdecode import __version__
 from specdecode.engine import RequestSpeculation, SpeculativeEngine
 from specdecode.generator import SpecDecoder, TextTracker
 from specdecode.grammar import CompiledGrammar, StructuredOutput, compile_grammar
+from specdecode.metrics import RunMetrics
 from specdecode.models import LoadedModel
 from specdecode.scheduler import BatchRequest, EngineStoppedError, QueueFullError, RowEvent, Scheduler, StepStats
 from specdecode.server.metrics import CONTENT_TYPE_LATEST, ServerMetrics
@@ -240,17 +241,6 @@ class ServingState:
 # --------------------------------------------------------------------------- one request's choices
 
 
-@dataclass
-class _Snapshot:
-    """Counters of an engine request, copied on the scheduler thread when an event is emitted."""
-
-    drafted: int = 0
-    accepted: int = 0
-    verify_steps: int = 0
-    step_tokens: int = 0
-    target_forwards: int = 0
-
-
 class _TextOffsets:
     """Where each token of a growing id list starts in its text: ``at(j) == len(decode(ids[:j]).rstrip("\ufffd"))``
     (a token that continues a character starts where the character does), in one pass.
@@ -330,7 +320,7 @@ class _Choice:
         self.sent = 0  # ids whose text has been handed out
         self.finish_reason: str | None = None
         self.error: str | None = None
-        self.snapshot = _Snapshot()
+        self.snapshot = RunMetrics()  # the engine request's metrics as of the last event taken (a copy)
         self.events = 0
         self.request: BatchRequest | None = None
         self.constraint = None  # this choice's own structured-output constraint (response_format)
@@ -384,6 +374,14 @@ class _Choice:
         return len(self.tracker.ids)
 
     @property
+    def counted(self) -> RunMetrics:
+        """The engine request's counters up to the tokens this choice returns (a stop string's tail and any
+        step the scheduler ran before it saw the cancel are not counted: ``RunMetrics.cut``)."""
+        m = self.snapshot.copy()
+        m.cut(len(self.tracker.ids))
+        return m
+
+    @property
     def cumulative_logprob(self) -> float:
         """Sum of the target's logprobs of the returned tokens (best_of ranks candidates by it)."""
         return float(sum(self.lps[: len(self.tracker.ids)]))
@@ -400,12 +398,9 @@ class _Choice:
         return self._prompt_offsets.at(j)
 
 
-def _snapshot(ev: RowEvent) -> _Snapshot:
-    m = ev.metrics
-    if m is None:
-        return _Snapshot()
-    return _Snapshot(m.num_drafted_tokens, m.num_accepted_tokens, m.num_verify_steps, m.num_step_tokens,
-                     m.num_target_forwards)
+def _snapshot(ev: RowEvent) -> RunMetrics:
+    """A copy of the request's metrics, taken on the scheduler thread as the event is emitted."""
+    return RunMetrics() if ev.metrics is None else ev.metrics.copy()
 
 
 class _ClientGone(Exception):
@@ -435,29 +430,39 @@ class _Job:
         self.closed = False
 
     def submit(self) -> None:
-        loop = asyncio.get_running_loop()
-        scheduler = self.state.scheduler
-        for choice in self.choices:
-            def on_event(ev: RowEvent, i=choice.index) -> None:  # scheduler thread
-                loop.call_soon_threadsafe(self.queue.put_nowait, (i, ev, _snapshot(ev)))
+        """Submit one engine request per choice; if any submission fails, those already made are cancelled.
 
-            req = BatchRequest(choice.prompt_ids, choice.params, on_event, logprobs=choice.logprobs_n,
-                               speculation=choice.speculation, prompt_logprobs=choice.prompt_logprobs_n,
-                               constraint=choice.constraint)
-            try:
-                scheduler.submit(req)
-            except (QueueFullError, EngineStoppedError) as exc:
-                self.cancel()
-                self.closed = True  # refused: nothing was served
-                self.state.metrics.requests.labels(self.endpoint, "queue_full").inc()
-                if isinstance(exc, QueueFullError):
-                    raise APIError(429, str(exc), type="rate_limit_error", code="queue_full",
-                                   headers={"Retry-After": "1"}) from None
-                raise APIError(503, str(exc), type="server_error", code="shutting_down") from None
-            except SpecDecodeError as exc:  # the prompt checks of the engine (already made here; kept as a guard)
-                self.cancel()
-                raise APIError(400, str(exc), param="prompt", code="invalid_value") from None
-            choice.request = req
+        Raises:
+            APIError: 429 (queue full), 503 (shutting down), 400 (the engine's prompt checks).
+        """
+        try:
+            for choice in self.choices:
+                self._submit(choice)
+        except BaseException:
+            self.cancel()  # nothing of a refused job runs on
+            raise
+
+    def _submit(self, choice: _Choice) -> None:
+        loop = asyncio.get_running_loop()
+
+        def on_event(ev: RowEvent, i=choice.index) -> None:  # scheduler thread
+            loop.call_soon_threadsafe(self.queue.put_nowait, (i, ev, _snapshot(ev)))
+
+        req = BatchRequest(choice.prompt_ids, choice.params, on_event, logprobs=choice.logprobs_n,
+                           speculation=choice.speculation, prompt_logprobs=choice.prompt_logprobs_n,
+                           constraint=choice.constraint)
+        try:
+            self.state.scheduler.submit(req)
+        except (QueueFullError, EngineStoppedError) as exc:
+            self.closed = True  # refused: nothing was served
+            self.state.metrics.requests.labels(self.endpoint, "queue_full").inc()
+            if isinstance(exc, QueueFullError):
+                raise APIError(429, str(exc), type="rate_limit_error", code="queue_full",
+                               headers={"Retry-After": "1"}) from None
+            raise APIError(503, str(exc), type="server_error", code="shutting_down") from None
+        except SpecDecodeError as exc:  # the prompt checks of the engine (already made here; kept as a guard)
+            raise APIError(400, str(exc), param="prompt", code="invalid_value") from None
+        choice.request = req
 
     def cancel(self) -> None:
         """Stop every unfinished choice (client gone, stop string, error)."""
@@ -496,12 +501,10 @@ class _Job:
             yield choice, piece, ids, start
 
     def _observe(self, choice: _Choice, ev: RowEvent) -> None:
-        """Latency histograms and acceptance by position, per engine event."""
+        """Latency histograms, per engine event (acceptance by position is counted in :meth:`close`)."""
         m = self.state.metrics
         now = time.perf_counter()
         n = len(ev.token_ids)
-        if choice.events > 0 and ev.num_drafted > 0:  # a decoding step (event 0 is the prefill)
-            m.observe_positions(ev.num_drafted, ev.num_accepted)
         if n:
             last = self._last.get(choice.index)
             if last is None:
@@ -522,21 +525,26 @@ class _Job:
         self.cancel()
         m = self.state.metrics
         m.requests.labels(self.endpoint, outcome).inc()
-        m.observe_usage(self.usage(), sum(c.snapshot.verify_steps for c in self.choices))
+        counted = [c.counted for c in self.choices]
+        m.observe_usage(self.usage(counted), sum(k.num_verify_steps for k in counted))
+        for k in counted:
+            m.observe_acceptance(k.drafted_by_position, k.accepted_by_position)
         if outcome == "ok":
             m.e2e.observe(time.perf_counter() - self.arrived)
-            for c in self.choices:
-                if c.snapshot.verify_steps:
-                    m.tau.observe(c.snapshot.step_tokens / c.snapshot.verify_steps)
+            for k in counted:
+                if k.num_verify_steps:
+                    m.tau.observe(k.mean_accepted_length)
 
     def outcome(self) -> str:
         return "error" if any(c.finish_reason == "error" for c in self.choices) else "ok"
 
-    def usage(self) -> dict:
-        snaps = [c.snapshot for c in self.choices]
-        drafted = sum(s.drafted for s in snaps)
-        accepted = sum(s.accepted for s in snaps)
-        steps = sum(s.verify_steps for s in snaps)
+    def usage(self, counted: list[RunMetrics] | None = None) -> dict:
+        """The ``usage`` body: tokens, and the speculative counters of every choice up to the tokens it
+        returns (``counted``: the choices' :attr:`_Choice.counted`, computed here when not given)."""
+        snaps = [c.counted for c in self.choices] if counted is None else counted
+        drafted = sum(s.num_drafted_tokens for s in snaps)
+        accepted = sum(s.num_accepted_tokens for s in snaps)
+        steps = sum(s.num_verify_steps for s in snaps)
         prompt = sum(len(c.prompt_ids) for c in self.choices if c.index % self.n == 0)  # each prompt once
         completion = sum(c.completion_tokens for c in self.choices)
         return {
@@ -547,8 +555,8 @@ class _Job:
                 "num_drafted_tokens": drafted,
                 "num_accepted_tokens": accepted,
                 "acceptance_rate": accepted / drafted if drafted else 0.0,
-                "mean_accepted_length": sum(s.step_tokens for s in snaps) / steps if steps else 0.0,
-                "num_target_forwards": sum(s.target_forwards for s in snaps),
+                "mean_accepted_length": sum(s.num_step_tokens for s in snaps) / steps if steps else 0.0,
+                "num_target_forwards": sum(s.num_target_forwards for s in snaps),
             },
         }
 

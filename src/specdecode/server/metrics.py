@@ -4,10 +4,11 @@ Counters count work; rates (acceptance rate, acceptance by position, tokens/s)
 are derived in PromQL, e.g. ``rate(specdecode_accepted_tokens_total[1m]) /
 rate(specdecode_draft_tokens_total[1m])``.
 
-The token counters (prompt, generation, draft, accepted, verify steps) move once per
-request, when it ends, by the figures of its ``usage``: their totals are the sums of the
-usage the server reported (a cancelled or failed request adds what it had committed).
-Completion tokens are the committed tokens the client got (a stop string's tail excluded).
+The token counters (prompt, generation, draft, accepted, verify steps, acceptance by position)
+move once per request, when it ends, by the figures of its ``usage``: their totals are the sums
+of the usage the server reported (a cancelled or failed request adds what it had committed).
+Completion tokens are the committed tokens the client got (a stop string's tail excluded), and
+every speculative counter stops with them (``RunMetrics.cut``).
 """
 
 from __future__ import annotations
@@ -86,6 +87,17 @@ class ServerMetrics:
             self._positions_d[i].inc()
         for i in range(accepted):
             self._positions_a[i].inc()
+
+    def observe_acceptance(self, drafted_by_position: list[int], accepted_by_position: list[int]) -> None:
+        """An ended request's acceptance by position: ``RunMetrics.drafted_by_position`` /
+        ``accepted_by_position`` counted to its committed end (the steps whose draft reached position i, and
+        those that kept the token there)."""
+        self._grow(len(drafted_by_position))
+        for i, (d, a) in enumerate(zip(drafted_by_position, accepted_by_position)):
+            if d:
+                self._positions_d[i].inc(d)
+            if a:
+                self._positions_a[i].inc(a)
 
     def observe_usage(self, usage: dict, verify_steps: int) -> None:
         """An ended request: the figures of its ``usage`` body (and its target forwards after the prefill)."""

@@ -435,11 +435,13 @@ class ChatCompletionRequest(_SamplingFields):
 class SpeculativeUsage(BaseModel):
     """The speculative-decoding figures of one request (all its choices)."""
 
-    num_drafted_tokens: int = Field(description="draft tokens verified (0 with speculative.enabled false)")
-    num_accepted_tokens: int = Field(description="draft tokens verification kept")
+    num_drafted_tokens: int = Field(description="draft tokens verified that could be returned: none past the last "
+                                                "returned token (0 with speculative.enabled false)")
+    num_accepted_tokens: int = Field(description="draft tokens verification kept, up to the last returned token")
     acceptance_rate: float = Field(description="num_accepted_tokens / num_drafted_tokens (0 when none drafted)")
-    mean_accepted_length: float = Field(description="tau: tokens committed per target forward after the prefill")
-    num_target_forwards: int
+    mean_accepted_length: float = Field(description="tau: returned tokens per target forward after the prefill")
+    num_target_forwards: int = Field(description="target forwards that produced a returned token, the prefills "
+                                                 "included (one per choice)")
 
 
 class Usage(BaseModel):
