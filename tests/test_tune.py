@@ -323,11 +323,17 @@ def test_an_unwritable_output_is_refused_before_measuring(tmp_path):
     from specdecode.tune import check_output
     from specdecode.types import SpecDecodeError
 
-    check_output(tmp_path / "new" / "t.toml")  # a folder that can be made
-    with pytest.raises(SpecDecodeError, match="is a directory"):
+    check_output(tmp_path / "new" / "t.toml")  # a folder that can be made (a library caller's path)
+    assert not (tmp_path / "new").exists()  # probed, then removed: nothing left behind
+    with pytest.raises(SpecDecodeError, match="does not exist"):
+        check_output(tmp_path / "new" / "t.toml", default=False)  # the command line: a named folder must exist
+    with pytest.raises(SpecDecodeError, match="is a folder"):
         check_output(tmp_path)
-    with pytest.raises(SpecDecodeError, match="cannot create its folder|not writable"):
+    with pytest.raises(SpecDecodeError, match="cannot write it"):
         check_output("/proc/no-such-dir/t.toml")
+    (tmp_path / "t.json").mkdir()  # the report beside the settings file cannot be written
+    with pytest.raises(SpecDecodeError, match="its .json report"):
+        check_output(tmp_path / "t.toml")
 
 
 def test_a_thread_count_is_written_only_when_the_user_chose_one(tmp_path):

@@ -42,6 +42,7 @@ from specdecode.cliargs import (  # noqa: F401 - DRAFT_CHOICES_HELP re-exported
 from specdecode.configfile import add_config_argument, apply_config
 from specdecode.errors import SpecDecodeError
 from specdecode.options import DEFAULT_TARGET
+from specdecode.paths import check_output_dir
 from specdecode.validate import (  # the library's own checks, without torch
     DrafterOptions,
     check_drafter,
@@ -460,6 +461,8 @@ def cmd_audit(args: argparse.Namespace) -> int:
                           min_cell_mass=args.min_cell_mass, null_simulations=args.null_simulations, seed=args.seed,
                           max_new_tokens=args.max_new_tokens, tie_margin=args.tie_margin)
     check_threads(args.threads)
+    if args.output is not None:  # before the audit runs: its report is what the run is for
+        check_output_dir(args.output, "--output")
     if args.prompt is None and args.prompt_file is None and args.dataset is None:
         try:
             load_prompts(AUDIT_DATASET)
@@ -488,6 +491,10 @@ def cmd_audit(args: argparse.Namespace) -> int:
 
 def cmd_train_drafter(args: argparse.Namespace) -> int:
     """``specdecode train-drafter``: build the training set and train a draft head (specdecode.eagle.train)."""
+    check_threads(args.threads)
+    for flag, path in (("--work-dir", args.work_dir), ("--out", args.out)):  # before torch, hours before the end
+        if path is not None:
+            check_output_dir(path, flag)
     from specdecode.eagle.train import TrainConfig, run
 
     if args.device.startswith("cuda"):
@@ -549,11 +556,12 @@ def _add_tune(commands) -> None:
 
 def cmd_tune(args: argparse.Namespace) -> int:
     """``specdecode tune``: measure, predict, confirm, decide; write the settings file (specdecode.tune)."""
-    from specdecode.tune import DRAFTER_KINDS, TuneConfig, run_tune
+    from specdecode.tune import DRAFTER_KINDS, TuneConfig, check_output, run_tune
 
     datasets = tuple(d.strip() for item in (args.datasets or ()) for d in item.split(",") if d.strip())
     drafters = tuple(d.strip() for d in args.drafters.split(",") if d.strip()) if args.drafters else DRAFTER_KINDS
     check_threads(args.threads)
+    check_output(args.output, default=False)  # the settings file and its .json, before anything is measured
     config = TuneConfig(target=args.target, drafts=tuple(args.drafts or ()), datasets=datasets,
                         prompts_file=args.prompts_file, budget_s=args.budget_s, max_new_tokens=args.max_new_tokens,
                         temperature=args.temperature, threads=args.threads, weights=args.weights,

@@ -634,24 +634,21 @@ def decision_lines(result: TuneResult) -> list[str]:
     return lines
 
 
-def check_output(path: str | Path) -> None:
-    """Refuse a settings file that cannot be written, before anything is measured.
+def check_output(path: str | Path, *, default: bool = True) -> None:
+    """Refuse a settings file (or the ``.json`` report beside it) that cannot be written, before anything is
+    measured (``specdecode.paths.check_output_file``: probed for real, nothing left behind).
+
+    Args:
+        path: the TOML file. default: its missing parent folders may be made (a library caller's path); the
+            command line passes False for a path the user named (its folder must exist).
 
     Raises:
-        SpecDecodeError: the path is a directory, or its folder cannot be created or written.
+        SpecDecodeError: the path is a folder, its folder is missing or a file, or a file cannot be written there.
     """
-    import os
+    from specdecode.paths import check_output_file
 
-    out = Path(path)
-    if out.is_dir():
-        raise SpecDecodeError(f"--output {path}: is a directory; give a file name, e.g. {out / 'specdecode-tune.toml'}")
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise SpecDecodeError(f"--output {path}: cannot create its folder ({exc.strerror or exc}); "
-                              "choose a writable path") from None
-    if not os.access(out.parent, os.W_OK) or (out.exists() and not os.access(out, os.W_OK)):
-        raise SpecDecodeError(f"--output {path}: not writable; choose a writable path")
+    check_output_file(path, "--output", default=default)
+    check_output_file(Path(path).expanduser().with_suffix(".json"), "--output (its .json report)", default=default)
 
 
 def _load1() -> float | None:

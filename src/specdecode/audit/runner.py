@@ -567,6 +567,10 @@ def run_audit(setup, say: Callable[[str], None] = _status, progress: bool = True
     from specdecode.audit.sources import EndpointSource
 
     cfg = setup.config
+    if setup.output is not None:  # before any request or load: the report is what the run is for
+        from specdecode.paths import check_output_dir
+
+        check_output_dir(setup.output, "--output", default=True)
     source = None
     if setup.endpoint is not None:
         source = EndpointSource(setup.endpoint, setup.model, api_key=setup.api_key, concurrency=setup.concurrency,

@@ -152,8 +152,7 @@ def run_command(args: argparse.Namespace) -> int:
     """Entry point of ``specdecode bench`` (called by ``specdecode.cli``); returns the exit status."""
     from pathlib import Path
 
-    from specdecode.bench import report
-    from specdecode.bench.runner import run_bench
+    from specdecode.paths import check_output_dir
     from specdecode.types import SpecDecodeError
 
     if getattr(args, "setup_peers", None):
@@ -172,7 +171,7 @@ def run_command(args: argparse.Namespace) -> int:
             raise SpecDecodeError(f"--depths must be integers separated by commas, got {args.depths!r}") from None
         if not depths or min(depths) < 1:
             raise SpecDecodeError(f"--depths must be positive token counts, got {args.depths!r}")
-        out = Path(args.output or "bench-out/verify-table")
+        out = check_output_dir(args.output or "bench-out/verify-table", "--output", default=args.output is None)
         models = [args.target or "smollm2-135m", *([args.draft] if args.draft else [])]
         run_table(models, out, depths=depths, repeats=args.repeats or 5, threads=args.threads,
                   peer=args.peer is not False)
@@ -180,6 +179,10 @@ def run_command(args: argparse.Namespace) -> int:
         return 0
     if args.report_only:
         out = Path(args.output or f"bench-out/{args.preset or 'full'}")
+        if out.is_dir():  # a folder without a run is said below; one that cannot take the report here
+            check_output_dir(out, "--output")
+        from specdecode.bench import report
+
         try:
             report.rebuild(out)
         except FileNotFoundError:
@@ -187,6 +190,10 @@ def run_command(args: argparse.Namespace) -> int:
         print((out / report.REPORT_MD).read_text(encoding="utf-8"))
         return 0
     config = config_from_args(args)
+    check_output_dir(config.output, "--output", default=args.output is None)  # before any model loads
+    from specdecode.bench import report
+    from specdecode.bench.runner import run_bench
+
     run_bench(config, progress=not args.no_progress)
     print((Path(config.output) / report.REPORT_MD).read_text(encoding="utf-8"))
     return 0

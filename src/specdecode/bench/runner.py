@@ -864,8 +864,10 @@ def run_bench(config: BenchConfig, *, progress: bool = True, log: Callable[[str]
         SpecDecodeError: bad config, unknown method / dataset, incompatible draft, model load failure.
     """
 
+    from specdecode.paths import check_output_dir
+
     status = log or (lambda msg: print(f"specdecode bench: {msg}", file=sys.stderr, flush=True))
-    out = Path(config.output)
+    out = check_output_dir(config.output, "--output", default=True)  # before any load: probed, nothing left
     out.mkdir(parents=True, exist_ok=True)
     if config.threads:
         torch.set_num_threads(config.threads)

@@ -523,6 +523,10 @@ def run(target: str, cfg: TrainConfig, *, out: str | Path | None = None, work_di
     safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in target.strip("/").replace("/", "__"))
     work = Path(work_dir).expanduser() if work_dir else cache / "eagle" / safe
     out_dir = Path(out).expanduser() if out else work / "head"
+    from specdecode.paths import check_output_dir
+
+    check_output_dir(work, "--work-dir", default=True)  # before the load and about 50 minutes of work
+    check_output_dir(out_dir, "--out", default=True)
     say(f"train-drafter: target {target} ({weights}), work directory {work}")
     loaded = load_model(target, cache_dir=cache, progress=True)
     work.mkdir(parents=True, exist_ok=True)  # after the load: a wrong --target leaves nothing behind
