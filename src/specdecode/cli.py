@@ -310,7 +310,7 @@ def _add_train_drafter(commands) -> None:
     p.add_argument("--train-lm-head", action="store_true",
                    help="train (and store) the LM head rows instead of using the target's (a bigger checkpoint)")
     p.add_argument("--device", default="cpu", help="'cpu' or 'cuda' (default: %(default)s)")
-    p.add_argument("--threads", type=int, default=None, metavar="N", help="torch CPU threads (default: torch's)")
+    p.add_argument("--threads", type=int, default=None, metavar="N", help="torch CPU threads, 1..the cores this process may use (default: torch's)")
     p.add_argument("--max-train-minutes", type=float, default=None, metavar="M",
                    help="stop training after M minutes (resumable: run the command again to go on)")
     p.add_argument("--no-estimate", action="store_true", help="skip the held-out acceptance estimate at the end")
@@ -579,7 +579,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     check_drafter_flags(args)  # before the server stack and torch are imported
     with _naming_flags():
         check_serve_options(args)  # launch.check_options' checks: a refusal never imports torch
-    check_threads(args.threads)
+    check_threads(args.threads, bound=not args.ray_address)  # a cluster's replicas bound their own, where they run
     from specdecode.scaleout import check_replica_options, replica_options_from_args, require_ray
 
     replicas = replica_options_from_args(args)  # refuses replica flags without --replicas

@@ -114,7 +114,7 @@ class TuneConfig:
 
     def __post_init__(self) -> None:
         from specdecode.options import WEIGHT_CHOICES, WEIGHT_PRECISIONS
-        from specdecode.validate import check_sampling
+        from specdecode.validate import check_sampling, check_threads
 
         if bool(self.datasets) == bool(self.prompts_file):
             raise SpecDecodeError("give the prompts with one of --prompts FILE or --dataset SPEC")
@@ -127,8 +127,7 @@ class TuneConfig:
                                        ("--confirm-prompts", self.confirm_prompts, 1, 100)):
             if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
                 raise SpecDecodeError(f"{name} must be an integer in [{low}, {high}], got {value!r}")
-        if self.threads is not None and (not isinstance(self.threads, int) or self.threads < 1):
-            raise SpecDecodeError(f"--threads must be a positive integer, got {self.threads!r}")
+        check_threads(self.threads)  # 1..the cores this process may use
         if not 0.0 <= self.min_gain < 1.0:
             raise SpecDecodeError(f"--min-gain must be in [0, 1), got {self.min_gain!r}")
         if self.weights not in WEIGHT_CHOICES:

@@ -94,7 +94,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-weights", choices=WEIGHT_PRECISIONS,
                    help="precision of draft models' weights (int8 / int4 as --weights: fewer bytes per draft step; "
                         "the HF peer uses the same draft objects) (default: fp32)")
-    p.add_argument("--threads", type=int, metavar="N", help="torch threads (default: torch's)")
+    p.add_argument("--threads", type=int, metavar="N", help="torch threads, 1..the cores this process may use (default: torch's)")
     p.add_argument("--remeasure-bandwidth", action="store_true", default=None,
                    help="measure the memory read bandwidth of the report's roofline table again (it is measured "
                         "once per machine and thread count and cached under the specdecode cache's machine/)")
@@ -152,8 +152,11 @@ def run_command(args: argparse.Namespace) -> int:
     """Entry point of ``specdecode bench`` (called by ``specdecode.cli``); returns the exit status."""
     from pathlib import Path
 
+    from specdecode.errors import SpecDecodeError
     from specdecode.paths import check_output_dir
-    from specdecode.types import SpecDecodeError
+    from specdecode.validate import check_threads
+
+    check_threads(args.threads)  # 1..the cores this process may use, whatever the mode
 
     if getattr(args, "setup_peers", None):
         from specdecode.bench.peers import parse_peers, setup_peers
@@ -189,8 +192,11 @@ def run_command(args: argparse.Namespace) -> int:
             raise SpecDecodeError(f"{out} holds no benchmark run (no run.json); run the benchmark first") from None
         print((out / report.REPORT_MD).read_text(encoding="utf-8"))
         return 0
+    if args.output is not None:  # before torch is imported: a named folder must exist and take files
+        check_output_dir(args.output, "--output")
     config = config_from_args(args)
-    check_output_dir(config.output, "--output", default=args.output is None)  # before any model loads
+    if args.output is None:  # the preset's own folder (bench-out/PRESET), made with its parents
+        check_output_dir(config.output, "--output", default=True)
     from specdecode.bench import report
     from specdecode.bench.runner import run_bench
 

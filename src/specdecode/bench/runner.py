@@ -286,7 +286,7 @@ class BenchConfig:
     def __post_init__(self) -> None:
         from specdecode.types import SamplingParams
 
-        from specdecode.validate import check_verification
+        from specdecode.validate import check_threads, check_verification
 
         SamplingParams(temperature=self.temperature, max_new_tokens=self.max_new_tokens)  # range checks
         check_verification(self.verification, "--verification")
@@ -297,8 +297,7 @@ class BenchConfig:
             raise SpecDecodeError(f"--limit must be >= 1, got {self.limit}")
         if not isinstance(self.repeats, int) or self.repeats < 1:
             raise SpecDecodeError(f"--repeats must be an integer >= 1, got {self.repeats!r}")
-        if self.threads is not None and self.threads < 1:
-            raise SpecDecodeError(f"--threads must be >= 1, got {self.threads}")
+        check_threads(self.threads)  # 1..the cores this process may use
         if not self.datasets:
             raise SpecDecodeError("no dataset selected")
         if self.weights not in WEIGHT_CHOICES:
