@@ -310,7 +310,8 @@ def _add_train_drafter(commands) -> None:
     p.add_argument("--train-lm-head", action="store_true",
                    help="train (and store) the LM head rows instead of using the target's (a bigger checkpoint)")
     p.add_argument("--device", default="cpu", help="'cpu' or 'cuda' (default: %(default)s)")
-    p.add_argument("--threads", type=int, default=None, metavar="N", help="torch CPU threads, 1..the cores this process may use (default: torch's)")
+    p.add_argument("--threads", type=int, default=None, metavar="N",
+                   help="torch CPU threads, 1..the cores this process may use (default: torch's)")
     p.add_argument("--max-train-minutes", type=float, default=None, metavar="M",
                    help="stop training after M minutes (resumable: run the command again to go on)")
     p.add_argument("--no-estimate", action="store_true", help="skip the held-out acceptance estimate at the end")

@@ -199,8 +199,8 @@ def add_drafter_arguments(group: argparse._ArgumentGroup, *, policy_default: str
                        help="where converted GGUF models (and layer-skip sets) are cached (default: "
                             "$SPECDECODE_CACHE or ~/.cache/specdecode)")
     group.add_argument("--threads", type=int, default=None, metavar="N",
-                       help="torch threads, 1..the cores this process may use (default: one per core that other processes leave idle, sampled at "
-                            "start: threads on busy cores wait on each other and a step can run 10x slower; "
+                       help="torch threads, 1..the cores this process may use (default: one per core that other "
+                            "processes leave idle, sampled at start: threads on busy cores wait on each other and a step can run 10x slower; "
                             "--weights auto measures, and caches, per thread count)")
 
 
@@ -364,7 +364,8 @@ def add_tune_arguments(p: argparse.ArgumentParser) -> None:
     models.add_argument("--dtype", default="float32", choices=DTYPES, help="dtype the weights load in "
                         "(default: %(default)s)")
     models.add_argument("--threads", type=int, default=None, metavar="N",
-                        help="torch threads, 1..the cores this process may use (default: one per core other processes leave idle)")
+                        help="torch threads, 1..the cores this process may use (default: one per core other "
+                             "processes leave idle)")
     models.add_argument("--cache-dir", metavar="DIR",
                         help="model cache (default: $SPECDECODE_CACHE or ~/.cache/specdecode)")
     prompts = p.add_argument_group("prompts (one of --prompts, --dataset)")

@@ -94,7 +94,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-weights", choices=WEIGHT_PRECISIONS,
                    help="precision of draft models' weights (int8 / int4 as --weights: fewer bytes per draft step; "
                         "the HF peer uses the same draft objects) (default: fp32)")
-    p.add_argument("--threads", type=int, metavar="N", help="torch threads, 1..the cores this process may use (default: torch's)")
+    p.add_argument("--threads", type=int, metavar="N",
+                   help="torch threads, 1..the cores this process may use (default: torch's)")
     p.add_argument("--remeasure-bandwidth", action="store_true", default=None,
                    help="measure the memory read bandwidth of the report's roofline table again (it is measured "
                         "once per machine and thread count and cached under the specdecode cache's machine/)")
