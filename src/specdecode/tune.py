@@ -746,6 +746,8 @@ def run_tune(config: TuneConfig, *, progress: bool = True, log: Callable[[str], 
     try:
         session.measure_costs()
         session.measure_drafters()
+        if not result.measured:  # no decision rests on nothing: a file pinning plain decoding would be a guess
+            raise SpecDecodeError(session.nothing_measured())
         result.predictions = predict(result.plain, result.measured, result.ratio(), config.max_gamma)
         session.confirm(confirmation_plan(result.predictions, config.top))
     finally:
@@ -779,6 +781,8 @@ class _Session:
         self.seeds = {k: config.seed + i for i, k in enumerate(ids)}
         self.plain_sample_s = 0.0
         self.eos = target.eos_token_ids
+        #: seconds into the run at which a skipped drafter would have finished measuring (budget permitting)
+        self.would_end: list[float] = []
 
     # Runs ------------------------------------------------------------------------
 
@@ -913,6 +917,7 @@ class _Session:
                 left = self.clock.left(MEASURE_SHARE)
                 need = self.plain_sample_s * (2.0 if cand.model else 1.2)
                 if left <= 0 or need > left:
+                    self.would_end.append(self.clock.elapsed() + need)
                     self.skip(cand.key, f"the budget's measuring share is spent (~{need:.0f} s needed, "
                                         f"{max(left, 0):.0f} s left of {MEASURE_SHARE:.0%} of --budget "
                                         f"{self.config.budget_s:.0f} s)")
@@ -945,6 +950,7 @@ class _Session:
         left = self.clock.left(MEASURE_SHARE) - 2.0 * self.plain_sample_s
         allowed = min(self.config.layer_search_s, left)
         if allowed < 30.0:
+            self.would_end.append(self.clock.elapsed() + 30.0 + 2.0 * self.plain_sample_s)
             self.skip("layer-skip", f"no skip set is cached for this target and a search needs at least 30 s; "
                                     f"{max(allowed, 0):.0f} s of the budget are left for it (raise --budget or "
                                     "--layer-search, or run 'specdecode generate --draft layer-skip' once)")
@@ -955,6 +961,19 @@ class _Session:
                                                 layer_search.SearchConfig(time_budget_s=allowed),
                                                 cache_dir=self.config.cache_dir)
         return replace(cand, skip_layers=tuple(found.skip_layers), note=f"searched in {found.seconds:.0f} s")
+
+    def nothing_measured(self) -> str:
+        """The refusal of a run that measured no drafter: the budget it needs, or why nothing could run."""
+        cfg = self.config
+        nothing = f"no decision made, nothing written to {cfg.output}"
+        if not self.would_end:
+            why = "; ".join(f"{s.what}: {s.why}" for s in self.result.skipped) or "no drafter to try"
+            return f"no drafter could be measured ({why}): {nothing}"
+        need = math.ceil(min(self.would_end) / MEASURE_SHARE / 10.0) * 10  # measuring ends at 60% of the budget
+        return (f"--budget {cfg.budget_s:g} s measured no drafter: loading the target and timing plain decoding took "
+                f"{self.clock.elapsed():.0f} s, and measuring must end at {MEASURE_SHARE:.0%} of the budget "
+                f"({MEASURE_SHARE * cfg.budget_s:.0f} s); the cheapest drafter needs about "
+                f"{min(self.would_end):.0f} s in all: give --budget {need} or more ({nothing})")
 
     # 4. confirmation -----------------------------------------------------------------------
 
@@ -1078,7 +1097,6 @@ def write_settings(result: TuneResult, path: str | Path) -> Path:
     cfg = result.config
     settings = result.chosen_settings()
     choice = result.choice
-    gen = {"max_new_tokens": cfg.max_new_tokens, "temperature": cfg.temperature}
     bench = {"target": cfg.target, "weights": result.weights,
              "max_new_tokens": cfg.max_new_tokens, "temperature": cfg.temperature}
     if cfg.threads:
@@ -1107,7 +1125,9 @@ def write_settings(result: TuneResult, path: str | Path) -> Path:
     comments = ["specdecode tune: settings chosen by measuring this workload on this machine.",
                 "Use: specdecode generate --config FILE (or serve / bench); flags given override these.",
                 *(f"  {line}" for line in result.decision)]
-    out = write_toml(path, settings, {"generate": gen, "bench": bench, "tune": tune},
+    # no [generate] table: what tune measured with (--max-new-tokens, --temperature) is in [tune] and [bench]
+    # (bench reproduces the measurement), never a default of generate or serve
+    out = write_toml(path, settings, {"bench": bench, "tune": tune},
                      comments=comments, arrays={"tune.candidates": rows})
     out.with_suffix(".json").write_text(json.dumps(result.to_dict(), indent=1, default=str) + "\n", encoding="utf-8")
     return out
