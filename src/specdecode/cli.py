@@ -860,11 +860,8 @@ def _choose_skip_layers(decoder, prompts: list[list[int]]) -> None:
     if not isinstance(proposer, LayerSkipProposer) or proposer.config.skip_layers is not None:
         return
     _status("layer-skip: choosing the layers to skip (cached per model; the search shows its progress and an estimate of its time)")
-    r = proposer.calibrate(prompts[:3])
-    how = "cached" if r.from_cache else f"searched in {r.seconds:.0f} s"
-    measured = f"{r.tokens_per_s:.1f} vs plain {r.plain_tokens_per_s:.1f} tokens/s" if r.tokens_per_s else "-"
-    _status(f"layer-skip: skipping layers {','.join(map(str, r.skip_layers))} of {r.num_layers} ({how}; "
-            f"measured on the calibration prompts: {measured})")
+    r = proposer.calibrate(prompts[:3])  # a set slower than plain decoding: drafting off, said by the line
+    _status(f"layer-skip: {r.line()}")
 
 
 def _warm_up(decoder, baseline) -> None:

@@ -960,6 +960,10 @@ class _Session:
         found = layer_search.choose_skip_layers(self.target.model, prompts,
                                                 layer_search.SearchConfig(time_budget_s=allowed),
                                                 cache_dir=self.config.cache_dir)
+        if found.loses:  # measured slower than plain decoding: nothing to confirm (and nothing was cached)
+            self.skip("layer-skip", f"the search's best skip set {list(found.skip_layers)} measured "
+                                    f"{found.speedup:.2f}x plain decoding")
+            return None
         return replace(cand, skip_layers=tuple(found.skip_layers), note=f"searched in {found.seconds:.0f} s")
 
     def nothing_measured(self) -> str:

@@ -233,9 +233,8 @@ def _choose_skip_layers(state: ServingState) -> None:
                        "skip set", exc, 32)
         return
     logger.warning("layer-skip: choosing the layers to skip (cached per model; the search shows its progress and an estimate of its time)")
-    r = proposer.calibrate(prompts)
-    logger.warning("layer-skip: skipping layers %s of %d (%s)", ",".join(map(str, r.skip_layers)), r.num_layers,
-                   "cached" if r.from_cache else f"searched in {r.seconds:.0f} s")
+    r = proposer.calibrate(prompts)  # a set slower than plain decoding: drafting off, said by the line
+    logger.warning("layer-skip: %s", r.line())
 
 
 def check_address(host: str, port: int) -> None:
