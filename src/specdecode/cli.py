@@ -779,7 +779,7 @@ def _preflight(args: argparse.Namespace, jobs: list[_Job]) -> None:
     from specdecode.proposers.factory import parse_draft
 
     target = check_models(args.target, parse_draft(args.draft).model_spec, cache_dir=args.cache_dir,
-                          cross_vocab=getattr(args, "tree", None) in (None, "none"))  # the line is said at load
+                          cross_vocab=True, tree=args.tree)  # the cross-vocabulary line is said at load
     chat = [args.chat if args.chat is not None else (None if job.chat_default else False) for job in jobs]
     check_prompts(target, [(job.id, job.text, c) for job, c in zip(jobs, chat)], args.max_new_tokens)
 

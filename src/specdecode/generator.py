@@ -184,7 +184,7 @@ class SpecDecoder:
                 raise SpecDecodeError(f"unknown weight precision {precision!r}; choose auto or one of "
                                       f"{', '.join(WEIGHT_PRECISIONS)}")
         say = (lambda line: print(f"specdecode: {line}", file=sys.stderr, flush=True)) if progress else None
-        check_models(target, choice.model_spec, cache_dir=cache_dir, cross_vocab=tree in (None, "none"),  # before weights
+        check_models(target, choice.model_spec, cache_dir=cache_dir, cross_vocab=True, tree=tree,  # before weights
                      say=say)
         loaded, precision_choice = load_target(target, weights, dtype=dtype, cache_dir=cache_dir, progress=progress,
                                                status=status)

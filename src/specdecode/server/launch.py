@@ -191,7 +191,7 @@ def load_state(opts: ServeOptions, progress: bool = True) -> ServingState:
     choice = check_options(opts)
     say = (lambda line: print(f"specdecode: {line}", file=sys.stderr, flush=True)) if progress else None
     check_models(opts.target, choice.model_spec, cache_dir=opts.cache_dir,  # tokenizer files and config, before weights
-                 cross_vocab=opts.tree in (None, "none"), say=say)
+                 cross_vocab=True, tree=opts.tree, say=say)
     target, precision = load_target(opts.target, opts.weights, dtype=opts.dtype, cache_dir=opts.cache_dir,
                                     progress=progress, status=say, forward=opts.forward)
     if say is not None:
