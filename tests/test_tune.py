@@ -251,7 +251,7 @@ def test_settings_round_trip_into_generate_serve_and_bench(tmp_path, cand, gamma
                                               "--policy", "heuristic"])
     assert (over.num_speculative_tokens, over.threads, over.policy, over.draft) == (2, 1, "heuristic", cand.draft)
     bench = parse_with_config(build_parser(), ["bench", "--config", str(path)])
-    assert bench.methods == cand.bench_method(gamma, 16) and bench.weights == "int8" and bench.target == "smollm2-135m"
+    assert bench.methods == cand.bench_method(gamma, 15) and bench.weights == "int8" and bench.target == "smollm2-135m"
     assert bench.draft == cand.model
     data = tomllib.loads(path.read_text())
     assert data["tune"]["candidates"][0]["method"].startswith(cand.key)

@@ -41,7 +41,7 @@ from specdecode.cliargs import (  # noqa: F401 - DRAFT_CHOICES_HELP re-exported
 )
 from specdecode.configfile import add_config_argument, apply_config
 from specdecode.errors import SpecDecodeError
-from specdecode.options import DEFAULT_TARGET
+from specdecode.options import CATALOG_MODELS, DEFAULT_TARGET
 from specdecode.paths import check_output_dir
 from specdecode.validate import (  # the library's own checks, without torch
     DrafterOptions,
@@ -139,8 +139,8 @@ def _add_generate(commands) -> None:
             "  specdecode generate --dataset humaneval:5 --compare-baseline --json\n"
             "  specdecode generate --target qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b -k 4 \\\n"
             "      --dataset mt-bench:coding:2\n\n"
-            "models (--target, --draft): offline names smollm2-135m, qwen2.5-coder-0.5b,\n"
-            "qwen2.5-coder-1.5b; a local Hugging Face model directory; a .gguf file; or a hub id.\n"
+            f"models (--target, --draft): the offline names {', '.join(CATALOG_MODELS)};\n"
+            "a local Hugging Face model directory; a .gguf file; or a hub id.\n"
             "exit status: 0 on success, 2 on a usage or input error (one 'error: ...' line on stderr)."
         ),
     )

@@ -16,6 +16,7 @@ from specdecode.validate import check_threads, usable_cores  # noqa: F401 - chec
 from specdecode.options import (
     DEFAULT_MAX_REQUEST_BYTES,
     DEFAULT_TARGET,
+    DEFAULT_TREE_NODES,
     DTYPES,
     FORWARD_BACKENDS,
     POLICY_NAMES,
@@ -167,8 +168,9 @@ def add_drafter_arguments(group: argparse._ArgumentGroup, *, policy_default: str
                        help="token trees from the draft model or head, verified in one target pass: 'static' (top-k "
                             "branching per depth) or 'dynamic' (EAGLE-2: expand the most probable nodes, keep the "
                             "best N); -k caps the depth (default: %(default)s = chains)")
-    group.add_argument("--tree-nodes", type=int, default=16, metavar="N",
-                       help="node budget N of --tree and of suffix decoding, 1..64 (default: %(default)s)")
+    group.add_argument("--tree-nodes", type=int, default=DEFAULT_TREE_NODES, metavar="N",
+                       help="node budget N of --tree and of suffix decoding, 1..64; 15 nodes and the root fill one "
+                            "16-row verification block, 16 would cost two (default: %(default)s)")
     group.add_argument("--verification", default="auto", choices=VERIFICATION_METHODS,
                        help="how sampled draft chains are verified, both keeping the target's distribution: token "
                             "(token-wise rejection sampling, Leviathan et al. 2023), block (block verification, "
@@ -399,7 +401,7 @@ def add_tune_arguments(p: argparse.ArgumentParser) -> None:
                       help="most held-out prompts that confirm (default: %(default)s)")
     runs.add_argument("--min-gain", type=float, default=0.05, metavar="X",
                       help="speculate only when measured at least 1 + X times plain decoding (default: %(default)s)")
-    runs.add_argument("--tree-nodes", type=int, default=16, metavar="N",
+    runs.add_argument("--tree-nodes", type=int, default=DEFAULT_TREE_NODES, metavar="N",
                       help="node budget of token trees and of suffix decoding (default: %(default)s)")
     runs.add_argument("--layer-search", type=float, default=120.0, metavar="SECONDS", dest="layer_search_s",
                       help="most seconds a layer-skip search may take when no skip set is cached "

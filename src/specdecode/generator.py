@@ -33,6 +33,7 @@ from specdecode.grammar import compile_grammar, structured_output
 from specdecode.kernels import WEIGHT_PRECISIONS
 from specdecode.metrics import RunMetrics
 from specdecode.models import LoadedModel
+from specdecode.options import DEFAULT_TREE_NODES
 from specdecode.policy import build_policy
 from specdecode.precision import PrecisionChoice, load_target
 from specdecode.preflight import check_models
@@ -135,7 +136,7 @@ class SpecDecoder:
         policy: str = "fixed",
         skip_layers: str | Sequence[int] | None = None,
         tree: str | None = None,
-        tree_nodes: int = 16,
+        tree_nodes: int = DEFAULT_TREE_NODES,
         verification: str = "auto",
         status=None,
     ) -> "SpecDecoder":

@@ -41,6 +41,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from specdecode.errors import SpecDecodeError
+from specdecode.options import DEFAULT_TREE_NODES
 
 #: Drafter kinds ``--drafters`` may name (``draft-model``: every ``--draft`` model given).
 DRAFTER_KINDS = ("ngram", "suffix", "layer-skip", "eagle", "draft-model")
@@ -105,7 +106,7 @@ class TuneConfig:
     sample_prompts: int = 4
     confirm_prompts: int = 6
     min_gain: float = 0.05
-    tree_nodes: int = 16
+    tree_nodes: int = DEFAULT_TREE_NODES
     layer_search_s: float = 120.0
     chat: bool | None = None
     seed: int = 0

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 from specdecode.errors import InvalidSamplingParams, LayerSkipError, SpecDecodeError
 from specdecode.options import (  # noqa: F401 - VERIFICATION_METHODS re-exported
+    DEFAULT_TREE_NODES,
     FORWARD_BACKENDS,
     POLICY_NAMES,
     TREE_KINDS,
@@ -326,7 +327,7 @@ class DrafterOptions:
     ngram_min: int = 1
     ngram_max: int = 3
     tree: str | None = None
-    tree_nodes: int = 16
+    tree_nodes: int = DEFAULT_TREE_NODES
     skip_layers: str | Sequence[int] | None = None
     cache_dir: str | None = None
 

@@ -25,6 +25,7 @@ import torch
 from specdecode.cliargs import add_serve_arguments, set_threads  # the flags live with the CLI's
 from specdecode.engine import EngineConfig, SpeculativeEngine
 from specdecode.models import LoadedModel, check_compatible
+from specdecode.options import DEFAULT_TREE_NODES
 from specdecode.policy import build_policy
 from specdecode.precision import load_target
 from specdecode.preflight import check_models
@@ -64,7 +65,7 @@ class ServeOptions:
     ngram_max: int = 3
     skip_layers: str | None = None
     tree: str = "none"
-    tree_nodes: int = 16
+    tree_nodes: int = DEFAULT_TREE_NODES
     verification: str = "auto"
     policy: str = "cost-model"
     dtype: str = "float32"
@@ -118,7 +119,7 @@ def build_state(
     ngram_max: int = 3,
     skip_layers: str | list[int] | None = None,
     tree: str | None = None,
-    tree_nodes: int = 16,
+    tree_nodes: int = DEFAULT_TREE_NODES,
     verification: str = "auto",
     cache_dir: str | None = None,
     api_key: str | None = None,
