@@ -15,6 +15,7 @@ import openai
 import pytest
 import torch
 
+from serving import serve_announcing
 from specdecode.models import load_model
 from specdecode.server import ServeOptions, build_state, create_app, load_state
 from specdecode.server.launch import check_options
@@ -125,28 +126,6 @@ def test_specdecode_serve_command_serves(tiny_model_dir):
     finally:
         proc.terminate()
         proc.wait(20)
-
-
-def serve_announcing(argv: list[str], timeout: float = 120.0) -> tuple[subprocess.Popen, int, str]:
-    """Start ``specdecode serve ARGV`` in its own process and read stderr until the 'serving ... at URL' line:
-    (the process, the announced port, that line). The process is killed after ``timeout`` seconds."""
-    import re
-    import threading
-
-    cmd = [sys.executable, "-m", "specdecode.cli", "serve", *argv]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    timer = threading.Timer(timeout, proc.kill)
-    timer.start()
-    try:
-        seen = []
-        for line in proc.stderr:
-            seen.append(line)
-            found = re.search(r"specdecode: serving .* at http://[^:]+:(\d+)/v1", line)
-            if found:
-                return proc, int(found.group(1)), line
-        raise AssertionError("no 'serving ... at' line: " + "".join(seen))
-    finally:
-        timer.cancel()
 
 
 def test_port_0_announces_the_port_it_bound(tiny_model_dir):
