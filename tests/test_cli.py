@@ -216,6 +216,8 @@ _REFUSED_WITHOUT_MODEL_CODE = [
     (["train-drafter", "--out", "/proc/specdecode-no"], "--out /proc/specdecode-no: cannot write"),
     (["bench", "--smoke", "--output", "/proc/specdecode-no"], "--output /proc/specdecode-no: cannot write"),
     (["audit", "--local", "--prompt", "hi", "--output", "/proc/specdecode-no"], "--output /proc/specdecode-no"),
+    (["train-drafter", "--device", "tpu"], "--device must be cpu, cuda or cuda:N"),
+    (["bench", "--smoke", "--output", ""], "--output is empty"),
     (["generate", "--min-p", "2"], "--min-p: min_p"),
     (["generate", "--repetition-penalty", "0"], "--repetition-penalty: repetition_penalty"),
     (["generate", "--presence-penalty", "3"], "--presence-penalty: presence_penalty"),

@@ -65,6 +65,14 @@ def test_an_unwritable_file_is_refused_in_one_line(tmp_path, make, needle):
     assert _listing(tmp_path) == ["file"]
 
 
+def test_an_empty_path_is_refused():
+    for check in (check_output_dir, check_output_file):
+        with pytest.raises(OutputPathError, match="--output is empty"):
+            check("", "--output")
+        with pytest.raises(OutputPathError, match="--output is empty"):
+            check("  ", "--output")
+
+
 def test_a_default_path_may_make_its_parents_a_named_one_may_not(tmp_path):
     deep = tmp_path / "a" / "b" / "c"
     with pytest.raises(OutputPathError, match="does not exist"):
@@ -160,3 +168,24 @@ def test_the_library_entries_check_before_loading(monkeypatch, tmp_path):
     with pytest.raises(OutputPathError, match="--output"):
         audit_runner.run_audit(setup, say=lambda _: None)
     assert _listing(tmp_path) == ["file"]
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (["audit", "--local", "--prompt", "hi", "--output", ""], "--output"),
+    (["bench", "--smoke", "--output", ""], "--output"),
+    (["tune", "--dataset", "humaneval:1", "--output", ""], "--output"),
+    (["train-drafter", "--out", ""], "--out"),
+    (["train-drafter", "--work-dir", " "], "--work-dir"),
+])
+def test_an_empty_output_path_is_refused_not_taken_for_the_current_folder(capsys, nothing_slow, argv, flag):
+    """``--output ''`` once wrote bench records into the current folder (Path('') is '.')."""
+    _refused(capsys, argv, f"{flag} is empty")
+
+
+def test_a_refused_bench_leaves_no_output_folder(capsys, tmp_path):
+    """An unknown method is refused after the output was checked: the folder is not made for nothing."""
+    from specdecode.cli import main
+
+    out = tmp_path / "run"
+    assert main(["bench", "--smoke", "--methods", "nosuch:k=3", "--output", str(out)]) == 2
+    assert "unknown method 'nosuch'" in capsys.readouterr().err and not out.exists()

@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import re
 import statistics
 import sys
 import time
@@ -493,16 +494,8 @@ def cmd_audit(args: argparse.Namespace) -> int:
 def cmd_train_drafter(args: argparse.Namespace) -> int:
     """``specdecode train-drafter``: build the training set and train a draft head (specdecode.eagle.train)."""
     check_threads(args.threads)
-    for flag, path in (("--work-dir", args.work_dir), ("--out", args.out)):  # before torch, hours before the end
-        if path is not None:
-            check_output_dir(path, flag)
-    from specdecode.eagle.train import TrainConfig, run
-
-    if args.device.startswith("cuda"):
-        import torch
-
-        if not torch.cuda.is_available():
-            raise UsageError("--device cuda: no CUDA device is available to this torch build; use --device cpu")
+    if not re.fullmatch(r"cpu|cuda(:\d+)?", args.device):
+        raise UsageError(f"--device must be cpu, cuda or cuda:N, got {args.device!r}")
     if not 0 <= args.temperature <= 2:
         raise UsageError(f"--temperature must be in [0, 2], got {args.temperature}")
     for flag, value in (("--prompts", args.prompts), ("--max-new-tokens", args.max_new_tokens),
@@ -516,6 +509,18 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
         raise UsageError(f"--epochs must be in (0, 1000], got {args.epochs}")
     if not 0 < args.lr < 1:
         raise UsageError(f"--lr must be in (0, 1), got {args.lr}")
+    if args.max_train_minutes is not None and not args.max_train_minutes > 0:
+        raise UsageError(f"--max-train-minutes must be > 0, got {args.max_train_minutes}")
+    for flag, path in (("--work-dir", args.work_dir), ("--out", args.out)):  # before torch, hours before the end
+        if path is not None:
+            check_output_dir(path, flag)
+    if args.device.startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            raise UsageError("--device cuda: no CUDA device is available to this torch build; use --device cpu")
+    from specdecode.eagle.train import TrainConfig, run
+
     cfg = TrainConfig(num_prompts=args.prompts, mix=args.mix, max_new_tokens=args.max_new_tokens,
                       max_length=args.max_length, temperature=args.temperature, draft_vocab_size=args.draft_vocab,
                       ttt_steps=args.ttt_steps, epochs=args.epochs, lr=args.lr, batch_tokens=args.batch_tokens,

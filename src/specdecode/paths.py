@@ -11,7 +11,8 @@ that, in one line, not met as a traceback at the end. The rule, the same everywh
 - a path the user names may be new, but **its parent folder must exist**: a typo in a parent is refused,
   not silently created (``mkdir -p``). A default path of the program's own (under the cache, or
   ``bench-out/PRESET``) may create its missing parents (``default=True``);
-- an output folder must not be a file, an output file must not be a folder.
+- an output folder must not be a file, an output file must not be a folder, and an empty path is no path
+  (``Path("")`` would be the current folder).
 
 Only the standard library is imported here (the command line checks before importing torch).
 """
@@ -43,10 +44,10 @@ def check_output_dir(path: str | os.PathLike, flag: str, *, default: bool = Fals
         the folder, ``~`` expanded.
 
     Raises:
-        OutputPathError: it is a file; its parent does not exist (``default`` False) or is a file; writing a
+        OutputPathError: it is empty; it is a file; its parent does not exist (``default`` False) or is a file; writing a
             file in it fails (read-only file system, no permission, a name too long, ``/proc``, ...).
     """
-    folder = Path(path).expanduser()
+    folder = Path(_not_empty(path, flag)).expanduser()
     try:
         if folder.exists() and not folder.is_dir():
             raise OutputPathError(f"{flag} {path}: is a file, not a folder; give a folder")
@@ -71,10 +72,10 @@ def check_output_file(path: str | os.PathLike, flag: str, *, default: bool = Fal
         the file, ``~`` expanded.
 
     Raises:
-        OutputPathError: it is a folder; its folder does not exist (``default`` False) or is a file; it cannot
+        OutputPathError: it is empty; it is a folder; its folder does not exist (``default`` False) or is a file; it cannot
             be created or opened for writing.
     """
-    file = Path(path).expanduser()
+    file = Path(_not_empty(path, flag)).expanduser()
     try:
         if file.is_dir():
             raise OutputPathError(f"{flag} {path}: is a folder; give a file name, e.g. "
@@ -91,6 +92,13 @@ def check_output_file(path: str | os.PathLike, flag: str, *, default: bool = Fal
     except OSError as exc:
         raise OutputPathError(f"{flag} {path}: cannot write it ({_why(exc)}); choose a writable place") from None
     return file
+
+
+def _not_empty(path, flag: str):
+    """``path`` unless it is empty (``Path("")`` is the current folder: an empty flag would write there)."""
+    if not str(path).strip():
+        raise OutputPathError(f"{flag} is empty; give a path (for the current folder: .)")
+    return path
 
 
 def _check_parent(path: Path, given, flag: str, default: bool) -> None:

@@ -867,7 +867,6 @@ def run_bench(config: BenchConfig, *, progress: bool = True, log: Callable[[str]
 
     status = log or (lambda msg: print(f"specdecode bench: {msg}", file=sys.stderr, flush=True))
     out = check_output_dir(config.output, "--output", default=True)  # before any load: probed, nothing left
-    out.mkdir(parents=True, exist_ok=True)
     if config.threads:
         torch.set_num_threads(config.threads)
     _quiet_transformers()
@@ -892,6 +891,7 @@ def run_bench(config: BenchConfig, *, progress: bool = True, log: Callable[[str]
 
         set_weight_precision(models.target.model, config.weights)
     models.load_seconds[config.target] = time.perf_counter() - t0
+    out.mkdir(parents=True, exist_ok=True)  # once the settings, methods and target are known good
     store = RecordStore(out, config.settings_id())
     if store.ignored:
         status(f"{store.ignored} record(s) in {store.path} have other settings and are ignored")

@@ -24,6 +24,7 @@ import hashlib
 import json
 import math
 import random
+import re
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -87,6 +88,8 @@ class TrainConfig:
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        if not re.fullmatch(r"cpu|cuda(:\d+)?", str(self.device)):
+            raise SpecDecodeError(f"device must be cpu, cuda or cuda:N, got {self.device!r}")
         if self.mix not in MIXES:
             raise SpecDecodeError(f"mix must be one of {sorted(MIXES)}, got {self.mix!r}")
         for name in ("num_prompts", "max_new_tokens", "max_length", "draft_vocab_size", "ttt_steps", "batch_tokens"):
