@@ -217,6 +217,7 @@ _REFUSED_WITHOUT_MODEL_CODE = [
     (["bench", "--smoke", "--output", "/proc/specdecode-no"], "--output /proc/specdecode-no: cannot write"),
     (["audit", "--local", "--prompt", "hi", "--output", "/proc/specdecode-no"], "--output /proc/specdecode-no"),
     (["train-drafter", "--device", "tpu"], "--device must be cpu, cuda or cuda:N"),
+    (["tune", "--dataset", "humaneval:1", "--drafters", ""], "--drafters is empty"),
     (["bench", "--smoke", "--output", ""], "--output is empty"),
     (["generate", "--min-p", "2"], "--min-p: min_p"),
     (["generate", "--repetition-penalty", "0"], "--repetition-penalty: repetition_penalty"),

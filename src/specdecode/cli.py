@@ -565,7 +565,8 @@ def cmd_tune(args: argparse.Namespace) -> int:
     from specdecode.tune import DRAFTER_KINDS, TuneConfig, check_output, run_tune
 
     datasets = tuple(d.strip() for item in (args.datasets or ()) for d in item.split(",") if d.strip())
-    drafters = tuple(d.strip() for d in args.drafters.split(",") if d.strip()) if args.drafters else DRAFTER_KINDS
+    drafters = (DRAFTER_KINDS if args.drafters is None  # --drafters '': refused as empty, not taken for all
+                else tuple(d.strip() for d in args.drafters.split(",") if d.strip()))
     check_threads(args.threads)
     check_output(args.output, default=False)  # the settings file and its .json, before anything is measured
     config = TuneConfig(target=args.target, drafts=tuple(args.drafts or ()), datasets=datasets,
