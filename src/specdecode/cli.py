@@ -562,23 +562,30 @@ def _add_tune(commands) -> None:
 
 def cmd_tune(args: argparse.Namespace) -> int:
     """``specdecode tune``: measure, predict, confirm, decide; write the settings file (specdecode.tune)."""
-    from specdecode.tune import DRAFTER_KINDS, TuneConfig, check_output, run_tune
+    from specdecode.tune import DRAFTER_KINDS, check_output, run_tune
 
     datasets = tuple(d.strip() for item in (args.datasets or ()) for d in item.split(",") if d.strip())
     drafters = (DRAFTER_KINDS if args.drafters is None  # --drafters '': refused as empty, not taken for all
                 else tuple(d.strip() for d in args.drafters.split(",") if d.strip()))
     check_threads(args.threads)
     check_output(args.output, default=False)  # the settings file and its .json, before anything is measured
-    config = TuneConfig(target=args.target, drafts=tuple(args.drafts or ()), datasets=datasets,
-                        prompts_file=args.prompts_file, budget_s=args.budget_s, max_new_tokens=args.max_new_tokens,
-                        temperature=args.temperature, threads=args.threads, weights=args.weights,
-                        draft_weights=args.draft_weights, dtype=args.dtype, max_gamma=args.max_gamma,
-                        drafters=drafters, top=args.top, repeats=args.repeats, sample_prompts=args.sample_prompts,
-                        confirm_prompts=args.confirm_prompts, min_gain=args.min_gain, tree_nodes=args.tree_nodes,
-                        layer_search_s=args.layer_search_s, chat=args.chat, seed=args.seed,
-                        cache_dir=args.cache_dir, output=args.output)
+    with _naming_flags():  # "--max-new-tokens: max_new_tokens must be ...", as generate says it
+        config = _tune_config(args, datasets, drafters)
     run_tune(config, progress=not args.no_progress)
     return 0
+
+
+def _tune_config(args: argparse.Namespace, datasets: tuple[str, ...], drafters: tuple[str, ...]):
+    from specdecode.tune import TuneConfig
+
+    return TuneConfig(target=args.target, drafts=tuple(args.drafts or ()), datasets=datasets,
+                      prompts_file=args.prompts_file, budget_s=args.budget_s, max_new_tokens=args.max_new_tokens,
+                      temperature=args.temperature, threads=args.threads, weights=args.weights,
+                      draft_weights=args.draft_weights, dtype=args.dtype, max_gamma=args.max_gamma,
+                      drafters=drafters, top=args.top, repeats=args.repeats, sample_prompts=args.sample_prompts,
+                      confirm_prompts=args.confirm_prompts, min_gain=args.min_gain, tree_nodes=args.tree_nodes,
+                      layer_search_s=args.layer_search_s, chat=args.chat, seed=args.seed,
+                      cache_dir=args.cache_dir, output=args.output)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
