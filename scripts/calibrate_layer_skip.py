@@ -49,6 +49,8 @@ def main() -> None:
     print(f"{args.target} {args.weights or args.dtype}: skip {list(result.skip_layers)} of {result.num_layers} layers, "
           f"gamma {result.gamma}, {result.tokens_per_s:.1f} tok/s vs plain {result.plain_tokens_per_s:.1f}, "
           f"acceptance {result.acceptance:.2f}")
+    if result.loses:
+        print(result.line())
 
 
 if __name__ == "__main__":

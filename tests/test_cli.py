@@ -163,6 +163,12 @@ def test_help_as_a_subprocess():
     assert "generate" in result.stdout and "speculative" in result.stdout
 
 
+def test_python_m_specdecode_is_the_command():
+    result = subprocess.run([sys.executable, "-m", "specdecode", "--version"], capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0 and result.stdout.startswith("specdecode "), result.stderr
+
+
 #: Run in a fresh interpreter: each argv through ``main``, then which heavy modules got imported.
 _LIGHT_COMMANDS_SCRIPT = """
 import contextlib, io, json, sys
@@ -205,6 +211,22 @@ _REFUSED_WITHOUT_MODEL_CODE = [
     (["generate", "--prompt-file", "/nonexistent/prompt.txt"], "prompt file not found"),
     (["generate", "--prompt-file", "/"], "is a directory"),
     (["serve", "--threads", "-2"], "--threads"),
+    (["serve", "--threads", "100000"], "--threads 100000: this process may use"),
+    (["generate", "--threads", "100000"], "--threads 100000: this process may use"),
+    (["tune", "--dataset", "humaneval:1", "--threads", "100000"], "--threads 100000"),
+    (["train-drafter", "--threads", "100000"], "--threads 100000"),
+    (["bench", "--smoke", "--threads", "100000"], "--threads 100000"),
+    (["audit", "--local", "--prompt", "hi", "--threads", "100000"], "--threads 100000"),
+    (["tune", "--dataset", "humaneval:1", "--output", "/proc/specdecode-t.toml"], "--output /proc/specdecode-t.toml"),
+    (["train-drafter", "--work-dir", "/proc/specdecode-no"], "--work-dir /proc/specdecode-no: cannot write"),
+    (["train-drafter", "--out", "/proc/specdecode-no"], "--out /proc/specdecode-no: cannot write"),
+    (["bench", "--smoke", "--output", "/proc/specdecode-no"], "--output /proc/specdecode-no: cannot write"),
+    (["audit", "--local", "--prompt", "hi", "--output", "/proc/specdecode-no"], "--output /proc/specdecode-no"),
+    (["train-drafter", "--device", "tpu"], "--device must be cpu, cuda or cuda:N"),
+    (["tune", "--dataset", "humaneval:1", "--drafters", ""], "--drafters is empty"),
+    (["tune", "--dataset", "humaneval:1", "--max-new-tokens", "0"], "--max-new-tokens: max_new_tokens"),
+    (["generate", "--config", "/"], "--config /: is a folder"),
+    (["bench", "--smoke", "--output", ""], "--output is empty"),
     (["generate", "--min-p", "2"], "--min-p: min_p"),
     (["generate", "--repetition-penalty", "0"], "--repetition-penalty: repetition_penalty"),
     (["generate", "--presence-penalty", "3"], "--presence-penalty: presence_penalty"),

@@ -163,3 +163,41 @@ def test_logit_bias_entries_parse_and_sampling_modes_map():
     assert (defaults.min_p, defaults.repetition_penalty, defaults.presence_penalty, defaults.frequency_penalty,
             defaults.logit_bias, defaults.min_tokens, defaults.stop_token_ids, defaults.sampling_mode) == (
         0.0, 1.0, 0.0, 0.0, None, 0, None, "auto")
+
+
+def test_generate_help_names_every_catalog_model(capsys):
+    """The offline names in 'generate --help' are the catalog's, every one of them (gemma-3-270m was missing)."""
+    from specdecode.cli import main
+    from specdecode.models import OFFLINE_MODELS
+
+    assert options.CATALOG_MODELS == tuple(OFFLINE_MODELS)
+    assert main(["generate", "--help"]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    for name in OFFLINE_MODELS:
+        assert name in text, name
+
+
+def test_tree_nodes_default_to_one_verification_block_everywhere():
+    """15 nodes + the root fill one 16-row block of the batch-invariant verification (16 cost two): the flag of
+    generate / serve / audit / tune, and the library's defaults, say 15 as EagleDraftConfig and the README do."""
+    import inspect
+
+    from specdecode.audit.config import AuditSetup
+    from specdecode.cli import build_parser
+    from specdecode.generator import SpecDecoder
+    from specdecode.proposers.eagle import EagleDraftConfig
+    from specdecode.proposers.tree_draft import TreeDraftConfig
+    from specdecode.server.launch import build_state
+    from specdecode.tune import TuneConfig
+    from specdecode.validate import DrafterOptions
+
+    assert options.DEFAULT_TREE_NODES == 15 == EagleDraftConfig().num_nodes == TreeDraftConfig().num_nodes
+    parser = build_parser()
+    assert parser.parse_args(["generate"]).tree_nodes == 15
+    assert parser.parse_args(["serve"]).tree_nodes == 15 == ServeOptions().tree_nodes
+    assert parser.parse_args(["audit", "--local"]).tree_nodes == 15
+    assert parser.parse_args(["tune", "--dataset", "x"]).tree_nodes == 15
+    assert TuneConfig(target="x", datasets=("x",)).tree_nodes == 15 == DrafterOptions().tree_nodes
+    assert inspect.signature(SpecDecoder.from_pretrained).parameters["tree_nodes"].default == 15
+    assert inspect.signature(build_state).parameters["tree_nodes"].default == 15
+    assert AuditSetup.__dataclass_fields__["tree_nodes"].default == 15

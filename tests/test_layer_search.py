@@ -101,6 +101,7 @@ def test_search_proxy_scores_the_first_draft_token_exactly(target):
 
 
 def test_search_finds_a_valid_set_and_caches_it(tmp_path, monkeypatch):
+    monkeypatch.setattr(layer_search, "_measure", _timed(1e9))  # a set that wins (a losing one is not cached)
     model = tiny_llama(vocab_size=64, seed=0, layers=6, scale=3.0)
     config = SearchConfig(new_tokens=8, proxy_evaluations=10, measured_candidates=2, time_budget_s=60)
     result = choose_skip_layers(model, [[1, 2, 3, 4, 5, 6]], config, cache_dir=tmp_path)
@@ -269,3 +270,69 @@ def test_the_default_display_prints_the_estimate_and_the_total_off_a_terminal(ta
                                                                  measured_candidates=1, time_budget_s=30))
     err = capsys.readouterr().err.splitlines()
     assert len(err) == 2 and "tokens/s here" in err[0] and err[1].startswith("specdecode: layer-skip search: ")
+
+
+# --------------------------------------------------------------------------- a set slower than plain decoding
+
+
+def _timed(skip_speed: float):
+    """A stand-in for the timed runs: every skip set decodes at ``skip_speed`` tokens/s; plain decoding is timed
+    for real (a tiny model: hundreds of tokens/s), so 1.0 always loses and 1e9 always wins."""
+    real = layer_search._measure
+
+    def measure(model, prompts, skip_layers, gamma, new_tokens):
+        return real(model, prompts, None, gamma, new_tokens) if skip_layers is None else skip_speed
+
+    return measure
+
+
+def test_a_set_measured_slower_than_plain_decoding_is_not_used_nor_cached(tmp_path, monkeypatch):
+    """The search measured its best set at 1.0 tokens/s against plain decoding's hundreds: the proposer drafts
+    nothing (plain decoding), and the set is not stored in the machine-wide cache for the next run."""
+    monkeypatch.setattr(layer_search, "_measure", _timed(1.0))
+    model = tiny_llama(vocab_size=64, seed=0, layers=6, scale=3.0)
+    config = SearchConfig(new_tokens=8, proxy_evaluations=4, measured_candidates=1, time_budget_s=30)
+    result = choose_skip_layers(model, [[1, 2, 3, 4, 5, 6]], config, cache_dir=tmp_path)
+    assert result.loses and result.speedup < 1.0
+    assert "no skip set was faster than plain decoding" in result.line() and "not cached" in result.line()
+    assert load_cached(model, tmp_path) is None and not (tmp_path / CACHE_FILE).exists()
+    proposer = LayerSkipProposer(model, LayerSkipConfig(cache_dir=str(tmp_path), min_confidence=0.0),
+                                 searcher=layer_search)
+    proposer.calibrate([[1, 2, 3, 4, 5, 6]])
+    out = SpeculativeEngine(model, proposer).generate([1, 2, 3], SamplingParams(max_new_tokens=12))
+    plain = SpeculativeEngine(model, None).generate([1, 2, 3], SamplingParams(max_new_tokens=12))
+    assert out.metrics.num_drafted_tokens == 0 and out.token_ids == plain.token_ids
+    proposer.set_skip_layers(result.skip_layers)  # a set given explicitly is used, whatever it measured
+    out = SpeculativeEngine(model, proposer).generate([1, 2, 3], SamplingParams(max_new_tokens=12))
+    assert out.metrics.num_drafted_tokens > 0 and out.token_ids == plain.token_ids
+
+
+def test_a_losing_set_cached_by_an_older_version_is_ignored(tmp_path, target):
+    store(target, SearchResult(skip_layers=(1, 2), gamma=3, tokens_per_s=1.0, plain_tokens_per_s=1.4,
+                               acceptance=0.5, num_layers=4), tmp_path)
+    assert load_cached(target, tmp_path) is None
+    store(target, _result((1, 2)), tmp_path)  # 10 vs 8 tokens/s: kept
+    assert load_cached(target, tmp_path).skip_layers == (1, 2)
+
+
+def test_a_set_faster_than_plain_decoding_is_used_and_cached(tmp_path, monkeypatch):
+    monkeypatch.setattr(layer_search, "_measure", _timed(1e9))
+    model = tiny_llama(vocab_size=64, seed=0, layers=6, scale=3.0)
+    config = SearchConfig(new_tokens=8, proxy_evaluations=4, measured_candidates=1, time_budget_s=30)
+    result = choose_skip_layers(model, [[1, 2, 3, 4, 5, 6]], config, cache_dir=tmp_path)
+    assert not result.loses and load_cached(model, tmp_path).skip_layers == result.skip_layers
+    assert result.line().startswith(f"skipping layers {','.join(map(str, result.skip_layers))} of 6")
+
+
+def test_cli_says_a_losing_set_is_not_used(capsys, tiny_model_dir, tmp_path, monkeypatch):
+    from specdecode import cli
+
+    monkeypatch.setattr(layer_search, "_measure", _timed(1.0))
+    code = cli.main(["generate", "--target", str(tiny_model_dir), "--draft", "layer-skip", "--cache-dir",
+                     str(tmp_path), "--prompt", "the quick brown fox jumps over the lazy dog, then the dog sleeps",
+                     "--max-new-tokens", "12", "--ignore-eos", "--json", "--no-warmup"])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    assert "no skip set was faster than plain decoding" in captured.err and "skipping layers" not in captured.err
+    assert json.loads(captured.out.splitlines()[-1])["num_drafted_tokens"] == 0
+    assert not (tmp_path / CACHE_FILE).exists()

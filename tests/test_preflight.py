@@ -122,15 +122,33 @@ def test_token_trees_with_another_tokenizer_are_refused_before_weights(capsys, t
     from specdecode.generator import SpecDecoder
     from specdecode.server import ServeOptions, load_state
 
-    with pytest.raises(IncompatibleTokenizerError):
+    """The real reason: the same pair drafts chains across vocabularies, so the refusal names token trees."""
+    reason = "token trees are not available across vocabularies"
+    with pytest.raises(IncompatibleTokenizerError, match=reason):
         SpecDecoder.from_pretrained(str(tiny_model_dir), str(other_dir), tree="dynamic", progress=False)
-    with pytest.raises(IncompatibleTokenizerError):
+    with pytest.raises(IncompatibleTokenizerError, match=reason):
         load_state(ServeOptions(target=str(tiny_model_dir), draft=str(other_dir), tree="dynamic"), progress=False)
     code, out, err = _run(capsys, "generate", "--target", str(tiny_model_dir), "--draft", str(other_dir),
                           "--tree", "dynamic", "--prompt", "the cat")
     assert code == 2 and out == ""
-    assert "error: draft" in err and "cannot be used with target" in err and "loading target" not in err
+    line = err.strip().splitlines()[-1]
+    assert line.startswith("error: --tree dynamic:") and reason in line and "Drop --tree" in line
+    assert "cannot be used with target" not in err and "loading target" not in err
     assert _NoWeights.calls == 0
+    assert P.check_models(str(tiny_model_dir), str(other_dir), cross_vocab=True) is not None  # chains: fine
+
+
+def test_the_factory_gives_the_same_reason_for_loaded_models():
+    """Models already loaded (the library's build_state / proposer_factory path): the same sentence."""
+    from specdecode.proposers.factory import proposer_factory
+    from specdecode.validate import DrafterOptions, parse_draft
+
+    tiny, other = make_tiny_tokenizer(), other_tokenizer()
+    with pytest.raises(IncompatibleTokenizerError, match="--tree static: token trees are not available across "
+                                                         "vocabularies: draft 'other' has another tokenizer than the "
+                                                         "target"):
+        proposer_factory(parse_draft("other"), DrafterOptions(tree="static"), target=make_tiny_model(len(tiny)),
+                         draft=make_tiny_model(len(other), seed=1), target_tokenizer=tiny, draft_tokenizer=other)
 
 
 # --------------------------------------------------------------------------- prompts, datasets, files

@@ -207,7 +207,16 @@ def test_a_proposer_must_be_bound_to_its_own_models_owned_runner(target):
 # --------------------------------------------------------------------------- the automatic mode
 
 
-def test_auto_mode_searches_on_the_first_long_enough_prompt(tmp_path):
+def _winning_sets(monkeypatch):
+    """Every skip set measures faster than plain decoding (on a tiny model the timing is noise, and a set measured
+    slower is neither used nor cached)."""
+    real = layer_search._measure
+    monkeypatch.setattr(layer_search, "_measure", lambda model, prompts, skip, gamma, new_tokens: 1e9 if skip
+                        else real(model, prompts, skip, gamma, new_tokens))
+
+
+def test_auto_mode_searches_on_the_first_long_enough_prompt(tmp_path, monkeypatch):
+    _winning_sets(monkeypatch)
     model = tiny_llama(vocab_size=64, seed=2, layers=5, scale=3.0)
     proposer = LayerSkipProposer(model, LayerSkipConfig(cache_dir=str(tmp_path), search_budget_s=30),
                                  searcher=layer_search)
@@ -249,7 +258,8 @@ def test_cli_layer_skip_with_each_policy_matches_plain(capsys, tiny_model_dir, p
     assert "layer-skip self-speculation (skip 1), policy " + policy in err
 
 
-def test_cli_layer_skip_auto_searches_once_then_uses_the_cache(capsys, tiny_model_dir, tmp_path):
+def test_cli_layer_skip_auto_searches_once_then_uses_the_cache(capsys, tiny_model_dir, tmp_path, monkeypatch):
+    _winning_sets(monkeypatch)
     argv = ["generate", "--target", str(tiny_model_dir), "--draft", "layer-skip", "--cache-dir", str(tmp_path),
             "--prompt", "the quick brown fox jumps over the lazy dog, then the dog sleeps in the sun",
             "--max-new-tokens", "12", "--ignore-eos"]

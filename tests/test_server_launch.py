@@ -15,6 +15,7 @@ import openai
 import pytest
 import torch
 
+from serving import serve_announcing
 from specdecode.models import load_model
 from specdecode.server import ServeOptions, build_state, create_app, load_state
 from specdecode.server.launch import check_options
@@ -122,6 +123,17 @@ def test_specdecode_serve_command_serves(tiny_model_dir):
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
         out = client.completions.create(model=MODEL, prompt="hello", max_tokens=4, temperature=0)
         assert len(out.choices[0].token_ids) <= 4
+    finally:
+        proc.terminate()
+        proc.wait(20)
+
+
+def test_port_0_announces_the_port_it_bound(tiny_model_dir):
+    """--port 0 lets the system choose: the announced address is the bound one, and it answers."""
+    proc, port, line = serve_announcing(["--target", str(tiny_model_dir), "--port", "0", "--log-level", "warning"])
+    try:
+        assert port != 0, line
+        assert httpx.get(f"http://127.0.0.1:{port}/health", timeout=10).status_code == 200
     finally:
         proc.terminate()
         proc.wait(20)

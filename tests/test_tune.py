@@ -136,11 +136,29 @@ def test_draft_identical_to_target_is_accepted_and_wins_when_drafting_is_cheap(m
         "tree:" + spec in result.measured  # its token trees were tried too (or said why not)
 
 
-def test_budget_skips_what_does_not_fit(models, prompts_file, tmp_path):
+def test_a_budget_that_measures_no_drafter_writes_nothing_and_says_what_it_needs(models, prompts_file, tmp_path):
+    """The measuring share went to loading and plain decoding: no decision is written (a config pinning plain
+    decoding would be a guess), and the refusal says how much budget a drafter needs."""
     cfg = _config(models["bigram"], prompts_file, tmp_path, drafters=("ngram", "suffix"), budget_s=0.01)
-    result = run_tune(cfg, progress=False, log=lambda _: None)
-    assert {s.what for s in result.skipped} >= {"ngram", "suffix"}
-    assert result.choice.key == "plain" and any("budget" in s.why for s in result.skipped)
+    with pytest.raises(SpecDecodeError) as info:
+        run_tune(cfg, progress=False, log=lambda _: None)
+    message = str(info.value)
+    assert "--budget 0.01 s measured no drafter" in message and "give --budget" in message
+    assert "nothing written" in message and "\n" not in message
+    budget = float(message.split("give --budget ")[1].split()[0])
+    assert budget > 0.01
+    assert not Path(cfg.output).exists() and not Path(cfg.output).with_suffix(".json").exists()
+
+
+def test_the_cli_refuses_a_budget_that_measures_nothing_in_one_line(models, prompts_file, tmp_path, capsys):
+    from specdecode.cli import main
+
+    out = tmp_path / "cli.toml"
+    rc = main(["tune", "--target", str(models["bigram"]), "--prompts", str(prompts_file), "--weights", "fp32",
+               "--threads", "1", "--max-new-tokens", "8", "--drafters", "ngram", "--budget", "0.01",
+               "--output", str(out), "--no-progress"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and err[-1].startswith("error: --budget 0.01 s measured no drafter") and not out.exists()
 
 
 # --------------------------------------------------------------------------- the decision (pure)
@@ -225,12 +243,15 @@ def test_settings_round_trip_into_generate_serve_and_bench(tmp_path, cand, gamma
         if cand.model:
             assert args.draft_weights == "int8"
     gen = parse_with_config(build_parser(), ["generate", "--config", str(path)])
-    assert gen.max_new_tokens == 64
+    plain = build_parser().parse_args(["generate"])
+    # what tune measured with (--max-new-tokens 64, its temperature) is no setting of generate: never carried
+    assert (gen.max_new_tokens, gen.temperature) == (plain.max_new_tokens, plain.temperature)
+    assert "generate" not in tomllib.loads(path.read_text())
     over = parse_with_config(build_parser(), ["generate", "--config", str(path), "-k", "2", "--threads", "1",
                                               "--policy", "heuristic"])
     assert (over.num_speculative_tokens, over.threads, over.policy, over.draft) == (2, 1, "heuristic", cand.draft)
     bench = parse_with_config(build_parser(), ["bench", "--config", str(path)])
-    assert bench.methods == cand.bench_method(gamma, 16) and bench.weights == "int8" and bench.target == "smollm2-135m"
+    assert bench.methods == cand.bench_method(gamma, 15) and bench.weights == "int8" and bench.target == "smollm2-135m"
     assert bench.draft == cand.model
     data = tomllib.loads(path.read_text())
     assert data["tune"]["candidates"][0]["method"].startswith(cand.key)
@@ -323,11 +344,17 @@ def test_an_unwritable_output_is_refused_before_measuring(tmp_path):
     from specdecode.tune import check_output
     from specdecode.types import SpecDecodeError
 
-    check_output(tmp_path / "new" / "t.toml")  # a folder that can be made
-    with pytest.raises(SpecDecodeError, match="is a directory"):
+    check_output(tmp_path / "new" / "t.toml")  # a folder that can be made (a library caller's path)
+    assert not (tmp_path / "new").exists()  # probed, then removed: nothing left behind
+    with pytest.raises(SpecDecodeError, match="does not exist"):
+        check_output(tmp_path / "new" / "t.toml", default=False)  # the command line: a named folder must exist
+    with pytest.raises(SpecDecodeError, match="is a folder"):
         check_output(tmp_path)
-    with pytest.raises(SpecDecodeError, match="cannot create its folder|not writable"):
+    with pytest.raises(SpecDecodeError, match="cannot write it"):
         check_output("/proc/no-such-dir/t.toml")
+    (tmp_path / "t.json").mkdir()  # the report beside the settings file cannot be written
+    with pytest.raises(SpecDecodeError, match="its .json report"):
+        check_output(tmp_path / "t.toml")
 
 
 def test_a_thread_count_is_written_only_when_the_user_chose_one(tmp_path):

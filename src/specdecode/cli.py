@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import re
 import statistics
 import sys
 import time
@@ -41,7 +42,8 @@ from specdecode.cliargs import (  # noqa: F401 - DRAFT_CHOICES_HELP re-exported
 )
 from specdecode.configfile import add_config_argument, apply_config
 from specdecode.errors import SpecDecodeError
-from specdecode.options import DEFAULT_TARGET
+from specdecode.options import CATALOG_MODELS, DEFAULT_TARGET
+from specdecode.paths import check_output_dir
 from specdecode.validate import (  # the library's own checks, without torch
     DrafterOptions,
     check_drafter,
@@ -138,8 +140,8 @@ def _add_generate(commands) -> None:
             "  specdecode generate --dataset humaneval:5 --compare-baseline --json\n"
             "  specdecode generate --target qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b -k 4 \\\n"
             "      --dataset mt-bench:coding:2\n\n"
-            "models (--target, --draft): offline names smollm2-135m, qwen2.5-coder-0.5b,\n"
-            "qwen2.5-coder-1.5b; a local Hugging Face model directory; a .gguf file; or a hub id.\n"
+            f"models (--target, --draft): the offline names {', '.join(CATALOG_MODELS)};\n"
+            "a local Hugging Face model directory; a .gguf file; or a hub id.\n"
             "exit status: 0 on success, 2 on a usage or input error (one 'error: ...' line on stderr)."
         ),
     )
@@ -309,7 +311,8 @@ def _add_train_drafter(commands) -> None:
     p.add_argument("--train-lm-head", action="store_true",
                    help="train (and store) the LM head rows instead of using the target's (a bigger checkpoint)")
     p.add_argument("--device", default="cpu", help="'cpu' or 'cuda' (default: %(default)s)")
-    p.add_argument("--threads", type=int, default=None, metavar="N", help="torch CPU threads (default: torch's)")
+    p.add_argument("--threads", type=int, default=None, metavar="N",
+                   help="torch CPU threads, 1..the cores this process may use (default: torch's)")
     p.add_argument("--max-train-minutes", type=float, default=None, metavar="M",
                    help="stop training after M minutes (resumable: run the command again to go on)")
     p.add_argument("--no-estimate", action="store_true", help="skip the held-out acceptance estimate at the end")
@@ -460,6 +463,8 @@ def cmd_audit(args: argparse.Namespace) -> int:
                           min_cell_mass=args.min_cell_mass, null_simulations=args.null_simulations, seed=args.seed,
                           max_new_tokens=args.max_new_tokens, tie_margin=args.tie_margin)
     check_threads(args.threads)
+    if args.output is not None:  # before the audit runs: its report is what the run is for
+        check_output_dir(args.output, "--output")
     if args.prompt is None and args.prompt_file is None and args.dataset is None:
         try:
             load_prompts(AUDIT_DATASET)
@@ -488,13 +493,9 @@ def cmd_audit(args: argparse.Namespace) -> int:
 
 def cmd_train_drafter(args: argparse.Namespace) -> int:
     """``specdecode train-drafter``: build the training set and train a draft head (specdecode.eagle.train)."""
-    from specdecode.eagle.train import TrainConfig, run
-
-    if args.device.startswith("cuda"):
-        import torch
-
-        if not torch.cuda.is_available():
-            raise UsageError("--device cuda: no CUDA device is available to this torch build; use --device cpu")
+    check_threads(args.threads)
+    if not re.fullmatch(r"cpu|cuda(:\d+)?", args.device):
+        raise UsageError(f"--device must be cpu, cuda or cuda:N, got {args.device!r}")
     if not 0 <= args.temperature <= 2:
         raise UsageError(f"--temperature must be in [0, 2], got {args.temperature}")
     for flag, value in (("--prompts", args.prompts), ("--max-new-tokens", args.max_new_tokens),
@@ -508,6 +509,18 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
         raise UsageError(f"--epochs must be in (0, 1000], got {args.epochs}")
     if not 0 < args.lr < 1:
         raise UsageError(f"--lr must be in (0, 1), got {args.lr}")
+    if args.max_train_minutes is not None and not args.max_train_minutes > 0:
+        raise UsageError(f"--max-train-minutes must be > 0, got {args.max_train_minutes}")
+    for flag, path in (("--work-dir", args.work_dir), ("--out", args.out)):  # before torch, hours before the end
+        if path is not None:
+            check_output_dir(path, flag)
+    if args.device.startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            raise UsageError("--device cuda: no CUDA device is available to this torch build; use --device cpu")
+    from specdecode.eagle.train import TrainConfig, run
+
     cfg = TrainConfig(num_prompts=args.prompts, mix=args.mix, max_new_tokens=args.max_new_tokens,
                       max_length=args.max_length, temperature=args.temperature, draft_vocab_size=args.draft_vocab,
                       ttt_steps=args.ttt_steps, epochs=args.epochs, lr=args.lr, batch_tokens=args.batch_tokens,
@@ -549,21 +562,30 @@ def _add_tune(commands) -> None:
 
 def cmd_tune(args: argparse.Namespace) -> int:
     """``specdecode tune``: measure, predict, confirm, decide; write the settings file (specdecode.tune)."""
-    from specdecode.tune import DRAFTER_KINDS, TuneConfig, run_tune
+    from specdecode.tune import DRAFTER_KINDS, check_output, run_tune
 
     datasets = tuple(d.strip() for item in (args.datasets or ()) for d in item.split(",") if d.strip())
-    drafters = tuple(d.strip() for d in args.drafters.split(",") if d.strip()) if args.drafters else DRAFTER_KINDS
+    drafters = (DRAFTER_KINDS if args.drafters is None  # --drafters '': refused as empty, not taken for all
+                else tuple(d.strip() for d in args.drafters.split(",") if d.strip()))
     check_threads(args.threads)
-    config = TuneConfig(target=args.target, drafts=tuple(args.drafts or ()), datasets=datasets,
-                        prompts_file=args.prompts_file, budget_s=args.budget_s, max_new_tokens=args.max_new_tokens,
-                        temperature=args.temperature, threads=args.threads, weights=args.weights,
-                        draft_weights=args.draft_weights, dtype=args.dtype, max_gamma=args.max_gamma,
-                        drafters=drafters, top=args.top, repeats=args.repeats, sample_prompts=args.sample_prompts,
-                        confirm_prompts=args.confirm_prompts, min_gain=args.min_gain, tree_nodes=args.tree_nodes,
-                        layer_search_s=args.layer_search_s, chat=args.chat, seed=args.seed,
-                        cache_dir=args.cache_dir, output=args.output)
+    check_output(args.output, default=False)  # the settings file and its .json, before anything is measured
+    with _naming_flags():  # "--max-new-tokens: max_new_tokens must be ...", as generate says it
+        config = _tune_config(args, datasets, drafters)
     run_tune(config, progress=not args.no_progress)
     return 0
+
+
+def _tune_config(args: argparse.Namespace, datasets: tuple[str, ...], drafters: tuple[str, ...]):
+    from specdecode.tune import TuneConfig
+
+    return TuneConfig(target=args.target, drafts=tuple(args.drafts or ()), datasets=datasets,
+                      prompts_file=args.prompts_file, budget_s=args.budget_s, max_new_tokens=args.max_new_tokens,
+                      temperature=args.temperature, threads=args.threads, weights=args.weights,
+                      draft_weights=args.draft_weights, dtype=args.dtype, max_gamma=args.max_gamma,
+                      drafters=drafters, top=args.top, repeats=args.repeats, sample_prompts=args.sample_prompts,
+                      confirm_prompts=args.confirm_prompts, min_gain=args.min_gain, tree_nodes=args.tree_nodes,
+                      layer_search_s=args.layer_search_s, chat=args.chat, seed=args.seed,
+                      cache_dir=args.cache_dir, output=args.output)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -571,7 +593,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     check_drafter_flags(args)  # before the server stack and torch are imported
     with _naming_flags():
         check_serve_options(args)  # launch.check_options' checks: a refusal never imports torch
-    check_threads(args.threads)
+    check_threads(args.threads, bound=not args.ray_address)  # a cluster's replicas bound their own, where they run
     from specdecode.scaleout import check_replica_options, replica_options_from_args, require_ray
 
     replicas = replica_options_from_args(args)  # refuses replica flags without --replicas
@@ -770,7 +792,7 @@ def _preflight(args: argparse.Namespace, jobs: list[_Job]) -> None:
     from specdecode.proposers.factory import parse_draft
 
     target = check_models(args.target, parse_draft(args.draft).model_spec, cache_dir=args.cache_dir,
-                          cross_vocab=getattr(args, "tree", None) in (None, "none"))  # the line is said at load
+                          cross_vocab=True, tree=args.tree)  # the cross-vocabulary line is said at load
     chat = [args.chat if args.chat is not None else (None if job.chat_default else False) for job in jobs]
     check_prompts(target, [(job.id, job.text, c) for job, c in zip(jobs, chat)], args.max_new_tokens)
 
@@ -851,11 +873,8 @@ def _choose_skip_layers(decoder, prompts: list[list[int]]) -> None:
     if not isinstance(proposer, LayerSkipProposer) or proposer.config.skip_layers is not None:
         return
     _status("layer-skip: choosing the layers to skip (cached per model; the search shows its progress and an estimate of its time)")
-    r = proposer.calibrate(prompts[:3])
-    how = "cached" if r.from_cache else f"searched in {r.seconds:.0f} s"
-    measured = f"{r.tokens_per_s:.1f} vs plain {r.plain_tokens_per_s:.1f} tokens/s" if r.tokens_per_s else "-"
-    _status(f"layer-skip: skipping layers {','.join(map(str, r.skip_layers))} of {r.num_layers} ({how}; "
-            f"measured on the calibration prompts: {measured})")
+    r = proposer.calibrate(prompts[:3])  # a set slower than plain decoding: drafting off, said by the line
+    _status(f"layer-skip: {r.line()}")
 
 
 def _warm_up(decoder, baseline) -> None:

@@ -12,9 +12,11 @@ from __future__ import annotations
 import argparse
 
 from specdecode.errors import SpecDecodeError
+from specdecode.validate import check_threads, usable_cores  # noqa: F401 - check_threads re-exported (the CLI's)
 from specdecode.options import (
     DEFAULT_MAX_REQUEST_BYTES,
     DEFAULT_TARGET,
+    DEFAULT_TREE_NODES,
     DTYPES,
     FORWARD_BACKENDS,
     POLICY_NAMES,
@@ -166,8 +168,9 @@ def add_drafter_arguments(group: argparse._ArgumentGroup, *, policy_default: str
                        help="token trees from the draft model or head, verified in one target pass: 'static' (top-k "
                             "branching per depth) or 'dynamic' (EAGLE-2: expand the most probable nodes, keep the "
                             "best N); -k caps the depth (default: %(default)s = chains)")
-    group.add_argument("--tree-nodes", type=int, default=16, metavar="N",
-                       help="node budget N of --tree and of suffix decoding, 1..64 (default: %(default)s)")
+    group.add_argument("--tree-nodes", type=int, default=DEFAULT_TREE_NODES, metavar="N",
+                       help="node budget N of --tree and of suffix decoding, 1..64; 15 nodes and the root fill one "
+                            "16-row verification block, 16 would cost two (default: %(default)s)")
     group.add_argument("--verification", default="auto", choices=VERIFICATION_METHODS,
                        help="how sampled draft chains are verified, both keeping the target's distribution: token "
                             "(token-wise rejection sampling, Leviathan et al. 2023), block (block verification, "
@@ -198,8 +201,8 @@ def add_drafter_arguments(group: argparse._ArgumentGroup, *, policy_default: str
                        help="where converted GGUF models (and layer-skip sets) are cached (default: "
                             "$SPECDECODE_CACHE or ~/.cache/specdecode)")
     group.add_argument("--threads", type=int, default=None, metavar="N",
-                       help="torch threads (default: one per core that other processes leave idle, sampled at "
-                            "start: threads on busy cores wait on each other and a step can run 10x slower; "
+                       help="torch threads, 1..the cores this process may use (default: one per core that other "
+                            "processes leave idle, sampled at start: threads on busy cores wait on each other and a step can run 10x slower; "
                             "--weights auto measures, and caches, per thread count)")
 
 
@@ -273,16 +276,6 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                      help="Ray CPUs each replica reserves (default: its --threads)")
 
 
-def check_threads(threads: int | None) -> None:
-    """``--threads`` must be None or a positive integer (no torch imported).
-
-    Raises:
-        SpecDecodeError: it is not.
-    """
-    if threads is not None and (not isinstance(threads, int) or threads < 1):
-        raise SpecDecodeError(f"--threads must be a positive integer, got {threads}")
-
-
 def busy_cores(seconds: float = 0.2) -> float | None:
     """Cores other processes keep busy right now: /proc/stat sampled ``seconds`` apart (None off Linux).
 
@@ -321,10 +314,7 @@ def auto_threads(cores: int | None = None, busy: float | None = None) -> tuple[i
     import os
 
     if cores is None:
-        try:
-            cores = len(os.sched_getaffinity(0))
-        except (AttributeError, OSError):
-            cores = os.cpu_count() or 1
+        cores = usable_cores()
     if busy is None:
         busy = busy_cores()
     if busy is None:
@@ -344,7 +334,7 @@ def set_threads(threads: int | None, say=None) -> int:
     """Apply ``--threads``; None: :func:`auto_threads` (``say`` gets its note). Returns the thread count.
 
     Raises:
-        SpecDecodeError: not a positive integer.
+        SpecDecodeError: not a positive integer, or more than this machine's cores (:func:`check_threads`).
     """
     check_threads(threads)
     if threads is None:
@@ -376,7 +366,8 @@ def add_tune_arguments(p: argparse.ArgumentParser) -> None:
     models.add_argument("--dtype", default="float32", choices=DTYPES, help="dtype the weights load in "
                         "(default: %(default)s)")
     models.add_argument("--threads", type=int, default=None, metavar="N",
-                        help="torch threads (default: one per core other processes leave idle)")
+                        help="torch threads, 1..the cores this process may use (default: one per core other "
+                             "processes leave idle)")
     models.add_argument("--cache-dir", metavar="DIR",
                         help="model cache (default: $SPECDECODE_CACHE or ~/.cache/specdecode)")
     prompts = p.add_argument_group("prompts (one of --prompts, --dataset)")
@@ -410,7 +401,7 @@ def add_tune_arguments(p: argparse.ArgumentParser) -> None:
                       help="most held-out prompts that confirm (default: %(default)s)")
     runs.add_argument("--min-gain", type=float, default=0.05, metavar="X",
                       help="speculate only when measured at least 1 + X times plain decoding (default: %(default)s)")
-    runs.add_argument("--tree-nodes", type=int, default=16, metavar="N",
+    runs.add_argument("--tree-nodes", type=int, default=DEFAULT_TREE_NODES, metavar="N",
                       help="node budget of token trees and of suffix decoding (default: %(default)s)")
     runs.add_argument("--layer-search", type=float, default=120.0, metavar="SECONDS", dest="layer_search_s",
                       help="most seconds a layer-skip search may take when no skip set is cached "

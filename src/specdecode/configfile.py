@@ -56,6 +56,8 @@ def read_config(path: str | Path) -> dict:
         SpecDecodeError: no such file, unreadable, or not valid TOML (line and column said).
     """
     file = Path(path).expanduser()
+    if file.is_dir():
+        raise SpecDecodeError(f"--config {path}: is a folder; give the TOML file (e.g. what 'specdecode tune' wrote)")
     if not file.is_file():
         raise SpecDecodeError(f"--config {path}: no such file")
     try:

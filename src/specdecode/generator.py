@@ -33,6 +33,7 @@ from specdecode.grammar import compile_grammar, structured_output
 from specdecode.kernels import WEIGHT_PRECISIONS
 from specdecode.metrics import RunMetrics
 from specdecode.models import LoadedModel
+from specdecode.options import DEFAULT_TREE_NODES
 from specdecode.policy import build_policy
 from specdecode.precision import PrecisionChoice, load_target
 from specdecode.preflight import check_models
@@ -136,7 +137,7 @@ class SpecDecoder:
         policy: str = "fixed",
         skip_layers: str | Sequence[int] | None = None,
         tree: str | None = None,
-        tree_nodes: int = 16,
+        tree_nodes: int = DEFAULT_TREE_NODES,
         verification: str = "auto",
         status=None,
     ) -> "SpecDecoder":
@@ -185,7 +186,7 @@ class SpecDecoder:
                 raise SpecDecodeError(f"unknown weight precision {precision!r}; choose auto or one of "
                                       f"{', '.join(WEIGHT_PRECISIONS)}")
         say = (lambda line: print(f"specdecode: {line}", file=sys.stderr, flush=True)) if progress else None
-        check_models(target, choice.model_spec, cache_dir=cache_dir, cross_vocab=tree in (None, "none"),  # before weights
+        check_models(target, choice.model_spec, cache_dir=cache_dir, cross_vocab=True, tree=tree,  # before weights
                      say=say)
         loaded, precision_choice = load_target(target, weights, dtype=dtype, cache_dir=cache_dir, progress=progress,
                                                status=status)

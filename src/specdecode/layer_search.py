@@ -37,7 +37,9 @@ the measured cost of each kind of step), by default a bar on stderr.
 
 The winner is stored in ``<cache_dir>/layer_skip.json`` under a key naming the
 model (path, family, layer count, dtype and a digest of some weights), so later
-runs reuse it at no cost. Greedy outputs never depend on the choice (it only
+runs reuse it at no cost, unless it measured slower than plain decoding: such a
+set is not used (the proposer drafts nothing: plain decoding) and not stored for
+every later run on the machine (:attr:`SearchResult.loses`). Greedy outputs never depend on the choice (it only
 changes speed); sampled outputs keep the target's distribution whatever it is.
 """
 
@@ -137,6 +139,25 @@ class SearchResult:
             return self.tokens_per_s / self.plain_tokens_per_s
         return None
 
+    @property
+    def loses(self) -> bool:
+        """Measured slower than plain decoding on the calibration prompts: not to be used, nor cached."""
+        return self.speedup is not None and self.speedup < 1.0
+
+    def line(self) -> str:
+        """One line for people: the set used and what it measured, or why none is used."""
+        layers = ",".join(map(str, self.skip_layers))
+        measured = (f"{self.tokens_per_s:.1f} vs plain {self.plain_tokens_per_s:.1f} tokens/s" if self.speedup
+                    else "-")
+        if self.loses:
+            return (f"no skip set was faster than plain decoding here (the best, layers {layers} of "
+                    f"{self.num_layers}, measured {measured} = {self.speedup:.2f}x): drafting nothing, i.e. plain "
+                    f"decoding; not cached, so a later run searches again (--skip-layers {layers} uses it anyway, "
+                    "or choose another --draft)")
+        how = "cached" if self.from_cache else f"searched in {self.seconds:.0f} s"
+        return (f"skipping layers {layers} of {self.num_layers} ({how}; measured on the calibration prompts: "
+                f"{measured})")
+
 
 @dataclass(frozen=True)
 class SearchProgress:
@@ -184,7 +205,8 @@ def cache_path(cache_dir: str | Path | None = None) -> Path:
 
 
 def load_cached(model: torch.nn.Module, cache_dir: str | Path | None = None) -> SearchResult | None:
-    """The stored choice for this model, or None (no file, no entry, unreadable file)."""
+    """The stored choice for this model, or None (no file, no entry, unreadable file, or a set measured slower
+    than plain decoding, which older versions stored)."""
     path = cache_path(cache_dir)
     key = model_key(model)
     try:
@@ -193,7 +215,7 @@ def load_cached(model: torch.nn.Module, cache_dir: str | Path | None = None) -> 
         result = SearchResult(**{**known, "skip_layers": tuple(entry["skip_layers"]), "from_cache": True})
     except (OSError, ValueError, KeyError, TypeError):
         return None
-    if result.num_layers != len(model.model.layers):
+    if result.num_layers != len(model.model.layers) or result.loses:  # a losing set (stored by older versions)
         return None
     result.key = key
     return result
@@ -226,7 +248,8 @@ def store(model: torch.nn.Module, result: SearchResult, cache_dir: str | Path | 
 
 def choose_skip_layers(model: torch.nn.Module, prompts: Sequence[Sequence[int]],
                        config: SearchConfig | float | None = None, *, cache_dir: str | Path | None = None, refresh: bool = False) -> SearchResult:
-    """The cached skip set for ``model``, or a fresh search on ``prompts`` (stored for next time).
+    """The cached skip set for ``model``, or a fresh search on ``prompts`` (stored for next time unless it
+    measured slower than plain decoding: :attr:`SearchResult.loses`).
 
     Args:
         model: the target (Llama / Qwen2 family), eval mode.
@@ -245,7 +268,8 @@ def choose_skip_layers(model: torch.nn.Module, prompts: Sequence[Sequence[int]],
     if isinstance(config, (int, float)):
         config = SearchConfig(time_budget_s=float(config))
     result = search_skip_layers(model, prompts, config)
-    store(model, result, cache_dir)
+    if not result.loses:  # a set slower than plain decoding is no choice to hand every later run
+        store(model, result, cache_dir)
     return result
 
 

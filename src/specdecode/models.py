@@ -1284,6 +1284,19 @@ def incompatible_tokenizer(target: str, draft: str, problem: str) -> Incompatibl
     )
 
 
+def trees_across_vocabularies(target: str | None, draft: str, tree: str,
+                              difference: str) -> IncompatibleTokenizerError:
+    """The refusal of ``--tree`` with a draft of another tokenizer (specs; target None: "the target"): the pair
+    drafts chains across vocabularies (``proposers.cross_vocab``), but a token tree's nodes are the draft's own
+    ids, which the target cannot verify."""
+    than = "the target" if target is None else f"target {target!r}"
+    return IncompatibleTokenizerError(
+        f"--tree {tree}: token trees are not available across vocabularies: draft {draft!r} has another tokenizer "
+        f"than {than} ({difference}). Drop --tree: the pair drafts chains across vocabularies; or use a draft "
+        "with the target's tokenizer for trees."
+    )
+
+
 def _tokenizer_difference(t, d) -> str | None:
     """A sentence saying how two tokenizers differ, or None when they match."""
     vocab_t, vocab_d = t.get_vocab(), d.get_vocab()

@@ -11,6 +11,13 @@ from __future__ import annotations
 
 #: The model ``specdecode generate`` / ``serve`` run when given no --target.
 DEFAULT_TARGET = "smollm2-135m"
+#: The offline catalog's model names, for help texts (``specdecode.models.OFFLINE_MODELS``' keys; a test keeps
+#: the two equal).
+CATALOG_MODELS = ("smollm2-135m", "qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b", "gemma-3-270m")
+
+#: Node budget of a token tree and of suffix decoding (``--tree-nodes``): 15 nodes and the root fill one 16-row
+#: block of the batch-invariant verification forward; 16 would cost two.
+DEFAULT_TREE_NODES = 15
 
 #: Precisions a model's weights can execute in (``specdecode.kernels.set_weight_precision``).
 WEIGHT_PRECISIONS = ("fp32", "bf16", "int8", "int4")
@@ -42,5 +49,5 @@ SAMPLING_MODES = {"auto": None, "standard": False, "coupled": True}
 #: Largest request body the server reads, bytes (``specdecode.server.app.DEFAULT_MAX_REQUEST_BYTES``).
 DEFAULT_MAX_REQUEST_BYTES = 1 << 20
 
-__all__ = ["DEFAULT_MAX_REQUEST_BYTES", "DEFAULT_TARGET", "DTYPES", "FORWARD_BACKENDS", "POLICY_NAMES",
+__all__ = ["CATALOG_MODELS", "DEFAULT_MAX_REQUEST_BYTES", "DEFAULT_TARGET", "DEFAULT_TREE_NODES", "DTYPES", "FORWARD_BACKENDS", "POLICY_NAMES",
            "SAMPLING_MODES", "TREE_KINDS", "VERIFICATION_METHODS", "WEIGHT_CHOICES", "WEIGHT_PRECISIONS"]

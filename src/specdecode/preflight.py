@@ -74,7 +74,7 @@ class ModelInfo:
 
 
 def check_models(target: str, draft: str | None = None, *, cache_dir: str | Path | None = None,
-                 cross_vocab: bool = False, say=None) -> ModelInfo | None:
+                 cross_vocab: bool = False, tree: str | None = None, say=None) -> ModelInfo | None:
     """Before any weight file is read: both specs resolve, and a draft model shares the target's tokenizer
     or, with ``cross_vocab``, drafts across vocabularies (``proposers.cross_vocab``; ``say`` gets one line
     saying so, with the number of tokens both vocabularies hold).
@@ -83,6 +83,7 @@ def check_models(target: str, draft: str | None = None, *, cache_dir: str | Path
         target: the target's model spec (``models.load_model``'s).
         draft: the draft model's spec, or None for model-free drafting (only the target is checked).
         cache_dir: the conversion cache (``models.default_cache_dir()`` when None).
+        tree: the ``--tree`` kind asked ("none" / None: chains); trees cannot be drafted across vocabularies.
 
     Returns:
         The target's ModelInfo, or None when its small files could not be read (its load reports why).
@@ -91,7 +92,8 @@ def check_models(target: str, draft: str | None = None, *, cache_dir: str | Path
         ModelLoadError: a path that does not exist; a hub id that cannot be fetched (the hub unreachable and
             the id not in the local Hugging Face cache, or no such id); a package that cannot be installed.
         IncompatibleTokenizerError: the draft's vocabulary or special ids differ from the target's (the
-            refusal ``models.check_compatible`` gives after loading).
+            refusal ``models.check_compatible`` gives after loading); with ``cross_vocab``, only when token
+            trees are asked (``models.trees_across_vocabularies``: the real reason).
     """
     specs = [target] if draft is None or draft == target else [target, draft]
     for spec in specs:  # every path error, and a hub id that cannot be had, before any slower read
@@ -102,6 +104,8 @@ def check_models(target: str, draft: str | None = None, *, cache_dir: str | Path
     if len(infos) == 2 and None not in infos:
         other_vocab = M._tokenizer_difference(infos[0].vocab, infos[1].vocab)
         if other_vocab and cross_vocab:
+            if tree not in (None, "none"):
+                raise M.trees_across_vocabularies(target, draft, tree, other_vocab)
             if say is not None:
                 say(cross_vocab_line(draft, other_vocab, infos[0].vocab, infos[1].vocab))
             return infos[0]

@@ -41,6 +41,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from specdecode.errors import SpecDecodeError
+from specdecode.options import DEFAULT_TREE_NODES
 
 #: Drafter kinds ``--drafters`` may name (``draft-model``: every ``--draft`` model given).
 DRAFTER_KINDS = ("ngram", "suffix", "layer-skip", "eagle", "draft-model")
@@ -105,7 +106,7 @@ class TuneConfig:
     sample_prompts: int = 4
     confirm_prompts: int = 6
     min_gain: float = 0.05
-    tree_nodes: int = 16
+    tree_nodes: int = DEFAULT_TREE_NODES
     layer_search_s: float = 120.0
     chat: bool | None = None
     seed: int = 0
@@ -114,7 +115,7 @@ class TuneConfig:
 
     def __post_init__(self) -> None:
         from specdecode.options import WEIGHT_CHOICES, WEIGHT_PRECISIONS
-        from specdecode.validate import check_sampling
+        from specdecode.validate import check_sampling, check_threads
 
         if bool(self.datasets) == bool(self.prompts_file):
             raise SpecDecodeError("give the prompts with one of --prompts FILE or --dataset SPEC")
@@ -127,8 +128,7 @@ class TuneConfig:
                                        ("--confirm-prompts", self.confirm_prompts, 1, 100)):
             if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
                 raise SpecDecodeError(f"{name} must be an integer in [{low}, {high}], got {value!r}")
-        if self.threads is not None and (not isinstance(self.threads, int) or self.threads < 1):
-            raise SpecDecodeError(f"--threads must be a positive integer, got {self.threads!r}")
+        check_threads(self.threads)  # 1..the cores this process may use
         if not 0.0 <= self.min_gain < 1.0:
             raise SpecDecodeError(f"--min-gain must be in [0, 1), got {self.min_gain!r}")
         if self.weights not in WEIGHT_CHOICES:
@@ -634,24 +634,21 @@ def decision_lines(result: TuneResult) -> list[str]:
     return lines
 
 
-def check_output(path: str | Path) -> None:
-    """Refuse a settings file that cannot be written, before anything is measured.
+def check_output(path: str | Path, *, default: bool = True) -> None:
+    """Refuse a settings file (or the ``.json`` report beside it) that cannot be written, before anything is
+    measured (``specdecode.paths.check_output_file``: probed for real, nothing left behind).
+
+    Args:
+        path: the TOML file. default: its missing parent folders may be made (a library caller's path); the
+            command line passes False for a path the user named (its folder must exist).
 
     Raises:
-        SpecDecodeError: the path is a directory, or its folder cannot be created or written.
+        SpecDecodeError: the path is a folder, its folder is missing or a file, or a file cannot be written there.
     """
-    import os
+    from specdecode.paths import check_output_file
 
-    out = Path(path)
-    if out.is_dir():
-        raise SpecDecodeError(f"--output {path}: is a directory; give a file name, e.g. {out / 'specdecode-tune.toml'}")
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise SpecDecodeError(f"--output {path}: cannot create its folder ({exc.strerror or exc}); "
-                              "choose a writable path") from None
-    if not os.access(out.parent, os.W_OK) or (out.exists() and not os.access(out, os.W_OK)):
-        raise SpecDecodeError(f"--output {path}: not writable; choose a writable path")
+    check_output_file(path, "--output", default=default)
+    check_output_file(Path(path).expanduser().with_suffix(".json"), "--output (its .json report)", default=default)
 
 
 def _load1() -> float | None:
@@ -750,6 +747,8 @@ def run_tune(config: TuneConfig, *, progress: bool = True, log: Callable[[str], 
     try:
         session.measure_costs()
         session.measure_drafters()
+        if not result.measured:  # no decision rests on nothing: a file pinning plain decoding would be a guess
+            raise SpecDecodeError(session.nothing_measured())
         result.predictions = predict(result.plain, result.measured, result.ratio(), config.max_gamma)
         session.confirm(confirmation_plan(result.predictions, config.top))
     finally:
@@ -783,6 +782,8 @@ class _Session:
         self.seeds = {k: config.seed + i for i, k in enumerate(ids)}
         self.plain_sample_s = 0.0
         self.eos = target.eos_token_ids
+        #: seconds into the run at which a skipped drafter would have finished measuring (budget permitting)
+        self.would_end: list[float] = []
 
     # Runs ------------------------------------------------------------------------
 
@@ -917,6 +918,7 @@ class _Session:
                 left = self.clock.left(MEASURE_SHARE)
                 need = self.plain_sample_s * (2.0 if cand.model else 1.2)
                 if left <= 0 or need > left:
+                    self.would_end.append(self.clock.elapsed() + need)
                     self.skip(cand.key, f"the budget's measuring share is spent (~{need:.0f} s needed, "
                                         f"{max(left, 0):.0f} s left of {MEASURE_SHARE:.0%} of --budget "
                                         f"{self.config.budget_s:.0f} s)")
@@ -949,6 +951,7 @@ class _Session:
         left = self.clock.left(MEASURE_SHARE) - 2.0 * self.plain_sample_s
         allowed = min(self.config.layer_search_s, left)
         if allowed < 30.0:
+            self.would_end.append(self.clock.elapsed() + 30.0 + 2.0 * self.plain_sample_s)
             self.skip("layer-skip", f"no skip set is cached for this target and a search needs at least 30 s; "
                                     f"{max(allowed, 0):.0f} s of the budget are left for it (raise --budget or "
                                     "--layer-search, or run 'specdecode generate --draft layer-skip' once)")
@@ -958,7 +961,24 @@ class _Session:
         found = layer_search.choose_skip_layers(self.target.model, prompts,
                                                 layer_search.SearchConfig(time_budget_s=allowed),
                                                 cache_dir=self.config.cache_dir)
+        if found.loses:  # measured slower than plain decoding: nothing to confirm (and nothing was cached)
+            self.skip("layer-skip", f"the search's best skip set {list(found.skip_layers)} measured "
+                                    f"{found.speedup:.2f}x plain decoding")
+            return None
         return replace(cand, skip_layers=tuple(found.skip_layers), note=f"searched in {found.seconds:.0f} s")
+
+    def nothing_measured(self) -> str:
+        """The refusal of a run that measured no drafter: the budget it needs, or why nothing could run."""
+        cfg = self.config
+        nothing = f"no decision made, nothing written to {cfg.output}"
+        if not self.would_end:
+            why = "; ".join(f"{s.what}: {s.why}" for s in self.result.skipped) or "no drafter to try"
+            return f"no drafter could be measured ({why}): {nothing}"
+        need = math.ceil(min(self.would_end) / MEASURE_SHARE / 10.0) * 10  # measuring ends at 60% of the budget
+        return (f"--budget {cfg.budget_s:g} s measured no drafter: loading the target and timing plain decoding took "
+                f"{self.clock.elapsed():.0f} s, and measuring must end at {MEASURE_SHARE:.0%} of the budget "
+                f"({MEASURE_SHARE * cfg.budget_s:.0f} s); the cheapest drafter needs about "
+                f"{min(self.would_end):.0f} s in all: give --budget {need} or more ({nothing})")
 
     # 4. confirmation -----------------------------------------------------------------------
 
@@ -1082,7 +1102,6 @@ def write_settings(result: TuneResult, path: str | Path) -> Path:
     cfg = result.config
     settings = result.chosen_settings()
     choice = result.choice
-    gen = {"max_new_tokens": cfg.max_new_tokens, "temperature": cfg.temperature}
     bench = {"target": cfg.target, "weights": result.weights,
              "max_new_tokens": cfg.max_new_tokens, "temperature": cfg.temperature}
     if cfg.threads:
@@ -1111,7 +1130,9 @@ def write_settings(result: TuneResult, path: str | Path) -> Path:
     comments = ["specdecode tune: settings chosen by measuring this workload on this machine.",
                 "Use: specdecode generate --config FILE (or serve / bench); flags given override these.",
                 *(f"  {line}" for line in result.decision)]
-    out = write_toml(path, settings, {"generate": gen, "bench": bench, "tune": tune},
+    # no [generate] table: what tune measured with (--max-new-tokens, --temperature) is in [tune] and [bench]
+    # (bench reproduces the measurement), never a default of generate or serve
+    out = write_toml(path, settings, {"bench": bench, "tune": tune},
                      comments=comments, arrays={"tune.candidates": rows})
     out.with_suffix(".json").write_text(json.dumps(result.to_dict(), indent=1, default=str) + "\n", encoding="utf-8")
     return out

@@ -13,11 +13,13 @@ front end can name its own flag for it (``--top-p: top_p must be in (0, 1] ...``
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from specdecode.errors import InvalidSamplingParams, LayerSkipError, SpecDecodeError
 from specdecode.options import (  # noqa: F401 - VERIFICATION_METHODS re-exported
+    DEFAULT_TREE_NODES,
     FORWARD_BACKENDS,
     POLICY_NAMES,
     TREE_KINDS,
@@ -325,7 +327,7 @@ class DrafterOptions:
     ngram_min: int = 1
     ngram_max: int = 3
     tree: str | None = None
-    tree_nodes: int = 16
+    tree_nodes: int = DEFAULT_TREE_NODES
     skip_layers: str | Sequence[int] | None = None
     cache_dir: str | None = None
 
@@ -423,6 +425,46 @@ def check_drafter(choice: DraftChoice, options: DrafterOptions) -> None:
                           f"--draft eagle for the head of the package / the cache")
 
 
+# --------------------------------------------------------------------------- threads
+
+
+def usable_cores() -> int:
+    """CPU cores this process may run on: its affinity mask (``os.sched_getaffinity``: a container's or
+    ``taskset``'s limit), else ``os.cpu_count()``."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def check_threads(threads, flag: str = "--threads", *, cores: int | None = None, bound: bool = True) -> None:
+    """A thread count (``--threads``, a config file's ``threads``, a library config's ``threads``): None (choose
+    automatically) or an integer in 1..cores. More threads than cores only wait on each other: ``--threads
+    1000`` on 2 cores loaded a machine to 295 with no progress for minutes.
+
+    Args:
+        threads: the count, or None. flag: the name in the message.
+        cores: the bound (default :func:`usable_cores`). bound: False where the threads run on another machine
+            (a Ray cluster's replicas: each bounds its own count where it starts).
+
+    Raises:
+        SpecDecodeError: not a positive integer, or more than the cores (the message says how many there are).
+    """
+    if threads is None:
+        return
+    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+        raise _refuse(SpecDecodeError, "threads", f"{flag} must be a positive integer, got {threads!r}")
+    if not bound:
+        return
+    cores = cores or usable_cores()
+    if threads > cores:
+        total = os.cpu_count() or cores
+        of = f" (of the machine's {total})" if total != cores else ""
+        raise _refuse(SpecDecodeError, "threads",
+                      f"{flag} {threads}: this process may use {cores} cores{of}, and more threads than cores "
+                      f"only wait on each other; use 1..{cores}, or leave {flag} out (one thread per idle core)")
+
+
 # --------------------------------------------------------------------------- the server
 
 
@@ -475,6 +517,8 @@ def check_serve_options(opts) -> DraftChoice:
                               "use --forward auto or owned")
     check_server_limits(opts.max_queue, opts.max_request_bytes, opts.default_max_tokens)
     check_port(opts.port)
+    # the count only: replicas on a cluster run elsewhere; a local server bounds it by its cores at start
+    check_threads(getattr(opts, "threads", None), bound=False)
     return choice
 
 

@@ -12,6 +12,7 @@ import math
 from dataclasses import dataclass
 
 from specdecode.errors import SpecDecodeError
+from specdecode.options import DEFAULT_TREE_NODES
 
 #: Fewest / most samples per prompt: below, no test has power; above, a typo (the law has < 1e6 cells).
 MIN_SAMPLES, MAX_SAMPLES = 50, 1_000_000
@@ -112,7 +113,7 @@ class AuditSetup:
     ngram_max: int = 3
     skip_layers: str | None = None
     tree: str = "none"
-    tree_nodes: int = 16
+    tree_nodes: int = DEFAULT_TREE_NODES
     policy: str = "fixed"
     verification: str = "auto"
     batch_size: int = 32

@@ -94,7 +94,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-weights", choices=WEIGHT_PRECISIONS,
                    help="precision of draft models' weights (int8 / int4 as --weights: fewer bytes per draft step; "
                         "the HF peer uses the same draft objects) (default: fp32)")
-    p.add_argument("--threads", type=int, metavar="N", help="torch threads (default: torch's)")
+    p.add_argument("--threads", type=int, metavar="N",
+                   help="torch threads, 1..the cores this process may use (default: torch's)")
     p.add_argument("--remeasure-bandwidth", action="store_true", default=None,
                    help="measure the memory read bandwidth of the report's roofline table again (it is measured "
                         "once per machine and thread count and cached under the specdecode cache's machine/)")
@@ -152,9 +153,11 @@ def run_command(args: argparse.Namespace) -> int:
     """Entry point of ``specdecode bench`` (called by ``specdecode.cli``); returns the exit status."""
     from pathlib import Path
 
-    from specdecode.bench import report
-    from specdecode.bench.runner import run_bench
-    from specdecode.types import SpecDecodeError
+    from specdecode.errors import SpecDecodeError
+    from specdecode.paths import check_output_dir
+    from specdecode.validate import check_threads
+
+    check_threads(args.threads)  # 1..the cores this process may use, whatever the mode
 
     if getattr(args, "setup_peers", None):
         from specdecode.bench.peers import parse_peers, setup_peers
@@ -172,7 +175,7 @@ def run_command(args: argparse.Namespace) -> int:
             raise SpecDecodeError(f"--depths must be integers separated by commas, got {args.depths!r}") from None
         if not depths or min(depths) < 1:
             raise SpecDecodeError(f"--depths must be positive token counts, got {args.depths!r}")
-        out = Path(args.output or "bench-out/verify-table")
+        out = check_output_dir(args.output or "bench-out/verify-table", "--output", default=args.output is None)
         models = [args.target or "smollm2-135m", *([args.draft] if args.draft else [])]
         run_table(models, out, depths=depths, repeats=args.repeats or 5, threads=args.threads,
                   peer=args.peer is not False)
@@ -180,13 +183,24 @@ def run_command(args: argparse.Namespace) -> int:
         return 0
     if args.report_only:
         out = Path(args.output or f"bench-out/{args.preset or 'full'}")
+        if out.is_dir():  # a folder without a run is said below; one that cannot take the report here
+            check_output_dir(out, "--output")
+        from specdecode.bench import report
+
         try:
             report.rebuild(out)
         except FileNotFoundError:
             raise SpecDecodeError(f"{out} holds no benchmark run (no run.json); run the benchmark first") from None
         print((out / report.REPORT_MD).read_text(encoding="utf-8"))
         return 0
+    if args.output is not None:  # before torch is imported: a named folder must exist and take files
+        check_output_dir(args.output, "--output")
     config = config_from_args(args)
+    if args.output is None:  # the preset's own folder (bench-out/PRESET), made with its parents
+        check_output_dir(config.output, "--output", default=True)
+    from specdecode.bench import report
+    from specdecode.bench.runner import run_bench
+
     run_bench(config, progress=not args.no_progress)
     print((Path(config.output) / report.REPORT_MD).read_text(encoding="utf-8"))
     return 0

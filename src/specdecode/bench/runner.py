@@ -286,7 +286,7 @@ class BenchConfig:
     def __post_init__(self) -> None:
         from specdecode.types import SamplingParams
 
-        from specdecode.validate import check_verification
+        from specdecode.validate import check_threads, check_verification
 
         SamplingParams(temperature=self.temperature, max_new_tokens=self.max_new_tokens)  # range checks
         check_verification(self.verification, "--verification")
@@ -297,8 +297,7 @@ class BenchConfig:
             raise SpecDecodeError(f"--limit must be >= 1, got {self.limit}")
         if not isinstance(self.repeats, int) or self.repeats < 1:
             raise SpecDecodeError(f"--repeats must be an integer >= 1, got {self.repeats!r}")
-        if self.threads is not None and self.threads < 1:
-            raise SpecDecodeError(f"--threads must be >= 1, got {self.threads}")
+        check_threads(self.threads)  # 1..the cores this process may use
         if not self.datasets:
             raise SpecDecodeError("no dataset selected")
         if self.weights not in WEIGHT_CHOICES:
@@ -864,9 +863,10 @@ def run_bench(config: BenchConfig, *, progress: bool = True, log: Callable[[str]
         SpecDecodeError: bad config, unknown method / dataset, incompatible draft, model load failure.
     """
 
+    from specdecode.paths import check_output_dir
+
     status = log or (lambda msg: print(f"specdecode bench: {msg}", file=sys.stderr, flush=True))
-    out = Path(config.output)
-    out.mkdir(parents=True, exist_ok=True)
+    out = check_output_dir(config.output, "--output", default=True)  # before any load: probed, nothing left
     if config.threads:
         torch.set_num_threads(config.threads)
     _quiet_transformers()
@@ -891,6 +891,7 @@ def run_bench(config: BenchConfig, *, progress: bool = True, log: Callable[[str]
 
         set_weight_precision(models.target.model, config.weights)
     models.load_seconds[config.target] = time.perf_counter() - t0
+    out.mkdir(parents=True, exist_ok=True)  # once the settings, methods and target are known good
     store = RecordStore(out, config.settings_id())
     if store.ignored:
         status(f"{store.ignored} record(s) in {store.path} have other settings and are ignored")

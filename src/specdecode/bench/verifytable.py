@@ -109,13 +109,10 @@ def run_table(models: Sequence[str], output: Path, *, ks: Sequence[int] = KS, de
     from specdecode.lowbit import kernel_status, variant_table
     from specdecode.models import gguf_file
 
-    try:
-        output.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise SpecDecodeError(f"cannot create the report directory {output} ({exc.strerror}): choose a writable "
-                              "--output") from None
-    if not os.access(output, os.W_OK):
-        raise SpecDecodeError(f"cannot write the report to {output}: choose a writable --output")
+    from specdecode.paths import check_output_dir
+
+    check_output_dir(output, "--output", default=True)  # probed before anything loads; nothing left behind
+    output.mkdir(parents=True, exist_ok=True)
     from specdecode.cliargs import set_threads
 
     threads = set_threads(threads, say=say)  # None: one per core other processes leave idle

@@ -24,6 +24,7 @@ import hashlib
 import json
 import math
 import random
+import re
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -87,6 +88,8 @@ class TrainConfig:
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        if not re.fullmatch(r"cpu|cuda(:\d+)?", str(self.device)):
+            raise SpecDecodeError(f"device must be cpu, cuda or cuda:N, got {self.device!r}")
         if self.mix not in MIXES:
             raise SpecDecodeError(f"mix must be one of {sorted(MIXES)}, got {self.mix!r}")
         for name in ("num_prompts", "max_new_tokens", "max_length", "draft_vocab_size", "ttt_steps", "batch_tokens"):
@@ -96,6 +99,9 @@ class TrainConfig:
             raise SpecDecodeError(f"epochs must be in (0, 1000] and lr in (0, 1); got {self.epochs}, {self.lr}")
         if self.intermediate_size is not None and int(self.intermediate_size) < 1:
             raise SpecDecodeError(f"intermediate_size must be >= 1, got {self.intermediate_size!r}")
+        from specdecode.validate import check_threads
+
+        check_threads(self.threads)  # torch's CPU threads: 1..the cores this process may use
         if not 0 <= self.held_out_fraction < 0.5:
             raise SpecDecodeError(f"held_out_fraction must be in [0, 0.5), got {self.held_out_fraction}")
 
@@ -523,6 +529,10 @@ def run(target: str, cfg: TrainConfig, *, out: str | Path | None = None, work_di
     safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in target.strip("/").replace("/", "__"))
     work = Path(work_dir).expanduser() if work_dir else cache / "eagle" / safe
     out_dir = Path(out).expanduser() if out else work / "head"
+    from specdecode.paths import check_output_dir
+
+    check_output_dir(work, "--work-dir", default=True)  # before the load and about 50 minutes of work
+    check_output_dir(out_dir, "--out", default=True)
     say(f"train-drafter: target {target} ({weights}), work directory {work}")
     loaded = load_model(target, cache_dir=cache, progress=True)
     work.mkdir(parents=True, exist_ok=True)  # after the load: a wrong --target leaves nothing behind

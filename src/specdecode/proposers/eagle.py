@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 
 from specdecode.errors import SpecDecodeError
+from specdecode.options import DEFAULT_TREE_NODES
 from specdecode.proposers.base import ProposeContext, register
 from specdecode.proposers.tree_draft import TREE_KINDS, TreeDraftConfig, TreeDraftProposer, static_shape
 from specdecode.types import Draft, VerifyResult
@@ -53,7 +54,7 @@ class EagleDraftConfig:
     """
 
     tree: str = "none"
-    num_nodes: int = 15
+    num_nodes: int = DEFAULT_TREE_NODES
     top_k: int = 4
     max_depth: int = 8
     min_confidence: float = 0.0

@@ -215,12 +215,12 @@ def proposer_factory(choice: DraftChoice, options: DrafterOptions, *, target=Non
         raise SpecDecodeError(f"--draft {choice.text!r} names a draft model, but none was loaded")
     tree = tree_config(options.tree, options.tree_nodes)
     if target_tokenizer is not None and draft_tokenizer is not None and draft is not target:
-        from specdecode.models import _tokenizer_difference
+        from specdecode.models import _tokenizer_difference, trees_across_vocabularies
 
-        if _tokenizer_difference(target_tokenizer, draft_tokenizer):
-            if tree is not None:
-                raise SpecDecodeError(f"--draft {choice.text!r} has another tokenizer than the target: it drafts "
-                                      f"chains across vocabularies, not token trees; drop --tree")
+        difference = _tokenizer_difference(target_tokenizer, draft_tokenizer)
+        if difference:
+            if tree is not None:  # the real reason (the pair drafts chains across vocabularies)
+                raise trees_across_vocabularies(None, choice.text, options.tree, difference)
             vocab = int(getattr(getattr(target, "config", None), "vocab_size", 0) or len(target_tokenizer))
             return registered_factory("cross-vocab", draft=draft, target_tokenizer=target_tokenizer,
                                       draft_tokenizer=draft_tokenizer, target_vocab=vocab)

@@ -135,6 +135,7 @@ class LayerSkipProposer(Proposer):
         self.skip_layers: tuple[int, ...] | None = None
         self.kept: tuple[int, ...] = ()
         self.search_result = None  # a layer_search.SearchResult when this proposer searched or looked up
+        self.drafting = True  # False after a search whose best set measured slower than plain decoding
         self._provisional = False  # running a default set until a prompt long enough to search on
         self._target = None
         if self.config.skip_layers is not None:
@@ -144,9 +145,13 @@ class LayerSkipProposer(Proposer):
         """Use this skip set from now on (validated against the model's layer count)."""
         self.skip_layers = parse_skip_layers(list(layers), self.num_layers)
         self.kept = tuple(i for i in range(self.num_layers) if i not in self.skip_layers)
+        self.drafting = True
 
     def calibrate(self, prompts: Sequence[Sequence[int]], refresh: bool = False):
         """Choose the skip set now: the one cached for this model, else a search on ``prompts``.
+
+        A result measured slower than plain decoding (``loses``) turns drafting off (every draft empty: plain
+        decoding) until :meth:`set_skip_layers` gives a set explicitly.
 
         Returns:
             the search result (also kept as ``search_result``).
@@ -160,6 +165,7 @@ class LayerSkipProposer(Proposer):
                                                   cache_dir=self.config.cache_dir, refresh=refresh)
         self.search_result = result
         self.set_skip_layers(result.skip_layers)
+        self.drafting = not getattr(result, "loses", False)  # slower than plain decoding: draft nothing
         self._provisional = False
         return result
 
@@ -207,6 +213,8 @@ class LayerSkipProposer(Proposer):
         runner = self._target
         if runner is None:
             raise LayerSkipError("layer-skip: the proposer is not bound to an engine (SpeculativeEngine binds it)")
+        if not self.drafting:  # the search measured every set slower than plain decoding
+            return [Draft.empty() for _ in batch]
         bases = [len(ctx.token_ids) - 1 for ctx in batch]
         for i, base in enumerate(bases):
             if max_tokens[i] > 0 and runner.length(i) != base:

@@ -46,6 +46,7 @@ import torch
 
 from specdecode.kv import model_context
 from specdecode.kv import FORWARD_BACKENDS
+from specdecode.options import DEFAULT_TREE_NODES
 from specdecode.proposers.base import DraftModelSlots, RowProposer, ProposeContext, draft_room, register
 from specdecode.types import Draft, SpecDecodeError, VerifyResult
 from specdecode.validate import check_tree_nodes
@@ -75,7 +76,7 @@ class TreeDraftConfig:
     """
 
     kind: str = "dynamic"
-    num_nodes: int = 16
+    num_nodes: int = DEFAULT_TREE_NODES
     branching: tuple[int, ...] = (4, 2, 2, 1, 1, 1, 1, 1)
     top_k: int = 4
     max_depth: int = 8

@@ -25,6 +25,7 @@ import torch
 from specdecode.cliargs import add_serve_arguments, set_threads  # the flags live with the CLI's
 from specdecode.engine import EngineConfig, SpeculativeEngine
 from specdecode.models import LoadedModel, check_compatible
+from specdecode.options import DEFAULT_TREE_NODES
 from specdecode.policy import build_policy
 from specdecode.precision import load_target
 from specdecode.preflight import check_models
@@ -64,7 +65,7 @@ class ServeOptions:
     ngram_max: int = 3
     skip_layers: str | None = None
     tree: str = "none"
-    tree_nodes: int = 16
+    tree_nodes: int = DEFAULT_TREE_NODES
     verification: str = "auto"
     policy: str = "cost-model"
     dtype: str = "float32"
@@ -118,7 +119,7 @@ def build_state(
     ngram_max: int = 3,
     skip_layers: str | list[int] | None = None,
     tree: str | None = None,
-    tree_nodes: int = 16,
+    tree_nodes: int = DEFAULT_TREE_NODES,
     verification: str = "auto",
     cache_dir: str | None = None,
     api_key: str | None = None,
@@ -191,7 +192,7 @@ def load_state(opts: ServeOptions, progress: bool = True) -> ServingState:
     choice = check_options(opts)
     say = (lambda line: print(f"specdecode: {line}", file=sys.stderr, flush=True)) if progress else None
     check_models(opts.target, choice.model_spec, cache_dir=opts.cache_dir,  # tokenizer files and config, before weights
-                 cross_vocab=opts.tree in (None, "none"), say=say)
+                 cross_vocab=True, tree=opts.tree, say=say)
     target, precision = load_target(opts.target, opts.weights, dtype=opts.dtype, cache_dir=opts.cache_dir,
                                     progress=progress, status=say, forward=opts.forward)
     if say is not None:
@@ -233,9 +234,8 @@ def _choose_skip_layers(state: ServingState) -> None:
                        "skip set", exc, 32)
         return
     logger.warning("layer-skip: choosing the layers to skip (cached per model; the search shows its progress and an estimate of its time)")
-    r = proposer.calibrate(prompts)
-    logger.warning("layer-skip: skipping layers %s of %d (%s)", ",".join(map(str, r.skip_layers)), r.num_layers,
-                   "cached" if r.from_cache else f"searched in {r.seconds:.0f} s")
+    r = proposer.calibrate(prompts)  # a set slower than plain decoding: drafting off, said by the line
+    logger.warning("layer-skip: %s", r.line())
 
 
 def check_address(host: str, port: int) -> None:
@@ -244,16 +244,28 @@ def check_address(host: str, port: int) -> None:
     Raises:
         SpecDecodeError: the message names the address and what to do.
     """
+    bind_address(host, port).close()
+
+
+def bind_address(host: str, port: int):
+    """A socket bound to (host, port) for the server to listen on; port 0 lets the system choose (the socket's
+    ``getsockname()`` says which). Bound before the slow load and kept, so the port announced is the port served.
+
+    Raises:
+        SpecDecodeError: a port outside 0..65535, an address that cannot be bound (the message says what to do).
+    """
     import socket
 
     check_port(port)
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
     try:
-        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            sock.bind((host, port))
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
     except OSError as exc:
+        sock.close()
         raise SpecDecodeError(f"cannot listen on {host}:{port}: {exc.strerror or exc}; choose another --port "
                               "(or stop what uses it) or another --host") from None
+    return sock
 
 
 def run(opts: ServeOptions) -> int:
@@ -263,17 +275,23 @@ def run(opts: ServeOptions) -> int:
     logging.basicConfig(level=getattr(logging, opts.log_level.upper(), logging.INFO),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     check_options(opts)  # every flag, before anything is printed or loaded
-    check_address(opts.host, opts.port)  # before the slow load
-    set_threads(opts.threads, say=lambda line: print(f"specdecode: {line}", file=sys.stderr, flush=True))
-    state = load_state(opts)
-    app = create_app(state)
-    auth = "on" if opts.api_key else "off"
-    print(f"specdecode: serving {state.config.model_name!r} (draft {state.config.draft}, gamma "
-          f"{opts.num_speculative_tokens}, policy {state.config.policy}, weights {getattr(state.precision, 'precision', opts.weights)}, "
-          f"forward {type(state.engine.runner).__name__}, "
-          f"batch {opts.max_batch_size}, queue {opts.max_queue}, api key {auth}) "
-          f"at http://{opts.host}:{opts.port}/v1", file=sys.stderr, flush=True)
-    uvicorn.run(app, host=opts.host, port=opts.port, log_level=opts.log_level.lower())
+    sock = bind_address(opts.host, opts.port)  # before the slow load; held, so --port 0's choice is the one served
+    try:
+        set_threads(opts.threads, say=lambda line: print(f"specdecode: {line}", file=sys.stderr, flush=True))
+        state = load_state(opts)
+        app = create_app(state)
+        auth = "on" if opts.api_key else "off"
+        port = sock.getsockname()[1]  # the bound port (the system's choice for --port 0)
+        host = f"[{opts.host}]" if ":" in opts.host else opts.host
+        print(f"specdecode: serving {state.config.model_name!r} (draft {state.config.draft}, gamma "
+              f"{opts.num_speculative_tokens}, policy {state.config.policy}, weights "
+              f"{getattr(state.precision, 'precision', opts.weights)}, forward {type(state.engine.runner).__name__}, "
+              f"batch {opts.max_batch_size}, queue {opts.max_queue}, api key {auth}) "
+              f"at http://{host}:{port}/v1", file=sys.stderr, flush=True)
+        server = uvicorn.Server(uvicorn.Config(app, host=opts.host, port=port, log_level=opts.log_level.lower()))
+        server.run(sockets=[sock])
+    finally:
+        sock.close()
     return 0
 
 
