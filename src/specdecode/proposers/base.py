@@ -123,7 +123,7 @@ class Proposer:
             [B] drafts: per row token_ids [1, N] int64 in [0, V), parents [1, N] int64 (a chain
             -1, 0, 1, ... unless ``produces_trees``), depth <= max_tokens[i], and draft_probs
             [1, N, <= V] float32 (the law each token was drawn from, after the row's sampling
-            processing) or None for deterministic drafters. ``Draft.empty()`` proposes nothing.
+            processing: finite, >= 0, each node's row summing to 1) or None for deterministic drafters. ``Draft.empty()`` proposes nothing.
             The engine checks this contract and fails a violating row alone.
         """
         raise NotImplementedError
