@@ -82,6 +82,17 @@ class ProposeContext:
         return self.should_continue is None or bool(self.should_continue(probs))
 
 
+def still_indexed(seen: list[int], token_ids: list[int]) -> bool:
+    """Whether ``token_ids`` still starts with ``seen``, the copy of the tokens a lookup index was built from.
+
+    A copy, compared whole each step (list equality, C speed: ~20 us per 8k tokens), because a context can
+    change in place (``ids[:] = other``, a token in the middle) while the list object, its length and its last
+    token stay: an index must then be rebuilt, never appended to (a cut or replaced context as well).
+    """
+    n = len(seen)
+    return len(token_ids) >= n and token_ids[:n] == seen
+
+
 def draft_room(max_context: int, ctx: ProposeContext) -> int:
     """Most tokens a draft model of ``max_context`` positions can draft after ``ctx.token_ids``.
 

@@ -40,7 +40,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specdecode.proposers.base import ProposeContext, Proposer, register
+from specdecode.proposers.base import ProposeContext, Proposer, register, still_indexed
 from specdecode.types import Draft, SpecDecodeError, VerifyResult
 
 
@@ -305,7 +305,7 @@ class SuffixStats:
 class _SuffixRow:
     """One request's suffix-decoding state: its own trie and the matched suffixes."""
 
-    source: list[int]  # the token list this state indexes (a replaced context is re-indexed)
+    seen: list[int]  # a copy of the context's tokens this state indexed (a changed context is re-indexed)
     trie: SuffixTrie
     active: list[int]
     indexed: int
@@ -421,7 +421,7 @@ class SuffixProposer(Proposer):
     def _index(self, ctx: ProposeContext) -> _SuffixRow:
         t0 = time.perf_counter()
         skip = max(0, len(ctx.token_ids) - self.config.max_request_tokens)
-        row = _SuffixRow(ctx.token_ids, SuffixTrie(self.config.max_depth), [0], skip, [0])
+        row = _SuffixRow(list(ctx.token_ids[:skip]), SuffixTrie(self.config.max_depth), [0], skip, [0])
         ctx.state["suffix"] = row
         self._sync(ctx)
         self.stats.index_time_s += time.perf_counter() - t0
@@ -429,14 +429,16 @@ class SuffixProposer(Proposer):
 
     def _sync(self, ctx: ProposeContext) -> _SuffixRow:
         """Index committed tokens not yet in the row's trie; advance the global match. A context that
-        was replaced or cut is indexed afresh (never appended to)."""
+        changed (replaced, cut, or rewritten in place: ``base.still_indexed``) is indexed afresh, never
+        appended to."""
         row = ctx.state.get("suffix")
         tokens = ctx.token_ids
-        if row is None or row.source is not tokens or row.indexed > len(tokens):
+        if row is None or not still_indexed(row.seen, tokens):
             return self._index(ctx)
         new = tokens[row.indexed :]
         for tok in new:
             row.active = row.trie.append(row.active, tok)
+        row.seen.extend(new)
         row.indexed = len(tokens)
         g = self.global_tree
         if g is None:
