@@ -131,21 +131,41 @@ def test_head_cache_equals_a_fresh_computation_from_the_target_features(target, 
 
 def test_training_time_test_unroll_equals_chained_drafting_steps(target):
     """``EagleHead.unrolled`` step j at position t equals drafting j tokens past position t - j with the true
-    tokens fed (what the head computes while drafting when its earlier guesses were right)."""
+    tokens fed (what the head computes while drafting when its earlier guesses were right).
+
+    A float64 head computes both in float64 (its norms and softmaxes too), so they agree to rounding, on any
+    CPU and for any features: the tolerance is absolute (rtol 0; ``allclose``'s default rtol of 1e-5 once
+    hid a float32 softmax in ``unrolled``, whose 1e-7 errors showed only where an output was near 0)."""
     head = random_head(target)
     ids = torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6, 5, 3]])
-    feats = torch.randn(1, 10, 3 * 64, dtype=torch.float64)
-    outs = head.unrolled(feats, ids, 3)
     root = 5  # the exact entries are positions 0..5; drafting continues at 6, 7
-    kv = torch.zeros(2, 0, 16, dtype=torch.float64)
-    o, k, v = head.step(head.fuse(feats[0, : root + 1]), ids[0, : root + 1], torch.arange(root + 1), kv, kv, None)
-    assert torch.allclose(o[-1], outs[0][0, root], atol=1e-10)
-    hidden, keys, values = o[-1:], k, v
-    for j in (1, 2):
-        t = root + j
-        o, k, v = head.step(hidden, ids[0, t : t + 1], torch.tensor([t]), keys, values, None)
-        assert torch.allclose(o[0], outs[j][0, t], atol=1e-10)
-        hidden, keys, values = o, torch.cat([keys, k], 1), torch.cat([values, v], 1)
+    for seed in range(4):
+        feats = torch.randn(1, 10, 3 * 64, dtype=torch.float64, generator=torch.Generator().manual_seed(seed))
+        outs = head.unrolled(feats, ids, 3)
+        kv = torch.zeros(2, 0, 16, dtype=torch.float64)
+        o, k, v = head.step(head.fuse(feats[0, : root + 1]), ids[0, : root + 1], torch.arange(root + 1), kv, kv, None)
+        torch.testing.assert_close(o[-1], outs[0][0, root], rtol=0, atol=1e-10)
+        hidden, keys, values = o[-1:], k, v
+        for j in (1, 2):
+            t = root + j
+            o, k, v = head.step(hidden, ids[0, t : t + 1], torch.tensor([t]), keys, values, None)
+            torch.testing.assert_close(o[0], outs[j][0, t], rtol=0, atol=1e-10)
+            hidden, keys, values = o, torch.cat([keys, k], 1), torch.cat([values, v], 1)
+
+
+def test_a_float64_head_keeps_its_norms_in_float64(target):
+    """A float64 head's RMS norms do not round through float32 (a bf16 or float32 head still computes them in
+    float32, as before)."""
+    head = random_head(target)
+    x = torch.randn(3, 64, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    ms = x.pow(2).mean(-1, keepdim=True)
+    torch.testing.assert_close(head.hidden_norm(x), head.hidden_norm.weight * x / torch.sqrt(ms + head.config.rms_norm_eps),
+                               rtol=0, atol=1e-13)
+    half = random_head(target, dtype=torch.bfloat16)
+    y = torch.randn(3, 64, generator=torch.Generator().manual_seed(1)).bfloat16()
+    want = half.hidden_norm.weight.float() * (y.float() * torch.rsqrt(y.float().pow(2).mean(-1, keepdim=True)
+                                                                       + half.config.rms_norm_eps))
+    assert torch.equal(half.hidden_norm(y), want.bfloat16())
 
 
 def test_training_loss_falls_and_the_trained_head_drafts_what_the_target_says(tmp_path):

@@ -447,6 +447,66 @@ def test_zero_draft_probability_and_too_many_nodes_break_the_contract(target):
     assert engine.rows == [good]
 
 
+#: Broken draft probabilities, each a function of the honest q [1, N, V] the tokens were drawn from (the
+#: drafted tokens keep q(x) > 0, so the check of ids and of q(x) = 0 lets them all through), and a word of the
+#: refusal: non-finite entries, negative ones, rows that do not sum to 1, a q that is not a float tensor.
+BROKEN_Q = {
+    "nan": (lambda q: q.index_fill(2, torch.tensor([63]), float("nan")), "finite"),
+    "nan-everywhere": (lambda q: torch.full_like(q, float("nan")), "finite"),
+    "inf": (lambda q: q.index_fill(2, torch.tensor([63]), float("inf")), "finite"),
+    "negative": (lambda q: torch.cat([q[..., :62], q[..., 62:63] + 0.25, q[..., 63:] - 0.25], -1), "negative"),
+    "half": (lambda q: q * 0.5, "sum to 1"),
+    "double": (lambda q: q * 2.0, "sum to 1"),
+    "integer": (lambda q: (q > 0).to(torch.int64), "float"),
+}
+
+
+class _ClaimsQ(DraftModelProposer):
+    """A draft model that reports ``claim(q)`` for the q its tokens were drawn from, on rows whose prompt starts
+    with 60 (the others report q as it is)."""
+
+    name = "broken"
+
+    def __init__(self, model, claim, trees=False):
+        super().__init__(model)
+        self.claim = claim
+        self.produces_trees = trees  # a chain is a tree: the tree verifier then takes it
+
+    def propose(self, batch, max_tokens):
+        drafts = super().propose(batch, max_tokens)
+        for ctx, d in zip(batch, drafts):
+            if ctx.token_ids[0] == 60 and d.draft_probs is not None:
+                d.draft_probs = self.claim(d.draft_probs)
+        return drafts
+
+
+@pytest.mark.parametrize("verification", ["token", "block", "tree"])
+@pytest.mark.parametrize("fault", list(BROKEN_Q))
+def test_broken_draft_probabilities_fail_that_row_only(target, draft, fault, verification):
+    """q is checked at the door as ids are: NaN / inf / negative entries, rows not summing to 1, a q that is not a
+    float tensor fail the row that drafted them, with an error naming the proposer, before any verification
+    (token-level, block, or a tree's); the other rows, sampled and greedy, go on as if it had never been there."""
+    claim, needle = BROKEN_Q[fault]
+    trees = verification == "tree"
+    engine = SpeculativeEngine(target, _ClaimsQ(draft, claim, trees), EngineConfig(
+        num_speculative_tokens=3, max_batch_size=3, verification="auto" if trees else verification))
+    sampled = SamplingParams(max_new_tokens=12, temperature=1.0, seed=3, coupled=False)
+    honest, _ = engine.add([5, 9, 2], sampled)
+    bad, _ = engine.add([60, 1, 2], sampled)
+    greedy, _ = engine.add([3, 1, 4], _greedy(12))
+    outs = dict((id(r), o) for r, o in engine.step())
+    _assert_failed_alone(outs[id(bad)], bad, "draft_probs")
+    assert needle in bad.error
+    assert engine.rows == [honest, greedy]  # the last row moved into the failed row's slot
+    while engine.rows:
+        engine.step()
+    alone = SpeculativeEngine(target, _ClaimsQ(draft, claim, trees), EngineConfig(
+        num_speculative_tokens=3, verification="auto" if trees else verification))
+    for req in (honest, greedy):  # each row's output is its own: the failed row changed nothing
+        assert req.finish_reason == "length"
+        assert req.generated == alone.generate(req.ctx.token_ids[: req.ctx.num_prompt_tokens], req.params).token_ids
+
+
 def _assert_failed_alone(out, req, needle):
     """A row whose draft broke the contract: finished with an error naming the proposer, nothing committed."""
     assert out.finished and out.finish_reason == "error" and out.token_ids == []

@@ -505,11 +505,21 @@ def test_sampled_speculative_distribution_equals_constrained_plain(dist_setup, d
     assert _pvalue(counts, exact) > 1e-3, (counts, exact)
 
 
-def test_negative_control_an_unnormalised_draft_breaks_the_distribution(dist_setup):
-    """q masked but not renormalised: not the law the draft tokens were drawn from, so verification's
-    min(1, p/q) and residual read the wrong law, and the chi-square test must see it. The same drafter with
-    q renormalised, or not masked at all, passes above."""
+def test_negative_control_an_unnormalised_draft_breaks_the_distribution(dist_setup, monkeypatch):
+    """q masked but not renormalised: not the law the draft tokens were drawn from. The engine's door refuses it
+    (the row fails, naming the proposer); let through, verification's min(1, p/q) and residual would read the
+    wrong law, and the chi-square test must see it. The same drafter with q renormalised, or not masked at all,
+    passes above."""
+    import specdecode.engine as engine_module
+
     grammar, target, draft, exact = dist_setup
+    engine = SpeculativeEngine(target, _MaskedDraft(draft, "unnormalised"), EngineConfig(num_speculative_tokens=3))
+    req, _ = engine.add(DIST_PROMPT, SamplingParams(temperature=1.0, max_new_tokens=6, eos_token_ids=(0,), seed=1),
+                        constraint=grammar.new_constraint())
+    while req.finish_reason is None:
+        engine.step()
+    assert req.finish_reason == "error" and "masked-draft" in req.error and "sum to 1" in req.error
+    monkeypatch.setattr(engine_module, "_draft_probs_problem", lambda q, ids, vocab: None)  # the door's q check off
     counts = _sample_counts(grammar, target, _MaskedDraft(draft, "unnormalised"), coupled=False)
     assert _pvalue(counts, exact) < 1e-6, (counts, exact)
 

@@ -266,3 +266,35 @@ def test_cli_generate_with_trees_matches_the_baseline(capsys, tiny_model_dir, dr
     assert rec["matches_baseline"] is True
     if rec["num_drafted_tokens"]:
         assert rec["num_tree_steps"] > 0 and rec["mean_tree_size"] >= 1.0
+
+
+@pytest.mark.parametrize("inner", [None, "ngram"])
+def test_a_seeded_standard_mode_request_repeats_its_text_whatever_was_served_before(inner):
+    """With the fixed policy a seeded sampled request in the standard mode (coupled=False) repeats its exact text:
+    its draft decides how many random numbers it draws and which, so the draft must not depend on the requests
+    served before it, i.e. on the global tree they filled: such a request does not read it (one run in a fresh
+    engine, then the same request after others, and again). Unseeded requests keep learning from it."""
+    from specdecode.proposers import NgramProposer
+
+    target = tiny_llama(vocab_size=64, seed=0, scale=3.0)
+    prompt = [3, 4, 5, 3, 4, 5, 3, 4, 10, 11, 12, 3, 4]
+    seeded = SamplingParams(temperature=1.0, max_new_tokens=40, seed=7, coupled=False)
+
+    def engine():
+        fallback = NgramProposer() if inner == "ngram" else None
+        return SpeculativeEngine(target, SuffixProposer(fallback=fallback), EngineConfig(num_speculative_tokens=4))
+
+    alone = engine().generate(prompt, seeded).token_ids
+    busy = engine()
+    texts = []
+    for i in range(6):
+        busy.generate(prompt, SamplingParams(temperature=1.0, max_new_tokens=40))  # unseeded: fills the global tree
+        busy.generate([5, 9, 2, 33, 5, 9], SamplingParams(temperature=1.0, max_new_tokens=30, seed=i, coupled=False))
+        texts.append(busy.generate(prompt, seeded).token_ids)
+    assert all(t == alone for t in texts)
+    assert busy.proposer.global_tree.num_documents == 18
+    # the global tree still drafts for the others: a repeated greedy request is drafted from it
+    greedy = SamplingParams(max_new_tokens=40)
+    first, second = busy.generate([7, 7, 1, 2], greedy), busy.generate([7, 7, 1, 2], greedy)
+    assert first.token_ids == second.token_ids
+    assert second.metrics.num_target_forwards < first.metrics.num_target_forwards

@@ -23,6 +23,8 @@ sees the law the draft token was drawn from, so it stays lossless and only accep
 from __future__ import annotations
 
 import dataclasses
+import itertools
+import types
 
 import numpy as np
 import pytest
@@ -113,15 +115,15 @@ def _engine(target, kind: str | None, gamma: int, draft=None) -> SpeculativeEngi
                                                             verification=verification or "auto"))
 
 
-def _run(engine: SpeculativeEngine, prompt, params: SamplingParams, samples: int, n: int = N):
-    """The first ``n`` tokens (cut after a stop token) of seeded requests, seeds 0..samples-1, decoded in
-    batches of up to 64 rows; and (tokens drafted, acceptance rate). A request is aborted once it holds
+def _run(engine: SpeculativeEngine, prompt, params: SamplingParams, samples: int, n: int = N, seeded: bool = True):
+    """The first ``n`` tokens (cut after a stop token) of seeded requests, seeds 0..samples-1 (``seeded``
+    False: unseeded, each drawing a fresh seed), decoded in batches of up to 64 rows; and (tokens drafted, acceptance rate). A request is aborted once it holds
     ``n`` tokens: when to stop looking depends on nothing but the count, so the first ``n`` keep their law."""
     waiting, reqs = list(range(samples))[::-1], {}
     while waiting or engine.rows:
         while waiting and len(engine.rows) < engine.max_batch_size:
             seed = waiting.pop()
-            reqs[seed] = engine.add(prompt, dataclasses.replace(params, seed=seed))[0]
+            reqs[seed] = engine.add(prompt, dataclasses.replace(params, seed=seed) if seeded else params)[0]
         engine.step()
         for row in [r for r in engine.rows if len(r.generated) >= n]:
             engine.abort(row)
@@ -144,10 +146,11 @@ def _pvalue(seqs, target, prompt, params, n: int = N) -> float:
     return chi2_pvalue(counts, processed_joint(target, prompt, params, n))
 
 
-def _check(models, kind: str, gamma: int, params: SamplingParams, samples: int, prompt=PROMPT, n: int = N):
+def _check(models, kind: str, gamma: int, params: SamplingParams, samples: int, prompt=PROMPT, n: int = N,
+           seeded: bool = True):
     """Chi-square p-value of speculative samples against the exact law, and the acceptance rate."""
     target = models["deep" if kind == "layer-skip" else "target"]
-    seqs, drafted, rate = _run(_engine(target, kind, gamma, models["draft"]), prompt, params, samples, n)
+    seqs, drafted, rate = _run(_engine(target, kind, gamma, models["draft"]), prompt, params, samples, n, seeded)
     assert drafted > samples // 2, (kind, drafted)  # the drafts really ran
     return _pvalue(seqs, target, prompt, params, n), rate
 
@@ -199,13 +202,20 @@ def test_each_parameter_alone_is_lossless(models, name):
 
 
 @pytest.mark.parametrize("kind", [*DRAFTERS, "draft-model:token"])
-def test_the_combination_is_lossless_for_every_drafter(models, kind):
+def test_the_combination_is_lossless_for_every_drafter(models, kind, monkeypatch):
     """Penalties + top-p + min_p + logit_bias + min_tokens + a stop id, gamma 3, standard mode: token-level
     verification (n-gram, suffix, ``:token``), block verification (the sampling drafters' auto), token trees
     (4 tokens observed, so depth-2 nodes' own paths count). The coupled mode is draft-independent token for
-    token (``test_sampling_surface_exact.py``), so one drafter stands for all below."""
+    token (``test_sampling_surface_exact.py``), so one drafter stands for all below. Suffix decoding's
+    requests are unseeded (their fresh seeds drawn from a fixed sequence here): a seeded standard-mode
+    request does not draft from the global tree, and its drafts must be covered too."""
     tree = kind.startswith("tree")
-    p, _ = _check(models, kind, 3, _params(3, False, **COMBO), 450 if tree else 500, n=4 if tree else N)
+    seeded = kind != "suffix"
+    if not seeded:
+        draws = itertools.count(1)
+        monkeypatch.setattr(engine_module, "secrets", types.SimpleNamespace(randbits=lambda bits: next(draws)))
+    p, _ = _check(models, kind, 3, _params(3, False, **COMBO), 450 if tree else 500, n=4 if tree else N,
+                  seeded=seeded)
     assert p > 1e-3, (kind, p)
 
 

@@ -518,3 +518,55 @@ def test_block_verification_through_the_engine_follows_the_target(proposer, monk
         counts[np.ravel_multi_index(out.token_ids, (vocab,) * 3)] += 1
     assert sum(seen) > 1000  # block verification ran, over many drafted tokens
     assert chi2_pvalue(counts, exact) > 1e-3
+
+
+class _ClaimsQ(DraftModelProposer):
+    """A draft model that reports ``claim(q)`` in place of the q [1, k, V] its tokens were drawn from."""
+
+    name = "claims-q"
+
+    def __init__(self, model, claim):
+        super().__init__(model)
+        self.claim = claim
+
+    def propose(self, batch, max_tokens):
+        drafts = super().propose(batch, max_tokens)
+        for d in drafts:
+            if d.draft_probs is not None:
+                d.draft_probs = self.claim(d.draft_probs)
+        return drafts
+
+
+#: q's that bias the verifier they reach: NaN entries (read as a deterministic drafter's q in ratios, but summed
+#: into block verification's thresholds) and a q half its size (every ratio p / q doubled).
+BIASING_Q = {"nan": lambda q: q.index_fill(2, torch.tensor([q.shape[2] - 1]), float("nan")), "half": lambda q: q * 0.5}
+
+
+@pytest.mark.parametrize("verification,fault", [("block", "nan"), ("block", "half"), ("token", "half")])
+def test_a_broken_q_is_refused_at_the_door_where_it_would_bias_the_output(verification, fault, monkeypatch):
+    """First three of four sampled tokens through the engine (the first step drafts two: the prefill made one), the
+    draft reporting a broken q: every such request fails at the door (no output from that q is delivered). Controls: the honest q follows the target's exact joint, and
+    the broken q let through (the door's q check off) misses it, so this test could tell."""
+    import specdecode.engine as engine_module
+
+    vocab, prompt, samples = 5, [1, 2], 1000
+    tgt = tiny_llama(vocab_size=vocab, seed=3, layers=1, hidden=32, scale=4.0)
+    drf = tiny_llama(vocab_size=vocab, seed=4, layers=1, hidden=32, scale=4.0)
+    exact = exact_joint3(tgt, prompt)
+    config = EngineConfig(num_speculative_tokens=3, verification=verification)
+
+    def counts(claim) -> np.ndarray:
+        engine = SpeculativeEngine(tgt, _ClaimsQ(drf, claim), config)
+        out = np.zeros(vocab**3)
+        for s in range(samples):
+            ids = engine.generate(prompt, SamplingParams(temperature=1.0, max_new_tokens=4, seed=s, coupled=False))
+            out[np.ravel_multi_index(ids.token_ids[:3], (vocab,) * 3)] += 1
+        return out
+
+    door = SpeculativeEngine(tgt, _ClaimsQ(drf, BIASING_Q[fault]), config)
+    for s in range(20):
+        out = door.generate(prompt, SamplingParams(temperature=1.0, max_new_tokens=4, seed=s, coupled=False))
+        assert out.finish_reason == "error" and len(out.token_ids) == 1  # the prefill's token, nothing verified
+    assert chi2_pvalue(counts(lambda q: q), exact) > 1e-3
+    monkeypatch.setattr(engine_module, "_draft_probs_problem", lambda q, ids, vocab: None)
+    assert chi2_pvalue(counts(BIASING_Q[fault]), exact) < 1e-3

@@ -13,7 +13,11 @@ the batch is); only floating-point summation order can differ between batch shap
 int8 weights and float64 models; a float32 greedy near-tie can flip). One caveat for *seeded
 sampling*: an adaptive draft-length policy chooses gamma from the whole batch, and gamma decides how
 many random numbers a row draws, so a seeded sampled request reproduces its exact text only with the
-fixed policy; its output *distribution* is the target's under every policy.
+fixed policy; its output *distribution* is the target's under every policy. The same holds for drafts
+that learn across requests: suffix decoding's global tree is therefore not read for a seeded request in
+the standard sampling mode, and a layer-skip drafter drafts the same only with the same skip set (pin it
+with ``skip_layers``: a search on a first prompt changes it once). The coupled mode, the default for
+seeded requests, reproduces seeded plain decoding under any policy and drafter.
 
 Scheduling (queue, admission, the server's thread, cancellation) lives in ``scheduler.py``.
 """
@@ -573,8 +577,9 @@ class SpeculativeEngine:
 
     def _check_drafts(self, rows: list[Request], drafts: list[Draft], caps: list[int]) -> list[Draft]:
         """The proposer contract, at the engine's door: one draft per row, [1, N] int64 ids in [0, V),
-        parents of a tree (or a chain when the proposer makes no trees), depth within the cap. A row
-        whose draft breaks it fails alone with a message naming the proposer; the others go on."""
+        parents of a tree (or a chain when the proposer makes no trees), depth within the cap, and
+        draft_probs (when given) a law per node: finite, >= 0, summing to 1, each drafted token possible
+        (``_draft_probs_problem``). A row whose draft breaks it fails alone with a message naming the proposer; the others go on."""
         name = getattr(self.proposer, "name", type(self.proposer).__name__)
         if not isinstance(drafts, (list, tuple)) or len(drafts) != len(rows):
             raise ProposerContractError(f"proposer {name!r} returned {type(drafts).__name__} of "
@@ -737,12 +742,10 @@ def _draft_problem(d: Draft, cap: int, vocab: int, trees: bool) -> str | None:
     lo, hi = int(ids.min()), int(ids.max())
     if lo < 0 or hi >= vocab:
         return f"draft token ids must be in [0, {vocab}); got {lo if lo < 0 else hi}"
-    q = d.draft_probs
-    if q is not None:
-        if q.ndim != 3 or q.shape[:2] != ids.shape or q.shape[2] > vocab:
-            return f"draft_probs must be [1, {n}, <= {vocab}], got {list(q.shape)}"
-        if bool((q[0].gather(1, ids[0].unsqueeze(1).clamp(max=q.shape[2] - 1)) <= 0).any()) or ids.max() >= q.shape[2]:
-            return "a drafted token has probability 0 under its own draft_probs (q must be the law it was drawn from)"
+    if d.draft_probs is not None:
+        problem = _draft_probs_problem(d.draft_probs, ids, vocab)
+        if problem is not None:
+            return problem
     parents = d.parents[0]
     if trees:
         ok = bool(((parents >= -1) & (parents < torch.arange(n))).all())
@@ -755,6 +758,37 @@ def _draft_problem(d: Draft, cap: int, vocab: int, trees: bool) -> str | None:
         depth = n
     if depth > cap:
         return f"drafted {depth} levels; at most {cap} were asked for"
+    return None
+
+
+#: How far a row of draft_probs may sum from 1 (a float32 softmax over any vocabulary sums within ~1e-6).
+DRAFT_PROBS_SUM_TOLERANCE = 1e-3
+
+
+def _draft_probs_problem(q, ids: torch.Tensor, vocab: int) -> str | None:
+    """Why a row's draft_probs q (``[1, N, <= V]``, the law each of its ``ids`` [1, N] was drawn from) is not
+    one, or None: every entry finite and >= 0, every node's row summing to 1, each drafted token possible.
+    Verification reads q as given (an all-zero or NaN row as a deterministic drafter's, q(x) in ratios and
+    residuals), so a q that is not a distribution would bias the output silently: refused here instead."""
+    n = ids.shape[1]
+    if not isinstance(q, torch.Tensor) or not q.is_floating_point():
+        return f"draft_probs must be a float tensor, got {type(q).__name__ if not isinstance(q, torch.Tensor) else q.dtype}"
+    if q.ndim != 3 or q.shape[:2] != ids.shape or q.shape[2] > vocab:
+        return f"draft_probs must be [1, {n}, <= {vocab}], got {list(q.shape)}"
+    rows = q[0].float()  # [N, V']
+    sums, low = rows.sum(-1), rows.amin(-1)  # [N] each: two cheap reductions; NaN / inf make the sum non-finite
+    if bool((~((sums - 1.0).abs() <= DRAFT_PROBS_SUM_TOLERANCE) | (low < 0)).any()):  # then say which rule broke
+        finite = torch.isfinite(rows).all(-1)  # [N]
+        if not bool(finite.all()):
+            return f"draft_probs must be finite; node {int((~finite).nonzero()[0, 0])}'s row has NaN or inf"
+        if bool((low < 0).any()):
+            node = int(low.argmin())
+            return f"draft_probs must be >= 0; node {node}'s row has a negative entry ({float(low[node]):.4g})"
+        node = int((sums - 1.0).abs().argmax())
+        return (f"each node's draft_probs row must sum to 1 (within {DRAFT_PROBS_SUM_TOLERANCE:g}); node {node}'s "
+                f"sums to {float(sums[node]):.6g}")
+    if bool((q[0].gather(1, ids[0].unsqueeze(1).clamp(max=q.shape[2] - 1)) <= 0).any()) or ids.max() >= q.shape[2]:
+        return "a drafted token has probability 0 under its own draft_probs (q must be the law it was drawn from)"
     return None
 
 

@@ -134,8 +134,9 @@ class Draft:
             token. A chain has parents -1, 0, 1, ...
         draft_probs: [B, N, V] float32 distribution q each token was drawn from,
             after the request's whole processing along the token's draft path
-            (``ProposeContext.draft_dist``); None for a deterministic drafter (q is
-            then one-hot on the token).
+            (``ProposeContext.draft_dist``): finite, >= 0, each row summing to 1 (the
+            engine refuses any other); None for a deterministic drafter (q is then
+            one-hot on the token).
         catch_up_s: seconds of this proposal spent bringing the drafter's own cache up to
             tokens committed earlier (a draft model's prompt prefill, or the tokens of plain
             decoding steps it skipped). A one-off cost, not a per-token one: draft-length

@@ -112,8 +112,13 @@ class _RMSNorm(torch.nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
+        xf = x.to(_work_dtype(x.dtype))
         return (self.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps))).to(x.dtype)
+
+
+def _work_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype a norm or a softmax computes in: float32 for bf16 / fp16 / float32 inputs, float64 for float64."""
+    return torch.promote_types(dtype, torch.float32)
 
 
 def rope_tables(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
@@ -300,7 +305,7 @@ class EagleHead(torch.nn.Module):
                 ki = _shift_right(keys[i], shift)
                 diag_values.append(_shift_right(values[i], shift))
                 scores.append((q * ki).sum(-1, keepdim=True) * scale)  # [B, h, T, 1]
-            probs = torch.softmax(torch.cat(scores, dim=-1).float(), dim=-1).to(q.dtype)
+            probs = torch.softmax(torch.cat(scores, dim=-1).to(_work_dtype(q.dtype)), dim=-1).to(q.dtype)
             probs = torch.nan_to_num(probs)  # rows t < j see nothing valid (masked out of the loss)
             attn = torch.matmul(probs[..., :t], values[0])
             for i, dv in enumerate(diag_values):

@@ -82,6 +82,17 @@ class ProposeContext:
         return self.should_continue is None or bool(self.should_continue(probs))
 
 
+def still_indexed(seen: list[int], token_ids: list[int]) -> bool:
+    """Whether ``token_ids`` still starts with ``seen``, the copy of the tokens a lookup index was built from.
+
+    A copy, compared whole each step (list equality, C speed: ~20 us per 8k tokens), because a context can
+    change in place (``ids[:] = other``, a token in the middle) while the list object, its length and its last
+    token stay: an index must then be rebuilt, never appended to (a cut or replaced context as well).
+    """
+    n = len(seen)
+    return len(token_ids) >= n and token_ids[:n] == seen
+
+
 def draft_room(max_context: int, ctx: ProposeContext) -> int:
     """Most tokens a draft model of ``max_context`` positions can draft after ``ctx.token_ids``.
 
@@ -123,7 +134,7 @@ class Proposer:
             [B] drafts: per row token_ids [1, N] int64 in [0, V), parents [1, N] int64 (a chain
             -1, 0, 1, ... unless ``produces_trees``), depth <= max_tokens[i], and draft_probs
             [1, N, <= V] float32 (the law each token was drawn from, after the row's sampling
-            processing) or None for deterministic drafters. ``Draft.empty()`` proposes nothing.
+            processing: finite, >= 0, each node's row summing to 1) or None for deterministic drafters. ``Draft.empty()`` proposes nothing.
             The engine checks this contract and fails a violating row alone.
         """
         raise NotImplementedError

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specdecode.kv import model_context
-from specdecode.proposers.base import DraftModelSlots, ProposeContext, register
+from specdecode.proposers.base import DraftModelSlots, ProposeContext, register, still_indexed
 from specdecode.token_bytes import TokenBytes
 from specdecode.types import Draft, SpecDecodeError
 
@@ -87,7 +87,7 @@ class VocabMap:
 class _RowText:
     """One row's committed text as the draft sees it (``ctx.state``)."""
 
-    done: int = 0  # target tokens already turned into text
+    seen: list[int] = field(default_factory=list)  # a copy of the target tokens already turned into text
     decoder: codecs.IncrementalDecoder = field(default_factory=lambda: codecs.getincrementaldecoder("utf-8")("replace"))
     stable: list[int] = field(default_factory=list)  # draft ids of the text up to the last boundary
     tail: str = ""  # text after it, re-encoded every step
@@ -141,12 +141,15 @@ class CrossVocabProposer(DraftModelSlots):
         return self.draft_tokenizer(text, add_special_tokens=False)["input_ids"] if text else []
 
     def context_ids(self, ctx: ProposeContext) -> list[int]:
-        """The committed tokens as draft ids: the stable prefix, then the re-encoded tail."""
-        row: _RowText = ctx.state.setdefault("cross_vocab", _RowText(stable=list(self._bos)))
-        new = ctx.token_ids[row.done:]
+        """The committed tokens as draft ids: the stable prefix, then the re-encoded tail. A context that
+        changed (replaced, cut, or rewritten in place: ``base.still_indexed``) is turned into text afresh."""
+        row: _RowText | None = ctx.state.get("cross_vocab")
+        if row is None or not still_indexed(row.seen, ctx.token_ids):
+            row = ctx.state["cross_vocab"] = _RowText(stable=list(self._bos))
+        new = ctx.token_ids[len(row.seen):]
         if new:
             data = b"".join(self.map.target_bytes.bytes_of(t) for t in new)
-            row.done = len(ctx.token_ids)
+            row.seen.extend(new)
             text = row.tail + row.decoder.decode(data)
             cut = max(text.rfind(" "), text.rfind("\n"))  # a word starts with its space: cut before it
             if cut > 0:

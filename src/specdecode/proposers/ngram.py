@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from specdecode.proposers.base import ProposeContext, RowProposer, register
+from specdecode.proposers.base import ProposeContext, RowProposer, register, still_indexed
 from specdecode.types import Draft
 from specdecode.validate import check_ngram_sizes
 
@@ -55,25 +55,28 @@ def find_continuation(tokens: np.ndarray, n: int, max_tokens: int) -> np.ndarray
 class NgramProposer(RowProposer):
     """Prompt lookup: proposes continuations copied from the context itself (per row).
 
-    Each request's tokens are mirrored in a numpy array in ``ctx.state``; it is extended by what
-    was committed since, and rebuilt when the context it describes was replaced or cut.
+    Each request's tokens are mirrored in a numpy array in ``ctx.state``, with a copy of the tokens it mirrors;
+    it is extended by what was committed since, and rebuilt when the context it mirrors changed (replaced,
+    cut, or rewritten in place: ``base.still_indexed``).
     """
 
     def __init__(self, config: NgramConfig | None = None) -> None:
         self.config = config or NgramConfig()
 
     def start(self, ctx: ProposeContext) -> None:
-        ctx.state["ngram"] = (ctx.token_ids, np.asarray(ctx.token_ids, dtype=np.int64))
+        ctx.state["ngram"] = (list(ctx.token_ids), np.asarray(ctx.token_ids, dtype=np.int64))
 
     def _tokens(self, ctx: ProposeContext) -> np.ndarray:
-        source, arr = ctx.state.get("ngram", (None, None))
+        """[L] int64: the context as a numpy array (the mirror, brought up to date)."""
+        seen, arr = ctx.state.get("ngram", (None, None))
         ids = ctx.token_ids
-        n = 0 if arr is None else len(arr)
-        if source is not ids or n > len(ids) or (n and arr[n - 1] != ids[n - 1]):
-            arr = np.asarray(ids, dtype=np.int64)  # a new or cut context: rebuild, never append
-        elif n < len(ids):
-            arr = np.concatenate([arr, np.asarray(ids[n:], dtype=np.int64)])
-        ctx.state["ngram"] = (ids, arr)
+        if seen is None or not still_indexed(seen, ids):
+            seen, arr = list(ids), np.asarray(ids, dtype=np.int64)  # a new, cut or rewritten context: rebuild
+        elif len(seen) < len(ids):
+            new = ids[len(seen):]
+            seen.extend(new)
+            arr = np.concatenate([arr, np.asarray(new, dtype=np.int64)])
+        ctx.state["ngram"] = (seen, arr)
         return arr
 
     def propose_row(self, ctx: ProposeContext, max_tokens: int) -> Draft:

@@ -40,7 +40,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specdecode.proposers.base import ProposeContext, Proposer, register
+from specdecode.proposers.base import ProposeContext, Proposer, register, still_indexed
 from specdecode.types import Draft, SpecDecodeError, VerifyResult
 
 
@@ -305,11 +305,12 @@ class SuffixStats:
 class _SuffixRow:
     """One request's suffix-decoding state: its own trie and the matched suffixes."""
 
-    source: list[int]  # the token list this state indexes (a replaced context is re-indexed)
+    seen: list[int]  # a copy of the context's tokens this state indexed (a changed context is re-indexed)
     trie: SuffixTrie
     active: list[int]
     indexed: int
     global_active: list[int]
+    reads_global: bool = True  # False for a seeded standard-mode request (``_reads_global``)
     global_version: int = -1
     last_fallback: bool = False
 
@@ -325,7 +326,9 @@ class SuffixProposer(Proposer):
         fallback: a proposer used for the rows whose suffix tree scores below ``min_score``
             (hybrid mode), called once per step for all of them; None = propose nothing then.
 
-    The global tree learns a request's output when it leaves the batch (:meth:`finish`).
+    The global tree learns a request's output when it leaves the batch (:meth:`finish`). A seeded sampled
+    request in the standard mode does not draft from it (``_reads_global``): its text then repeats for its
+    seed whatever was served before it.
     """
 
     produces_trees = True
@@ -421,7 +424,8 @@ class SuffixProposer(Proposer):
     def _index(self, ctx: ProposeContext) -> _SuffixRow:
         t0 = time.perf_counter()
         skip = max(0, len(ctx.token_ids) - self.config.max_request_tokens)
-        row = _SuffixRow(ctx.token_ids, SuffixTrie(self.config.max_depth), [0], skip, [0])
+        row = _SuffixRow(list(ctx.token_ids[:skip]), SuffixTrie(self.config.max_depth), [0], skip, [0],
+                         reads_global=_reads_global(ctx))
         ctx.state["suffix"] = row
         self._sync(ctx)
         self.stats.index_time_s += time.perf_counter() - t0
@@ -429,16 +433,18 @@ class SuffixProposer(Proposer):
 
     def _sync(self, ctx: ProposeContext) -> _SuffixRow:
         """Index committed tokens not yet in the row's trie; advance the global match. A context that
-        was replaced or cut is indexed afresh (never appended to)."""
+        changed (replaced, cut, or rewritten in place: ``base.still_indexed``) is indexed afresh, never
+        appended to."""
         row = ctx.state.get("suffix")
         tokens = ctx.token_ids
-        if row is None or row.source is not tokens or row.indexed > len(tokens):
+        if row is None or not still_indexed(row.seen, tokens):
             return self._index(ctx)
         new = tokens[row.indexed :]
         for tok in new:
             row.active = row.trie.append(row.active, tok)
+        row.seen.extend(new)
         row.indexed = len(tokens)
-        g = self.global_tree
+        g = self.global_tree if row.reads_global else None
         if g is None:
             return row
         with g.lock:
@@ -452,7 +458,7 @@ class SuffixProposer(Proposer):
 
     def _best_tree(self, row: _SuffixRow, max_tokens: int) -> CandidateTree | None:
         found = [self._grow(row.trie, row.active, max_tokens, "request")]
-        if self.global_tree is not None:
+        if self.global_tree is not None and row.reads_global:
             with self.global_tree.lock:
                 found.append(self._grow(self.global_tree.trie, row.global_active, max_tokens, "global"))
         found = [t for t in found if t is not None and t.tokens]
@@ -469,6 +475,18 @@ class SuffixProposer(Proposer):
                 tokens, parents, probs = grow_tree(trie, node, budget, depth, cfg.min_token_prob)
                 return CandidateTree(tokens, parents, probs, length, source)
         return None
+
+
+def _reads_global(ctx: ProposeContext) -> bool:
+    """Whether a row drafts from the global tree: every row but a seeded sampled request in the standard mode.
+
+    Such a request's draft decides how many of its generator's random numbers it draws and where, so its text
+    repeats for its seed only if its drafts depend on nothing but its own context (with the fixed policy); the
+    global tree holds what the requests served before it generated. Coupled rows (their text is plain
+    decoding's whatever the draft), greedy rows and unseeded ones read it.
+    """
+    params = ctx.params
+    return params.greedy or params.seed is None or params.uses_coupled
 
 
 def _advance(trie: SuffixTrie, active: list[int], token: int, max_match: int) -> list[int]:
