@@ -616,6 +616,41 @@ def test_every_way_out_of_the_engine_frees_every_row(target, where, error, entry
         [plain.generate(p, params).token_ids for p in PROMPTS[3:6]]
 
 
+class _FinishFails(NgramProposer):
+    """An n-gram drafter whose cleanup (``finish``) raises once."""
+
+    def __init__(self) -> None:
+        super().__init__(NgramConfig(1, 3))
+        self.failed = False
+
+    def finish(self, ctx) -> None:
+        super().finish(ctx)
+        if not self.failed:
+            self.failed = True
+            raise RuntimeError("cleanup bug")
+
+
+@pytest.mark.parametrize("how", ["finished", "abort", "running"])
+def test_a_row_leaves_even_when_its_proposer_cleanup_raises(target, how):
+    """A proposer whose ``finish`` raises: the error reaches the caller, and the row has left all the same (the
+    server's cancel path calls ``abort``; a leaked row would hold its slot for good)."""
+    engine = SpeculativeEngine(target, _FinishFails(), EngineConfig(num_speculative_tokens=3, max_batch_size=1))
+    with pytest.raises(RuntimeError, match="cleanup bug"):
+        if how == "finished":
+            req, _ = engine.add(PROMPTS[2], _greedy(6))
+            while req.finish_reason is None:
+                engine.step()
+        elif how == "abort":
+            req, _ = engine.add(PROMPTS[2], _greedy(6))
+            engine.abort(req)
+        else:
+            with engine.running(PROMPTS[2], _greedy(6)):
+                engine.step()
+    assert engine.rows == []
+    assert engine.generate(PROMPTS[2], _greedy(6)).token_ids == _engine(target, None).generate(
+        PROMPTS[2], _greedy(6)).token_ids
+
+
 def test_a_stream_closed_early_frees_its_row_and_counts_what_it_committed(target, draft):
     engine = SpeculativeEngine(target, DraftModelProposer(draft), EngineConfig(num_speculative_tokens=3))
     stream = engine.stream(PROMPTS[3], _greedy(30))

@@ -606,15 +606,19 @@ class SpeculativeEngine:
                 row.finish_reason, row.error = reason, f"{type(exc).__name__}: {exc}".rstrip(": ")
             try:
                 self._remove(i, started=started)
-            except Exception:  # noqa: BLE001 - the row leaves even if its cleanup fails; ``exc`` is what is raised
-                if i < len(self.rows) and self.rows[i] is row:
-                    self.rows.pop(i)
+            except Exception:  # noqa: BLE001 - the row has left (``_remove`` frees it first); ``exc`` is raised
+                pass
 
     def _remove(self, index: int, started: bool = True) -> None:
-        """Free row ``index``'s slot; the last row moves into it, so rows stay in slots 0..B-1."""
+        """Free row ``index``'s slot; the last row moves into it, so rows stay in slots 0..B-1. The row leaves
+        even if the proposer's ``finish`` raises; that error is raised afterwards."""
         row = self.rows[index]
+        cleanup_error = None
         if started and self.proposer is not None:
-            self.proposer.finish(row.ctx)
+            try:
+                self.proposer.finish(row.ctx)
+            except Exception as exc:  # noqa: BLE001 - raised below, once the slot is free
+                cleanup_error = exc
         last = len(self.rows) - 1
         if index != last:
             self.runner.move(last, index)
@@ -625,6 +629,8 @@ class SpeculativeEngine:
         else:
             self.runner.clear(last)
         self.rows.pop()
+        if cleanup_error is not None:
+            raise cleanup_error
 
     # Convenience: one request at a time ----------------------------------------------------
 
