@@ -696,13 +696,24 @@ def test_a_request_failing_inside_the_server_frees_its_rows(live, monkeypatch, s
         return real(self, ev)
 
     monkeypatch.setattr(app_module._Choice, "feed", feed)
+    engine, aborted = scheduler.engine, []
+    real_abort = engine.abort
+
+    def abort(request, *args, **kwargs):
+        aborted.append((request.finish_reason, len(request.generated)))
+        return real_abort(request, *args, **kwargs)
+
+    monkeypatch.setattr(engine, "abort", abort)
     body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 200, "temperature": 0, "ignore_eos": True, "n": 2,
             "stream": stream}
-    with _slow_steps(scheduler, 0.02):
+    with _slow_steps(scheduler, 0.2):  # 200 tokens take at least 40 steps = 8 s: longer than the wait below
         with contextlib.suppress(httpx.HTTPError):
             resp = httpx.post(f"{live.url}/v1/completions", json=body, timeout=30)
             assert resp.status_code == 500 or "[DONE]" not in resp.text
-        _wait(lambda: scheduler.num_active == 0 and scheduler.num_pending == 0, timeout=3.0)
+        _wait(lambda: scheduler.num_active == 0 and scheduler.num_pending == 0, timeout=5.0)
+    # both rows were cancelled by the server, far from their 200 tokens (not left to finish on their own)
+    assert len(aborted) >= 2 and all(n < 100 for _, n in aborted), aborted
+    monkeypatch.setattr(engine, "abort", real_abort)
     monkeypatch.setattr(app_module._Choice, "feed", real)
     out = live.client().completions.create(model=MODEL, prompt=PROMPT, max_tokens=5, temperature=0)
     assert len(out.choices[0].token_ids) == 5
