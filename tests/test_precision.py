@@ -304,3 +304,21 @@ def test_a_malformed_or_unwritable_cache_costs_a_measurement_not_the_load(tiny_f
     blocked.write_text("not a directory")
     choice = choose_precision(tiny_fp32, blocked, texts=_texts(), status=lines.append)
     assert choice.precision == first.precision and any("could not cache" in line for line in lines)
+
+
+@pytest.mark.integration
+def test_auto_on_a_gguf_file_says_when_its_catalog_quality_is_below_the_gate(monkeypatch):
+    """``--weights auto`` runs a GGUF model's own blocks (as llama.cpp runs the file); where the catalog's
+    measured quality of that is below the gate, the status line says so and names the float choices."""
+    from specdecode.lowbit import active_variant
+
+    if active_variant() is None:
+        pytest.skip("no low-bit kernel on this CPU")
+    spec = "smollm2-135m"
+    good = precision.CATALOG_QUALITY[spec]["int4"]
+    _, choice = precision._gguf_blocks_choice(spec, None, False, None, "auto")
+    assert "below the quality gate" not in choice.reason and "agreement 97.5%" in choice.reason
+    bad = precision.QualityReport("int4", 0.961, good.nll, 0.041, good.positions)
+    monkeypatch.setitem(precision.CATALOG_QUALITY[spec], "int4", bad)
+    _, choice = precision._gguf_blocks_choice(spec, None, False, None, "auto")
+    assert choice.precision == "int4" and "below the quality gate" in choice.reason and "--weights bf16" in choice.reason

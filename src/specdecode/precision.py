@@ -606,6 +606,9 @@ def _gguf_blocks_choice(spec: str, cache_dir, progress: bool, status, forward: s
     if q is not None:
         figures = (f"; against the float copy: next-token agreement {100 * q.argmax_agreement:.1f}%, perplexity "
                    f"{100 * q.perplexity_change:+.1f}%")
+        if not quality_gate(q)[0]:  # the file as llama.cpp runs it, below our gate for a precision we pick
+            figures += (" (below the quality gate of a precision we choose ourselves: --weights bf16 or fp32 run "
+                        "the float copy, slower)")
     reason = (f"int4: the GGUF file's own blocks (the fewest bytes a step reads), {variant} kernel with 8-bit "
               f"activations per row, as llama.cpp runs the file{figures}; speculation stays exact by construction "
               "(row-independent products and attention)")
