@@ -41,18 +41,6 @@ def test_step_hook_moves_histograms_and_gauges():
     assert s["specdecode_kv_cache_bytes"] == 1024
 
 
-def test_positions_count_drafted_and_accepted_per_position():
-    m = ServerMetrics(4)
-    m.observe_positions(3, 2)
-    m.observe_positions(1, 1)
-    m.observe_positions(0, 0)  # a plain step
-    m.observe_positions(5, 0)  # past max_gamma (a tree's depth): the series grow
-    s = _samples(m)
-    drafted = [s[f"specdecode_draft_tokens_by_position_total{{position={i}}}"] for i in range(5)]
-    accepted = [s[f"specdecode_accepted_tokens_by_position_total{{position={i}}}"] for i in range(5)]
-    assert drafted == [3, 2, 2, 1, 1] and accepted == [2, 1, 0, 0, 0]
-
-
 def test_acceptance_hook_adds_a_requests_counts_by_position():
     m = ServerMetrics(4)
     m.observe_acceptance([3, 2, 2], [2, 1, 0])  # one ended request's RunMetrics lists

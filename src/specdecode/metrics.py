@@ -63,7 +63,8 @@ class RunMetrics:
         num_step_tokens: tokens committed by those steps (bonus / recovered included).
         drafted_by_position[i], accepted_by_position[i]: steps whose draft reached
             position i, and steps that kept the draft token at position i.
-        draft_lengths: gamma chosen at each step (what the draft-length policy did), cut as drafted is.
+        draft_lengths: draft nodes verified at each step (a chain: the gamma the draft-length policy chose;
+            a tree: its node count), cut as drafted is.
         prefill_time_s, draft_time_s, verify_time_s, wall_time_s, time_to_first_token_s.
         num_tree_steps, num_tree_nodes, tree_depth_sum, tree_accepted_depth_sum: token-tree
             steps, their nodes (tree size), deepest levels and accepted depths. For a tree,

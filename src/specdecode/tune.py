@@ -42,6 +42,7 @@ from pathlib import Path
 
 from specdecode.errors import SpecDecodeError
 from specdecode.options import DEFAULT_TREE_NODES
+from specdecode.paths import check_output_file
 
 #: Drafter kinds ``--drafters`` may name (``draft-model``: every ``--draft`` model given).
 DRAFTER_KINDS = ("ngram", "suffix", "layer-skip", "eagle", "draft-model")
@@ -645,7 +646,6 @@ def check_output(path: str | Path, *, default: bool = True) -> None:
     Raises:
         SpecDecodeError: the path is a folder, its folder is missing or a file, or a file cannot be written there.
     """
-    from specdecode.paths import check_output_file
 
     check_output_file(path, "--output", default=default)
     check_output_file(Path(path).expanduser().with_suffix(".json"), "--output (its .json report)", default=default)

@@ -33,6 +33,7 @@ from specdecode.audit.config import AuditConfig, AuditError
 from specdecode.audit.law import BOUNDARY, IMPOSSIBLE, OTHER, STOP, UNMAPPED, ExactLaw, exact_law
 from specdecode.audit.sources import AuditPrompt, EngineSource, Outcome, SampleSource
 from specdecode.types import SamplingParams
+from specdecode.paths import check_output_dir
 
 #: Sample i of prompt p is seeded ``SEED_STRIDE * (AUDIT_STRIDE * seed + p + 1) + i`` (i < N <= 1e6): no
 #: two samples share a seed, within an audit or across audits of other seeds (up to AUDIT_STRIDE prompts).
@@ -568,7 +569,6 @@ def run_audit(setup, say: Callable[[str], None] = _status, progress: bool = True
 
     cfg = setup.config
     if setup.output is not None:  # before any request or load: the report is what the run is for
-        from specdecode.paths import check_output_dir
 
         check_output_dir(setup.output, "--output", default=True)
     source = None

@@ -14,6 +14,7 @@ import argparse
 
 from specdecode.cliargs import check_precision_flags
 from specdecode.options import VERIFICATION_METHODS, WEIGHT_CHOICES, WEIGHT_PRECISIONS
+from specdecode.paths import check_output_dir
 
 PRESETS = ("full", "quick", "smoke")
 
@@ -154,7 +155,6 @@ def run_command(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from specdecode.errors import SpecDecodeError
-    from specdecode.paths import check_output_dir
     from specdecode.validate import check_threads
 
     check_threads(args.threads)  # 1..the cores this process may use, whatever the mode

@@ -44,6 +44,7 @@ from specdecode.bench.records import RECORDS_FILE, RecordStore  # noqa: F401 - r
 from specdecode.eagle.head import EagleCheckpointError
 from specdecode.types import SpecDecodeError
 from specdecode.options import WEIGHT_CHOICES, WEIGHT_PRECISIONS
+from specdecode.paths import check_output_dir
 
 logger = logging.getLogger(__name__)
 
@@ -863,7 +864,6 @@ def run_bench(config: BenchConfig, *, progress: bool = True, log: Callable[[str]
         SpecDecodeError: bad config, unknown method / dataset, incompatible draft, model load failure.
     """
 
-    from specdecode.paths import check_output_dir
 
     status = log or (lambda msg: print(f"specdecode bench: {msg}", file=sys.stderr, flush=True))
     out = check_output_dir(config.output, "--output", default=True)  # before any load: probed, nothing left

@@ -20,6 +20,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from specdecode.errors import SpecDecodeError
+from specdecode.paths import check_output_dir
 
 #: Token counts of the table (the issue's k = 1, 2, 3, 4, 6, 8, 16).
 KS = (1, 2, 3, 4, 6, 8, 16)
@@ -109,7 +110,6 @@ def run_table(models: Sequence[str], output: Path, *, ks: Sequence[int] = KS, de
     from specdecode.lowbit import kernel_status, variant_table
     from specdecode.models import gguf_file
 
-    from specdecode.paths import check_output_dir
 
     check_output_dir(output, "--output", default=True)  # probed before anything loads; nothing left behind
     output.mkdir(parents=True, exist_ok=True)

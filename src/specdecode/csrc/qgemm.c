@@ -210,7 +210,7 @@ static inline void scales8(int fmt, const Soa* a, int64_t b0, int cnt, __m256* d
 
 // Rows per pass: every row keeps its accumulators in registers (16 vector registers on AVX2, 32 with
 // AVX-512). The pass size changes nothing in a row's arithmetic: each row has its own two float
-// accumulators (even / odd blocks), used the same way in any pass.
+// accumulators (products, zero-point terms), used the same way in any pass.
 #if defined(SD_VARIANT_AVX2)
 #define SD_PASS 4
 #else

@@ -35,6 +35,7 @@ import torch
 from specdecode.eagle import corpus
 from specdecode.eagle.head import EagleConfig, EagleHead, default_feature_layers, save_head
 from specdecode.errors import SpecDecodeError
+from specdecode.paths import check_output_dir
 
 #: Prompt mixes per target kind (counts per source; see corpus.SOURCES).
 MIXES = {
@@ -529,7 +530,6 @@ def run(target: str, cfg: TrainConfig, *, out: str | Path | None = None, work_di
     safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in target.strip("/").replace("/", "__"))
     work = Path(work_dir).expanduser() if work_dir else cache / "eagle" / safe
     out_dir = Path(out).expanduser() if out else work / "head"
-    from specdecode.paths import check_output_dir
 
     check_output_dir(work, "--work-dir", default=True)  # before the load and about 50 minutes of work
     check_output_dir(out_dir, "--out", default=True)

@@ -80,14 +80,6 @@ class ServerMetrics:
         self.running.set(stats.batch_size)
         self.kv_cache_bytes.set(kv_cache_bytes)
 
-    def observe_positions(self, drafted: int, accepted: int) -> None:
-        """One decoding step of a request: how far its draft reached and how much of it was kept."""
-        self._grow(drafted)
-        for i in range(drafted):
-            self._positions_d[i].inc()
-        for i in range(accepted):
-            self._positions_a[i].inc()
-
     def observe_acceptance(self, drafted_by_position: list[int], accepted_by_position: list[int]) -> None:
         """An ended request's acceptance by position: ``RunMetrics.drafted_by_position`` /
         ``accepted_by_position`` counted to its committed end (the steps whose draft reached position i, and
