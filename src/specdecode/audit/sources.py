@@ -9,6 +9,7 @@ is a source too: the same interface, a deliberately different law.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from collections.abc import Callable, Sequence
@@ -110,20 +111,17 @@ class EngineSource:
         requests = []
         ids = list(prompt.token_ids)
         done = 0
-        try:
+        with contextlib.ExitStack() as running:  # however this ends, no request of this draw keeps a row
             while waiting or engine.rows:
                 while waiting and len(engine.rows) < engine.max_batch_size:
                     params_i = self.request_params(dataclasses.replace(base, seed=waiting.pop()))
-                    requests.append(engine.add(ids, params_i)[0])
+                    requests.append(running.enter_context(engine.running(ids, params_i))[0])
                 engine.step()
                 for row in [r for r in engine.rows if len(r.generated) >= num_tokens]:
                     engine.abort(row)
                 if progress is not None:
                     progress(len(requests) - len(engine.rows) - done)
                 done = len(requests) - len(engine.rows)
-        finally:  # interrupted: no request of this draw keeps a row
-            for r in requests:
-                engine.abort(r)
         for r in requests:
             engine.abort(r, keep=num_tokens)  # the counters cover the tokens drawn, not the extra ones
             self.drafted += r.metrics.num_drafted_tokens
