@@ -245,6 +245,9 @@ _REFUSED_WITHOUT_MODEL_CODE = [
     (["serve", "--replicas", "0"], "--replicas must be"),
     (["serve", "--replicas", "2", "--min-replicas", "3"], "within"),
     (["serve", "--replicas", "2", "--ray-config", "/no/such.yaml"], "no such file"),
+    (["serve", "--api-key", ""], "--api-key is empty"),
+    (["serve", "--api-key", "  "], "--api-key is empty"),
+    (["serve", "--served-model-name", ""], "--served-model-name is empty"),
 ]
 
 
@@ -427,3 +430,52 @@ def test_token_ids_outside_the_vocabulary_are_refused_before_any_output(capsys, 
         code, out, err = _run(capsys, "generate", "--target", str(tiny_model_dir), "--prompt", "hi", flag, value)
         errors = [line for line in err.splitlines() if line.startswith("error:")]
         assert code == 2 and out == "" and len(errors) == 1 and flag in errors[0] and "vocabulary" in errors[0], err
+
+
+def _cli(*argv: str, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "specdecode", *argv], capture_output=True, text=True, timeout=300,
+                          **kw)
+
+
+def test_empty_standard_input_is_refused_as_an_empty_prompt(tiny_model_dir):
+    result = _cli("generate", "--target", str(tiny_model_dir), "--prompt-file", "-", input="  \n")
+    assert result.returncode == 2 and "standard input was empty" in result.stderr and "Traceback" not in result.stderr
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="no /dev/full here")
+def test_a_full_disk_on_standard_output_is_one_line(tiny_model_dir):
+    with open("/dev/full", "w") as full:
+        result = subprocess.run([sys.executable, "-m", "specdecode", "generate", "--target", str(tiny_model_dir),
+                                 "--prompt", "hi", "--max-new-tokens", "4", "--json", "--no-warmup"], stdout=full,
+                                stderr=subprocess.PIPE, text=True, timeout=300)
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
+    assert "cannot write" in result.stderr and "No space left" in result.stderr
+
+
+class _LeftPipe:
+    """A standard output whose reader left after ``allowed`` writes (``| head -c N``)."""
+
+    def __init__(self, allowed: int) -> None:
+        self.allowed = allowed
+
+    def write(self, text: str) -> int:
+        if self.allowed <= 0:
+            raise BrokenPipeError(32, "Broken pipe")
+        self.allowed -= 1
+        return len(text)
+
+    def flush(self) -> None:
+        if self.allowed <= 0:
+            raise BrokenPipeError(32, "Broken pipe")
+
+    def isatty(self) -> bool:
+        return False
+
+
+def test_a_reader_leaving_the_pipe_ends_generate_quietly(tiny_model_dir, monkeypatch, capsys):
+    """``specdecode generate ... | head -c 20``: the reader leaves mid-stream; exit 0, nothing on stderr."""
+    monkeypatch.setattr(sys, "stdout", _LeftPipe(3))
+    code = cli.main(["generate", "--target", str(tiny_model_dir), "--prompt", "hello", "--max-new-tokens", "30",
+                     "--ignore-eos", "--no-warmup"])
+    assert code == 0
+    assert "Traceback" not in capsys.readouterr().err

@@ -683,3 +683,12 @@ def test_abort_keeps_the_tokens_the_caller_delivers_and_counts_to_there(target):
     engine.abort(done, keep=3)
     assert done.finish_reason == "length" and engine.output(done).token_ids == whole.token_ids[:3]
     assert (done.metrics.num_verify_steps, done.metrics.num_accepted_tokens, done.metrics.num_step_tokens) == (1, 2, 2)
+
+
+@pytest.mark.parametrize("prompt_len,max_new,needle", [(200, 100, "to at most 56"), (300, 10, "prompt to at most 246"),
+                                                        (10, 400, "to at most 246"), (300, 300, "lower max_new_tokens below 256")])
+def test_a_prompt_too_long_gets_advice_that_can_be_followed(prompt_len, max_new, needle):
+    from specdecode.engine import check_prompt
+
+    with pytest.raises(PromptTooLongError, match=needle):
+        check_prompt([1] * prompt_len, SamplingParams(max_new_tokens=max_new), vocab_size=64, max_context=256)

@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import json
+import os
 import re
 import statistics
 import sys
@@ -637,6 +639,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("\nerror: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # the reader left (| head): stop quietly, as Unix tools do
+        _quiet_stdout()
+        return 0
+    except OSError as exc:
+        if exc.errno not in (errno.ENOSPC, errno.EIO, errno.EDQUOT):
+            raise
+        _quiet_stdout()  # where it was standard output that failed, the exit's own flush would fail again
+        where = f" {exc.filename}" if exc.filename else ""
+        print(f"error: cannot write{where}: {exc.strerror or exc}; free space or write elsewhere", file=sys.stderr)
+        return 1
+
+
+def _quiet_stdout() -> None:
+    """Point standard output at /dev/null, so the interpreter's own flush at exit does not fail again."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError):  # a standard output with no file behind it
+        pass
 
 
 def _one_line(message: str) -> str:
@@ -830,7 +851,11 @@ def _read_jobs(args: argparse.Namespace) -> list[_Job]:
 
 def _read_prompt_file(path: str) -> str:
     if path == "-":
-        return sys.stdin.read()
+        text = sys.stdin.read()
+        if not text.strip():
+            raise SpecDecodeError("--prompt-file -: standard input was empty; pipe the prompt in (as --prompt "
+                                  "refuses '')")
+        return text
     file = Path(path).expanduser()
     if file.is_dir():
         raise SpecDecodeError(f"--prompt-file {path!r} is a directory; give a text file (or - for stdin)")

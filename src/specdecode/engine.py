@@ -808,10 +808,17 @@ def check_prompt(prompt_ids: Sequence[int], params: SamplingParams, vocab_size: 
     if bad:
         raise SpecDecodeError(f"prompt token ids must be in [0, {vocab_size}); got {bad[:5]}")
     if len(prompt) + params.max_new_tokens > max_context:
+        room = max_context - len(prompt)
+        if room >= 1:
+            advice = f"shorten the prompt or lower max_new_tokens to at most {room}"
+        elif params.max_new_tokens < max_context:
+            advice = (f"shorten the prompt to at most {max_context - params.max_new_tokens} tokens (it leaves no room "
+                      "to generate)")
+        else:
+            advice = f"lower max_new_tokens below {max_context} and shorten the prompt"
         raise PromptTooLongError(
             f"prompt of {len(prompt)} tokens + max_new_tokens {params.max_new_tokens} exceeds the model's context "
-            f"of {max_context} tokens: shorten the prompt or lower max_new_tokens to at most "
-            f"{max(0, max_context - len(prompt))}")
+            f"of {max_context} tokens: {advice}")
     return prompt
 
 

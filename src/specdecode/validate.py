@@ -517,6 +517,14 @@ def check_serve_options(opts) -> DraftChoice:
                               "use --forward auto or owned")
     check_server_limits(opts.max_queue, opts.max_request_bytes, opts.default_max_tokens)
     check_port(opts.port)
+    api_key = getattr(opts, "api_key", None)
+    if api_key is not None and not api_key.strip():  # e.g. --api-key "$UNSET": would serve with no auth at all
+        raise SpecDecodeError("--api-key is empty; give the key clients must send, or leave --api-key out to "
+                              "serve without authentication")
+    name = getattr(opts, "served_model_name", None)
+    if name is not None and not name.strip():
+        raise SpecDecodeError("--served-model-name is empty; give the name clients send as 'model', or leave it "
+                              "out to use the target spec")
     # the count only: replicas on a cluster run elsewhere; a local server bounds it by its cores at start
     check_threads(getattr(opts, "threads", None), bound=False)
     return choice
