@@ -870,8 +870,8 @@ def run_bench(config: BenchConfig, *, progress: bool = True, log: Callable[[str]
     if config.threads:
         torch.set_num_threads(config.threads)
     _quiet_transformers()
+    expand_methods(config)  # validate method specs before any slow work (a dataset's install included)
     prompts = select_prompts(config.datasets, config.limit)
-    expand_methods(config)  # validate method specs before any slow load
 
     status(f"loading target {config.target!r}")
     t0 = time.perf_counter()
