@@ -171,7 +171,7 @@ def test_probe_times_every_k_and_leaves_no_trace():
 def test_variants_of_the_smoke_models_agree_greedily(tmp_path):
     """Our plain decoding, every method and the HF peers decode the same greedy tokens on the smoke target."""
     config = smoke_config(methods=("ngram:k=3", "draft-model:k=2"), gammas=(), output=str(tmp_path))
-    models = Models(target=load_any(SMOKE_TARGET, "float64"))
+    models = Models(target=load_any(SMOKE_TARGET, "float64")[0])
     variants = build_variants(config, models, "float64", status=lambda msg: None)
     keys = [v.key for v in variants]
     assert keys == ["specdecode/plain", "specdecode/ngram:k=3", "specdecode/draft-model:k=2,model=smoke:draft",

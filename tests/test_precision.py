@@ -322,3 +322,45 @@ def test_auto_on_a_gguf_file_says_when_its_catalog_quality_is_below_the_gate(mon
     monkeypatch.setitem(precision.CATALOG_QUALITY[spec], "int4", bad)
     _, choice = precision._gguf_blocks_choice(spec, None, False, None, "auto")
     assert choice.precision == "int4" and "below the quality gate" in choice.reason and "--weights bf16" in choice.reason
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("weights", ["int4", "int8"])
+def test_every_front_end_loads_a_spec_as_the_same_weights(weights):
+    """One loader: the library (``SpecDecoder.from_pretrained``, which ``generate`` runs), ``serve``
+    (``launch.load_state``) and ``bench`` (``bench.runner.load_any``) load the same spec in the same precision
+    as bit-identical weights, the draft too; for a GGUF model int4 is the file's own blocks in every one (bench
+    used to quantize the float copy to Q4_1: another model than the product runs)."""
+    from specdecode.bench.runner import load_any
+    from specdecode.generator import SpecDecoder
+    from specdecode.kernels import weight_digest
+    from specdecode.lowbit import QuantLinear, active_variant
+    from specdecode.proposers.factory import load_draft_model
+    from specdecode.server.launch import ServeOptions, load_state
+    from specdecode.validate import parse_draft
+
+    if weights == "int4" and active_variant() is None:
+        pytest.skip("no low-bit kernel on this CPU")
+    spec = "smollm2-135m"
+    library = SpecDecoder.from_pretrained(spec, draft="none", weights=weights, progress=False)
+    served = load_state(ServeOptions(target=spec, draft="none", weights=weights), progress=False)
+    benched, ran = load_any(spec, "float32", weights=weights, target=True)
+    assert ran == weights
+    digests = {weight_digest(m) for m in (library.target.model, served.target.model, benched.model)}
+    assert len(digests) == 1
+    kinds = {m.kind for m in benched.model.modules() if isinstance(m, QuantLinear)}
+    if weights == "int4":  # the file's own block types, whatever they are
+        import gguf
+
+        from specdecode.models import gguf_file
+
+        stored = {t.tensor_type.name for t in gguf.GGUFReader(str(gguf_file(spec, progress=False))).tensors}
+        assert kinds and kinds <= stored
+    else:
+        assert kinds == {"Q8_0"}
+    # a draft in another precision than the target's: bench's draft load is generate's
+    other = "int8" if weights == "int4" else "int4"
+    draft_generate = load_draft_model(parse_draft(spec), library.target, "another-spec", weights=weights,
+                                      draft_weights=other, progress=False)
+    draft_bench, _ = load_any(spec, "float32", weights=other)
+    assert weight_digest(draft_generate.model) == weight_digest(draft_bench.model)

@@ -77,6 +77,35 @@ def row_product(kernel: str, weight: torch.Tensor, x: torch.Tensor) -> torch.Ten
     return F.linear(x, weight)[:m]
 
 
+def weight_digest(model: torch.nn.Module) -> str:
+    """sha256 (hex) of the weights ``model`` executes: every parameter and buffer (name, dtype, shape, bytes)
+    and every low-bit module's blocks (block type and packed bytes), in name order. Two loads with the same
+    digest run the same model; the test that every front end loads a spec the same way compares it.
+    """
+    import hashlib
+
+    digest = hashlib.sha256()
+    tensors = dict(model.state_dict(keep_vars=False))
+    for name, module in model.named_modules():
+        fused = getattr(module, "fused", None)
+        if hasattr(module, "state_tensors") and not name.endswith(".fused"):
+            rows, kind, bias = module.packed, module.kind, module.bias
+        elif fused is not None and hasattr(fused, "packed"):  # q/k/v of a fused low-bit product: its rows
+            rows, kind = fused.packed[module.start : module.end], fused.kind
+            bias = None if fused.bias is None else fused.bias[module.start : module.end]
+        else:
+            continue
+        tensors[f"{name}.packed"] = rows
+        if bias is not None:
+            tensors[f"{name}.bias"] = bias
+        digest.update(f"{name}:{kind};".encode())
+    for name in sorted(tensors):
+        t = tensors[name].detach().contiguous().cpu()
+        digest.update(f"{name}|{t.dtype}|{tuple(t.shape)};".encode())
+        digest.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return digest.hexdigest()
+
+
 def set_weight_precision(model: torch.nn.Module, precision: str) -> torch.nn.Module:
     """Execute ``model``'s weights in ``precision``, in place; returns the model.
 

@@ -633,21 +633,54 @@ class Models:
                 "drafts": {k: one(v, self.load_seconds.get(k, 0.0)) for k, v in self.drafts.items()}}
 
 
-def load_any(spec: str, dtype: str, kernel: str = "default"):
-    """A LoadedModel: ``smoke:*`` built in code, anything else through ``specdecode.models.load_model``."""
-    from specdecode.bench.smoke import load_smoke_model
-    from specdecode.models import load_model
+def load_any(spec: str, dtype: str, kernel: str = "default", weights: str = "fp32", *, target: bool = False,
+             status: Callable[[str], None] | None = None):
+    """A LoadedModel in ``weights``: ``smoke:*`` built in code, anything else through the loader ``generate``
+    and ``serve`` use (``precision.load_target`` for a target, ``lowbit.load_in_precision`` for a draft), so a
+    spec and a precision are the same weights in every front end (int4 of a GGUF model: the file's own blocks).
 
-    if spec.startswith("smoke:"):
+    Returns:
+        (LoadedModel, the precision it runs in: ``weights``, or what ``auto`` chose).
+    """
+    from specdecode.kernels import set_weight_precision
+
+    if spec.startswith("smoke:"):  # the built-in tiny model, built in code (no file behind it)
+        from specdecode.bench.smoke import load_smoke_model
+
         loaded = load_smoke_model(spec)
         loaded.model.to(getattr(torch, dtype))
+        if weights == "auto":  # load_target's measured choice, on the model built here
+            from specdecode.models import default_cache_dir
+            from specdecode.precision import choose_precision
+
+            try:
+                choice = choose_precision(loaded, default_cache_dir(), status=status)
+            except ValueError as exc:  # not a float32 target: nothing to choose from
+                raise SpecDecodeError(f"--weights auto: {exc}; give --weights explicitly") from None
+            if status is not None:
+                status(f"weights {choice.reason}")
+            weights = choice.precision
+        if weights != "fp32":
+            set_weight_precision(loaded.model, weights)
+    elif target:
+        from specdecode.precision import load_target
+
+        try:
+            loaded, choice = load_target(spec, weights, dtype=dtype, status=status)
+        except ValueError as exc:  # auto on a target that is not float32: nothing to choose from
+            raise SpecDecodeError(f"--weights auto: {exc}; give --weights explicitly") from None
+        if status is not None and weights == "auto":
+            status(f"weights {choice.reason}")
+        weights = choice.precision
     else:
-        loaded = load_model(spec, dtype=dtype)
+        from specdecode.lowbit import load_in_precision
+
+        loaded = load_in_precision(spec, weights, dtype=getattr(torch, dtype), say=status)
     if kernel == "small-row":
         from specdecode.kernels import use_small_row_matmul
 
         use_small_row_matmul(loaded.model)
-    return loaded
+    return loaded, weights
 
 
 def build_variants(config: BenchConfig, models: Models, dtype: str, status: Callable[[str], None]) -> list[Variant]:
@@ -665,11 +698,7 @@ def build_variants(config: BenchConfig, models: Models, dtype: str, status: Call
         if spec not in models.drafts:
             status(f"loading draft {spec!r}")
             t0 = time.perf_counter()
-            draft = load_any(spec, dtype, config.kernel)
-            if config.draft_weights != "fp32":
-                from specdecode.kernels import set_weight_precision
-
-                set_weight_precision(draft.model, config.draft_weights)
+            draft, _ = load_any(spec, dtype, config.kernel, config.draft_weights, status=status)
             models.load_seconds[spec] = time.perf_counter() - t0
             problem = other_tokenizer(target, draft)
             if problem:
@@ -875,21 +904,10 @@ def run_bench(config: BenchConfig, *, progress: bool = True, log: Callable[[str]
 
     status(f"loading target {config.target!r}")
     t0 = time.perf_counter()
-    models = Models(target=load_any(config.target, config.dtype, config.kernel))
-    if config.weights == "auto":  # what generate / serve run: measured once per machine (specdecode.precision)
-        from specdecode.models import default_cache_dir
-        from specdecode.precision import choose_precision
-
-        try:
-            choice = choose_precision(models.target, default_cache_dir(), status=status)
-        except ValueError as exc:  # not a float32 target: nothing to choose from
-            raise SpecDecodeError(f"--weights auto: {exc}; give --weights explicitly") from None
-        status(f"weights {choice.reason}")
-        config = dataclasses.replace(config, weights=choice.precision)  # records are keyed by what ran
-    if config.weights != "fp32":
-        from specdecode.kernels import set_weight_precision
-
-        set_weight_precision(models.target.model, config.weights)
+    # the loader generate / serve use, the precision choice inside it (auto: what they pick)
+    target, weights = load_any(config.target, config.dtype, config.kernel, config.weights, target=True, status=status)
+    models = Models(target=target)
+    config = dataclasses.replace(config, weights=weights)  # records are keyed by what ran
     models.load_seconds[config.target] = time.perf_counter() - t0
     out.mkdir(parents=True, exist_ok=True)  # once the settings, methods and target are known good
     store = RecordStore(out, config.settings_id())
