@@ -37,7 +37,8 @@ import torch
 
 from specdecode.data import load_prompts
 from specdecode.engine import EngineConfig, SpeculativeEngine
-from specdecode.kernels import set_weight_precision, use_small_row_matmul
+from specdecode.kernels import use_small_row_matmul
+from specdecode.lowbit import set_weight_precision
 from specdecode.layer_search import SearchConfig, choose_skip_layers
 from specdecode.models import load_model
 from specdecode.policy import build_policy

@@ -100,7 +100,7 @@ def build(args):
                                           else "the tiny target, LM head x 5/8",
                                           "data": f"random:{n} (16 tokens each)"}
     from specdecode.data import load_prompts
-    from specdecode.kernels import set_weight_precision
+    from specdecode.lowbit import set_weight_precision
     from specdecode.models import load_model
     from specdecode.proposers.factory import DrafterOptions, load_draft_model, parse_draft, proposer_factory
 

@@ -16,7 +16,7 @@ import argparse
 import torch
 
 from specdecode.data import load_prompts
-from specdecode.kernels import set_weight_precision
+from specdecode.lowbit import set_weight_precision
 from specdecode.layer_search import SearchConfig, choose_skip_layers
 from specdecode.models import load_model
 

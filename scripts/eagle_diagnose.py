@@ -7,7 +7,7 @@ training-distribution prompts (self-distilled sequences of the training set).
 import json, torch
 from pathlib import Path
 from specdecode.models import load_model
-from specdecode.kernels import set_weight_precision
+from specdecode.lowbit import set_weight_precision
 from specdecode.eagle import corpus
 from specdecode.eagle.head import load_head
 from specdecode.engine import EngineConfig, SpeculativeEngine

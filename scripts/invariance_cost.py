@@ -19,7 +19,7 @@ import time
 import torch
 
 from specdecode.bench.env import cpu_flags, cpu_model
-from specdecode.kernels import set_weight_precision
+from specdecode.lowbit import set_weight_precision
 from specdecode.kv.owned import OwnedRunner
 from specdecode.models import load_model
 

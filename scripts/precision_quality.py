@@ -20,7 +20,7 @@ from dataclasses import replace
 
 import torch
 
-from specdecode.kernels import set_weight_precision
+from specdecode.lowbit import set_weight_precision
 from specdecode.lowbit import quantize_loaded
 from specdecode.models import load_model
 from specdecode.precision import measure_quality, quality_gate, quality_texts, teacher_forced

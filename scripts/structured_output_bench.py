@@ -47,7 +47,7 @@ def build_drafter(name: str, target, draft):
 
 def load_pair(target_spec: str = "smollm2-135m"):
     """The bf16 target and an int8 copy of the same model (from float32 weights) as the draft model."""
-    from specdecode.kernels import set_weight_precision
+    from specdecode.lowbit import set_weight_precision
 
     target = load_model(target_spec, dtype=torch.bfloat16, progress=False)
     draft = set_weight_precision(load_model(target_spec, progress=False).model, "int8")

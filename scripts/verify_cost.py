@@ -21,7 +21,7 @@ import time
 import torch
 
 from specdecode.kv import make_runner
-from specdecode.kernels import set_weight_precision
+from specdecode.lowbit import set_weight_precision
 from specdecode.lowbit import LOWBIT_TYPES
 from specdecode.models import load_model
 

@@ -12,7 +12,7 @@ from bench_data import PROBES, PROMPTS, VARIANTS, fake_env, fake_models, make_re
 from conftest import make_tiny_model
 from specdecode.bench import report, roofline, summary
 from specdecode.bench.runner import BenchConfig
-from specdecode.kernels import set_weight_precision
+from specdecode.lowbit import set_weight_precision
 
 VOCAB, HIDDEN = 60, 64
 

@@ -105,7 +105,7 @@ def smollm2_bf16():
 @pytest.fixture(scope="module")
 def smollm2_int8_draft():
     """An int8 copy of SmolLM2 (from float32 weights) drafting for the bf16 target."""
-    from specdecode.kernels import set_weight_precision
+    from specdecode.lowbit import set_weight_precision
 
     return set_weight_precision(load_model("smollm2-135m", progress=False).model, "int8")
 

@@ -8,7 +8,8 @@ import torch
 import torch.nn.functional as F
 
 from specdecode.engine import EngineConfig, SpeculativeEngine
-from specdecode.kernels import set_weight_precision, use_small_row_matmul
+from specdecode.kernels import use_small_row_matmul
+from specdecode.lowbit import set_weight_precision
 from specdecode.kv import make_runner
 from specdecode.proposers import DraftModelProposer, NgramProposer
 from specdecode.types import SamplingParams

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specdecode.kernels import set_weight_precision
+from specdecode.lowbit import set_weight_precision
 from specdecode.kv import make_runner
 from specdecode.kv.owned import OwnedRunner, supports
 from specdecode.types import SpecDecodeError

@@ -11,7 +11,7 @@ import torch
 
 from specdecode import lowbit
 from specdecode.engine import EngineConfig, SpeculativeEngine
-from specdecode.kernels import set_weight_precision
+from specdecode.lowbit import set_weight_precision
 from specdecode.proposers import DraftModelProposer, NgramProposer, TreeDraftConfig, TreeDraftProposer
 from specdecode.types import SamplingParams
 from tiny import chi2_pvalue, exact_joint, tiny_llama, tiny_qwen2

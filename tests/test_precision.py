@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import specdecode.precision as precision
-from specdecode.kernels import set_weight_precision
+from specdecode.lowbit import set_weight_precision
 from specdecode.precision import (
     CACHE_VERSION,
     Candidate,
@@ -333,7 +333,7 @@ def test_every_front_end_loads_a_spec_as_the_same_weights(weights):
     used to quantize the float copy to Q4_1: another model than the product runs)."""
     from specdecode.bench.runner import load_any
     from specdecode.generator import SpecDecoder
-    from specdecode.kernels import weight_digest
+    from specdecode.lowbit import weight_digest
     from specdecode.lowbit import QuantLinear, active_variant
     from specdecode.proposers.factory import load_draft_model
     from specdecode.server.launch import ServeOptions, load_state

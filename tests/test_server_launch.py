@@ -83,7 +83,8 @@ def test_load_state_builds_every_drafter(tiny_model_dir, tiny_head_dir, draft, e
 def test_adaptive_flags_map_to_policies():
     import argparse
 
-    from specdecode.server.launch import add_serve_arguments, options_from_args
+    from specdecode.cliargs import add_serve_arguments
+    from specdecode.server.launch import options_from_args
 
     parser = argparse.ArgumentParser()
     add_serve_arguments(parser)
@@ -205,7 +206,7 @@ def test_build_state_over_loaded_models(tiny64):
 
 
 def test_python_m_specdecode_server_takes_the_serve_flags(capsys):
-    from specdecode.server.launch import main
+    from specdecode.server.entry import main
 
     with pytest.raises(SystemExit) as info:
         main(["--help"])

@@ -602,7 +602,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if replicas is not None:
         check_replica_options(replicas)  # before Ray, torch or a model
         require_ray()
-    from specdecode.server.launch import run_from_args
+    from specdecode.server.entry import run_from_args
 
     return run_from_args(args)
 

@@ -155,9 +155,9 @@ class SpecDecoder:
                 the model and keeps speculation exact on this machine, measured once and cached, see
                 :func:`specdecode.precision.choose_precision`; ``decoder.precision`` says what and why),
                 "fp32", "bf16", "int8" or "int4" (plain decoding uses the same target, so losslessness is with
-                respect to it; see ``kernels.set_weight_precision``).
+                respect to it; see ``lowbit.set_weight_precision``).
             draft_weights: the draft model's precision ("fp32", "bf16", "int8", "int4", see
-                :func:`specdecode.kernels.set_weight_precision`); None = the target's.
+                :func:`specdecode.lowbit.set_weight_precision`); None = the target's.
             status: called with one line before each slow measurement of ``weights="auto"``.
             policy: the draft-length policy's name (see :func:`specdecode.policy.build_policy`).
             skip_layers: with ``draft="layer-skip"`` (self-speculation, the target with some

@@ -42,6 +42,8 @@ import torch
 import torch.nn.functional as F
 
 from specdecode.errors import SpecDecodeError
+from specdecode.kernels import row_product
+from specdecode.options import WEIGHT_PRECISIONS
 
 logger = logging.getLogger(__name__)
 
@@ -440,8 +442,6 @@ class QuantLinear(torch.nn.Module):
         elif kernel is not None and table:
             out = kernel.q_linear(rows, self.packed, self.fmt, table)
         else:  # the reference: 8-bit activations, fixed 16-row blocks, every block padded (row-invariant)
-            from specdecode.kernels import row_product
-
             if self._reference_weight is None:
                 self._reference_weight = self.dequantize()
             out = row_product("padded", self._reference_weight, quantize_activations(rows, self.kind))
@@ -622,6 +622,66 @@ def converted_dir(loaded, cache_dir=None) -> Path | None:
     return None
 
 
+def weight_digest(model: torch.nn.Module) -> str:
+    """sha256 (hex) of the weights ``model`` executes: every parameter and buffer (name, dtype, shape, bytes)
+    and every low-bit module's blocks (block type and packed bytes), in name order. Two loads with the same
+    digest run the same model; the test that every front end loads a spec the same way compares it.
+    """
+    digest = hashlib.sha256()
+    tensors = dict(model.state_dict(keep_vars=False))
+    for name, module in model.named_modules():
+        fused = getattr(module, "fused", None)
+        if hasattr(module, "state_tensors") and not name.endswith(".fused"):
+            rows, kind, bias = module.packed, module.kind, module.bias
+        elif fused is not None and hasattr(fused, "packed"):  # q/k/v of a fused low-bit product: its rows
+            rows, kind = fused.packed[module.start : module.end], fused.kind
+            bias = None if fused.bias is None else fused.bias[module.start : module.end]
+        else:
+            continue
+        tensors[f"{name}.packed"] = rows
+        if bias is not None:
+            tensors[f"{name}.bias"] = bias
+        digest.update(f"{name}:{kind};".encode())
+    for name in sorted(tensors):
+        t = tensors[name].detach().contiguous().cpu()
+        digest.update(f"{name}|{t.dtype}|{tuple(t.shape)};".encode())
+        digest.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return digest.hexdigest()
+
+
+def set_weight_precision(model: torch.nn.Module, precision: str) -> torch.nn.Module:
+    """Execute ``model``'s weights in ``precision``, in place; returns the model.
+
+    - ``fp32``: unchanged (float32).
+    - ``bf16``: parameters cast to bfloat16 (AVX512-BF16 CPUs run few-row products at
+      about the one-row cost; half the bytes of float32).
+    - ``int8``: every ``nn.Linear`` (the LM head included) whose ``in_features`` is a multiple of
+      32 becomes a :class:`specdecode.lowbit.QuantLinear` of Q8_0 blocks (int8, one float16 scale per
+      32 weights: 8.5 bits per weight), activations quantized to 8 bits per row by the kernel.
+    - ``int4``: the same with Q4_1 blocks (4-bit groups of 32 with a scale and a minimum), quantized
+      from the float weights. A model converted from a GGUF file gets its file's own blocks instead
+      (``lowbit.quantize_loaded``, what ``load_target`` runs).
+
+    Both low-bit kinds give a row the same result whatever rows share the call, so with the
+    project's own forward (``kv.owned.OwnedRunner``: the C++ layer loop, row by row) a low-bit target
+    stays lossless: speculative == plain decoding of the same model. Embeddings and norms stay
+    float32.
+
+    Raises:
+        ValueError: unknown precision.
+    """
+    if precision not in WEIGHT_PRECISIONS:
+        raise ValueError(f"unknown weight precision {precision!r}; choose one of {', '.join(WEIGHT_PRECISIONS)}")
+    model.__dict__.pop("_specdecode_fused_layers", None)  # owned-forward weight views of the old precision
+    if getattr(model, "config", None) is not None:
+        model.config.specdecode_weights = precision  # names the precision in per-model caches (layer_search)
+    if precision == "bf16":
+        return model.to(torch.bfloat16)
+    if precision in ("int8", "int4"):
+        install(model, modules_from_float(model, precision))
+    return model
+
+
 def load_in_precision(spec: str, precision: str, *, dtype=torch.float32, cache_dir=None, progress: bool = True,
                       say=None):
     """:func:`specdecode.models.load_model` with the weights in ``precision``.
@@ -629,12 +689,11 @@ def load_in_precision(spec: str, precision: str, *, dtype=torch.float32, cache_d
     int4 / int8 of a catalog model whose low-bit weights are cached: built from the cache without
     reading the float copy's linear weights (:func:`load_cached`); otherwise the float model is
     loaded and :func:`quantize_loaded` (which fills the cache). fp32 / bf16: as
-    ``kernels.set_weight_precision``.
+    set_weight_precision.
 
     Raises:
         ModelLoadError (from load_model), SpecDecodeError (a GGUF tensor without a low-bit layout).
     """
-    from specdecode.kernels import WEIGHT_PRECISIONS, set_weight_precision
     from specdecode.models import _converted_ok, default_cache_dir, load_model, resolve_spec
 
     if precision not in WEIGHT_PRECISIONS:

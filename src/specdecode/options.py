@@ -19,7 +19,7 @@ CATALOG_MODELS = ("smollm2-135m", "qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b", "g
 #: block of the batch-invariant verification forward; 16 would cost two.
 DEFAULT_TREE_NODES = 15
 
-#: Precisions a model's weights can execute in (``specdecode.kernels.set_weight_precision``).
+#: Precisions a model's weights can execute in (``specdecode.lowbit.set_weight_precision``).
 WEIGHT_PRECISIONS = ("fp32", "bf16", "int8", "int4")
 #: What ``--weights`` takes: ``auto`` (the library measures and picks one per machine) or a precision.
 WEIGHT_CHOICES = ("auto", *WEIGHT_PRECISIONS)

@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 
 from specdecode.errors import SpecDecodeError
-from specdecode.kernels import set_weight_precision
+from specdecode.lowbit import set_weight_precision
 
 #: Next-token argmax agreement with float32 a precision needs to keep the model.
 MIN_ARGMAX_AGREEMENT = 0.97

@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from specdecode.audit.runner import AuditReport
+if TYPE_CHECKING:  # annotations only: the runner imports this module to write its report
+    from specdecode.audit.runner import AuditReport
 
 #: Outcomes in the plot.
 PLOT_CELLS = 24

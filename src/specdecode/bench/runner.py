@@ -642,7 +642,7 @@ def load_any(spec: str, dtype: str, kernel: str = "default", weights: str = "fp3
     Returns:
         (LoadedModel, the precision it runs in: ``weights``, or what ``auto`` chose).
     """
-    from specdecode.kernels import set_weight_precision
+    from specdecode.lowbit import set_weight_precision
 
     if spec.startswith("smoke:"):  # the built-in tiny model, built in code (no file behind it)
         from specdecode.bench.smoke import load_smoke_model

@@ -44,6 +44,17 @@ CONFIG_FILE = "config.json"
 FORMAT_VERSION = 1
 
 
+def autocast_dtype(device: str) -> torch.dtype | None:
+    """bfloat16 autocast where it pays: CUDA, or a CPU with AMX / AVX512-BF16 (Linux flags); else None."""
+    if device.startswith("cuda"):
+        return torch.bfloat16
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return None
+    return torch.bfloat16 if ("amx_bf16" in flags or "avx512_bf16" in flags) else None
+
+
 class EagleCheckpointError(SpecDecodeError):
     """A draft-head checkpoint is missing, malformed or made for another target."""
 

@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 
 from specdecode.eagle import corpus
-from specdecode.eagle.head import EagleConfig, EagleHead, default_feature_layers, save_head
+from specdecode.eagle.head import EagleConfig, EagleHead, autocast_dtype, default_feature_layers, save_head
 from specdecode.errors import SpecDecodeError
 from specdecode.paths import check_output_dir
 
@@ -105,17 +105,6 @@ class TrainConfig:
         check_threads(self.threads)  # torch's CPU threads: 1..the cores this process may use
         if not 0 <= self.held_out_fraction < 0.5:
             raise SpecDecodeError(f"held_out_fraction must be in [0, 0.5), got {self.held_out_fraction}")
-
-
-def autocast_dtype(device: str) -> torch.dtype | None:
-    """bfloat16 autocast where it pays: CUDA, or a CPU with AMX / AVX512-BF16 (Linux flags); else None."""
-    if device.startswith("cuda"):
-        return torch.bfloat16
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return None
-    return torch.bfloat16 if ("amx_bf16" in flags or "avx512_bf16" in flags) else None
 
 
 # --------------------------------------------------------------------------- the stages
@@ -520,7 +509,7 @@ def run(target: str, cfg: TrainConfig, *, out: str | Path | None = None, work_di
     """
     from tqdm import tqdm
 
-    from specdecode.kernels import set_weight_precision
+    from specdecode.lowbit import set_weight_precision
     from specdecode.models import default_cache_dir, load_model
 
     t0 = time.perf_counter()

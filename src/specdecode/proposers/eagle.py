@@ -91,7 +91,7 @@ class _RowCache:
 
 def _fast_bf16() -> bool:
     """True on CPUs with AMX / AVX512-BF16 (bfloat16 products at least as fast as float32's)."""
-    from specdecode.eagle.train import autocast_dtype
+    from specdecode.eagle.head import autocast_dtype
 
     return autocast_dtype("cpu") is torch.bfloat16
 

@@ -2,6 +2,6 @@
 
 import sys
 
-from specdecode.server.launch import main
+from specdecode.server.entry import main
 
 sys.exit(main())

@@ -1,8 +1,9 @@
 """Build and run the server: load the target (and draft), build the one engine and its scheduler, start uvicorn.
 
 ``specdecode serve`` (cli.py) and ``python -m specdecode.server`` both land in
-:func:`run_from_args`; tests and scripts use :func:`build_state` with models
-they already hold.
+``server.entry.run_from_args``, which calls :func:`run` (or, with ``--replicas``,
+``server.replicas.run``, which builds on this module); tests and scripts use
+:func:`build_state` with models they already hold.
 
 The drafter is built the way ``specdecode generate`` builds it, through
 ``specdecode.proposers.factory`` (``parse_draft`` -> ``check_drafter`` ->
@@ -20,9 +21,8 @@ import logging
 import sys
 from dataclasses import dataclass
 
-import torch
 
-from specdecode.cliargs import add_serve_arguments, set_threads  # the flags live with the CLI's
+from specdecode.cliargs import set_threads
 from specdecode.engine import EngineConfig, SpeculativeEngine
 from specdecode.models import LoadedModel, check_compatible
 from specdecode.options import DEFAULT_TREE_NODES
@@ -282,6 +282,7 @@ def run(opts: ServeOptions) -> int:
         app = create_app(state)
         auth = "on" if opts.api_key else "off"
         port = sock.getsockname()[1]  # the bound port (the system's choice for --port 0)
+        sock.listen(2048)  # before the line below: a client that reads it and connects at once is queued, not refused
         host = f"[{opts.host}]" if ":" in opts.host else opts.host
         print(f"specdecode: serving {state.config.model_name!r} (draft {state.config.draft}, gamma "
               f"{opts.num_speculative_tokens}, policy {state.config.policy}, weights "
@@ -307,28 +308,3 @@ def options_from_args(args: argparse.Namespace) -> ServeOptions:
         max_request_bytes=args.max_request_bytes, api_key=args.api_key, served_model_name=args.served_model_name,
         default_max_tokens=args.default_max_tokens, log_level=args.log_level, threads=args.threads,
     )
-
-
-def run_from_args(args: argparse.Namespace) -> int:
-    """Entry point of ``specdecode serve`` (with ``--replicas``: :func:`specdecode.server.replicas.run`)."""
-    torch.set_grad_enabled(False)
-    from specdecode.scaleout import replica_options_from_args
-
-    replicas = replica_options_from_args(args)
-    if replicas is not None:  # Ray Serve: imported only here, as it needs Ray
-        from specdecode.server.replicas import run as run_replicas
-
-        return run_replicas(options_from_args(args), replicas)
-    return run(options_from_args(args))
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m specdecode.server",
-                                     description="OpenAI-compatible server with lossless speculative decoding")
-    add_serve_arguments(parser)
-    args = parser.parse_args(argv)
-    try:
-        return run_from_args(args)
-    except SpecDecodeError as exc:
-        print(f"error: {' '.join(str(exc).split())}", file=sys.stderr)
-        return 2
