@@ -1,8 +1,8 @@
-"""A suite of JSON-schema requests for structured-output runs on real weights (``tests/test_grammar_integration.py``
-and ``scripts/structured_output_bench.py``): 50 schemas from 5 templates (a flat record, a product with a pattern,
-numbers and an array, nested objects, enums, an array of objects), each varied in its sizes, enum values and
-optional parts, with a chat prompt that asks for it. Every object has ``additionalProperties: false`` and every
-string and array a bound, so every output is finite.
+"""A suite of JSON-schema requests for structured-output runs on real weights
+(``tests/test_grammar_integration.py`` and ``scripts/bench/structured_output_bench.py``): 50 schemas from 5
+templates (a flat record, a product with a pattern, numbers and an array, nested objects, enums, an array of
+objects), each varied in its sizes, enum values and optional parts, with a chat prompt that asks for it. Every
+object has ``additionalProperties: false`` and every string and array a bound, so every output is finite.
 """
 
 from __future__ import annotations

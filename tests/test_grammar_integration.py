@@ -2,7 +2,7 @@
 speculative output must equal constrained plain decoding token for token, near-tie or not).
 
 CI runs 10 of the 50 JSON-schema requests of ``tests/structured_suite.py`` (two per template) with each drafter;
-``scripts/structured_output_bench.py`` runs all 50 and writes docs/results/structured/.
+``scripts/bench/structured_output_bench.py`` runs all 50 and writes docs/results/structured/.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ def _bench():
     import importlib.util
     from pathlib import Path
 
-    path = Path(__file__).resolve().parents[1] / "scripts" / "structured_output_bench.py"
+    path = Path(__file__).resolve().parents[1] / "scripts" / "bench" / "structured_output_bench.py"
     spec = importlib.util.spec_from_file_location("structured_output_bench", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

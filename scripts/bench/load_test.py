@@ -23,7 +23,7 @@ Two phases, each against a server started here as a subprocess on 127.0.0.1
 
 Prints tables and writes JSON (``--out``). Run the heavy part under the shared lock:
 
-    flock /tmp/specdecode-heavy.lock python scripts/load_test.py --requests 500
+    flock /tmp/specdecode-heavy.lock python scripts/bench/load_test.py --requests 500
 """
 
 from __future__ import annotations

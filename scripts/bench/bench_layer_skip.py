@@ -2,7 +2,7 @@
 
 Run it alone on the machine (it times things):
 
-    flock /tmp/specdecode-heavy.lock python scripts/bench_layer_skip.py --output bench-out/layer_skip.json
+    flock /tmp/specdecode-heavy.lock python scripts/bench/bench_layer_skip.py --output bench-out/layer_skip.json
 
 Three parts, every run greedy unless stated, batch size 1, ``ignore_eos`` (fixed length):
 

@@ -6,7 +6,7 @@ benchmark with ``--limit`` <= offset never sees them. The chosen set is stored i
 cache (keyed by model, dtype and weights), where ``--draft layer-skip`` and ``specdecode bench``
 find it.
 
-    python scripts/calibrate_layer_skip.py --target smollm2-135m --dtype bfloat16 --threads 1
+    python scripts/bench/calibrate_layer_skip.py --target smollm2-135m --dtype bfloat16 --threads 1
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """What the batch-invariant forward costs per step (a program, not a test; it times things).
 
-    python scripts/invariance_cost.py --target smollm2-135m --precision bf16 --context 800
+    python scripts/bench/invariance_cost.py --target smollm2-135m --precision bf16 --context 800
 
 The same loaded model, two owned runners side by side: the batch-invariant one (products as
 zero-padded 16-row blocks, float64 attention on a float64 cache: what makes speculative output

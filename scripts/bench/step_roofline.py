@@ -9,7 +9,7 @@ of the machine's measured matrix-product throughput for that precision (float32 
 the model's own shapes). The target runs the project's own batch-invariant forward, as
 ``specdecode generate`` runs it.
 
-    python scripts/step_roofline.py --target smollm2-135m --precisions fp32,bf16,int8,int4 \\
+    python scripts/bench/step_roofline.py --target smollm2-135m --precisions fp32,bf16,int8,int4 \\
         --contexts 14,2000 --json docs/results/lowbit/step_smollm2.json
 """
 

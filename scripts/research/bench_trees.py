@@ -5,10 +5,10 @@ temperature, batch size 1):
 
     # SmolLM2-135M: suffix decoding vs n-gram on Spec-Bench summarization, RAG, and a
     # repeated task (the same HumanEval prompts answered twice; pass 2 may use the global tree)
-    flock /tmp/specdecode-heavy.lock python scripts/bench_trees.py suffix --limit 5 --max-new-tokens 128
+    flock /tmp/specdecode-heavy.lock python scripts/research/bench_trees.py suffix --limit 5 --max-new-tokens 128
 
     # Qwen2.5-Coder 1.5B target + 0.5B draft: EAGLE-2 dynamic tree vs chain at equal draft forwards
-    flock /tmp/specdecode-heavy.lock python scripts/bench_trees.py tree --limit 3 --max-new-tokens 64
+    flock /tmp/specdecode-heavy.lock python scripts/research/bench_trees.py tree --limit 3 --max-new-tokens 64
 
 Every variant runs each prompt back to back (order rotated per prompt) with the same target,
 the same forward (``--kernel small-row`` computes linears of <= 16 rows as ``W @ x.T`` for all

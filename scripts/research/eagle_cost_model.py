@@ -5,7 +5,7 @@ alpha per draft position (specdecode.costmodel), c = the head's cost per draft t
 T_verify from the bench's probe. Defaults: the SmolLM2-135M bf16 run of docs/results/eagle/smollm2_greedy.md
 (c = 0.085, the probe's T_verify(k) / T_decode(1)).
 
-    python scripts/eagle_cost_model.py [--c 0.085] [--verify 1.00,1.02,1.01,1.01,1.01,1.04,1.06,1.08,1.09]
+    python scripts/research/eagle_cost_model.py [--c 0.085] [--verify 1.00,1.02,1.01,1.01,1.01,1.04,1.06,1.08,1.09]
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Per-precision decode time and T_verify(k) / T_decode(1), next to the memory-bandwidth floor
 (a program, not a test; run it alone on the machine, it times things).
 
-    python scripts/verify_cost.py --target qwen2.5-coder-1.5b --precisions fp32,bf16,int8 --threads 1
+    python scripts/bench/verify_cost.py --target qwen2.5-coder-1.5b --precisions fp32,bf16,int8 --threads 1
 
 For each weight precision the target is loaded and run with the forward backend given
 (default: owned), after a context of --context tokens: one cached forward of k + 1 new tokens

@@ -20,8 +20,8 @@ Without ``--draft`` the draft's rows are skipped. The Markdown report goes to st
 stderr; ``--json FILE`` writes every figure. The 1-minute load average is recorded before and after:
 a busy machine inflates every figure.
 
-    python scripts/scaling_inputs.py --target smollm2-135m --json docs/results/scaling/inputs_smollm2.json
-    python scripts/scaling_inputs.py --target qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b \\
+    python scripts/bench/scaling_inputs.py --target smollm2-135m --json docs/results/scaling/inputs_smollm2.json
+    python scripts/bench/scaling_inputs.py --target qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b \\
         --json docs/results/scaling/inputs_qwen_coder.json
 """
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """The scaling cost model of docs/scaling.md, evaluated on the measured inputs (a program, not a test).
 
-Reads the JSON of ``scripts/scaling_inputs.py`` (the Qwen pair's and SmolLM2's) and prints the three
+Reads the JSON of ``scripts/bench/scaling_inputs.py`` (the Qwen pair's and SmolLM2's) and prints the three
 analyses as Markdown, every figure from ``specdecode.costmodel``:
 
 1. pipeline speculation (draft on one core, target on the other, overlapped) against serial
@@ -12,7 +12,7 @@ analyses as Markdown, every figure from ``specdecode.costmodel``:
 3. replicas against a larger batch: tokens/s of one process at batch B on both cores against two
    replicas at B / 2 on one core each (decoding steps only; the load test has the whole requests).
 
-    python scripts/scaling_model.py --qwen docs/results/scaling/inputs_qwen_coder.json \\
+    python scripts/bench/scaling_model.py --qwen docs/results/scaling/inputs_qwen_coder.json \\
         --smollm2 docs/results/scaling/inputs_smollm2.json > docs/results/scaling/model.md
 """
 

@@ -2,7 +2,7 @@
 
 Run it alone on the machine (it times things):
 
-    flock /tmp/specdecode-heavy.lock python scripts/bench_verification.py \\
+    flock /tmp/specdecode-heavy.lock python scripts/research/bench_verification.py \\
         --target smollm2-135m --draft smollm2-135m --draft-weights int8 \\
         --prompts spec-bench:writing:4 --temperatures 1.0,0.7 --gamma 4 --output bench-out/verification.json
 

@@ -7,7 +7,7 @@ the text's tokens (nats/token, and its perplexity) and how often the precision's
 argmax equals float32's; and whether it passes the quality gate of ``--weights auto``
 (``specdecode.precision.quality_gate``: agreement >= 97%, perplexity within 1%).
 
-    python scripts/precision_quality.py --target qwen2.5-coder-1.5b --limit 2
+    python scripts/bench/precision_quality.py --target qwen2.5-coder-1.5b --limit 2
 """
 
 from __future__ import annotations

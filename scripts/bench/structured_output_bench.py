@@ -1,7 +1,7 @@
 """Structured output on real weights: 50 JSON-schema requests, greedy, with each drafter against constrained plain
 decoding (a program, not a test; ``tests/test_grammar_integration.py`` runs a subset in CI).
 
-    python scripts/structured_output_bench.py --threads 1 --output docs/results/structured/smollm2_bf16.json
+    python scripts/bench/structured_output_bench.py --threads 1 --output docs/results/structured/smollm2_bf16.json
 
 For every request of ``tests/structured_suite.py`` (nested objects, enums, arrays, numbers, strings with
 maxLength / pattern, booleans; chat prompts) it runs constrained plain decoding, then each drafter through the
@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
 
 from structured_suite import schema_suite  # noqa: E402
 

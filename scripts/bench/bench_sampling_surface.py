@@ -8,8 +8,8 @@ included), acceptance rate, the median over prompts of plain time / speculative 
 and whether greedy outputs equal plain decoding. Machine, threads, load average, lscpu flags and
 the commit are printed and saved.
 
-    python scripts/bench_sampling_surface.py --target smollm2-135m --draft ngram --limit 5
-    python scripts/bench_sampling_surface.py --target qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b \\
+    python scripts/bench/bench_sampling_surface.py --target smollm2-135m --draft ngram --limit 5
+    python scripts/bench/bench_sampling_surface.py --target qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b \\
         --dtype bf16 --dataset humaneval:5 --settings t1-token,t1-block,t07-token,t07-block
 """
 

@@ -12,7 +12,7 @@ and the draft's q (after temperature) give:
 - a deterministic drafter (one-hot q on the draft's argmax) is accepted with p(argmax q) in both
   modes, reported once.
 
-    python scripts/coupled_acceptance.py --target qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b --limit 2
+    python scripts/research/coupled_acceptance.py --target qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b --limit 2
 """
 
 from __future__ import annotations
