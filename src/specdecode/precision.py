@@ -81,7 +81,7 @@ def quality_gate(report: QualityReport) -> tuple[bool, str]:
     return ok, line
 
 
-#: Quality figures of the offline catalog's models, measured with ``scripts/precision_quality.py``
+#: Quality figures of the offline catalog's models, measured with ``scripts/bench/precision_quality.py``
 #: (26 Spec-Bench prompts, 2 per category, chat template, up to 512 tokens each, teacher-forced,
 #: float32 reference; docs/results/precision/), so a first load measures only this machine.
 CATALOG_QUALITY: dict[str, dict[str, QualityReport]] = {
