@@ -107,8 +107,13 @@ def pytest_configure(config):
     torch.set_num_threads(TEST_THREADS)
 
 
+@pytest.hookimpl(tryfirst=True)  # before ``-m`` deselects: an integration test is always in the slow lane
 def pytest_collection_modifyitems(config, items):
-    """Skip tests that read ../shared/data when it is not beside the clone (CI always has it)."""
+    """Mark every ``integration`` test ``slow`` too (so ``-m "not slow"``, the fast lane, never runs real
+    weights); skip tests that read ../shared/data when it is not beside the clone (CI always has it)."""
+    for item in items:
+        if item.get_closest_marker("integration") is not None and item.get_closest_marker("slow") is None:
+            item.add_marker(pytest.mark.slow)
     if _shared_data_available():
         return
     skip = pytest.mark.skip(reason="../shared/data not found (set SPECDECODE_SHARED_DATA to run these)")

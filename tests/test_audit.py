@@ -204,7 +204,7 @@ def test_the_stated_power_holds_and_shrinks_with_n():
 SAMPLES_OF = {"tree-dynamic": 1000, "eagle": 1000}
 
 
-@pytest.mark.parametrize("kind", list(DRAFTERS))
+@pytest.mark.parametrize("kind", [k if k == "ngram" else pytest.param(k, marks=pytest.mark.slow) for k in DRAFTERS])
 def test_audit_passes_our_engine_for_every_drafter(models, kind):
     """Temperature 1, top-p 0.9, 2,000 samples of 3 tokens: PASS, no impossible output, drafts really ran."""
     n = SAMPLES_OF.get(kind, N)
@@ -218,6 +218,7 @@ def test_audit_passes_our_engine_for_every_drafter(models, kind):
     assert p.detectable_tv is not None and p.detectable_tv < 0.12 * (N / n) ** 0.5  # the test has teeth
 
 
+@pytest.mark.slow
 def test_audit_passes_block_verification_and_the_coupled_mode(models):
     for kw in (dict(verification="block"), dict(coupled=True)):
         assert _audit(models, _source(models, "draft-model", **kw), num_tokens=2, num_samples=1500).passed, kw
@@ -250,6 +251,7 @@ def unnormalised_verify_chains(draft_ids, num_drafted, draft_probs, target_probs
     return res
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("top_p", [1.0, 0.9])
 def test_audit_fails_a_temperature_off_by_15_percent(models, top_p):
     """Without top-p the chi-square sees it; with top-p 0.9 the hotter law also leaves the support (impossible
@@ -264,6 +266,7 @@ def test_audit_fails_a_temperature_off_by_15_percent(models, top_p):
         assert p.adjusted_p < 0.01 and p.tv > p.tv_null_99
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["ngram", "draft-model"])
 def test_audit_fails_a_residual_that_is_not_renormalised(models, kind, monkeypatch):
     import specdecode.engine as engine_module
@@ -335,6 +338,7 @@ def _endpoint_prompt(tiny64):
     return AuditPrompt("cat", tuple(ids), "the cat and the dog and the cat and the")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("text_only", [False, True])
 def test_audit_passes_our_server(live, tiny64, text_only, monkeypatch):
     """Our server (ngram drafter, gamma 3) over HTTP, 8 requests in flight: PASS; also when the ids are dropped

@@ -52,11 +52,13 @@ def _own_cache(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def smoke_dir(_own_cache, tmp_path_factory):
+    """A whole benchmark run (about ten seconds on 2 cores): the tests that read it are in the slow lane."""
     out = tmp_path_factory.mktemp("bench") / "smoke"
     run_bench(smoke_config(output=str(out), limit=1), progress=False, log=lambda msg: None)
     return out
 
 
+@pytest.mark.slow
 def test_smoke_run_writes_every_report(smoke_dir):
     for name in (report.REPORT_MD, report.REPORT_JSON, report.META_JSON, *report.PLOTS):
         assert (smoke_dir / name).is_file(), name
@@ -78,6 +80,7 @@ def test_smoke_run_writes_every_report(smoke_dir):
     assert draft["drafting"]["fraction"] > 0 and target["kv_bytes_per_token"] > 0
 
 
+@pytest.mark.slow
 def test_greedy_outputs_agree_with_plain_and_hugging_face(smoke_dir):
     summ = json.loads((smoke_dir / report.REPORT_JSON).read_text())["summary"]
     assert summ["agreement"]["mismatches"] == []
@@ -87,6 +90,7 @@ def test_greedy_outputs_agree_with_plain_and_hugging_face(smoke_dir):
     assert summ["sweeps"]["draft-model:model=smoke:draft"]["gammas"] == [2, 4]
 
 
+@pytest.mark.slow
 def test_rerun_resumes_and_skips_done_work(smoke_dir):
     before = _runs(smoke_dir)
     # lose the last three runs, and leave a half-written line as a killed run would
@@ -102,6 +106,7 @@ def test_rerun_resumes_and_skips_done_work(smoke_dir):
     assert [r["time"] for r in after[:-3]] == [r["time"] for r in before[:-3]]  # nothing else ran again
 
 
+@pytest.mark.slow
 def test_cli_report_only_rebuilds_without_running(smoke_dir, capsys):
     from specdecode.cli import main
 
@@ -112,6 +117,7 @@ def test_cli_report_only_rebuilds_without_running(smoke_dir, capsys):
     assert (smoke_dir / report.REPORT_MD).is_file() and len(_runs(smoke_dir)) == n
 
 
+@pytest.mark.slow
 def test_more_repeats_add_runs_and_the_fastest_counts(smoke_dir):
     before = _runs(smoke_dir)
     run_bench(smoke_config(output=str(smoke_dir), limit=1, repeats=2), progress=False, log=lambda msg: None)
@@ -124,6 +130,7 @@ def test_more_repeats_add_runs_and_the_fastest_counts(smoke_dir):
         assert cells["overall"]["wall_s"] == pytest.approx(sum(walls.values()))
 
 
+@pytest.mark.slow
 def test_bench_takes_weights_auto_and_records_the_precision_that_ran(tmp_path, monkeypatch):
     """--weights auto in the benchmark too (the one precision choice of generate / serve); records and the
     report carry what ran, never "auto"; a target that is not float32 has nothing to choose from."""

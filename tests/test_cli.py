@@ -443,6 +443,7 @@ def test_empty_standard_input_is_refused_as_an_empty_prompt(tiny_model_dir):
 
 
 @pytest.mark.skipif(not Path("/dev/full").exists(), reason="no /dev/full here")
+@pytest.mark.slow  # a subprocess
 def test_a_full_disk_on_standard_output_is_one_line(tiny_model_dir):
     with open("/dev/full", "w") as full:
         result = subprocess.run([sys.executable, "-m", "specdecode", "generate", "--target", str(tiny_model_dir),

@@ -168,6 +168,7 @@ def test_a_float64_head_keeps_its_norms_in_float64(target):
     assert torch.equal(half.hidden_norm(y), want.bfloat16())
 
 
+@pytest.mark.slow
 def test_training_loss_falls_and_the_trained_head_drafts_what_the_target_says(tmp_path):
     target = tiny_llama(vocab_size=64, layers=3, scale=3.0, dtype=torch.float32)
     data, loaded, cfg = _trained_head(target)
@@ -212,7 +213,7 @@ def test_training_loss_falls_and_the_trained_head_drafts_what_the_target_says(tm
     assert out.token_ids == full and out.metrics.num_accepted_tokens > 5
 
 
-@pytest.mark.parametrize("tree", ["none", "dynamic"])
+@pytest.mark.parametrize("tree", ["none", pytest.param("dynamic", marks=pytest.mark.slow)])
 def test_sampled_output_follows_the_target_distribution(tree):
     """First three sampled tokens (gamma 2) against the target's exact joint; the head's draft vocabulary
     leaves out tokens 2 and 4, which the target must still produce."""
@@ -307,6 +308,7 @@ def test_the_drafter_choice_builds_through_the_factory(target, tmp_path):
         proposer_factory(parse_draft("suffix:eagle"), DrafterOptions(), target=target)
 
 
+@pytest.mark.slow
 @pytest.mark.shared_data
 def test_training_prompts_do_not_overlap_the_held_out_set():
     prompts = train.corpus.training_prompts({"sharegpt": 60, "gsm8k": 300, "templates": 100, "stdlib": 60,

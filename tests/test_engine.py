@@ -122,7 +122,7 @@ def test_seed_makes_sampling_reproducible(target, draft):
     assert a == b
 
 
-@pytest.mark.parametrize("coupled", [False, True])
+@pytest.mark.parametrize("coupled", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_sampled_output_follows_target_distribution_through_the_engine(coupled):
     """First three sampled tokens, speculative (draft-model, gamma 2) vs the target's exact joint, in the
     standard (rejection sampling) and the coupled mode."""
@@ -282,8 +282,9 @@ def small_pair():
     return tgt, tiny_llama(vocab_size=VOCAB, seed=4, layers=1, hidden=32, scale=4.0)
 
 
-@pytest.mark.parametrize("kind, coupled", [*((k, False) for k in DRAFTERS), ("draft-model", True),
-                                           ("tree-dynamic", True)])
+@pytest.mark.parametrize("kind, coupled", [  # the fast lane keeps n-gram; the slow lane every drafter and the coupled mode
+    *(pytest.param(k, False, marks=() if k == "ngram" else pytest.mark.slow) for k in DRAFTERS),
+    pytest.param("draft-model", True, marks=pytest.mark.slow), pytest.param("tree-dynamic", True, marks=pytest.mark.slow)])
 def test_sampled_distribution_in_a_busy_batch_is_the_targets(small_pair, kind, coupled):
     """3-token samples of one prompt, decoded among other requests (other prompts, greedy and sampled,
     joining and leaving) in batches of up to 8: chi-square against the target's exact joint. Standard
@@ -314,7 +315,9 @@ def test_sampled_distribution_in_a_busy_batch_is_the_targets(small_pair, kind, c
     assert chi2_pvalue(counts, exact_joint(tgt, DIST_PROMPT, 3, backend="owned")) > 1e-3
 
 
-@pytest.mark.parametrize("forward, kind", [("hf", "draft-model"), ("owned", "draft-model"), ("hf", "tree-dynamic"),
+@pytest.mark.parametrize("forward, kind", [pytest.param("hf", "draft-model", marks=pytest.mark.slow),
+                                           pytest.param("owned", "draft-model", marks=pytest.mark.slow),
+                                           pytest.param("hf", "tree-dynamic", marks=pytest.mark.slow),
                                            ("owned", "tree-dynamic"), ("owned", "layer-skip")])
 def test_every_rows_caches_equal_a_fresh_prefill_after_many_steps(target4, draft, forward, kind):
     """Per-row rollback contract: after every step, each row's target cache holds exactly the keys /

@@ -298,7 +298,7 @@ def _check_text(tok, spec: StructuredOutput, ids: list[int]) -> None:
 
 
 @pytest.fixture(scope="module")
-def plain_outputs(tok, models):
+def plain_outputs(tok, models):  # half a minute on 2 cores: the tests that read it are slow
     """Constrained plain decoding (no proposer) of every spec and prompt, greedy."""
     target, _ = models
     plain = SpeculativeEngine(target, None)
@@ -311,6 +311,7 @@ def plain_outputs(tok, models):
     return out
 
 
+@pytest.mark.slow
 def test_constrained_plain_decoding_is_valid(tok, plain_outputs):
     """Bounded specs end in EOS and validate; any JSON object (unbounded: a random model writes keys until
     max_new_tokens) is checked token for token against speculation only."""
@@ -319,6 +320,7 @@ def test_constrained_plain_decoding_is_valid(tok, plain_outputs):
             _check_text(tok, SPECS[name], ids)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("drafter", list(DRAFTERS))
 def test_greedy_speculative_equals_constrained_plain_decoding(tok, models, plain_outputs, drafter):
     target, draft = models
@@ -334,6 +336,7 @@ def test_greedy_speculative_equals_constrained_plain_decoding(tok, models, plain
     assert drafted > 0
 
 
+@pytest.mark.slow
 def test_a_batch_of_constrained_and_free_rows_keeps_each_row_exact(tok, models, plain_outputs):
     """Rows with different grammars (and one without) in one batch: each equals its constrained plain run."""
     target, draft = models
@@ -351,8 +354,9 @@ def test_a_batch_of_constrained_and_free_rows_keeps_each_row_exact(tok, models, 
     assert free.generated == SpeculativeEngine(target, None).generate(PROMPTS[0], SamplingParams(max_new_tokens=20)).token_ids
 
 
-@pytest.mark.parametrize("drafter", ["draft-model", "ngram", "tree-dynamic", "suffix"])
-@pytest.mark.parametrize("coupled", [False, True])
+@pytest.mark.parametrize("drafter", ["draft-model", "ngram", pytest.param("tree-dynamic", marks=pytest.mark.slow),
+                                     "suffix"])
+@pytest.mark.parametrize("coupled", [pytest.param(False, marks=pytest.mark.slow), True])
 def test_sampled_outputs_always_validate(tok, models, drafter, coupled):
     target, draft = models
     engine = SpeculativeEngine(target, DRAFTERS[drafter](target, draft), EngineConfig(num_speculative_tokens=4))
@@ -492,8 +496,9 @@ def _pvalue(counts: Counter, exact: dict) -> float:
     return chi2_pvalue([counts[k] for k in keys], [exact[k] for k in keys])
 
 
-@pytest.mark.parametrize("coupled", [False, True])
-@pytest.mark.parametrize("drafter", ["draft-model", "fixed-chain", "tree-dynamic", "renormalised", "unmasked"])
+@pytest.mark.parametrize("drafter, coupled", [  # the fast lane keeps the draft model, standard mode; 5-25 s each
+    pytest.param(d, c, marks=() if (d, c) == ("draft-model", False) else pytest.mark.slow)
+    for d in ("draft-model", "fixed-chain", "tree-dynamic", "renormalised", "unmasked") for c in (False, True)])
 def test_sampled_speculative_distribution_equals_constrained_plain(dist_setup, drafter, coupled):
     grammar, target, draft, exact = dist_setup
     proposer = {"draft-model": lambda: DraftModelProposer(draft),
@@ -505,6 +510,7 @@ def test_sampled_speculative_distribution_equals_constrained_plain(dist_setup, d
     assert _pvalue(counts, exact) > 1e-3, (counts, exact)
 
 
+@pytest.mark.slow
 def test_negative_control_an_unnormalised_draft_breaks_the_distribution(dist_setup, monkeypatch):
     """q masked but not renormalised: not the law the draft tokens were drawn from. The engine's door refuses it
     (the row fails, naming the proposer); let through, verification's min(1, p/q) and residual would read the
@@ -524,6 +530,7 @@ def test_negative_control_an_unnormalised_draft_breaks_the_distribution(dist_set
     assert _pvalue(counts, exact) < 1e-6, (counts, exact)
 
 
+@pytest.mark.slow
 def test_the_enumeration_matches_constrained_plain_sampling(dist_setup):
     """The reference itself: plain decoding (no proposer) samples the enumerated distribution."""
     grammar, target, _, exact = dist_setup

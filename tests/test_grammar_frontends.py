@@ -131,6 +131,7 @@ def test_cli_parses_the_structured_output_flags(tmp_path):
     assert "--json-schema FILE" in help_text and "--regex PATTERN" in help_text
 
 
+@pytest.mark.slow
 def test_cli_generates_valid_json_and_regex_matches(capsys, smol_dir, tmp_path):
     schema_file = tmp_path / "schema.json"
     schema_file.write_text(json.dumps(SCHEMA))

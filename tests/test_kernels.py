@@ -54,7 +54,7 @@ def _two_token_distribution_pvalue(target, draft, backend: str, vocab: int = 5, 
     return chi2_pvalue(counts, exact)
 
 
-@pytest.mark.parametrize("coupled", [False, True])
+@pytest.mark.parametrize("coupled", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_int8_draft_sampling_follows_the_float_target_distribution(coupled):
     target = tiny_llama(seed=3, vocab_size=5, layers=1, hidden=32, scale=4.0)
     draft = _int8(4, vocab_size=5, layers=1, hidden=32, scale=4.0)

@@ -291,7 +291,9 @@ def test_every_variant_and_thread_count_gives_the_same_bits(kind):
     assert all(torch.equal(o, outs[0]) for o in outs)
 
 
-@pytest.mark.parametrize("precision", ["int4", "int8"])
+@pytest.mark.parametrize("precision", ["int4", pytest.param("int8", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("variant", [v if v == "avx2" else pytest.param(v, marks=pytest.mark.slow) for v in VARIANTS] or
+                         ["none"], indirect=True)  # the fast lane: avx2 (every x86 CI machine), int4
 def test_sampled_output_of_a_low_bit_target_follows_its_exact_law(variant, precision):
     """First three sampled tokens, speculative (a low-bit draft model, gamma 2) against the exact joint of the
     low-bit target's own forward; negative control: the same samples against the draft's law fail."""

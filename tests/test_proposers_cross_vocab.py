@@ -169,6 +169,7 @@ def test_a_draft_equal_to_the_target_under_permuted_ids_is_always_accepted(targe
     assert m.num_accepted_tokens / m.num_drafted_tokens > 0.9  # re-tokenization at word starts may cost a few
 
 
+@pytest.mark.slow
 def test_sampling_follows_the_targets_distribution_and_a_wrong_q_is_caught(target_pair):
     """Token-level intersection: 2 sampled tokens, 3,000 times, against the target's exact joint law (chi-square);
     the same proposer reporting a sharpened q (not the law it drew from) must fail the same test."""

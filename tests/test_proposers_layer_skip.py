@@ -69,6 +69,7 @@ def test_nothing_skipped_accepts_everything(target):
     assert sampled.metrics.acceptance_rate > 0.97
 
 
+@pytest.mark.slow  # layer-skip sampling is in the fast lane in test_sampling_surface.py
 @pytest.mark.parametrize("coupled", [False, True])
 def test_sampled_output_follows_target_distribution(coupled):
     """First three sampled tokens through the engine (layer-skip, gamma 2, batches of 8) vs the target's

@@ -201,7 +201,9 @@ def test_each_parameter_alone_is_lossless(models, name):
 # --------------------------------------------------------------------------- the combination
 
 
-@pytest.mark.parametrize("kind", [*DRAFTERS, "draft-model:token"])
+@pytest.mark.parametrize("kind", [*(k if k in ("ngram", "suffix", "draft-model", "layer-skip") else
+                                    pytest.param(k, marks=pytest.mark.slow) for k in DRAFTERS),
+                                  pytest.param("draft-model:token", marks=pytest.mark.slow)])
 def test_the_combination_is_lossless_for_every_drafter(models, kind, monkeypatch):
     """Penalties + top-p + min_p + logit_bias + min_tokens + a stop id, gamma 3, standard mode: token-level
     verification (n-gram, suffix, ``:token``), block verification (the sampling drafters' auto), token trees
@@ -219,6 +221,7 @@ def test_the_combination_is_lossless_for_every_drafter(models, kind, monkeypatch
     assert p > 1e-3, (kind, p)
 
 
+@pytest.mark.slow
 def test_the_combination_is_lossless_in_the_coupled_mode(models):
     """Coupled mode, draft model, gamma 3: the samples follow the exact law, and each is the coupled plain
     decoding of its seed token for token (so every drafter gives these very counts)."""
@@ -255,7 +258,7 @@ def deep_pair():
     return tgt, drf
 
 
-@pytest.mark.parametrize("kind", ["ngram", "draft-model"])
+@pytest.mark.parametrize("kind", ["ngram", pytest.param("draft-model", marks=pytest.mark.slow)])
 def test_a_block_of_eight_is_lossless_to_its_last_token(deep_pair, kind):
     """Gamma 8, 9 tokens per request: the law of the last three (x7, x8 verified with paths of 6 and 7 draft
     tokens, x9 the bonus when all are kept) under penalties, bias and top-p; standard rejection sampling (the
@@ -297,7 +300,7 @@ def test_a_penalty_repeated_inside_a_block_and_its_negative_control(models, monk
 
 
 @pytest.mark.parametrize("broken", [False, True])
-@pytest.mark.parametrize("kind", ["tree-static", "tree-dynamic"])
+@pytest.mark.parametrize("kind", ["tree-static", pytest.param("tree-dynamic", marks=pytest.mark.slow)])
 def test_tree_nodes_processed_with_their_own_paths_and_the_negative_control(models, monkeypatch, kind, broken):
     """Token trees under the repeated-token penalty, 4 tokens observed: lossless with each node processed
     with its own root path; a node at depth 2 given its parent's path without the parent's token (a

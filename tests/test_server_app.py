@@ -344,6 +344,7 @@ def test_client_leaving_before_its_body_was_read_counts_as_cancelled(live):
     assert live.client().completions.create(model=MODEL, prompt="x", max_tokens=2).choices[0].text is not None
 
 
+@pytest.mark.slow
 def test_many_clients_disconnecting_leave_nothing_running(live):
     """30 streaming and 10 non-streaming clients leave mid-generation (most while still queued)."""
     scheduler, engine = live.state.scheduler, live.state.engine
@@ -389,6 +390,7 @@ def test_many_clients_disconnecting_leave_nothing_running(live):
     assert ok.choices[0].finish_reason in ("length", "stop")
 
 
+@pytest.mark.slow
 def test_oversized_body_gets_413_while_another_stream_flows(live):
     """413 from Content-Length and from a chunked upload; a big allowed body is parsed and tokenized off
     the event loop; a running stream keeps its pace meanwhile."""

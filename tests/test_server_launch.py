@@ -103,6 +103,7 @@ def test_adaptive_flags_map_to_policies():
 # --------------------------------------------------------------------------- command line
 
 
+@pytest.mark.slow  # a server subprocess
 def test_specdecode_serve_command_serves(tiny_model_dir):
     """`specdecode serve` end to end in its own process: load, calibrate, bind loopback, answer, stop."""
     with socket.socket() as s:
@@ -129,6 +130,7 @@ def test_specdecode_serve_command_serves(tiny_model_dir):
         proc.wait(20)
 
 
+@pytest.mark.slow  # a server subprocess
 def test_port_0_announces_the_port_it_bound(tiny_model_dir):
     """--port 0 lets the system choose: the announced address is the bound one, and it answers."""
     proc, port, line = serve_announcing(["--target", str(tiny_model_dir), "--port", "0", "--log-level", "warning"])
@@ -205,6 +207,7 @@ def test_build_state_over_loaded_models(tiny64):
         s.scheduler.close()
 
 
+@pytest.mark.slow  # a subprocess
 def test_python_m_specdecode_server_takes_the_serve_flags(capsys):
     from specdecode.server.entry import main
 

@@ -201,7 +201,8 @@ def _chi2_pvalue(counts: np.ndarray, probs: np.ndarray) -> float:
     return float(stats.chisquare(obs, exp * obs.sum() / exp.sum()).pvalue)
 
 
-@pytest.mark.parametrize("mode", ["topk", "dups", "iid", "wor"])
+@pytest.mark.parametrize("mode", ["topk", pytest.param("dups", marks=pytest.mark.slow),
+                                  pytest.param("iid", marks=pytest.mark.slow), "wor"])  # the tree drafter's two
 def test_tree_sampling_matches_target_distribution(mode):
     counts, exact = _simulate(mode, samples=6000, seed=7)
     assert _chi2_pvalue(counts, exact) > 1e-3
@@ -217,6 +218,7 @@ def _same_residual_for_every_sibling(token_ids, parents, draft_probs, target_pro
         tree.residual_distribution = orig
 
 
+@pytest.mark.slow  # negative controls of the test above (kept in the slow lane)
 @pytest.mark.parametrize("case", ["topk-as-sampled", "no-residual-update"])
 def test_distribution_test_catches_broken_tree_verifiers(case):
     """Negative controls at the same sample size: top-k candidates treated as samples from q

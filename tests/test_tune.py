@@ -80,6 +80,7 @@ def _config(target: Path, prompts: Path, tmp_path: Path, **kw) -> TuneConfig:
 # --------------------------------------------------------------------------- whole runs
 
 
+@pytest.mark.slow
 def test_repetitive_workload_picks_ngram(models, prompts_file, tmp_path):
     """A target whose output cycles: prompt lookup is best by construction; a random draft model as slow as the
     target is not."""

@@ -147,8 +147,9 @@ PARAMS = {
 }
 
 
-@pytest.mark.parametrize("name", list(PARAMS))
-@pytest.mark.parametrize("gamma", [1, 3])
+@pytest.mark.parametrize("gamma, name", [  # the fast lane keeps two; the slow lane every gamma and processor
+    pytest.param(g, n, marks=() if (g, n) in ((1, "t1"), (3, "topp0.8")) else pytest.mark.slow)
+    for g in (1, 3) for n in PARAMS])
 def test_speculative_sampling_matches_target_distribution(name, gamma):
     params = PARAMS[name]
     target, draft = _table(1, 1.5), _table(2, 1.5)
@@ -156,7 +157,7 @@ def test_speculative_sampling_matches_target_distribution(name, gamma):
     assert _chi2_pvalue(counts, _exact(target, params)) > 1e-3
 
 
-@pytest.mark.parametrize("name", ["t1", "topp0.8"])
+@pytest.mark.parametrize("name", ["t1", pytest.param("topp0.8", marks=pytest.mark.slow)])
 def test_deterministic_drafter_matches_target_distribution(name):
     params = PARAMS[name]
     target, draft = _table(3, 1.5), _table(4, 1.5)
@@ -183,6 +184,7 @@ def _off_by_one_bonus(draft_ids, draft_probs, target_probs, generators):
     return r
 
 
+@pytest.mark.slow  # negative controls of the test above (kept in the slow lane)
 @pytest.mark.parametrize("broken", [_wrong_residual, _off_by_one_bonus])
 def test_distribution_test_catches_broken_verifiers(broken):
     """Negative control: the same sample size rejects a verifier that is wrong."""

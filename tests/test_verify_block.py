@@ -500,6 +500,7 @@ def _spy(monkeypatch) -> list[int]:
     return seen
 
 
+@pytest.mark.slow  # block verification through the engine is in the fast lane in test_sampling_surface.py
 @pytest.mark.parametrize("proposer", ["draft-model", "ngram"])
 def test_block_verification_through_the_engine_follows_the_target(proposer, monkeypatch):
     """First three sampled tokens with EngineConfig(verification="block") vs the target's exact joint."""
@@ -542,6 +543,7 @@ class _ClaimsQ(DraftModelProposer):
 BIASING_Q = {"nan": lambda q: q.index_fill(2, torch.tensor([q.shape[2] - 1]), float("nan")), "half": lambda q: q * 0.5}
 
 
+@pytest.mark.slow  # each runs a distribution test to show the bias
 @pytest.mark.parametrize("verification,fault", [("block", "nan"), ("block", "half"), ("token", "half")])
 def test_a_broken_q_is_refused_at_the_door_where_it_would_bias_the_output(verification, fault, monkeypatch):
     """First three of four sampled tokens through the engine (the first step drafts two: the prefill made one), the
