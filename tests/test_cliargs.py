@@ -7,9 +7,9 @@ import argparse
 import dataclasses
 
 from specdecode import options
-from specdecode.cliargs import POLICY_NAMES, add_drafter_arguments
+from specdecode.cliargs import POLICY_NAMES, add_drafter_arguments, add_serve_arguments
 from specdecode.policy import POLICIES
-from specdecode.server.launch import ServeOptions, add_serve_arguments
+from specdecode.server.launch import ServeOptions
 
 
 def _parse(add, argv):

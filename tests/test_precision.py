@@ -333,8 +333,7 @@ def test_every_front_end_loads_a_spec_as_the_same_weights(weights):
     used to quantize the float copy to Q4_1: another model than the product runs)."""
     from specdecode.bench.runner import load_any
     from specdecode.generator import SpecDecoder
-    from specdecode.lowbit import weight_digest
-    from specdecode.lowbit import QuantLinear, active_variant
+    from specdecode.lowbit import QuantLinear, active_variant, weight_digest
     from specdecode.proposers.factory import load_draft_model
     from specdecode.server.launch import ServeOptions, load_state
     from specdecode.validate import parse_draft
@@ -346,6 +345,7 @@ def test_every_front_end_loads_a_spec_as_the_same_weights(weights):
     served = load_state(ServeOptions(target=spec, draft="none", weights=weights), progress=False)
     benched, ran = load_any(spec, "float32", weights=weights, target=True)
     assert ran == weights
+    served.scheduler.close()
     digests = {weight_digest(m) for m in (library.target.model, served.target.model, benched.model)}
     assert len(digests) == 1
     kinds = {m.kind for m in benched.model.modules() if isinstance(m, QuantLinear)}

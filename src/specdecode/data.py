@@ -21,8 +21,6 @@ from __future__ import annotations
 
 import functools
 import gzip
-import importlib
-import importlib.util
 import json
 import os
 import subprocess
@@ -32,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from specdecode.errors import SpecDecodeError
+from specdecode.paths import installed_package_dir
 
 
 @dataclass(frozen=True)
@@ -102,15 +101,6 @@ def _package_dir(module: str, requirement: str) -> Path:
     if folder is None:
         raise SpecDecodeError(f"package {requirement} is missing and installing it failed; run: {' '.join(cmd)}")
     return folder
-
-
-def installed_package_dir(module: str) -> Path | None:
-    """Folder of an installed top-level package, found without importing (running) it; None if not installed."""
-    importlib.invalidate_caches()
-    spec = importlib.util.find_spec(module)
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    return Path(list(spec.submodule_search_locations)[0])
 
 
 def _read_jsonl(path: Path) -> list[dict]:

@@ -645,7 +645,7 @@ def weight_digest(model: torch.nn.Module) -> str:
     for name in sorted(tensors):
         t = tensors[name].detach().contiguous().cpu()
         digest.update(f"{name}|{t.dtype}|{tuple(t.shape)};".encode())
-        digest.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        digest.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
     return digest.hexdigest()
 
 

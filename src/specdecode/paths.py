@@ -20,6 +20,8 @@ Only the standard library is imported here (the command line checks before impor
 from __future__ import annotations
 
 import contextlib
+import importlib
+import importlib.util
 import os
 import tempfile
 from pathlib import Path
@@ -137,4 +139,13 @@ def _why(exc: OSError) -> str:
     return exc.strerror or str(exc)
 
 
-__all__ = ["OutputPathError", "check_output_dir", "check_output_file"]
+def installed_package_dir(module: str) -> Path | None:
+    """Folder of an installed top-level package, found without importing (running) it; None if not installed."""
+    importlib.invalidate_caches()
+    spec = importlib.util.find_spec(module)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+__all__ = ["OutputPathError", "check_output_dir", "check_output_file", "installed_package_dir"]

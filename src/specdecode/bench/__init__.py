@@ -94,7 +94,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "or all (the default); slow, runs niced, skips what is done")
     p.add_argument("--draft-weights", choices=WEIGHT_PRECISIONS,
                    help="precision of draft models' weights (int8 / int4 as --weights: fewer bytes per draft step; "
-                        "the HF peer uses the same draft objects) (default: fp32)")
+                        "the HF peer uses the same draft objects) (default: the target's, as in generate / serve)")
     p.add_argument("--threads", type=int, metavar="N",
                    help="torch threads, 1..the cores this process may use (default: torch's)")
     p.add_argument("--remeasure-bandwidth", action="store_true", default=None,

@@ -305,7 +305,7 @@ def env_section(meta: dict) -> str:
              ["repeats", f"{cfg.get('repeats', 1)} per (prompt, variant), interleaved; the fastest counts"],
              ["linear kernels", cfg.get("kernel", "default")],
              ["target weights", cfg.get("weights", "fp32")],
-             ["draft weights", cfg.get("draft_weights", "fp32")],
+             ["draft weights", cfg.get("draft_weights") or cfg.get("weights") or "fp32"],
              ["prompts", f"{', '.join(cfg['datasets'])}; limit {cfg['limit']} per category; chat template: "
                          f"{'yes where the model has one' if cfg['chat'] else 'no'}"],
              ["preset", cfg["preset"]]]

@@ -273,7 +273,7 @@ class BenchConfig:
     repeats: int = 1
     dtype: str = "float32"
     kernel: str = "default"
-    draft_weights: str = "fp32"
+    draft_weights: str | None = None
     weights: str = "fp32"
     llama_cpp: bool = False
     openvino: bool = False
@@ -303,7 +303,7 @@ class BenchConfig:
             raise SpecDecodeError("no dataset selected")
         if self.weights not in WEIGHT_CHOICES:
             raise SpecDecodeError(f"unknown weight precision {self.weights!r}; choose one of {', '.join(WEIGHT_CHOICES)}")
-        if self.draft_weights not in WEIGHT_PRECISIONS:
+        if self.draft_weights is not None and self.draft_weights not in WEIGHT_PRECISIONS:
             raise SpecDecodeError(f"unknown weight precision {self.draft_weights!r}; choose one of "
                                   f"{', '.join(WEIGHT_PRECISIONS)}")
         if (self.openvino or self.llama_server) and self.temperature > 0:
@@ -320,8 +320,8 @@ class BenchConfig:
                "seed": self.seed, "dtype": self.dtype, "chat": self.chat, "batch_size": 1, "kernel": self.kernel}
         # Settings added later enter only when set to something else than their default, so that
         # output directories written before they existed keep resuming.
-        if self.draft_weights != "fp32":
-            out["draft_weights"] = self.draft_weights
+        if (self.draft_weights or self.weights) != "fp32":  # None: the target's (what ran, once it is resolved)
+            out["draft_weights"] = self.draft_weights or self.weights
         if self.weights != "fp32":
             out["weights"] = self.weights
         if self.verification != "auto":
@@ -641,6 +641,10 @@ def load_any(spec: str, dtype: str, kernel: str = "default", weights: str = "fp3
 
     Returns:
         (LoadedModel, the precision it runs in: ``weights``, or what ``auto`` chose).
+
+    Raises:
+        ModelLoadError: the spec names no loadable model; SpecDecodeError: an unknown precision, ``auto`` on a
+        built-in model that is not float32, a GGUF tensor without a low-bit layout.
     """
     from specdecode.lowbit import set_weight_precision
 
@@ -665,10 +669,7 @@ def load_any(spec: str, dtype: str, kernel: str = "default", weights: str = "fp3
     elif target:
         from specdecode.precision import load_target
 
-        try:
-            loaded, choice = load_target(spec, weights, dtype=dtype, status=status)
-        except ValueError as exc:  # auto on a target that is not float32: nothing to choose from
-            raise SpecDecodeError(f"--weights auto: {exc}; give --weights explicitly") from None
+        loaded, choice = load_target(spec, weights, dtype=dtype, status=status)
         if status is not None and weights == "auto":
             status(f"weights {choice.reason}")
         weights = choice.precision
@@ -698,7 +699,7 @@ def build_variants(config: BenchConfig, models: Models, dtype: str, status: Call
         if spec not in models.drafts:
             status(f"loading draft {spec!r}")
             t0 = time.perf_counter()
-            draft, _ = load_any(spec, dtype, config.kernel, config.draft_weights, status=status)
+            draft, _ = load_any(spec, dtype, config.kernel, config.draft_weights or config.weights, status=status)
             models.load_seconds[spec] = time.perf_counter() - t0
             problem = other_tokenizer(target, draft)
             if problem:
@@ -907,7 +908,9 @@ def run_bench(config: BenchConfig, *, progress: bool = True, log: Callable[[str]
     # the loader generate / serve use, the precision choice inside it (auto: what they pick)
     target, weights = load_any(config.target, config.dtype, config.kernel, config.weights, target=True, status=status)
     models = Models(target=target)
-    config = dataclasses.replace(config, weights=weights)  # records are keyed by what ran
+    # records are keyed by what ran; drafts run in the target's precision unless --draft-weights says otherwise,
+    # as in generate / serve
+    config = dataclasses.replace(config, weights=weights, draft_weights=config.draft_weights or weights)
     models.load_seconds[config.target] = time.perf_counter() - t0
     out.mkdir(parents=True, exist_ok=True)  # once the settings, methods and target are known good
     store = RecordStore(out, config.settings_id())

@@ -509,8 +509,8 @@ def run(target: str, cfg: TrainConfig, *, out: str | Path | None = None, work_di
     """
     from tqdm import tqdm
 
-    from specdecode.lowbit import set_weight_precision
-    from specdecode.models import default_cache_dir, load_model
+    from specdecode.lowbit import load_in_precision  # lazy: the kernels and models packages (start-up time)
+    from specdecode.models import default_cache_dir
 
     t0 = time.perf_counter()
     if cfg.threads:
@@ -523,9 +523,9 @@ def run(target: str, cfg: TrainConfig, *, out: str | Path | None = None, work_di
     check_output_dir(work, "--work-dir", default=True)  # before the load and about 50 minutes of work
     check_output_dir(out_dir, "--out", default=True)
     say(f"train-drafter: target {target} ({weights}), work directory {work}")
-    loaded = load_model(target, cache_dir=cache, progress=True)
+    # the product's loader: int4 of a GGUF model is the file's own blocks, as generate / serve run it
+    loaded = load_in_precision(target, weights, cache_dir=cache, progress=True)
     work.mkdir(parents=True, exist_ok=True)  # after the load: a wrong --target leaves nothing behind
-    set_weight_precision(loaded.model, weights)
     stages = {}
 
     check_settings(work, "prompts.jsonl", {"mix": cfg.mix, "seed": cfg.seed})

@@ -16,11 +16,11 @@ import threading
 import time
 from pathlib import Path
 
-from specdecode.data import installed_package_dir
 from specdecode.models.catalog import OFFLINE_MODELS, OfflineModel
 from specdecode.models.errors import ModelLoadError
 from specdecode.models.loaded import default_cache_dir
 from specdecode.models.progress import ProgressFn, _bar, _rich_progress
+from specdecode.paths import installed_package_dir
 
 logger = logging.getLogger(__name__)
 

@@ -3,7 +3,9 @@
 - :mod:`specdecode.server.app`: the FastAPI app, routes, streaming, errors.
 - :mod:`specdecode.server.schemas`: pydantic wire schemas.
 - :mod:`specdecode.server.metrics`: Prometheus metrics.
-- :mod:`specdecode.server.launch`: load models, build the engine and its scheduler, run uvicorn; the CLI flags.
+- :mod:`specdecode.server.launch`: load models, build the engine and its scheduler, run uvicorn.
+- :mod:`specdecode.server.entry`: ``specdecode serve`` / ``python -m specdecode.server`` (one process, or
+  replicas on Ray Serve through :mod:`specdecode.server.replicas`).
 
 The engine is :mod:`specdecode.engine` (one, batched); the queue, admission and the
 background thread are :mod:`specdecode.scheduler`.
