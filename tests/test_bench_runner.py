@@ -108,7 +108,7 @@ def test_prompt_selection_caps_per_category_round_robin():
 
 
 def test_settings_added_later_keep_old_output_dirs_resumable():
-    base = BenchConfig(datasets=("smoke",))
+    base = BenchConfig(datasets=("smoke",), weights="fp32")  # what ran by default before --weights auto
     assert set(base.settings()) == {"target", "max_new_tokens", "temperature", "seed", "dtype", "chat", "batch_size",
                                     "kernel"}
     assert dataclasses.replace(base, draft_weights="int8").settings_id() != base.settings_id()

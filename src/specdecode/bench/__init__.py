@@ -73,7 +73,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="precision the target's weights execute in (auto: what generate / serve pick, measured "
                         "once per machine; int8: weight-only int8 groups; int4: the GGUF file's own 4-bit blocks; plain decoding, "
                         "every method and the HF peer run the same target object, so outputs are compared like "
-                        "for like) (default: fp32, the reference the published reports use)")
+                        "for like) (default: auto, what generate / serve run; fp32 is the float reference)")
     p.add_argument("--llama-cpp", action="store_true", default=None,
                    help="also run llama.cpp (llama-cpp-python) on the target's GGUF file: plain decoding and its "
                         "prompt lookup as the n-gram method's peer, timed the same way (optional dependency)")

@@ -274,7 +274,7 @@ class BenchConfig:
     dtype: str = "float32"
     kernel: str = "default"
     draft_weights: str | None = None
-    weights: str = "fp32"
+    weights: str = "auto"
     llama_cpp: bool = False
     openvino: bool = False
     openvino_weights: str = "int8"
@@ -353,7 +353,7 @@ def smoke_config(**overrides) -> BenchConfig:
     from specdecode.bench.smoke import SMOKE_DATASET, SMOKE_DRAFT, SMOKE_TARGET
 
     base = dict(target=SMOKE_TARGET, draft=SMOKE_DRAFT, methods=("ngram", "draft-model"), datasets=(SMOKE_DATASET,), limit=2,
-                max_new_tokens=24, gamma=4, gammas=(2, 4), dtype="float64", probe=True, threads=1,
+                max_new_tokens=24, gamma=4, gammas=(2, 4), dtype="float64", weights="fp32", probe=True, threads=1,
                 output="bench-out/smoke", preset="smoke")
     return BenchConfig(**{**base, **overrides})
 
