@@ -6,9 +6,12 @@
 // Plain C with intrinsics and no torch headers: compiled once per instruction-set variant by
 // specdecode/lowbit.py (gcc, seconds) and called through the table sd_table() returns.
 //   SD_VARIANT_AVX2        AVX2 + FMA + F16C (the floor)
-//   SD_VARIANT_AVX512      the same code with AVX-512 F/BW/VL enabled (EVEX encodings, 32 registers)
+//   SD_VARIANT_AVX512      the same code with AVX-512 F/BW/VL enabled (EVEX encodings, 32 registers;
+//                          Q5_0's fifth bits as a byte mask)
 //   SD_VARIANT_AVX512VNNI  AVX-512 VNNI on 256-bit vectors: vpdpbusd / vpdpwssd replace the
-//                          vpmaddubsw + vpmaddwd pairs
+//                          vpmaddubsw + vpmaddwd pairs (Q8_0: one vpdpbusd on q + 128)
+// Every variant computes the same integers and the same float operations in the same order: their
+// results are identical bit for bit (tests/test_lowbit.py).
 //
 // Activations: per row, quantized alone (llama.cpp's Q8_0 / Q8_K layouts, our code):
 //   act32  (for Q4_0, Q4_1, Q5_0, Q8_0): per block of 32, float d, int8 q[32], float s = d * sum(q)
@@ -181,7 +184,12 @@ static inline __m256i unpack32(int fmt, const Soa* a, int64_t b) {
     case SD_Q5_0: {
       uint32_t qh;
       memcpy(&qh, a->qh + 4 * b, 4);
+#if defined(SD_VARIANT_AVX2)
       return _mm256_or_si256(nibbles32(a->qs + 16 * b), bits_to_0x10(qh));
+#else  // AVX-512 BW/VL: the fifth bits are a byte mask; one masked add puts 0x10 where they are set
+      const __m256i lo = nibbles32(a->qs + 16 * b);
+      return _mm256_mask_add_epi8(lo, (__mmask32)qh, lo, _mm256_set1_epi8(0x10));
+#endif
     }
     case SD_Q8_0: return _mm256_loadu_si256((const __m256i*)(a->qs + 32 * b));
     default: return nibbles32(a->qs + 16 * b);  // Q4_0, Q4_1
@@ -236,16 +244,23 @@ static inline __m256i reduce8(const __m256i d[8]) {
 // scales: acc += float(sum_i) * (dw_i * dx_i). Per row two float accumulators (products, zero-point
 // terms), whatever P; a group past the end of the row has its missing blocks as zeros.
 SD_INLINE void group32(const int P, const int fmt, const int cnt, const Soa* a, int64_t nb, int64_t k,
-                       const int8_t* xq, const float* xd, const float* xs, int64_t r0, int64_t b0, __m256* acc,
-                       __m256* m) {
-  const int q8 = fmt == SD_Q8_0;
+                       const int8_t* xq, const float* xd, const float* xs, const int32_t* xsum, int64_t r0,
+                       int64_t b0, __m256* acc, __m256* m) {
+  // Q8_0's signed weights: AVX2 / AVX-512 take |q| and move the sign onto x (vpmaddubsw multiplies unsigned by
+  // signed); VNNI multiplies u = q + 128 (one xor per block) and takes 128 * sum(x) off the block's integer sum
+  // (xsum): the same exact integers, so every variant gives the same bits
+#if defined(SD_VARIANT_AVX512VNNI)
+  const int q8 = 0, q8u = fmt == SD_Q8_0;
+#else
+  const int q8 = fmt == SD_Q8_0, q8u = 0;
+#endif
   __m256 dw, mw;
   scales8(fmt, a, b0, cnt, &dw, &mw);
   const __m256i keep = _mm256_cmpgt_epi32(_mm256_set1_epi32(cnt), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
   __m256i raw[8], u[8];
   for (int i = 0; i < 8; ++i) {
     raw[i] = i < cnt ? unpack32(fmt, a, b0 + i) : _mm256_setzero_si256();
-    u[i] = q8 ? _mm256_sign_epi8(raw[i], raw[i]) : raw[i];
+    u[i] = q8 ? _mm256_sign_epi8(raw[i], raw[i]) : q8u ? _mm256_xor_si256(raw[i], _mm256_set1_epi8((char)0x80)) : raw[i];
   }
   for (int r = 0; r < P; ++r) {
     const int8_t* xr = xq + (r0 + r) * k + 32 * b0;
@@ -257,30 +272,47 @@ SD_INLINE void group32(const int P, const int fmt, const int cnt, const Soa* a, 
     }
     const __m256 dx = cnt == 8 ? _mm256_loadu_ps(xd + (r0 + r) * nb + b0) : _mm256_maskload_ps(xd + (r0 + r) * nb + b0, keep);
     const __m256 sx = cnt == 8 ? _mm256_loadu_ps(xs + (r0 + r) * nb + b0) : _mm256_maskload_ps(xs + (r0 + r) * nb + b0, keep);
-    acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(reduce8(d)), _mm256_mul_ps(dw, dx), acc[r]);
+    __m256i sums = reduce8(d);
+    if (q8u) {
+      const int32_t* xr_sum = xsum + (r0 + r) * nb + b0;
+      const __m256i xsv = cnt == 8 ? _mm256_loadu_si256((const __m256i*)xr_sum) : _mm256_maskload_epi32(xr_sum, keep);
+      sums = _mm256_sub_epi32(sums, _mm256_slli_epi32(xsv, 7));
+    }
+    acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_mul_ps(dw, dx), acc[r]);
     m[r] = _mm256_fmadd_ps(mw, sx, m[r]);
   }
 }
 
 SD_INLINE void pass32(const int P, const int fmt, const Soa* a, int64_t nb, int64_t k, const int8_t* xq,
-                      const float* xd, const float* xs, int64_t r0, float* out, int64_t ldo, int64_t n) {
+                      const float* xd, const float* xs, const int32_t* xsum, int64_t r0, float* out, int64_t ldo,
+                      int64_t n) {
   __m256 acc[SD_PASS], m[SD_PASS];
   for (int r = 0; r < P; ++r) acc[r] = m[r] = _mm256_setzero_ps();
   int64_t b0 = 0;
-  for (; b0 + 8 <= nb; b0 += 8) group32(P, fmt, 8, a, nb, k, xq, xd, xs, r0, b0, acc, m);
-  if (b0 < nb) group32(P, fmt, (int)(nb - b0), a, nb, k, xq, xd, xs, r0, b0, acc, m);
+  for (; b0 + 8 <= nb; b0 += 8) group32(P, fmt, 8, a, nb, k, xq, xd, xs, xsum, r0, b0, acc, m);
+  if (b0 < nb) group32(P, fmt, (int)(nb - b0), a, nb, k, xq, xd, xs, xsum, r0, b0, acc, m);
   for (int r = 0; r < P; ++r) out[(r0 + r) * ldo + n] = hsum(acc[r]) + hsum(m[r]);
 }
 
 static void gemm32(int fmt, const uint8_t* w, int64_t ldw, int64_t k, const int8_t* xq, const float* xd,
                    const float* xs, int64_t rows, float* out, int64_t ldo, int64_t n0, int64_t n1) {
   const int64_t nb = k / 32;
+  int32_t* xsum = NULL;  // VNNI Q8_0: each activation block's integer sum (see group32)
+#if defined(SD_VARIANT_AVX512VNNI)
+  if (fmt == SD_Q8_0) {
+    xsum = (int32_t*)malloc(sizeof(int32_t) * (size_t)(rows * nb));
+    if (!xsum) abort();
+    for (int64_t i = 0; i < rows * nb; ++i)
+      xsum[i] = hsum_i32(_mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_set1_epi8(1),
+                                             _mm256_loadu_si256((const __m256i*)(xq + 32 * i))));
+  }
+#endif
   for (int64_t n = n0; n < n1; ++n) {
     const Soa a = soa(fmt, w + n * ldw, nb);
     for (int64_t r0 = 0; r0 < rows; r0 += SD_PASS) {
       const int64_t p = rows - r0 < SD_PASS ? rows - r0 : SD_PASS;
       switch (fmt * 16 + p) {
-#define SD_CASE(F, P) case F * 16 + P: pass32(P, F, &a, nb, k, xq, xd, xs, r0, out, ldo, n); break;
+#define SD_CASE(F, P) case F * 16 + P: pass32(P, F, &a, nb, k, xq, xd, xs, xsum, r0, out, ldo, n); break;
 #define SD_ROWS(F) SD_CASE(F, 1) SD_CASE(F, 2) SD_CASE(F, 3) SD_CASE(F, 4) SD_MORE(F)
 #if SD_PASS > 4
 #define SD_MORE(F) SD_CASE(F, 5) SD_CASE(F, 6) SD_CASE(F, 7) SD_CASE(F, 8)
@@ -294,6 +326,7 @@ static void gemm32(int fmt, const uint8_t* w, int64_t ldw, int64_t k, const int8
       }
     }
   }
+  free(xsum);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -316,18 +349,27 @@ static inline __m256i pick16(__m256i v, int lo, int hi) {  // low lane: int16 lo
   return _mm256_shuffle_epi8(v, idx);
 }
 
-// Q4_K's 6-bit scales and minimums of its 8 sub-blocks (12 bytes at blk + 4), four at a time:
-// sc = 8 int16 scales in both 128-bit lanes; msc = the minimums, each twice (one per 16 elements)
+// Q4_K's 6-bit scales and minimums of its 8 sub-blocks: 12 bytes at blk + 4, repacked at load
+// (specdecode/lowbit.py, the same 12 bytes) so that they decode in a few vector instructions. With
+// v[0..7] the scales and v[8..15] the minimums: byte i < 8 holds the low four bits of v[i] (low nibble)
+// and of v[8 + i] (high nibble); bytes 8..11 hold the high two bits, value 4t + b at bits 2t..2t+1 of
+// byte 8 + b. Returns the 16 values as bytes, v[0] first.
+static inline __m128i q4k_scale_bytes(const uint8_t* s) {
+  const __m128i lo = _mm_loadl_epi64((const __m128i*)s);
+  const __m128i nib = _mm_and_si128(_mm_unpacklo_epi64(lo, _mm_srli_epi16(lo, 4)), _mm_set1_epi8(0x0F));
+  uint32_t h;
+  memcpy(&h, s + 8, 4);
+  // dword t: h shifted so that field t of every byte lands on bits 4-5 (t = 0: << 4, 1: << 2, 2: as is, 3: >> 2)
+  __m128i hv = _mm_srlv_epi32(_mm_sllv_epi32(_mm_set1_epi32((int)h), _mm_setr_epi32(4, 2, 0, 0)),
+                              _mm_setr_epi32(0, 0, 0, 2));
+  return _mm_or_si128(nib, _mm_and_si128(hv, _mm_set1_epi8(0x30)));
+}
+
+// sc = the 8 scales as int16 in both 128-bit lanes; msc = the minimums, each twice (one per 16 elements)
 static inline void q4k_scales(const uint8_t* blk, __m256i* sc, __m256i* msc) {
-  uint32_t a[3];
-  memcpy(a, blk + 4, 12);
-  const uint32_t sc_lo = a[0] & 0x3f3f3f3fu, mn_lo = a[1] & 0x3f3f3f3fu;
-  const uint32_t sc_hi = (a[2] & 0x0f0f0f0fu) | ((a[0] >> 2) & 0x30303030u);
-  const uint32_t mn_hi = ((a[2] >> 4) & 0x0f0f0f0fu) | ((a[1] >> 2) & 0x30303030u);
-  const __m256i v16 = _mm256_cvtepu8_epi16(_mm_setr_epi32((int)sc_lo, (int)sc_hi, (int)mn_lo, (int)mn_hi));
-  const __m128i mn = _mm256_extracti128_si256(v16, 1);
-  *sc = _mm256_permute2x128_si256(v16, v16, 0x00);
-  *msc = _mm256_set_m128i(_mm_unpackhi_epi16(mn, mn), _mm_unpacklo_epi16(mn, mn));
+  const __m128i v = q4k_scale_bytes(blk + 4);
+  *sc = _mm256_cvtepu8_epi16(_mm_unpacklo_epi64(v, v));
+  *msc = _mm256_cvtepu8_epi16(_mm_shuffle_epi8(v, _mm_setr_epi8(8, 8, 9, 9, 10, 10, 11, 11, 12, 12, 13, 13, 14, 14, 15, 15)));
 }
 
 static inline void unpack_q4k(const uint8_t* blk, SuperBlock* sb) {
