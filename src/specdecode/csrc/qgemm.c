@@ -196,9 +196,10 @@ static inline __m256i unpack32(int fmt, const Soa* a, int64_t b) {
   }
 }
 
-// eight float16 at p (cnt < 8: the first cnt, zeros after) -> float32
+// eight float16 at p (cnt < 8: the first cnt, zeros after) -> float32; cnt is a constant where it is inlined
 static inline __m256 load_f16x8(const uint8_t* p, int cnt) {
   if (cnt == 8) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p));
+  if (cnt == 4) return _mm256_cvtph_ps(_mm_loadl_epi64((const __m128i*)p));
   uint16_t t[8] = {0};
   for (int i = 0; i < cnt; ++i) memcpy(t + i, p + 2 * i, 2);
   return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)t));
@@ -290,7 +291,16 @@ SD_INLINE void pass32(const int P, const int fmt, const Soa* a, int64_t nb, int6
   for (int r = 0; r < P; ++r) acc[r] = m[r] = _mm256_setzero_ps();
   int64_t b0 = 0;
   for (; b0 + 8 <= nb; b0 += 8) group32(P, fmt, 8, a, nb, k, xq, xd, xs, xsum, r0, b0, acc, m);
-  if (b0 < nb) group32(P, fmt, (int)(nb - b0), a, nb, k, xq, xd, xs, xsum, r0, b0, acc, m);
+  // the last nb % 8 blocks as groups of 4, 2 and 1 (sizes known when compiled: no work for missing blocks)
+  if (nb - b0 >= 4) {
+    group32(P, fmt, 4, a, nb, k, xq, xd, xs, xsum, r0, b0, acc, m);
+    b0 += 4;
+  }
+  if (nb - b0 >= 2) {
+    group32(P, fmt, 2, a, nb, k, xq, xd, xs, xsum, r0, b0, acc, m);
+    b0 += 2;
+  }
+  if (nb - b0 >= 1) group32(P, fmt, 1, a, nb, k, xq, xd, xs, xsum, r0, b0, acc, m);
   for (int r = 0; r < P; ++r) out[(r0 + r) * ldo + n] = hsum(acc[r]) + hsum(m[r]);
 }
 
