@@ -81,10 +81,12 @@ void quantize(const Product& prod, const SdTable* t, const float* x, int64_t row
   const int64_t k = prod.parts[0].in;
   bool want32 = false, want256 = false;
   for (const auto& p : prod.parts) (block32(p.fmt) ? want32 : want256) = true;
-  if (want32) {  // (the buffers are sized before the parallel region: nothing here allocates or throws)
+  if (want32) {
+    a.q32.resize(rows * k), a.d32.resize(rows * (k / 32)), a.s32.resize(rows * (k / 32));
     t->quantize32(x, rows, k, a.q32.data(), a.d32.data(), a.s32.data());
   }
   if (want256) {
+    a.q256.resize(rows * k), a.d256.resize(rows * (k / 256)), a.bsums.resize(rows * (k / 16));
     t->quantize256(x, rows, k, a.q256.data(), a.d256.data(), a.bsums.data());
   }
 }
@@ -306,12 +308,6 @@ class LayerStack {
     // than SmolLM2's products themselves on two threads.
     const float scale = 1.0f / std::sqrt(static_cast<float>(d));
     Acts acts;
-    int64_t max_in = 0;
-    for (int64_t li : order)
-      for (const Product* p : {&layers_[li].qkv, &layers_[li].o, &layers_[li].gate_up, &layers_[li].down})
-        for (const auto& part : p->parts) max_in = std::max(max_in, part.in);
-    acts.q32.resize(n * max_in), acts.d32.resize(n * max_in / 32), acts.s32.resize(n * max_in / 32);
-    acts.q256.resize(n * max_in), acts.d256.resize(n * max_in / 256 + 1), acts.bsums.resize(n * max_in / 16);
 #pragma omp parallel num_threads(std::max(1, at::get_num_threads()))
     {
       const int tid = omp_get_thread_num(), nth = omp_get_num_threads();
