@@ -10,7 +10,6 @@
 #include <pybind11/stl.h>
 
 #include <ATen/Parallel.h>
-#include <omp.h>
 
 #include <cmath>
 #include <optional>
@@ -19,6 +18,8 @@
 #include "qtable.h"
 
 const SdTable* sd_table_at(int64_t address);                                             // lowbit.cpp
+void q_product(const SdTable* t, const float* x, int64_t rows, int64_t k, const uint8_t* w, int64_t n_out,
+               int64_t ldw, int64_t fmt, float* out, int64_t ldo);                      // lowbit.cpp
 
 namespace {
 
@@ -64,53 +65,16 @@ struct Product {
   }
 };
 
-// The products of run_fused on raw buffers (every part a GGUF-block weight, kind 1), by a team of threads
-// inside one parallel region: one thread quantizes the input (quantize), the team then splits every part's
-// output columns (product_share). A column's result depends on nothing but its row and its weights, so the
-// split changes no bit.
-bool block32(int64_t fmt) { return fmt < 4; }  // Q4_0 Q4_1 Q5_0 Q8_0 (qgemm.c): act32; K-quants: act256
-
-// The input of one product quantized for its parts' formats (act32 and / or act256), shared by the team.
-struct Acts {
-  std::vector<int8_t> q32, q256;
-  std::vector<float> d32, s32, d256;
-  std::vector<int16_t> bsums;
-};
-
-void quantize(const Product& prod, const SdTable* t, const float* x, int64_t rows, Acts& a) {
-  const int64_t k = prod.parts[0].in;
-  bool want32 = false, want256 = false;
-  for (const auto& p : prod.parts) (block32(p.fmt) ? want32 : want256) = true;
-  if (want32) {
-    a.q32.resize(rows * k), a.d32.resize(rows * (k / 32)), a.s32.resize(rows * (k / 32));
-    t->quantize32(x, rows, k, a.q32.data(), a.d32.data(), a.s32.data());
-  }
-  if (want256) {
-    a.q256.resize(rows * k), a.d256.resize(rows * (k / 256)), a.bsums.resize(rows * (k / 16));
-    t->quantize256(x, rows, k, a.q256.data(), a.d256.data(), a.bsums.data());
-  }
-}
-
-// This thread's share (thread tid of nth) of every part's output columns, written side by side into out.
-void product_share(const Product& prod, const SdTable* t, const Acts& a, int64_t rows, float* out, int64_t ldo,
-                   int tid, int nth) {
+// The product on raw buffers: every part a GGUF-block weight (kind 1), written side by side.
+void fused_product(const Product& prod, const SdTable* t, const float* x, int64_t rows, float* out, int64_t ldo) {
   int64_t col = 0;
   for (const auto& p : prod.parts) {
-    const int64_t n_out = p.a.size(0), chunk = (n_out + nth - 1) / nth;
-    const int64_t n0 = std::min<int64_t>(n_out, tid * chunk), n1 = std::min<int64_t>(n_out, n0 + chunk);
-    const uint8_t* w = p.a.data_ptr<uint8_t>();
-    if (n0 < n1) {
-      if (block32(p.fmt))
-        t->gemm32(static_cast<int>(p.fmt), w, p.a.size(1), p.in, a.q32.data(), a.d32.data(), a.s32.data(), rows,
-                  out + col, ldo, n0, n1);
-      else
-        t->gemmk(static_cast<int>(p.fmt), w, p.a.size(1), p.in, a.q256.data(), a.d256.data(), a.bsums.data(), rows,
-                 out + col, ldo, n0, n1);
-      if (p.bias) {
-        const float* bb = p.bias->data_ptr<float>();
-        for (int64_t r = 0; r < rows; ++r)
-          for (int64_t c = n0; c < n1; ++c) out[r * ldo + col + c] += bb[c];
-      }
+    const int64_t n_out = p.a.size(0);
+    q_product(t, x, rows, p.in, p.a.data_ptr<uint8_t>(), n_out, p.a.size(1), p.fmt, out + col, ldo);
+    if (p.bias) {
+      const float* b = p.bias->data_ptr<float>();
+      for (int64_t r = 0; r < rows; ++r)
+        for (int64_t n = 0; n < n_out; ++n) out[r * ldo + col + n] += b[n];
     }
     col += n_out;
   }
@@ -302,86 +266,48 @@ class LayerStack {
         if (c == after) kept.push_back(xt.clone());
     };
     keep(0);
-    // One parallel region for the whole forward: serial steps (norms, RoPE, cache writes, quantizing a
-    // product's input) run on one thread of the team (omp single, whose end is a barrier), products split
-    // their columns and attention its (row, head) items across the team. A region per product cost more
-    // than SmolLM2's products themselves on two threads.
-    const float scale = 1.0f / std::sqrt(static_cast<float>(d));
-    Acts acts;
-#pragma omp parallel num_threads(std::max(1, at::get_num_threads()))
-    {
-      const int tid = omp_get_thread_num(), nth = omp_get_num_threads();
-      for (int64_t li : order) {
-        const Layer& L = layers_[li];
-        const int64_t I = product_width(L.gate_up) / 2;
-        uint16_t* kl = kc + li * layer_stride;
-        uint16_t* vl = vc + li * layer_stride;
-        // 1. attention block: norm, q/k/v, RoPE, cache write, attention, output projection
-#pragma omp single
-        {
-          for (int64_t r = 0; r < n; ++r)
-            t->rmsnorm(x + r * hidden, L.ln1.data_ptr<float>(), hidden, (float)eps_, hbuf.data() + r * hidden);
-          quantize(L.qkv, t, hbuf.data(), n, acts);
-        }
-        product_share(L.qkv, t, acts, n, qkv.data(), qkv_w, tid, nth);
-#pragma omp barrier
-#pragma omp single
-        {
-          if (L.qkv_bias) {
-            const float* bb = L.qkv_bias->data_ptr<float>();
-            for (int64_t r = 0; r < n; ++r)
-              for (int64_t i = 0; i < qkv_w; ++i) qkv[r * qkv_w + i] += bb[i];
-          }
-          for (int64_t r = 0; r < n; ++r) {
-            float* row = qkv.data() + r * qkv_w;
-            rope_row(row, h, d, cs + r * d, sn + r * d);
-            rope_row(row + h * d, kvh, d, cs + r * d, sn + r * d);
-            const int64_t slot = row0 + r / q, c = col[r];
-            for (int64_t g = 0; g < kvh; ++g) {
-              t->to_f16(row + (h + g) * d, kl + slot * slot_stride + g * plane * d + c * d, d);
-              t->to_f16(row + (h + kvh + g) * d, vl + slot * slot_stride + g * plane * d + c * d, d);
-            }
-          }
-        }
-        {
-          const int64_t items = n * h, chunk = (items + nth - 1) / nth;
-          const int64_t i0 = std::min<int64_t>(items, tid * chunk), i1 = std::min<int64_t>(items, i0 + chunk);
-          std::vector<float> scratch(i0 < i1 ? kv_len : 0);
-          for (int64_t i = i0; i < i1; ++i) {
-            const int64_t r = i / h, head = i % h, slot = row0 + r / q;
-            t->attention(qkv.data() + r * qkv_w, h, kvh, d, kl + slot * slot_stride, vl + slot * slot_stride, plane,
-                         vis ? vis + r * kv_len : nullptr, kv_len, scale, scratch.data(), att.data() + r * h * d,
-                         head, head + 1);
-          }
-        }
-#pragma omp barrier
-#pragma omp single
-        quantize(L.o, t, att.data(), n, acts);
-        product_share(L.o, t, acts, n, tmp.data(), hidden, tid, nth);
-#pragma omp barrier
-        // 2. MLP block: norm, gate / up, SiLU(gate) * up, down
-#pragma omp single
-        {
-          for (int64_t i = 0; i < n * hidden; ++i) x[i] += tmp[i];
-          for (int64_t r = 0; r < n; ++r)
-            t->rmsnorm(x + r * hidden, L.ln2.data_ptr<float>(), hidden, (float)eps_, hbuf.data() + r * hidden);
-          quantize(L.gate_up, t, hbuf.data(), n, acts);
-        }
-        product_share(L.gate_up, t, acts, n, gu.data(), 2 * I, tid, nth);
-#pragma omp barrier
-#pragma omp single
-        {
-          for (int64_t r = 0; r < n; ++r) t->silu_mul(gu.data() + r * 2 * I, gu.data() + r * 2 * I + I, I, act.data() + r * I);
-          quantize(L.down, t, act.data(), n, acts);
-        }
-        product_share(L.down, t, acts, n, tmp.data(), hidden, tid, nth);
-#pragma omp barrier
-#pragma omp single
-        {
-          for (int64_t i = 0; i < n * hidden; ++i) x[i] += tmp[i];
-          keep(li + 1);
+    for (int64_t li : order) {
+      const Layer& L = layers_.at(li);
+      // 1. attention block: norm, q/k/v, RoPE, cache write, attention, output projection
+      for (int64_t r = 0; r < n; ++r) t->rmsnorm(x + r * hidden, L.ln1.data_ptr<float>(), hidden, (float)eps_, hbuf.data() + r * hidden);
+      fused_product(L.qkv, t, hbuf.data(), n, qkv.data(), qkv_w);
+      if (L.qkv_bias) {
+        const float* bb = L.qkv_bias->data_ptr<float>();
+        for (int64_t r = 0; r < n; ++r)
+          for (int64_t i = 0; i < qkv_w; ++i) qkv[r * qkv_w + i] += bb[i];
+      }
+      uint16_t* kl = kc + li * layer_stride;
+      uint16_t* vl = vc + li * layer_stride;
+      for (int64_t r = 0; r < n; ++r) {
+        float* row = qkv.data() + r * qkv_w;
+        rope_row(row, h, d, cs + r * d, sn + r * d);
+        rope_row(row + h * d, kvh, d, cs + r * d, sn + r * d);
+        const int64_t slot = row0 + r / q, c = col[r];
+        for (int64_t g = 0; g < kvh; ++g) {
+          t->to_f16(row + (h + g) * d, kl + slot * slot_stride + g * plane * d + c * d, d);
+          t->to_f16(row + (h + kvh + g) * d, vl + slot * slot_stride + g * plane * d + c * d, d);
         }
       }
+      const float scale = 1.0f / std::sqrt(static_cast<float>(d));
+      at::parallel_for(0, n * h, 1, [&](int64_t i0, int64_t i1) {
+        std::vector<float> scratch(kv_len);
+        for (int64_t i = i0; i < i1; ++i) {
+          const int64_t r = i / h, head = i % h, slot = row0 + r / q;
+          t->attention(qkv.data() + r * qkv_w, h, kvh, d, kl + slot * slot_stride, vl + slot * slot_stride, plane,
+                       vis ? vis + r * kv_len : nullptr, kv_len, scale, scratch.data(), att.data() + r * h * d, head,
+                       head + 1);
+        }
+      });
+      fused_product(L.o, t, att.data(), n, tmp.data(), hidden);
+      for (int64_t i = 0; i < n * hidden; ++i) x[i] += tmp[i];
+      // 2. MLP block: norm, gate / up, SiLU(gate) * up, down
+      for (int64_t r = 0; r < n; ++r) t->rmsnorm(x + r * hidden, L.ln2.data_ptr<float>(), hidden, (float)eps_, hbuf.data() + r * hidden);
+      const int64_t I = product_width(L.gate_up) / 2;
+      fused_product(L.gate_up, t, hbuf.data(), n, gu.data(), 2 * I);
+      for (int64_t r = 0; r < n; ++r) t->silu_mul(gu.data() + r * 2 * I, gu.data() + r * 2 * I + I, I, act.data() + r * I);
+      fused_product(L.down, t, act.data(), n, tmp.data(), hidden);
+      for (int64_t i = 0; i < n * hidden; ++i) x[i] += tmp[i];
+      keep(li + 1);
     }
     std::vector<torch::Tensor> result{xt};
     for (auto& k : kept) result.push_back(k);
