@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from specdecode.cliargs import set_threads
 from specdecode.engine import EngineConfig, SpeculativeEngine
 from specdecode.models import LoadedModel, check_compatible
-from specdecode.options import DEFAULT_TREE_NODES
+from specdecode.options import DEFAULT_MAX_REQUEST_BYTES, DEFAULT_TREE_NODES
 from specdecode.policy import build_policy
 from specdecode.precision import load_target
 from specdecode.preflight import check_models
@@ -38,7 +38,8 @@ from specdecode.proposers.factory import (
     proposer_factory,
 )
 from specdecode.scheduler import Scheduler
-from specdecode.server.app import DEFAULT_MAX_REQUEST_BYTES, ServerConfig, ServingState, create_app
+from specdecode.server.app import create_app
+from specdecode.server.state import ServerConfig, ServingState
 from specdecode.types import SpecDecodeError
 from specdecode.validate import (  # the checks that need no model, shared with the command line
     check_port,
@@ -142,7 +143,7 @@ def build_state(
             a request's ``"speculative": {"verification": ...}`` overrides it.
         ngram_min, ngram_max, skip_layers, tree, tree_nodes, cache_dir: the drafter's settings
             (``proposers.factory.DrafterOptions``).
-        api_key, default_max_tokens, max_request_bytes: see :class:`~specdecode.server.app.ServerConfig`.
+        api_key, default_max_tokens, max_request_bytes: see :class:`~specdecode.server.state.ServerConfig`.
 
     Raises:
         SpecDecodeError: bad settings, a draft-model choice without its loaded model;
