@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 if TYPE_CHECKING:  # annotations only: the runner imports this module to write its report
-    from specdecode.audit.runner import AuditReport
+    from specdecode.audit.results import AuditReport
 
 #: Outcomes in the plot.
 PLOT_CELLS = 24
