@@ -37,6 +37,9 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+from tqdm import tqdm
 
 from specdecode.errors import SpecDecodeError
 from specdecode.lowbit_kernels import (  # noqa: F401 - the kernels' names, re-exported here (lowbit.kernel_status, ...)
@@ -103,6 +106,7 @@ def modules_from_gguf(model: torch.nn.Module, gguf: str | Path, progress: bool =
         SpecDecodeError: the file is not what the model was converted from (shapes), or a linear
             layer's tensor is stored in a type without a low-bit layout here (F16 / F32: use bf16).
     """
+    # lazy: specdecode.models pulls in transformers (start-up time)
     from specdecode.models import _stream_plan
 
     plan = _stream_plan(Path(gguf))
@@ -116,8 +120,6 @@ def modules_from_gguf(model: torch.nn.Module, gguf: str | Path, progress: bool =
     names = _linear_names(model)
     iterator = names
     if progress:
-        from tqdm import tqdm
-
         iterator = tqdm(names, desc=f"reading the blocks of {Path(gguf).name}", unit="layer", leave=False)
     for name in iterator:
         key = f"{name}.weight"
@@ -151,8 +153,6 @@ def cache_path(converted_dir: str | Path, precision: str) -> Path:
 
 def save_modules(path: Path, modules: dict[str, QuantLinear], source: dict) -> None:
     """Write ``modules`` as one safetensors file (atomic rename), with ``source`` in its metadata."""
-    from safetensors.torch import save_file
-
     tensors, layout = {}, {}
     for name, m in modules.items():
         for part, t in m.state_tensors().items():
@@ -168,9 +168,6 @@ def save_modules(path: Path, modules: dict[str, QuantLinear], source: dict) -> N
 
 def load_modules(path: Path, source: dict) -> dict[str, QuantLinear] | None:
     """The modules :func:`save_modules` wrote, memory-mapped; None when missing, stale or unreadable."""
-    from safetensors import safe_open
-    from safetensors.torch import load_file
-
     try:
         with safe_open(str(path), framework="pt") as f:
             meta = f.metadata() or {}
@@ -203,6 +200,7 @@ def _source(loaded, precision: str, from_gguf: bool) -> dict:
 def converted_dir(loaded, cache_dir=None) -> Path | None:
     """The converted copy of a GGUF model ``loaded`` was read from (where its low-bit weights are
     cached), or None (a model directory of the user's or a hub model: nothing is written there)."""
+    # lazy: specdecode.models pulls in transformers (start-up time)
     from specdecode.models import default_cache_dir
 
     source = Path(str(loaded.source))
@@ -287,6 +285,7 @@ def load_in_precision(spec: str, precision: str, *, dtype=torch.float32, cache_d
     Raises:
         ModelLoadError (from load_model), SpecDecodeError (a GGUF tensor without a low-bit layout).
     """
+    # lazy: specdecode.models pulls in transformers (start-up time)
     from specdecode.models import _converted_ok, default_cache_dir, load_model, resolve_spec
 
     if precision not in WEIGHT_PRECISIONS:
@@ -312,6 +311,7 @@ def _gguf_of(loaded, out_dir: Path | None, cache_dir=None) -> Path | None:
     """The GGUF file behind ``loaded`` (joined again from its packages for a catalog model), or None."""
     if not loaded.sha256:
         return None
+    # lazy: specdecode.models pulls in transformers (start-up time)
     from specdecode.models import gguf_file
 
     try:
@@ -358,7 +358,7 @@ def load_cached(spec: str, out_dir: Path, sha256: str | None, precision: str, fr
     """A LoadedModel in ``precision`` built from the cached low-bit file and the float copy's other
     tensors (embeddings, norms) without reading the float copy's linear weights; None when no valid
     cache exists. Seconds instead of a minute for the 1.5B."""
-    from safetensors import safe_open
+    # lazy: these pull in transformers (start-up time)
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     from transformers.initialization import no_init_weights
 

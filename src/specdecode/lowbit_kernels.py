@@ -6,11 +6,13 @@ extension (``csrc/lowbit.cpp``, ``csrc/step.cpp``) built once per machine, and w
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import hashlib
 import logging
 import os
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -96,6 +98,7 @@ def supported_variants() -> list[str]:
 
 
 def _cache_base(cache_dir=None) -> Path:
+    # lazy: specdecode.models pulls in transformers (start-up time)
     from specdecode.models import default_cache_dir
 
     return Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
@@ -121,8 +124,6 @@ def load_variant(name: str, cache_dir=None) -> int:
 
 
 def _compile_variant(name: str, cache_dir=None) -> tuple[ctypes.CDLL, int]:
-    import tempfile
-
     if name not in supported_variants():
         raise SpecDecodeError(f"this CPU cannot run the {name} kernel (it runs: {', '.join(supported_variants()) or 'none'})")
     _, flags, macro = VARIANTS[name]
@@ -247,6 +248,7 @@ def load_kernel(cache_dir: str | Path | None = None):
         digest = hashlib.sha256(b"".join(s.read_bytes() for s in (*_SOURCES, _HEADER)) + where).hexdigest()[:12]
         build = _cache_base(cache_dir) / "kernels" / f"lowbit-{torch.__version__.split('+')[0]}-{digest}"
         try:
+            # lazy: torch's C++ extension tools (slow to import), only when the extension is built
             from torch.utils.cpp_extension import load
 
             build.mkdir(parents=True, exist_ok=True)
@@ -256,7 +258,6 @@ def load_kernel(cache_dir: str | Path | None = None):
                 print(f"specdecode: compiling the low-bit products' thread split and the C++ layer loop into {build} "
                       "(once per machine and version, about a minute)", file=sys.stderr, flush=True)
             start = time.perf_counter()
-            import fcntl
 
             # Our own lock first: the OS drops it when its holder dies, so while we hold it no build of ours
             # runs, and torch's lock file (which a build killed mid-way leaves behind, and which torch

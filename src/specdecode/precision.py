@@ -28,14 +28,18 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+import os
+import tempfile
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
 
+from specdecode.bench.env import cpu_flags, cpu_model
 from specdecode.errors import SpecDecodeError
-from specdecode.lowbit import set_weight_precision
+from specdecode.kernels import WEIGHT_PRECISIONS
+from specdecode.lowbit import active_variant, kernel_status, load_in_precision, quantize_loaded, set_weight_precision
 from specdecode.precision_measures import (  # noqa: F401 - the measures' names, re-exported here
     CATALOG_QUALITY,
     MAX_PERPLEXITY_CHANGE,
@@ -93,8 +97,6 @@ class PrecisionChoice:
 def machine_key(*, include_threads: bool = True) -> str:
     """CPU model, the SIMD flags that pick kernels, torch version and (unless ``include_threads`` is
     False) the current torch thread count, hashed: one cache per machine."""
-    from specdecode.bench.env import cpu_flags, cpu_model
-
     text = f"{cpu_model()}|{','.join(cpu_flags())}|torch {torch.__version__}"
     if include_threads:
         text += f"|threads {torch.get_num_threads()}"
@@ -232,9 +234,6 @@ def choose_precision(loaded, cache_dir: str | Path, *, status: Callable[[str], N
 def _write_cache(path: Path, data: dict, say: Callable[[str], None]) -> None:
     """Atomically (a temporary file of its own, then ``os.replace``); a cache that cannot be written costs a
     measurement next time, never the load."""
-    import os
-    import tempfile
-
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.stem, suffix=".tmp")
@@ -291,6 +290,7 @@ def _copy_in(loaded, precision: str) -> torch.nn.Module:
     """
     source = Path(str(loaded.source))
     if source.is_dir() and (source / "config.json").exists():
+        # lazy: these pull in transformers (start-up time)
         from specdecode.models import quiet_hf_output
         from transformers import AutoModelForCausalLM
 
@@ -303,10 +303,6 @@ def _copy_in(loaded, precision: str) -> torch.nn.Module:
         clone = copy.deepcopy(loaded.model)
         clone.__dict__.pop("_specdecode_fused_layers", None)
     if precision in ("int4", "int8"):  # a GGUF model's own 4-bit blocks (cached), not a requantization
-        from dataclasses import replace
-
-        from specdecode.lowbit import quantize_loaded
-
         return quantize_loaded(replace(loaded, model=clone), precision)
     return set_weight_precision(clone, precision)
 
@@ -325,7 +321,7 @@ def load_target(spec: str, weights: str = "auto", *, dtype: torch.dtype | str = 
     Raises:
         ModelLoadError (from load_model), SpecDecodeError (unknown precision).
     """
-    from specdecode.kernels import WEIGHT_PRECISIONS
+    # lazy: specdecode.models pulls in transformers (start-up time)
     from specdecode.models import _normalize_dtype, default_cache_dir, load_model
 
     if weights != "auto" and weights not in WEIGHT_PRECISIONS:
@@ -341,8 +337,6 @@ def load_target(spec: str, weights: str = "auto", *, dtype: torch.dtype | str = 
         set_weight_precision(loaded.model, "bf16")
         return loaded, _explicit(loaded, "bf16", cache, forward, why="the weights were loaded in bfloat16 (--dtype)")
     if weights != "auto":
-        from specdecode.lowbit import load_in_precision
-
         loaded = load_in_precision(spec, weights, dtype=dtype, cache_dir=cache_dir, progress=progress, say=status)
         return loaded, _explicit(loaded, weights, cache, forward)
     fast = _gguf_blocks_choice(spec, cache_dir, progress, status, forward)
@@ -351,8 +345,6 @@ def load_target(spec: str, weights: str = "auto", *, dtype: torch.dtype | str = 
     loaded = load_model(spec, dtype=torch.float32, cache_dir=cache_dir, progress=progress)
     choice = choose_precision(loaded, cache, status=status, forward=forward)
     if choice.precision in ("int4", "int8"):
-        from specdecode.lowbit import quantize_loaded
-
         quantize_loaded(loaded, choice.precision, cache_dir=cache_dir, progress=progress, say=status)
     else:
         set_weight_precision(loaded.model, choice.precision)
@@ -370,8 +362,8 @@ def _gguf_blocks_choice(spec: str, cache_dir, progress: bool, status, forward: s
     its effect on the catalog models is :data:`CATALOG_QUALITY`. Returns None (the measured choice
     runs) for other models, CPUs without a kernel, or an architecture the owned forward lacks.
     """
+    # lazy: these pull in transformers (start-up time)
     from specdecode.kv.owned import supports
-    from specdecode.lowbit import active_variant, load_in_precision
     from specdecode.models import resolve_spec
 
     if forward == "hf":
@@ -425,11 +417,10 @@ def _explicit(loaded, weights: str, cache: Path, forward: str = "auto",
             reason += f"; it changes the model: {line}"
     exact = m.get("exact")
     if exact is None and weights in ("int4", "int8") and forward != "hf":
+        # lazy: specdecode.kv.owned pulls in transformers (start-up time)
         from specdecode.kv.owned import supports
 
         if supports(loaded.model):  # row-independent low-bit products and attention: by construction
-            from specdecode.lowbit import active_variant, kernel_status
-
             exact = True
             active_variant()
             reason += (f"; {kernel_status()}; speculation stays exact (row-independent low-bit products in the "

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
+from specdecode.data import SharedDataMissing, load_prompts
+
 
 #: Next-token argmax agreement with float32 a precision needs to keep the model.
 MIN_ARGMAX_AGREEMENT = 0.97
@@ -81,8 +83,6 @@ CATALOG_QUALITY: dict[str, dict[str, QualityReport]] = {
 def quality_texts(tokenizer, per_category: int = 2, max_tokens: int = 512) -> list[list[int]]:
     """Token ids of the Spec-Bench prompts (``per_category`` of each), chat template applied, at most
     ``max_tokens`` each; the first HumanEval problems when ../shared/data is missing."""
-    from specdecode.data import SharedDataMissing, load_prompts
-
     try:
         prompts = load_prompts("spec-bench")
     except SharedDataMissing:
@@ -111,6 +111,7 @@ def teacher_forced(model: torch.nn.Module, texts: Sequence[Sequence[int]]) -> tu
     Runs the owned forward where it applies, with its fast (prefill) numerics: the batch-invariant
     ones differ from them only in rounding, which moves agreement by near-ties, not the model.
     """
+    # lazy: specdecode.kv pulls in transformers (start-up time)
     from specdecode.kv import make_runner
 
     runner = make_runner(model, batch_invariant=False).row(0)
@@ -167,6 +168,7 @@ def check_batch_invariance(model: torch.nn.Module, counts: Sequence[int] = (2, 5
     in one forward equal those of the same tokens fed one by one, bitwise; and two rows verified
     together equal each row verified alone (the batch case).
     """
+    # lazy: specdecode.kv pulls in transformers (start-up time)
     from specdecode.kv import make_runner
 
     runner = make_runner(model, forward, num_slots=2)
@@ -217,6 +219,7 @@ def measure_step(model: torch.nn.Module, context: int = 256, repeats: int = 7, v
                  seed: int = 0, forward: str = "auto") -> tuple[float, float]:
     """(T_decode, T_verify) in seconds: the fastest of ``repeats`` timings of a one-token decoding step and
     of a ``verify_rows``-token verification forward, after ``context`` cached tokens."""
+    # lazy: specdecode.kv pulls in transformers (start-up time)
     from specdecode.kv import make_runner
 
     runner = make_runner(model, forward)

@@ -95,6 +95,7 @@ class QuantLinear(torch.nn.Module):
                    precision: str = "int8") -> "QuantLinear":
         """Quantize float weights [out, in] to ``kind`` blocks with the gguf package (Q8_0, Q4_0, Q4_1,
         Q5_0: the types it quantizes)."""
+        # lazy: gguf (start-up time)
         import gguf
 
         w = weight.detach().float().numpy()
@@ -103,6 +104,7 @@ class QuantLinear(torch.nn.Module):
 
     def dequantize(self) -> torch.Tensor:
         """[out, in] float32: the weights these blocks hold (``gguf.dequantize``)."""
+        # lazy: gguf (start-up time)
         import gguf
 
         values = gguf.quants.dequantize(self.gguf_raw(), gguf.GGMLQuantizationType[self.kind])

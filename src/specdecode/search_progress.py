@@ -74,6 +74,7 @@ class _StderrProgress:
 
 def _search_bar():
     """A transient rich bar on stderr: stage, steps done / planned, the ETA counting down, elapsed time."""
+    # lazy: rich (start-up time)
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, ProgressColumn, TextColumn, TimeElapsedColumn
     from rich.text import Text

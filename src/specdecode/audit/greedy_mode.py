@@ -9,11 +9,15 @@ import time
 from collections.abc import Callable, Sequence
 
 import torch
+from tqdm import tqdm
 
 from specdecode.audit.config import AuditConfig, AuditError
 from specdecode.audit.law import STOP
 from specdecode.audit.results import AuditReport, GreedyAudit, _settings, _source_counters, machine_info
 from specdecode.audit.sources import AuditPrompt, Outcome, SampleSource
+from specdecode.engine import EngineConfig, SpeculativeEngine
+from specdecode.kv import make_runner
+from specdecode.sampling import RequestSampler
 from specdecode.types import SamplingParams
 
 
@@ -31,16 +35,12 @@ def audit_greedy(model: torch.nn.Module, prompts: Sequence[AuditPrompt], params:
     Returns:
         AuditReport (mode "greedy").
     """
-    from specdecode.engine import EngineConfig, SpeculativeEngine
-
     t0 = time.perf_counter()
     greedy = dataclasses.replace(params, temperature=0.0, seed=None, coupled=None, max_new_tokens=cfg.max_new_tokens)
     plain = SpeculativeEngine(model, None, EngineConfig(forward=forward))
     results = []
     iterator = prompts
     if progress:
-        from tqdm import tqdm
-
         iterator = tqdm(prompts, desc="greedy", unit="prompt", file=sys.stderr, leave=False)
     for prompt in iterator:
         want = plain.generate(list(prompt.token_ids), greedy)
@@ -114,9 +114,6 @@ def _compare(model, prompt: AuditPrompt, params: SamplingParams, want, got: Outc
 def _margin(model, prompt: AuditPrompt, prefix: list[int], params: SamplingParams, a: int | None, b: int | None,
             forward: str) -> tuple[float, float | None]:
     """(top-1 minus top-2 of the target's processed logits after prompt + prefix, logit(a) - logit(b))."""
-    from specdecode.kv import make_runner
-    from specdecode.sampling import RequestSampler
-
     runner = make_runner(model, forward, num_slots=1)
     logits = runner.forward(slice(0, 1), [list(prompt.token_ids) + prefix], last_only=True)[0, -1:].float()
     sampler = RequestSampler(params, prompt.token_ids, logits.shape[-1])

@@ -25,10 +25,16 @@ from collections.abc import Callable, Sequence
 
 from specdecode.audit.config import AuditError
 from specdecode.audit.greedy_mode import audit_greedy
+from specdecode.audit.report import print_report, write_report
 from specdecode.audit.results import AuditReport, GreedyAudit, PromptAudit, machine_info  # noqa: F401 - re-exported
 from specdecode.audit.sampled_mode import audit_sampled
-from specdecode.audit.sources import AuditPrompt, EngineSource
+from specdecode.audit.sources import AuditPrompt, EndpointSource, EngineSource
+from specdecode.engine import EngineConfig, SpeculativeEngine
+from specdecode.generator import SpecDecoder
+from specdecode.options import SAMPLING_MODES
 from specdecode.paths import check_output_dir
+from specdecode.precision import load_target
+from specdecode.proposers import LayerSkipProposer
 from specdecode.types import SamplingParams
 
 
@@ -54,9 +60,6 @@ def run_audit(setup, say: Callable[[str], None] = _status, progress: bool = True
         AuditError: unreachable endpoint, model not served, another tokenizer, a refused request.
         SpecDecodeError / ModelLoadError: bad settings, a model that does not load.
     """
-    from specdecode.audit.report import print_report, write_report
-    from specdecode.audit.sources import EndpointSource
-
     cfg = setup.config
     if setup.output is not None:  # before any request or load: the report is what the run is for
 
@@ -100,14 +103,8 @@ def run_audit(setup, say: Callable[[str], None] = _status, progress: bool = True
 def _load(setup, say):
     """(a SpecDecoder over the target, the in-process EngineSource or None): the target in ``setup.weights``;
     in-process, the engine with its drafter and ``batch_size`` rows."""
-    from specdecode.engine import EngineConfig, SpeculativeEngine
-    from specdecode.generator import SpecDecoder
-    from specdecode.options import SAMPLING_MODES
-
     say(f"loading target {setup.target!r} (the exact law is computed from it here)")
     if setup.endpoint is not None:
-        from specdecode.precision import load_target
-
         loaded, choice = load_target(setup.target, setup.weights, dtype=setup.dtype, cache_dir=setup.cache_dir,
                                      status=say, forward=setup.forward)
         decoder = SpecDecoder(loaded, None)
@@ -164,8 +161,6 @@ def _check_tokenizer(source, prompt: AuditPrompt, params: SamplingParams, decode
 
 def _choose_skip_layers(decoder, prompts: Sequence[AuditPrompt], say) -> None:
     """--draft layer-skip without --skip-layers: the set cached for the model, else a search on the prompts."""
-    from specdecode.proposers import LayerSkipProposer
-
     proposer = decoder.proposer
     if isinstance(proposer, LayerSkipProposer) and proposer.config.skip_layers is None:
         r = proposer.calibrate([list(p.token_ids) for p in prompts[:3]])

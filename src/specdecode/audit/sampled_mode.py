@@ -9,6 +9,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
+from tqdm import tqdm
 
 from specdecode.audit import stats
 from specdecode.audit.config import AuditConfig
@@ -158,8 +159,6 @@ def _audit_prompt(model, prompt: AuditPrompt, index: int, total: int, params: Sa
             f"{source.name}")
     bar = None
     if progress:
-        from tqdm import tqdm
-
         bar = tqdm(total=cfg.num_samples, desc=f"{index + 1}/{total} {prompt.id}"[:40], unit="sample",
                    file=sys.stderr, leave=False, dynamic_ncols=True)
     try:

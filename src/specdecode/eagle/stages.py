@@ -15,11 +15,13 @@ from dataclasses import asdict
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file, save_file
 
 from specdecode.eagle import corpus
 from specdecode.eagle.head import EagleConfig, EagleHead, autocast_dtype, default_feature_layers
 from specdecode.eagle.train_config import MIXES, TrainConfig
 from specdecode.errors import SpecDecodeError
+from specdecode.lowbit import LOWBIT_TYPES
 
 
 # --------------------------------------------------------------------------- the stages
@@ -256,9 +258,11 @@ def _save_state(path: Path, head, opt, step, history, elapsed, identity, epoch, 
 
 def plot_training(record: dict, path: Path) -> Path:
     """Loss and accuracy per unrolled step against the training step (a PNG)."""
+    # lazy: matplotlib, its Agg backend chosen before pyplot (start-up time)
     import matplotlib
 
     matplotlib.use("Agg")
+    # lazy: matplotlib, its Agg backend chosen before pyplot (start-up time)
     import matplotlib.pyplot as plt
 
     hist = record["history"]
@@ -296,8 +300,6 @@ def feature_data(loaded, records: list[dict], work: Path, cfg: TrainConfig, feat
                  progress=None) -> dict:
     """Stage 3: features of every sequence, cached in ``work/features.safetensors`` (recomputed when the
     records, the layers or the length changed)."""
-    from safetensors.torch import load_file, save_file
-
     path = work / "features.safetensors"
     key = {"n": len(records), "layers": list(feature_layers), "max_length": cfg.max_length,
            "target": getattr(loaded, "sha256", None), "weights": _weights_of(loaded.model),
@@ -315,8 +317,6 @@ def feature_data(loaded, records: list[dict], work: Path, cfg: TrainConfig, feat
 
 def _weights_of(model) -> str:
     """The precision a model runs in: "int8" / "int4" (low-bit linear modules) or its parameters' dtype."""
-    from specdecode.lowbit import LOWBIT_TYPES
-
     kinds = {m.weight_precision for m in model.modules() if isinstance(m, LOWBIT_TYPES)}
     if kinds:
         return "int4" if "int4" in kinds else "int8"

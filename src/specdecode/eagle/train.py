@@ -28,7 +28,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
+from specdecode.data import dataset_categories, load_prompts
 from specdecode.eagle import corpus
 from specdecode.eagle.head import autocast_dtype, save_head  # noqa: F401 - autocast_dtype re-exported
 from specdecode.eagle.stages import (  # noqa: F401 - the stages, re-exported here
@@ -45,6 +47,7 @@ from specdecode.eagle.stages import (  # noqa: F401 - the stages, re-exported he
 from specdecode.eagle.train_config import MIXES, TrainConfig  # noqa: F401 - MIXES re-exported
 from specdecode.errors import SpecDecodeError
 from specdecode.paths import check_output_dir
+from specdecode.types import SamplingParams
 
 
 # --------------------------------------------------------------------------- the whole command
@@ -60,16 +63,13 @@ def held_out_estimate(loaded, head_dir: Path, *, prompts: str = "spec-bench", ma
         {"prompts", "tau" (mean accepted length per target forward, bonus included), "acceptance_rate",
         "accepted_by_position" (rate per draft position), "speedup" (median plain / speculative time)}.
     """
-    from specdecode.data import load_prompts
+    # lazy: these pull in transformers (start-up time)
     from specdecode.engine import EngineConfig, SpeculativeEngine
     from specdecode.proposers.eagle import EagleDraftConfig, make_eagle
-    from specdecode.types import SamplingParams
 
     if ":" in prompts:
         rows = load_prompts(prompts, shared_dir=shared_dir)
     else:
-        from specdecode.data import dataset_categories
-
         rows = [p for c in dataset_categories(prompts, shared_dir=shared_dir)
                 for p in load_prompts(f"{prompts}:{c}:1", shared_dir=shared_dir)]
     plain = SpeculativeEngine(loaded.model, None, EngineConfig())
@@ -122,9 +122,8 @@ def run(target: str, cfg: TrainConfig, *, out: str | Path | None = None, work_di
     Raises:
         SpecDecodeError (ModelLoadError, ...): a target that cannot be loaded; a bad config.
     """
-    from tqdm import tqdm
-
     from specdecode.lowbit import load_in_precision  # lazy: the kernels and models packages (start-up time)
+    # lazy: specdecode.models pulls in transformers (start-up time)
     from specdecode.models import default_cache_dir
 
     t0 = time.perf_counter()

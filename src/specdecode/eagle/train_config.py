@@ -6,6 +6,7 @@ import re
 from dataclasses import dataclass, field
 
 from specdecode.errors import SpecDecodeError
+from specdecode.validate import check_threads
 
 
 #: Prompt mixes per target kind (counts per source; see corpus.SOURCES).
@@ -71,7 +72,6 @@ class TrainConfig:
             raise SpecDecodeError(f"epochs must be in (0, 1000] and lr in (0, 1); got {self.epochs}, {self.lr}")
         if self.intermediate_size is not None and int(self.intermediate_size) < 1:
             raise SpecDecodeError(f"intermediate_size must be >= 1, got {self.intermediate_size!r}")
-        from specdecode.validate import check_threads
 
         check_threads(self.threads)  # torch's CPU threads: 1..the cores this process may use
         if not 0 <= self.held_out_fraction < 0.5:

@@ -5,13 +5,25 @@
 
 import asyncio
 import contextlib
+import fcntl
+import hmac
 import os
+import socket
 import time
 from collections.abc import AsyncIterator, Iterable
 from pathlib import Path
 
+import torch
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
+
+from specdecode.cliargs import set_threads
+from specdecode.models import default_cache_dir
+from specdecode.server.app import APIError, _read_body, create_app
+from specdecode.server.launch import load_state
 from specdecode.server.relay import asgi_request, carries_output, failed_stream_event, merge_metrics, split_events
 from specdecode.server.routing import routing_key
+from specdecode.types import SamplingParams
 
 
 APP_NAME = "specdecode"
@@ -31,10 +43,6 @@ def _load_lock(cache_dir: str | None):
     """One replica loads at a time per machine (a file lock in the cache directory): the first measures and
     caches (precision, kernels, layer-skip sets), the others read what it wrote, and two loads never compete
     for the same cores and memory."""
-    import fcntl
-
-    from specdecode.models import default_cache_dir
-
     root = Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
     root.mkdir(parents=True, exist_ok=True)
 
@@ -60,12 +68,8 @@ class EngineReplica:
     """
 
     async def __init__(self, opts, hub=None) -> None:
-        import torch
+        # optional: Ray Serve (pip install -e ".[ray]")
         from ray import serve
-
-        from specdecode.cliargs import set_threads
-        from specdecode.server.app import create_app
-        from specdecode.server.launch import load_state
 
         torch.set_grad_enabled(False)
         set_threads(opts.threads)
@@ -88,8 +92,6 @@ class EngineReplica:
     def _warm_up(self) -> None:
         """One short generation before the replica counts as started: kernels compile and caches fill now,
         not on the first request."""
-        from specdecode.types import SamplingParams
-
         ids = self.state.text.encode("Hello", chat=False)
         self.state.engine.generate(ids, SamplingParams(max_new_tokens=2))
 
@@ -109,8 +111,6 @@ class EngineReplica:
 
     def info(self) -> dict:
         """This replica's id, process and engine figures (``ServingState.stats``)."""
-        import socket
-
         return {"replica": self.replica_id, "pid": self.pid, "host": socket.gethostname(),
                 "engine_alive": self.state.scheduler.alive, **self.state.stats()}
 
@@ -178,6 +178,7 @@ class MetricsHub:
 
 def _retryable_errors() -> tuple[type[BaseException], ...]:
     """What a deployment handle raises when the replica serving the call died or cannot be reached."""
+    # optional: Ray Serve (pip install -e ".[ray]")
     import ray.exceptions as rex
 
     kinds = [rex.RayActorError]
@@ -208,9 +209,8 @@ def ingress_deployment_class():
     (``/health``, ``/metrics`` and a catch-all that forwards to a replica). It has no docs routes of its
     own: ``/docs`` and ``/openapi.json`` are the replicas', forwarded and key-checked like the rest."""
     from fastapi import FastAPI, Request  # evaluated now (no postponed annotations), so FastAPI sees the class
+    # optional: Ray Serve (pip install -e ".[ray]")
     from ray import serve
-
-    from specdecode.server.app import APIError
 
     app = FastAPI(title="specdecode (Ray Serve replicas)", docs_url=None, redoc_url=None, openapi_url=None)
 
@@ -252,8 +252,6 @@ class Ingress:
 
     def __init__(self, engine, hub, router: str = "power-of-two", prefix_chars: int = 256, retries: int = 2,
                  max_request_bytes: int = 1 << 20, api_key: str | None = None) -> None:
-        from prometheus_client import CollectorRegistry, Counter
-
         self.engine = engine.options(stream=True)
         self.hub = hub
         self.router, self.prefix_chars, self.retries = router, prefix_chars, retries
@@ -273,10 +271,6 @@ class Ingress:
         Raises:
             APIError: 401 invalid_api_key.
         """
-        import hmac
-
-        from specdecode.server.app import APIError
-
         if not self.api_key or request.url.path == "/health":
             return
         scheme, _, given = request.headers.get("authorization", "").partition(" ")
@@ -286,8 +280,6 @@ class Ingress:
                            code="invalid_api_key")
 
     async def health(self):
-        from fastapi.responses import JSONResponse
-
         try:
             replicas = await self.hub.replicas.remote()
         except Exception as exc:  # noqa: BLE001 - the hub restarting: say so, as JSON
@@ -299,11 +291,6 @@ class Ingress:
                             status_code=200 if alive else 503)
 
     async def metrics(self, request):
-        from fastapi.responses import Response
-        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-
-        from specdecode.server.app import APIError
-
         self._check_key(request)
         try:
             text = await self.hub.collect.remote(generate_latest(self.registry).decode())
@@ -313,9 +300,8 @@ class Ingress:
         return Response(text, media_type=CONTENT_TYPE_LATEST)
 
     async def forward(self, request):
+        # optional: Ray Serve (pip install -e ".[ray]")
         from ray.serve.exceptions import BackPressureError
-
-        from specdecode.server.app import APIError, _read_body
 
         self._check_key(request)
         body = await _read_body(request, self.max_request_bytes)
@@ -360,8 +346,6 @@ class Ingress:
     def _response(status: int, headers: list[tuple[str, str]], body: AsyncIterator[bytes]):
         """A streaming response with the replica's status and headers as they were (repeated ones kept,
         hop-by-hop ones dropped)."""
-        from fastapi.responses import StreamingResponse
-
         response = StreamingResponse(body, status_code=status)
         response.raw_headers = [(k.lower().encode("latin-1"), v.encode("latin-1"))
                                 for k, v in forwarded_headers(headers)]

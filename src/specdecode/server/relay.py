@@ -5,6 +5,10 @@ import asyncio
 import json
 from collections.abc import AsyncIterator, Iterable
 
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.metrics_core import Metric
+from prometheus_client.parser import text_string_to_metric_families
+
 
 # --------------------------------------------------------------------------- routing (pure)
 
@@ -68,10 +72,6 @@ def merge_metrics(texts: dict[str, str], extra: str = "") -> str:
     Returns:
         one Prometheus text exposition (``prometheus_client.generate_latest``), one family per name.
     """
-    from prometheus_client import CollectorRegistry, generate_latest
-    from prometheus_client.metrics_core import Metric
-    from prometheus_client.parser import text_string_to_metric_families
-
     families: dict[str, Metric] = {}
 
     def add(text: str, replica: str | None) -> None:

@@ -35,9 +35,12 @@ import contextlib
 import dataclasses
 import os
 import signal
+import socket
 import sys
 import time
 from pathlib import Path
+
+from pydantic import ValidationError
 
 from specdecode.scaleout import (  # noqa: F401 - the settings, checked without Ray; re-exported here
     RAY_INSTALL,
@@ -63,6 +66,7 @@ from specdecode.server.deployments import (  # noqa: F401 - the names re-exporte
     _first_line,
     ingress_deployment_class,
 )
+from specdecode.server.launch import ServeOptions, check_address, check_options
 from specdecode.server.routing import rank_replicas, routing_key  # noqa: F401 - Ray-free, re-exported
 from specdecode.types import SpecDecodeError
 
@@ -81,8 +85,8 @@ def read_ray_config(path: str | Path) -> dict:
     Raises:
         SpecDecodeError: not YAML, not Ray Serve's schema, or a deployment that is not ours.
     """
+    # optional: PyYAML and Ray Serve (pip install -e ".[ray]")
     import yaml
-    from pydantic import ValidationError
     from ray.serve.schema import ServeDeploySchema
 
     path = Path(path).expanduser()
@@ -115,8 +119,6 @@ def read_ray_config(path: str | Path) -> dict:
 
 
 def _serve_options_type():
-    from specdecode.server.launch import ServeOptions
-
     return ServeOptions
 
 
@@ -140,10 +142,9 @@ def build_app(opts, r: ReplicaOptions, *, ray_config: dict | None = None):
         SpecDecodeError: Ray missing, bad options.
     """
     require_ray()
+    # optional: Ray Serve (pip install -e ".[ray]")
     from ray import serve
     from ray.serve.config import RequestRouterConfig
-
-    from specdecode.server.launch import check_options
 
     check_options(opts)
     check_replica_options(r)
@@ -170,6 +171,7 @@ def build_app(opts, r: ReplicaOptions, *, ray_config: dict | None = None):
     else:
         engine_options["num_replicas"] = r.replicas
     if r.router == "prefix":
+        # optional: Ray Serve (pip install -e ".[ray]")
         from specdecode.server.ray_router import PrefixAffinityRouter
 
         engine_options["request_router_config"] = RequestRouterConfig(
@@ -250,8 +252,6 @@ def _check_reachable(address: str, timeout: float = 10.0) -> None:
     Raises:
         SpecDecodeError: nothing answers there.
     """
-    import socket
-
     if address == "auto" or "://" in address or ":" not in address:
         return
     host, _, port = address.rpartition(":")
@@ -274,10 +274,9 @@ def run(opts, r: ReplicaOptions) -> int:
             that cannot be reached, replicas that fail to start.
     """
     require_ray()
+    # optional: Ray Serve (pip install -e ".[ray]")
     import ray
     from ray import serve
-
-    from specdecode.server.launch import check_address, check_options
 
     say = lambda line: print(f"specdecode: {line}", file=sys.stderr, flush=True)  # noqa: E731
     check_options(opts)
