@@ -516,7 +516,7 @@ def test_negative_control_an_unnormalised_draft_breaks_the_distribution(dist_set
     (the row fails, naming the proposer); let through, verification's min(1, p/q) and residual would read the
     wrong law, and the chi-square test must see it. The same drafter with q renormalised, or not masked at all,
     passes above."""
-    import specdecode.engine as engine_module
+    import specdecode.drafts as drafts_module
 
     grammar, target, draft, exact = dist_setup
     engine = SpeculativeEngine(target, _MaskedDraft(draft, "unnormalised"), EngineConfig(num_speculative_tokens=3))
@@ -525,7 +525,7 @@ def test_negative_control_an_unnormalised_draft_breaks_the_distribution(dist_set
     while req.finish_reason is None:
         engine.step()
     assert req.finish_reason == "error" and "masked-draft" in req.error and "sum to 1" in req.error
-    monkeypatch.setattr(engine_module, "_draft_probs_problem", lambda q, ids, vocab: None)  # the door's q check off
+    monkeypatch.setattr(drafts_module, "_draft_probs_problem", lambda q, ids, vocab: None)  # the door's q check off
     counts = _sample_counts(grammar, target, _MaskedDraft(draft, "unnormalised"), coupled=False)
     assert _pvalue(counts, exact) < 1e-6, (counts, exact)
 

@@ -549,7 +549,7 @@ def test_a_broken_q_is_refused_at_the_door_where_it_would_bias_the_output(verifi
     """First three of four sampled tokens through the engine (the first step drafts two: the prefill made one), the
     draft reporting a broken q: every such request fails at the door (no output from that q is delivered). Controls: the honest q follows the target's exact joint, and
     the broken q let through (the door's q check off) misses it, so this test could tell."""
-    import specdecode.engine as engine_module
+    import specdecode.drafts as drafts_module
 
     vocab, prompt, samples = 5, [1, 2], 1000
     tgt = tiny_llama(vocab_size=vocab, seed=3, layers=1, hidden=32, scale=4.0)
@@ -570,5 +570,5 @@ def test_a_broken_q_is_refused_at_the_door_where_it_would_bias_the_output(verifi
         out = door.generate(prompt, SamplingParams(temperature=1.0, max_new_tokens=4, seed=s, coupled=False))
         assert out.finish_reason == "error" and len(out.token_ids) == 1  # the prefill's token, nothing verified
     assert chi2_pvalue(counts(lambda q: q), exact) > 1e-3
-    monkeypatch.setattr(engine_module, "_draft_probs_problem", lambda q, ids, vocab: None)
+    monkeypatch.setattr(drafts_module, "_draft_probs_problem", lambda q, ids, vocab: None)
     assert chi2_pvalue(counts(BIASING_Q[fault]), exact) < 1e-3

@@ -18,17 +18,20 @@ from __future__ import annotations
 
 import argparse
 import logging
+import socket
 import sys
 from dataclasses import dataclass
 
 
 from specdecode.cliargs import set_threads
+from specdecode.data import load_prompts
 from specdecode.engine import EngineConfig, SpeculativeEngine
 from specdecode.models import LoadedModel, check_compatible
-from specdecode.options import DEFAULT_TREE_NODES
+from specdecode.options import DEFAULT_MAX_REQUEST_BYTES, DEFAULT_TREE_NODES
 from specdecode.policy import build_policy
 from specdecode.precision import load_target
 from specdecode.preflight import check_models
+from specdecode.proposers import LayerSkipProposer
 from specdecode.proposers.factory import (
     DraftChoice,
     DrafterOptions,
@@ -38,7 +41,8 @@ from specdecode.proposers.factory import (
     proposer_factory,
 )
 from specdecode.scheduler import Scheduler
-from specdecode.server.app import DEFAULT_MAX_REQUEST_BYTES, ServerConfig, ServingState, create_app
+from specdecode.server.app import create_app
+from specdecode.server.state import ServerConfig, ServingState
 from specdecode.types import SpecDecodeError
 from specdecode.validate import (  # the checks that need no model, shared with the command line
     check_port,
@@ -142,7 +146,7 @@ def build_state(
             a request's ``"speculative": {"verification": ...}`` overrides it.
         ngram_min, ngram_max, skip_layers, tree, tree_nodes, cache_dir: the drafter's settings
             (``proposers.factory.DrafterOptions``).
-        api_key, default_max_tokens, max_request_bytes: see :class:`~specdecode.server.app.ServerConfig`.
+        api_key, default_max_tokens, max_request_bytes: see :class:`~specdecode.server.state.ServerConfig`.
 
     Raises:
         SpecDecodeError: bad settings, a draft-model choice without its loaded model;
@@ -218,14 +222,10 @@ def load_state(opts: ServeOptions, progress: bool = True) -> ServingState:
 def _choose_skip_layers(state: ServingState) -> None:
     """``--draft layer-skip`` without ``--skip-layers``: the set cached for the model, else a search now, on
     :data:`LAYER_SKIP_CALIBRATION` (otherwise the first long prompt would search while every request waits)."""
-    from specdecode.proposers import LayerSkipProposer
-
     proposer = state.engine.proposer
     if not isinstance(proposer, LayerSkipProposer) or proposer.config.skip_layers is not None:
         return
     try:
-        from specdecode.data import load_prompts
-
         texts = [p.turns[0] for p in load_prompts(LAYER_SKIP_CALIBRATION)]
         chat = state.text.has_chat_template
         prompts = [state.text.encode(t, chat=chat) for t in texts]
@@ -254,8 +254,6 @@ def bind_address(host: str, port: int):
     Raises:
         SpecDecodeError: a port outside 0..65535, an address that cannot be bound (the message says what to do).
     """
-    import socket
-
     check_port(port)
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
     try:
@@ -270,6 +268,7 @@ def bind_address(host: str, port: int):
 
 def run(opts: ServeOptions) -> int:
     """Load, then serve until interrupted (blocking)."""
+    # lazy: uvicorn (start-up time)
     import uvicorn
 
     logging.basicConfig(level=getattr(logging, opts.log_level.upper(), logging.INFO),
