@@ -12,7 +12,6 @@ equal the target's own sequence distribution to 1e-9; deliberately broken varian
 from __future__ import annotations
 
 import dataclasses
-
 import itertools
 import math
 from collections import defaultdict
