@@ -59,20 +59,21 @@ def gamma_of(spec: DrafterSpec, default: int | None = None) -> int:
 
 
 def assemble(target: LoadedModel, proposer: Proposer | None, *, num_speculative_tokens: int = DEFAULT_GAMMA,
-             policy="fixed", max_batch_size: int = 1, forward: str = "auto",
-             verification: str = "auto") -> SpeculativeEngine:
+             policy="fixed", max_batch_size: int = 1, forward: str = "auto", verification: str = "auto",
+             max_context: int | None = None) -> SpeculativeEngine:
     """The engine over ``target`` with ``proposer`` (None: plain decoding, no policy) and a draft-length policy.
 
     Args:
         num_speculative_tokens: γ of the fixed policy, the starting γ of the others (1..64).
         policy: a policy name (``policy.build_policy``) or a policy object.
-        max_batch_size, forward, verification: ``EngineConfig``'s.
+        max_batch_size, forward, verification: ``EngineConfig``'s; max_context: positions per row (None: the
+            target's).
 
     Raises:
         SpecDecodeError: γ, batch, forward or verification out of range; an unknown policy.
     """
     config = EngineConfig(num_speculative_tokens=num_speculative_tokens, max_batch_size=max_batch_size,
-                          max_context=target.max_context, forward=forward, verification=verification)
+                          max_context=max_context or target.max_context, forward=forward, verification=verification)
     draft_policy = None
     if proposer is not None:
         draft_policy = build_policy(policy, num_speculative_tokens) if isinstance(policy, str) else policy

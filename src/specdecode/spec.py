@@ -218,7 +218,7 @@ class DrafterSpec:
     @property
     def model_spec(self) -> str | None:
         """The draft model this spec loads (its own or its fallback's); None for model-free drafters."""
-        if self.kind in MODEL_KINDS:
+        if self.kind in MODEL_KINDS or self.kind not in BUILTIN_KINDS:  # a kind registered elsewhere: its model=
             return self.model
         return self.fallback.model_spec if self.fallback is not None else None
 

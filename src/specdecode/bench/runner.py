@@ -13,12 +13,12 @@ rotates from prompt to prompt), so the machine's drift hits all of them alike:
 Each finished (prompt, variant) run is appended to ``records.jsonl`` at once; a rerun with
 the same output directory and settings skips what is there (resume).
 
-Method specs are one line: ``NAME[:OPTION=VALUE,...]`` where NAME is a key of
-``specdecode.proposers.PROPOSERS``, ``k`` is gamma (``num_speculative_tokens``), ``model``
-names a draft model (for proposers that take one) and any other option is a field of the
-proposer's config dataclass (``ngram:k=5,max_ngram=4``; tuples as ``branching=4/2/2``). A new proposer registered with
-``@register("name")`` whose factory takes ``config=`` (a dataclass) and/or ``model=`` needs
-no change here; one that needs more registers a builder with :func:`method_builder`.
+Methods are drafter specs in their compact form (:class:`specdecode.spec.DrafterSpec`): ``KIND[:KEY=VALUE,...]``
+where KIND is a key of ``specdecode.proposers.PROPOSERS``, ``k`` is gamma (``num_speculative_tokens``), ``model``
+names a draft model (for proposers that take one) and any other option is a field of the proposer's config
+dataclass (``ngram:k=5,max_ngram=4``; tuples as ``branching=4/2/2``). Each is built by the one builder
+(:mod:`specdecode.build`), as ``generate`` and ``serve`` build it. A new proposer registered with
+``@register("name")`` whose factory takes ``config=`` (a dataclass) and/or ``model=`` needs no change here.
 """
 
 from __future__ import annotations
@@ -41,10 +41,14 @@ import torch
 from specdecode.bench import report
 from specdecode.bench.env import environment
 from specdecode.bench.records import RECORDS_FILE, RecordStore  # noqa: F401 - re-exported
+from specdecode.build import assemble, build_factory
 from specdecode.eagle.head import EagleCheckpointError
-from specdecode.types import SpecDecodeError
+from specdecode.types import SamplingParams, SpecDecodeError
 from specdecode.options import WEIGHT_CHOICES, WEIGHT_PRECISIONS
 from specdecode.paths import check_output_dir
+from specdecode.proposers import PROPOSERS
+from specdecode.proposers.factory import other_tokenizer, takes_draft_model
+from specdecode.spec import DrafterSpec
 
 logger = logging.getLogger(__name__)
 
@@ -55,162 +59,17 @@ PROBE_REPS = 5
 DEFAULT_DATASETS = ("spec-bench", "humaneval", "mt-bench", "gsm8k")
 
 
-# --------------------------------------------------------------------------- method specs
-
-
-@dataclass(frozen=True)
-class MethodSpec:
-    """A proposer by registry name, its gamma, and its options (``ngram:k=5,max_ngram=4``).
-
-    Attributes:
-        name: a key of ``specdecode.proposers.PROPOSERS``.
-        gamma: draft tokens per step (``k``); None until defaulted.
-        options: (key, value-string) pairs other than ``k``, sorted by key.
-    """
-
-    name: str
-    gamma: int | None = None
-    options: tuple[tuple[str, str], ...] = ()
-
-    @classmethod
-    def parse(cls, text: str) -> "MethodSpec":
-        """Parse ``NAME[:KEY=VALUE,...]``.
-
-        Raises:
-            SpecDecodeError: empty name, an option without '=', or k not an integer in [1, 64].
-        """
-        name, _, rest = text.strip().partition(":")
-        name = name.strip()
-        if not name:
-            raise SpecDecodeError(f"empty method name in {text!r}; write e.g. 'ngram:k=5' or 'draft-model:k=4'")
-        gamma, options = None, {}
-        for item in filter(None, (p.strip() for p in rest.split(","))):
-            key, eq, value = item.partition("=")
-            if not eq or not key.strip():
-                raise SpecDecodeError(f"method option {item!r} in {text!r} is not KEY=VALUE")
-            key, value = key.strip().replace("-", "_"), value.strip()
-            if key in ("k", "gamma", "num_speculative_tokens"):
-                if not value.isdigit() or not 1 <= int(value) <= 64:
-                    raise SpecDecodeError(f"k (gamma) must be an integer in [1, 64], got {value!r} in {text!r}")
-                gamma = int(value)
-            else:
-                options[key] = value
-        return cls(name, gamma, tuple(sorted(options.items())))
-
-    def with_gamma(self, gamma: int) -> "MethodSpec":
-        return dataclasses.replace(self, gamma=gamma)
-
-    def option(self, key: str, default: str | None = None) -> str | None:
-        return dict(self.options).get(key, default)
-
-    @property
-    def canonical(self) -> str:
-        """``name:k=G,opt=v,...`` (options sorted): the method's identity in records and tables."""
-        parts = ([f"k={self.gamma}"] if self.gamma is not None else []) + [f"{k}={v}" for k, v in self.options]
-        return self.name + (":" + ",".join(parts) if parts else "")
-
-    @property
-    def family(self) -> str:
-        """The spec without gamma: variants of one family differ only in gamma (a sweep)."""
-        return dataclasses.replace(self, gamma=None).canonical
-
-
-@dataclass
-class BuildContext:
-    """What a method builder may use: the target, and a loader of draft models by spec."""
-
-    target: object  # LoadedModel
-    load_draft: Callable[[str], object]  # spec -> LoadedModel (cached, tokenizer-checked)
-    default_draft: str | None
+# --------------------------------------------------------------------------- methods (drafter specs)
 
 
 def registered_methods() -> list[str]:
     """Every proposer the project registers (``specdecode.proposers.PROPOSERS``), in registration order."""
-    from specdecode.proposers import PROPOSERS
-
     return list(PROPOSERS)
 
 
 def needs_draft_model(name: str) -> bool:
-    """True when the registered factory takes a ``model`` argument (a draft model)."""
-    from specdecode.proposers.factory import takes_draft_model
-
+    """True when the proposer registered as ``name`` drafts with a draft model (its factory takes ``model``)."""
     return takes_draft_model(name)
-
-
-def draft_model_of(spec: MethodSpec, default: str | None) -> str | None:
-    """The draft-model spec a method uses (its ``model`` option, else the default), None for model-free ones."""
-    if not needs_draft_model(spec.name):
-        return None
-    return spec.option("model", default)
-
-
-def build_proposer_for(spec: MethodSpec, ctx: BuildContext):
-    """Build the proposer a MethodSpec names, through the registered factory.
-
-    The generic path (:func:`specdecode.proposers.factory.registered_factory`) passes ``config=``
-    (the factory's config dataclass, built from the options with each field's type), ``model=``
-    (the draft model: option ``model`` or the default draft; the target for self-speculative
-    proposers, ``specdecode.proposers.factory.SELF_SPECULATIVE``) and ``target=`` (the target
-    model) where the factory takes them.
-
-    Raises:
-        SpecDecodeError: unknown method (lists the registered ones), an option that is no
-            config field, a value of the wrong type, or a draft model needed but not given.
-    """
-    from specdecode.proposers import PROPOSERS
-    from specdecode.proposers.factory import config_type, other_tokenizer, registered_factory, takes_draft_model
-
-    if spec.name not in PROPOSERS:
-        raise SpecDecodeError(f"unknown method {spec.name!r}; registered proposers: {', '.join(PROPOSERS)}")
-    options = dict(spec.options)
-    draft = None
-    if takes_draft_model(spec.name):
-        draft_spec = options.pop("model", None) or ctx.default_draft
-        if not draft_spec:
-            raise SpecDecodeError(f"method {spec.name!r} needs a draft model: pass --draft SPEC or "
-                                  f"'{spec.name}:model=SPEC'")
-        loaded = ctx.load_draft(draft_spec)
-        draft = loaded.model
-        if spec.name == "cross-vocab" or (spec.name == "draft-model" and other_tokenizer(ctx.target, loaded)):
-            return registered_factory("cross-vocab", draft=draft, target_tokenizer=ctx.target.tokenizer,
-                                      draft_tokenizer=loaded.tokenizer,
-                                      target_vocab=int(ctx.target.model.config.vocab_size))()
-    kind = config_type(spec.name)
-    if kind is None and options:
-        raise SpecDecodeError(f"method {spec.name!r} takes no options, got {sorted(options)}")
-    config = _build_config(kind, options, spec) if kind is not None else None
-    return registered_factory(spec.name, target=getattr(ctx.target, "model", None), draft=draft, config=config)()
-
-
-def _build_config(config_type: type, options: dict[str, str], spec: MethodSpec):
-    fields = {f.name: f for f in dataclasses.fields(config_type)}
-    hints = typing.get_type_hints(config_type)
-    values = {}
-    for key, raw in options.items():
-        if key not in fields:
-            raise SpecDecodeError(f"method {spec.name!r} has no option {key!r}; its options: "
-                                  f"k, {', '.join(fields) or '(none)'}")
-        values[key] = _convert(raw, hints.get(key, str), key, spec)
-    return config_type(**values)
-
-
-def _convert(raw: str, hint, key: str, spec: MethodSpec):
-    """An option string as the config field's type: bool, int, float, str, or a tuple written a/b/c."""
-    for h in (hint, *typing.get_args(hint)):
-        if typing.get_origin(h) is tuple:
-            item = next((t for t in typing.get_args(h) if t is not Ellipsis), str)
-            return tuple(_convert(part, item, key, spec) for part in raw.split("/") if part)
-    kinds = [t for t in (hint, *typing.get_args(hint)) if t in (bool, int, float, str)]
-    kind = kinds[0] if kinds else str
-    try:
-        if kind is bool:
-            if raw.lower() not in ("1", "0", "true", "false", "yes", "no"):
-                raise ValueError(raw)
-            return raw.lower() in ("1", "true", "yes")
-        return kind(raw)
-    except ValueError:
-        raise SpecDecodeError(f"option {key}={raw!r} of method {spec.name!r} must be {kind.__name__}") from None
 
 
 # --------------------------------------------------------------------------- configuration
@@ -489,15 +348,10 @@ def engine_runner(target, proposer, gamma: int, max_new_tokens: int, temperature
 
     Wall seconds are those of ``engine.generate`` alone. The engine is ``run.engine``.
     """
-    from specdecode.engine import EngineConfig, SpeculativeEngine
-    from specdecode.policy import build_policy
-    from specdecode.types import SamplingParams
-
     if new_proposer is not None:
         proposer = new_proposer()
-    config = EngineConfig(num_speculative_tokens=max(1, gamma), max_context=max_context, verification=verification)
-    engine = SpeculativeEngine(target.model, proposer, config,
-                               policy=build_policy(policy, max(1, gamma)) if proposer is not None else None)
+    engine = assemble(target, proposer, num_speculative_tokens=max(1, gamma), policy=policy,
+                      verification=verification, max_context=max_context)
 
     def run(ids: list[int], seed: int, limit: int | None = None) -> RunOutput:
         if new_proposer is not None and engine.rows == []:
@@ -517,9 +371,7 @@ def engine_runner(target, proposer, gamma: int, max_new_tokens: int, temperature
 
 def _peer_runner(target, method: str, gamma: int, draft, max_ngram: int, max_new_tokens: int,
                  temperature: float, eos: tuple[int, ...]):
-    from specdecode.bench.peer import hf_generate
-
-    from specdecode.proposers.factory import other_tokenizer
+    from specdecode.bench.peer import hf_generate  # lazy: transformers' generation stack
 
     uag = draft is not None and other_tokenizer(target, draft)  # universal assisted generation
     toks = {"tokenizer": target.tokenizer, "assistant_tokenizer": draft.tokenizer} if uag else {}
@@ -533,8 +385,8 @@ def _peer_runner(target, method: str, gamma: int, draft, max_ngram: int, max_new
     return run
 
 
-def expand_methods(config: BenchConfig) -> list[MethodSpec]:
-    """Method specs to run: given or all registered, each at its gamma and at every sweep gamma.
+def expand_methods(config: BenchConfig) -> list[DrafterSpec]:
+    """Drafter specs to run: given or all registered, each at its gamma and at every sweep gamma.
 
     Methods that take a draft model get ``model=--draft`` in their spec unless they name one.
 
@@ -543,29 +395,29 @@ def expand_methods(config: BenchConfig) -> list[MethodSpec]:
     """
     names = config.methods or tuple(m for m in registered_methods()  # cross-vocab: what draft-model becomes
                                     if (not needs_draft_model(m) or config.draft) and m != "cross-vocab")
-    specs = [MethodSpec.parse(m) for m in names]
+    specs = [DrafterSpec.parse(m, bare_model=False) for m in names]
     known = registered_methods()
-    out: list[MethodSpec] = []
+    out: list[DrafterSpec] = []
     for spec in specs:
-        if spec.name not in known:
-            raise SpecDecodeError(f"unknown method {spec.name!r}; registered proposers: {', '.join(known)}")
-        base = spec.with_gamma(spec.gamma or config.gamma)
-        if needs_draft_model(spec.name) and spec.option("model") is None and config.draft:
+        if spec.kind not in known:
+            raise SpecDecodeError(f"unknown method {spec.kind!r}; registered proposers: {', '.join(known)}")
+        base = spec.with_gamma(spec.num_speculative_tokens or config.gamma)
+        if needs_draft_model(spec.kind) and spec.model is None and config.draft:
             # name the draft in the spec: records of another --draft must never be resumed as this one's
-            base = dataclasses.replace(base, options=tuple(sorted((*base.options, ("model", config.draft)))))
-        for g in (base.gamma, *config.gammas):
+            base = dataclasses.replace(base, model=config.draft)
+        for g in (base.num_speculative_tokens, *config.gammas):
             s = base.with_gamma(g)
             if s not in out:
                 out.append(s)
     return out
 
 
-def main_gamma_of(specs: Sequence[MethodSpec]) -> dict[str, int]:
+def main_gamma_of(specs: Sequence[DrafterSpec]) -> dict[str, int]:
     """Per method family, the gamma of its leaderboard row: the first of the family in ``expand_methods``
     order, i.e. the spec's own k, else ``--gamma`` (sweep gammas come after it)."""
     out: dict[str, int] = {}
     for spec in specs:
-        out.setdefault(spec.family, spec.gamma)
+        out.setdefault(spec.family, spec.num_speculative_tokens)
     return out
 
 
@@ -686,9 +538,8 @@ def load_any(spec: str, dtype: str, kernel: str = "default", weights: str = "fp3
 
 def build_variants(config: BenchConfig, models: Models, dtype: str, status: Callable[[str], None]) -> list[Variant]:
     """Our plain baseline, every method spec, then the HF plain / peer variants (when ``config.peer``)."""
-    from specdecode.bench.peer import PEER_OF
+    from specdecode.bench.peer import PEER_OF  # lazy: the peer imports transformers' generation stack
     from specdecode.models import check_compatible
-    from specdecode.proposers.factory import other_tokenizer
 
     target = models.target
     eos = target.eos_token_ids
@@ -709,38 +560,37 @@ def build_variants(config: BenchConfig, models: Models, dtype: str, status: Call
             models.drafts[spec] = draft
         return models.drafts[spec]
 
-    build = BuildContext(target=target, load_draft=load_draft, default_draft=config.draft)
     variants = [Variant("specdecode/plain", "specdecode", "plain", 0, "plain",
                         engine_runner(target, None, 1, n, temp, eos, ctx_len, config.verification))]
     specs = expand_methods(config)
     for spec in list(specs):
         try:
-            proposer = build_proposer_for(spec, build)
+            draft = load_draft(spec.model_spec) if needs_draft_model(spec.kind) and spec.model_spec else None
+            proposer = build_factory(spec, target, draft)()
         except EagleCheckpointError as exc:
             if config.methods:  # asked for by name: say why it cannot run
                 raise
-            print(f"specdecode bench: skipping {spec.canonical}: {exc}", file=sys.stderr)  # the default list
+            print(f"specdecode bench: skipping {spec}: {exc}", file=sys.stderr)  # the default list
             specs.remove(spec)
             continue
-        draft = draft_model_of(spec, config.draft)
-        variants.append(Variant(f"specdecode/{spec.canonical}", "specdecode", spec.name, spec.gamma, spec.family,
-                                engine_runner(target, proposer, spec.gamma, n, temp, eos, ctx_len,
-                                               config.verification), draft=draft))
+        variants.append(Variant(f"specdecode/{spec}", "specdecode", spec.kind, spec.num_speculative_tokens, spec.family,
+                                engine_runner(target, proposer, spec.num_speculative_tokens, n, temp, eos, ctx_len,
+                                               config.verification), draft=spec.model_spec))
     if config.peer:
         variants.append(Variant("hf/plain", "hf", "plain", 0, "hf/plain",
                                 _peer_runner(target, "plain", 1, None, 3, n, temp, eos)))
         mains = main_gamma_of(specs)
         for spec in specs:
-            peer = PEER_OF.get(spec.name)
-            if peer is None or spec.gamma != mains.get(spec.family):
+            peer = PEER_OF.get(spec.kind)
+            if peer is None or spec.num_speculative_tokens != mains.get(spec.family):
                 continue  # the peer mirrors each family at its leaderboard gamma only
-            draft_spec = draft_model_of(spec, config.draft)
+            draft_spec = spec.model_spec
             draft = load_draft(draft_spec) if draft_spec else None
             max_ngram = int(spec.option("max_ngram", "3"))
-            tail = f":k={spec.gamma}" + (f",model={draft_spec}" if draft_spec else f",max_ngram={max_ngram}")
-            variants.append(Variant(f"hf/{peer}{tail}", "hf", peer, spec.gamma, f"hf/{peer}",
-                                    _peer_runner(target, peer, spec.gamma, draft, max_ngram, n, temp, eos),
-                                    peer_of=f"specdecode/{spec.canonical}", draft=draft_spec))
+            tail = f":k={spec.num_speculative_tokens}" + (f",model={draft_spec}" if draft_spec else f",max_ngram={max_ngram}")
+            variants.append(Variant(f"hf/{peer}{tail}", "hf", peer, spec.num_speculative_tokens, f"hf/{peer}",
+                                    _peer_runner(target, peer, spec.num_speculative_tokens, draft, max_ngram, n, temp, eos),
+                                    peer_of=f"specdecode/{spec}", draft=draft_spec))
     if config.llama_cpp:
         variants += _llama_cpp_variants(config, specs, main_gamma_of(specs), eos, status)
     if config.openvino:
@@ -750,16 +600,16 @@ def build_variants(config: BenchConfig, models: Models, dtype: str, status: Call
     return variants
 
 
-def _peer_methods(config: BenchConfig, specs, mains: dict) -> list[tuple[str, MethodSpec, str | None, int]]:
+def _peer_methods(config: BenchConfig, specs, mains: dict) -> list[tuple[str, DrafterSpec, str | None, int]]:
     """(kind, our spec, draft spec, max_ngram) for each family an external engine mirrors at its main gamma:
     kind "draft" for draft-model methods with a draft of the same tokenizer, "ngram" for the n-gram method."""
     out = []
     for spec in specs:
-        if spec.gamma != mains.get(spec.family):
+        if spec.num_speculative_tokens != mains.get(spec.family):
             continue
-        if spec.name == "draft-model":
+        if spec.kind == "draft-model":
             out.append(("draft", spec, draft_model_of(spec, config.draft), 0))
-        elif spec.name == "ngram":
+        elif spec.kind == "ngram":
             out.append(("ngram", spec, None, int(spec.option("max_ngram", "3"))))
     return out
 
@@ -807,17 +657,17 @@ def _external_variants(e: str, peers, drafts: dict, runner, *, draft_method: str
     out = [Variant(f"{e}/plain", e, "plain", 0, f"{e}/plain", runner("plain"))]
     seen: set[tuple] = set()
     for kind, spec, draft, max_ngram in peers:
-        if (kind, spec.gamma, draft, max_ngram) in seen:  # two of our families the engine cannot tell apart
+        if (kind, spec.num_speculative_tokens, draft, max_ngram) in seen:  # two of our families the engine cannot tell apart
             continue
-        seen.add((kind, spec.gamma, draft, max_ngram))
+        seen.add((kind, spec.num_speculative_tokens, draft, max_ngram))
         if kind == "draft" and draft:
-            out.append(Variant(f"{e}/{draft_method}:k={spec.gamma},model={draft}", e, draft_method, spec.gamma,
-                               f"{e}/{draft_method}", runner(draft_method, spec.gamma, drafts[draft]),
-                               peer_of=f"specdecode/{spec.canonical}", draft=draft))
+            out.append(Variant(f"{e}/{draft_method}:k={spec.num_speculative_tokens},model={draft}", e, draft_method, spec.num_speculative_tokens,
+                               f"{e}/{draft_method}", runner(draft_method, spec.num_speculative_tokens, drafts[draft]),
+                               peer_of=f"specdecode/{spec}", draft=draft))
         elif kind == "ngram":
-            out.append(Variant(f"{e}/{ngram_method}:k={spec.gamma},max_ngram={max_ngram}", e, ngram_method,
-                               spec.gamma, f"{e}/{ngram_method}", runner(ngram_method, spec.gamma, None, max_ngram),
-                               peer_of=f"specdecode/{spec.canonical}"))
+            out.append(Variant(f"{e}/{ngram_method}:k={spec.num_speculative_tokens},max_ngram={max_ngram}", e, ngram_method,
+                               spec.num_speculative_tokens, f"{e}/{ngram_method}", runner(ngram_method, spec.num_speculative_tokens, None, max_ngram),
+                               peer_of=f"specdecode/{spec}"))
     return out
 
 
@@ -875,12 +725,12 @@ def _llama_cpp_variants(config: BenchConfig, specs, mains: dict, eos: tuple[int,
     out = [Variant(f"{llamacpp.ENGINE}/plain", llamacpp.ENGINE, "plain", 0, f"{llamacpp.ENGINE}/plain",
                    runner("plain", 1, 2))]
     for spec in specs:
-        if spec.name == "ngram" and spec.gamma == mains.get(spec.family):
+        if spec.kind == "ngram" and spec.num_speculative_tokens == mains.get(spec.family):
             max_ngram = int(spec.option("max_ngram", "3"))
-            out.append(Variant(f"{llamacpp.ENGINE}/prompt-lookup:k={spec.gamma},max_ngram={max_ngram}",
-                               llamacpp.ENGINE, "prompt-lookup", spec.gamma, f"{llamacpp.ENGINE}/prompt-lookup",
-                               runner("prompt-lookup", spec.gamma, max_ngram),
-                               peer_of=f"specdecode/{spec.canonical}"))
+            out.append(Variant(f"{llamacpp.ENGINE}/prompt-lookup:k={spec.num_speculative_tokens},max_ngram={max_ngram}",
+                               llamacpp.ENGINE, "prompt-lookup", spec.num_speculative_tokens, f"{llamacpp.ENGINE}/prompt-lookup",
+                               runner("prompt-lookup", spec.num_speculative_tokens, max_ngram),
+                               peer_of=f"specdecode/{spec}"))
     return out
 
 
