@@ -46,15 +46,13 @@ from specdecode.configfile import add_config_argument, apply_config
 from specdecode.errors import SpecDecodeError
 from specdecode.options import CATALOG_MODELS, DEFAULT_TARGET
 from specdecode.paths import check_output_dir
+from specdecode.spec import DrafterSpec
 from specdecode.validate import (  # the library's own checks, without torch
-    DrafterOptions,
-    check_drafter,
     check_engine,
     check_sampling,
     check_serve_options,
     check_stops,
     check_token_ids,
-    parse_draft,
 )
 
 EXIT_USAGE = 2
@@ -458,9 +456,7 @@ def cmd_audit(args: argparse.Namespace) -> int:
         check_sampling(args.temperature, args.top_k, args.top_p, args.max_new_tokens, None, **_sampling_kwargs(args))
         check_engine(num_speculative_tokens=args.num_speculative_tokens, max_batch_size=args.batch_size,
                      verification=args.verification)
-        check_drafter(parse_draft(args.draft), DrafterOptions(ngram_min=args.ngram_min, ngram_max=args.ngram_max,
-                                                              tree=args.tree, tree_nodes=args.tree_nodes,
-                                                              skip_layers=args.skip_layers))
+        DrafterSpec.from_settings(vars(args)).check()
         cfg = AuditConfig(num_samples=args.num_samples, num_tokens=args.tokens, alpha=args.alpha, power=args.power,
                           min_cell_mass=args.min_cell_mass, null_simulations=args.null_simulations, seed=args.seed,
                           max_new_tokens=args.max_new_tokens, tie_margin=args.tie_margin)
@@ -688,6 +684,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     _check_generate_args(args)  # nor do the range checks
     check_threads(args.threads)
     jobs = _read_jobs(args)  # a bad dataset or prompt file: refused before torch is imported
+    from specdecode.build import choose_skip_layers  # lazy, as every import of torch here: --help answers at once
     from specdecode.generator import SpecDecoder
 
     set_threads(args.threads, say=_status)
@@ -696,10 +693,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
                                                   f" and draft {args.draft!r}"))
     t0 = time.perf_counter()
     decoder = SpecDecoder.from_pretrained(
-        args.target, args.draft, num_speculative_tokens=args.num_speculative_tokens,
-        ngram_min=args.ngram_min, ngram_max=args.ngram_max, dtype=args.dtype, cache_dir=args.cache_dir,
-        weights=args.weights, draft_weights=args.draft_weights, tree=args.tree, tree_nodes=args.tree_nodes,
-        policy=args.policy, skip_layers=args.skip_layers, verification=args.verification, status=_status,
+        args.target, DrafterSpec.from_settings(vars(args)), num_speculative_tokens=args.num_speculative_tokens,
+        dtype=args.dtype, cache_dir=args.cache_dir, weights=args.weights, draft_weights=args.draft_weights,
+        policy=args.policy, verification=args.verification, status=_status,
     )
     _status(f"loaded in {time.perf_counter() - t0:.1f} s: target {decoder.target.source}, {_draft_label(args)}, "
             f"gamma {args.num_speculative_tokens}, context {decoder.target.max_context} tokens")
@@ -714,7 +710,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.warmup:
         _warm_up(decoder, baseline)
     encoded = [_encode_job(args, decoder, job) for job in jobs]  # every input error before any output
-    _choose_skip_layers(decoder, [ids for _, _, ids in encoded])
+    choose_skip_layers(decoder.proposer, [ids for _, _, ids in encoded], say=_status)
     records = []
     for i, (job, chat, prompt_ids) in enumerate(encoded):
         records.append(_run_job(args, decoder, baseline, job, chat, prompt_ids, i, len(jobs)))
@@ -730,9 +726,7 @@ def _check_generate_args(args: argparse.Namespace) -> None:
         check_sampling(args.temperature, args.top_k, args.top_p, args.max_new_tokens, args.seed,
                        **_sampling_kwargs(args))
         check_engine(num_speculative_tokens=args.num_speculative_tokens, verification=args.verification)
-        check_drafter(parse_draft(args.draft), DrafterOptions(ngram_min=args.ngram_min, ngram_max=args.ngram_max,
-                                                              tree=args.tree, tree_nodes=args.tree_nodes,
-                                                              skip_layers=args.skip_layers))
+        DrafterSpec.from_settings(vars(args)).check()
         check_stops(args.stop)
     args.json_schema_text = _read_json_schema(args.json_schema)
     if args.regex is not None and not args.regex:
@@ -810,9 +804,8 @@ def _preflight(args: argparse.Namespace, jobs: list[_Job]) -> None:
     """Before any weight file is read: the models resolve, a draft model shares the target's tokenizer, and
     every prompt fits the target's context (``specdecode.preflight``, from tokenizer files and config.json)."""
     from specdecode.preflight import check_models, check_prompts
-    from specdecode.proposers.factory import parse_draft
 
-    target = check_models(args.target, parse_draft(args.draft).model_spec, cache_dir=args.cache_dir,
+    target = check_models(args.target, DrafterSpec.from_settings(vars(args)).model_spec, cache_dir=args.cache_dir,
                           cross_vocab=True, tree=args.tree)  # the cross-vocabulary line is said at load
     chat = [args.chat if args.chat is not None else (None if job.chat_default else False) for job in jobs]
     check_prompts(target, [(job.id, job.text, c) for job, c in zip(jobs, chat)], args.max_new_tokens)
@@ -888,18 +881,6 @@ def _draft_label(args: argparse.Namespace) -> str:
         fallback = args.draft.strip().partition(":")[2]
         return f"suffix decoding ({args.tree_nodes} nodes)" + (f", fallback {fallback}{tree}" if fallback else "")
     return f"draft model {args.draft}{tree}"
-
-
-def _choose_skip_layers(decoder, prompts: list[list[int]]) -> None:
-    """--draft layer-skip without --skip-layers: the set cached for the model, else a search on these prompts."""
-    from specdecode.proposers import LayerSkipProposer
-
-    proposer = decoder.proposer
-    if not isinstance(proposer, LayerSkipProposer) or proposer.config.skip_layers is not None:
-        return
-    _status("layer-skip: choosing the layers to skip (cached per model; the search shows its progress and an estimate of its time)")
-    r = proposer.calibrate(prompts[:3])  # a set slower than plain decoding: drafting off, said by the line
-    _status(f"layer-skip: {r.line()}")
 
 
 def _warm_up(decoder, baseline) -> None:

@@ -446,8 +446,8 @@ def held_out_estimate(loaded, head_dir: Path, *, prompts: str = "spec-bench", ma
         "accepted_by_position" (rate per draft position), "speedup" (median plain / speculative time)}.
     """
     from specdecode.data import load_prompts
-    from specdecode.engine import EngineConfig, SpeculativeEngine
-    from specdecode.proposers.eagle import EagleDraftConfig, make_eagle
+    from specdecode.build import assemble, build_engine  # lazy: the builder imports the proposers (this module's)
+    from specdecode.spec import DrafterSpec
     from specdecode.types import SamplingParams
 
     if ":" in prompts:
@@ -457,9 +457,8 @@ def held_out_estimate(loaded, head_dir: Path, *, prompts: str = "spec-bench", ma
 
         rows = [p for c in dataset_categories(prompts, shared_dir=shared_dir)
                 for p in load_prompts(f"{prompts}:{c}:1", shared_dir=shared_dir)]
-    plain = SpeculativeEngine(loaded.model, None, EngineConfig())
-    spec = SpeculativeEngine(loaded.model, make_eagle(loaded.model, EagleDraftConfig(head=str(head_dir))),
-                             EngineConfig(num_speculative_tokens=gamma))
+    plain = assemble(loaded, None)
+    spec = build_engine(loaded, DrafterSpec("eagle", gamma, options=(("head", str(head_dir)),))).engine
     ratios, steps, step_tokens, drafted, accepted = [], 0, 0, 0, 0
     by_pos_d, by_pos_a = [0] * gamma, [0] * gamma
     for p in rows:
