@@ -43,6 +43,7 @@ from pathlib import Path
 from specdecode.errors import SpecDecodeError
 from specdecode.options import DEFAULT_TREE_NODES
 from specdecode.paths import check_output_file
+from specdecode.spec import DrafterSpec
 
 #: Drafter kinds ``--drafters`` may name (``draft-model``: every ``--draft`` model given).
 DRAFTER_KINDS = ("ngram", "suffix", "layer-skip", "eagle", "draft-model")
@@ -251,61 +252,43 @@ def split_prompts(keys: Sequence[str], sample: int, confirm: int) -> tuple[list[
 
 @dataclass(frozen=True)
 class Candidate:
-    """One drafter to try, as the ``generate`` / ``serve`` flags that run it.
+    """One drafter to try: a drafter spec (without γ: tune searches it) and what the decision says of it.
 
     Attributes:
         key: identity in tables and records (``ngram``, ``draft-model:SPEC``, ``tree:SPEC``, ``eagle``, ...).
-        draft: the ``--draft`` value. tree: ``--tree`` ("none" = chains). skip_layers: ``--skip-layers``.
-        model: the draft-model spec loaded (None for model-free drafters and heads).
+        spec: the drafter, built by the one builder as ``generate`` / ``serve`` / ``bench`` build it; its
+            ``settings()`` are what the settings file says, its compact form is ``bench --methods``.
         trees: whether it drafts token trees (suffix decoding, ``--tree``): no chain cost model then.
         note: a word on it for the decision (cross-vocabulary, the head's path, ...).
     """
 
     key: str
-    draft: str
-    tree: str = "none"
-    skip_layers: tuple[int, ...] | None = None
-    model: str | None = None
+    spec: DrafterSpec
     trees: bool = False
     note: str = ""
 
-    def options(self, config: TuneConfig):
-        """The ``DrafterOptions`` generate builds for these flags."""
-        from specdecode.validate import DrafterOptions
+    @property
+    def model(self) -> str | None:
+        """The draft-model spec loaded (None for model-free drafters and heads)."""
+        return self.spec.model_spec
 
-        return DrafterOptions(tree=self.tree, tree_nodes=config.tree_nodes,
-                              skip_layers=None if self.skip_layers is None else list(self.skip_layers),
-                              cache_dir=config.cache_dir)
+    @property
+    def tree(self) -> str:
+        """The token-tree kind ("none" = chains)."""
+        return self.spec.tree
 
     def label(self, gamma: int | None = None, policy: str = "fixed") -> str:
         g = "" if gamma is None else f" γ={gamma}"
         return self.key + g + ("" if policy == "fixed" else f" {policy}")
 
-    def settings(self, gamma: int, policy: str, tree_nodes: int) -> dict:
-        """The generate / serve settings (config-file keys) of this drafter at gamma and policy."""
-        out = {"draft": self.draft, "num_speculative_tokens": gamma, "policy": policy}
-        if self.tree != "none":
-            out["tree"] = self.tree
-        if self.tree != "none" or self.draft.startswith("suffix"):
-            out["tree_nodes"] = tree_nodes
-        if self.skip_layers is not None:
-            out["skip_layers"] = ",".join(map(str, self.skip_layers))
-        return out
 
-    def bench_method(self, gamma: int, tree_nodes: int) -> str:
-        """The benchmark's method spec of this drafter (``specdecode bench --methods``)."""
-        if self.draft == "ngram":
-            return f"ngram:k={gamma}"
-        if self.draft.startswith("suffix"):
-            return f"suffix:k={gamma},max_spec_nodes={tree_nodes}"
-        if self.draft == "layer-skip":
-            return f"layer-skip:k={gamma}" + (f",skip_layers={'/'.join(map(str, self.skip_layers))}"
-                                               if self.skip_layers else "")
-        if self.draft.startswith("eagle"):
-            return f"eagle:k={gamma}" + (f",tree={self.tree},num_nodes={tree_nodes}" if self.tree != "none" else "")
-        if self.tree != "none":
-            return f"tree-draft:k={gamma},kind={self.tree},num_nodes={tree_nodes}"
-        return f"draft-model:k={gamma}"
+def drafter_spec(draft: str, tree: str = "none", tree_nodes: int = DEFAULT_TREE_NODES) -> DrafterSpec:
+    """The spec of ``--draft draft --tree tree --tree-nodes tree_nodes`` without γ (tune chooses it).
+
+    Raises:
+        SpecDecodeError: as :meth:`DrafterSpec.from_settings`.
+    """
+    return DrafterSpec.from_settings({"draft": draft, "tree": tree, "tree_nodes": tree_nodes}).with_gamma(None)
 
 
 @dataclass
@@ -539,7 +522,7 @@ class TuneResult:
         if c is None or c.key == PLAIN:
             out["draft"] = "none"
         else:
-            out.update(self.candidates[c.key].settings(c.gamma, c.policy, self.config.tree_nodes))
+            out.update(self.candidates[c.key].spec.with_gamma(c.gamma).settings(), policy=c.policy)
         out["weights"] = self.weights
         cand = self.candidates.get(c.key) if c is not None else None
         if cand is not None and cand.model is not None:
@@ -788,16 +771,14 @@ class _Session:
     # Runs ------------------------------------------------------------------------
 
     def runner(self, cand: Candidate | None, gamma: int, policy: str = "fixed"):
+        # lazy, as every torch-side import of this module: the command line reads TuneConfig without torch
         from specdecode.bench.runner import engine_runner
-        from specdecode.proposers.factory import parse_draft, proposer_factory
+        from specdecode.build import build_factory
 
         factory = None
         if cand is not None:
-            draft = self.drafts.get(cand.model) if cand.model else None
-            factory = proposer_factory(parse_draft(cand.draft), cand.options(self.config), target=self.target.model,
-                                       draft=None if draft is None else draft.model,
-                                       target_tokenizer=self.target.tokenizer,
-                                       draft_tokenizer=None if draft is None else draft.tokenizer)
+            factory = build_factory(cand.spec, self.target, self.drafts.get(cand.model) if cand.model else None,
+                                    cache_dir=self.config.cache_dir)
         return engine_runner(self.target, None, max(1, gamma), self.config.max_new_tokens, self.config.temperature,
                              self.eos, self.target.max_context, policy=policy, new_proposer=factory)
 
@@ -851,9 +832,9 @@ class _Session:
         cfg, out = self.config, []
         kinds = set(cfg.drafters)
         if "ngram" in kinds:
-            out.append(Candidate("ngram", "ngram"))
+            out.append(Candidate("ngram", self._spec("ngram")))
         if "suffix" in kinds:
-            out.append(Candidate("suffix", "suffix", trees=True))
+            out.append(Candidate("suffix", self._spec("suffix"), trees=True))
         if "draft-model" in kinds:
             for spec in cfg.drafts:
                 out += self._draft_candidates(spec)
@@ -866,27 +847,31 @@ class _Session:
             elif layers < 3:
                 self.skip("layer-skip", f"the target has {layers} decoder layers: none to skip (first and last kept)")
             else:
-                out.append(Candidate("layer-skip", "layer-skip"))
+                out.append(Candidate("layer-skip", self._spec("layer-skip")))
         return out
 
+    def _spec(self, draft: str, tree: str = "none") -> DrafterSpec:
+        return drafter_spec(draft, tree, self.config.tree_nodes)
+
     def _draft_candidates(self, spec: str) -> list[Candidate]:
-        from specdecode.proposers.factory import load_draft_model, other_tokenizer, parse_draft
+        from specdecode.build import load_draft_for  # lazy: torch (see runner)
+        from specdecode.proposers.factory import other_tokenizer
 
         if spec not in self.drafts:
             self.status(f"loading draft {spec!r}")
-            self.drafts[spec] = load_draft_model(parse_draft(spec), self.target, self.config.target,
-                                                 weights=self.result.weights, draft_weights=self.config.draft_weights,
-                                                 dtype=self.config.dtype, cache_dir=self.config.cache_dir,
-                                                 progress=self.progress)
+            self.drafts[spec] = load_draft_for(self._spec(spec), self.target, self.config.target,
+                                               weights=self.result.weights, draft_weights=self.config.draft_weights,
+                                               dtype=self.config.dtype, cache_dir=self.config.cache_dir,
+                                               progress=self.progress)
         draft = self.drafts[spec]
         other = other_tokenizer(self.target, draft)
         if other:
             self.skip(f"tree:{spec}", "its tokenizer differs from the target's: it drafts chains across "
                                       "vocabularies, not token trees")
-            return [Candidate(f"draft-model:{spec}", spec, model=spec,
+            return [Candidate(f"draft-model:{spec}", self._spec(spec),
                               note=f"another tokenizer: cross-vocabulary, {other}")]
-        return [Candidate(f"draft-model:{spec}", spec, model=spec, note="same tokenizer"),
-                Candidate(f"tree:{spec}", spec, tree=TREE_KIND, model=spec, trees=True,
+        return [Candidate(f"draft-model:{spec}", self._spec(spec), note="same tokenizer"),
+                Candidate(f"tree:{spec}", self._spec(spec, TREE_KIND), trees=True,
                           note=f"{TREE_KIND} trees of {self.config.tree_nodes} nodes")]
 
     def _eagle_candidates(self) -> list[Candidate]:
@@ -898,8 +883,8 @@ class _Session:
         except EagleCheckpointError as exc:
             self.skip("eagle", str(exc))
             return []
-        return [Candidate("eagle", "eagle", note=str(path)),
-                Candidate("eagle-tree", "eagle", tree=TREE_KIND, trees=True, note=str(path))]
+        return [Candidate("eagle", self._spec("eagle"), note=str(path)),
+                Candidate("eagle-tree", self._spec("eagle", TREE_KIND), trees=True, note=str(path))]
 
     def skip(self, what: str, why: str) -> None:
         self.result.skipped.append(Skipped(what, why))
@@ -947,7 +932,7 @@ class _Session:
         cached = layer_search.load_cached(self.target.model, self.config.cache_dir)
         if cached is not None:
             self.status(f"layer-skip: the cached skip set {list(cached.skip_layers)}")
-            return replace(cand, skip_layers=tuple(cached.skip_layers), note="cached skip set")
+            return replace(cand, spec=_skipping(cand.spec, cached.skip_layers), note="cached skip set")
         left = self.clock.left(MEASURE_SHARE) - 2.0 * self.plain_sample_s
         allowed = min(self.config.layer_search_s, left)
         if allowed < 30.0:
@@ -965,7 +950,7 @@ class _Session:
             self.skip("layer-skip", f"the search's best skip set {list(found.skip_layers)} measured "
                                     f"{found.speedup:.2f}x plain decoding")
             return None
-        return replace(cand, skip_layers=tuple(found.skip_layers), note=f"searched in {found.seconds:.0f} s")
+        return replace(cand, spec=_skipping(cand.spec, found.skip_layers), note=f"searched in {found.seconds:.0f} s")
 
     def nothing_measured(self) -> str:
         """The refusal of a run that measured no drafter: the budget it needs, or why nothing could run."""
@@ -1028,6 +1013,11 @@ class _Session:
 
     def close(self) -> None:
         self.drafts.clear()
+
+
+def _skipping(spec: DrafterSpec, layers) -> DrafterSpec:
+    """A layer-skip spec with its skip set."""
+    return DrafterSpec.parse(f"layer-skip:skip_layers={'/'.join(map(str, layers))}").with_gamma(spec.num_speculative_tokens)
 
 
 # --------------------------------------------------------------------------- report and settings file
@@ -1108,7 +1098,7 @@ def write_settings(result: TuneResult, path: str | Path) -> Path:
         bench["threads"] = result.threads
     if choice is not None and choice.key != PLAIN:
         cand = result.candidates[choice.key]
-        bench["methods"] = cand.bench_method(choice.gamma, cfg.tree_nodes)
+        bench["methods"] = str(cand.spec.with_gamma(choice.gamma))
         if cand.model:
             bench["draft"] = cand.model
             bench["draft_weights"] = settings.get("draft_weights")

@@ -31,7 +31,6 @@ import logging
 import os
 import sys
 import time
-import typing
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -608,7 +607,7 @@ def _peer_methods(config: BenchConfig, specs, mains: dict) -> list[tuple[str, Dr
         if spec.num_speculative_tokens != mains.get(spec.family):
             continue
         if spec.kind == "draft-model":
-            out.append(("draft", spec, draft_model_of(spec, config.draft), 0))
+            out.append(("draft", spec, spec.model or config.draft, 0))
         elif spec.kind == "ngram":
             out.append(("ngram", spec, None, int(spec.option("max_ngram", "3"))))
     return out
