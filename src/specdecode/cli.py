@@ -591,6 +591,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     check_drafter_flags(args)  # before the server stack and torch are imported
     with _naming_flags():
         check_serve_options(args)  # launch.check_options' checks: a refusal never imports torch
+        DrafterSpec.from_settings(vars(args)).check()
     check_threads(args.threads, bound=not args.ray_address)  # a cluster's replicas bound their own, where they run
     from specdecode.scaleout import check_replica_options, replica_options_from_args, require_ray
 

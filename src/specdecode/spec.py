@@ -196,6 +196,10 @@ class DrafterSpec:
         if self.kind == "tree-draft" and self.model and set(opts) <= {"kind", "num_nodes"}:
             return {"draft": self.model, **out, "tree": opts.get("kind", "dynamic"),
                     "tree_nodes": int(opts.get("num_nodes", DEFAULT_TREE_NODES))}
+        if self.kind == "suffix":  # --tree-nodes is its node budget
+            rest = tuple(o for o in self.options if o[0] != "max_spec_nodes")
+            return {"draft": str(replace(self, num_speculative_tokens=None, options=rest)), **out,
+                    "tree_nodes": int(self.option("max_spec_nodes"))}
         if self.kind == "draft-model" and self.model and not opts:
             return {"draft": self.model, **out}
         return {"draft": str(replace(self, num_speculative_tokens=None)), **out}

@@ -28,7 +28,7 @@ from specdecode.models import LoadedModel, check_compatible
 from specdecode.options import DEFAULT_TREE_NODES
 from specdecode.precision import load_target
 from specdecode.preflight import check_models
-from specdecode.proposers.factory import DraftChoice, DrafterOptions, other_tokenizer
+from specdecode.proposers.factory import DrafterOptions, other_tokenizer
 from specdecode.data import load_prompts
 from specdecode.proposers import LayerSkipProposer
 from specdecode.scheduler import Scheduler
@@ -89,18 +89,19 @@ class ServeOptions:
         return DrafterSpec.from_settings(dataclasses.asdict(self))
 
 
-def check_options(opts: ServeOptions) -> DraftChoice:
+def check_options(opts: ServeOptions) -> DrafterSpec:
     """Every check that needs no model, so a bad flag fails before a slow load (``validate.check_serve_options``,
     which ``specdecode serve`` runs before importing this module, so a refused command never imports torch).
 
     Returns:
-        the parsed ``--draft``.
+        the drafter the options name.
 
     Raises:
         SpecDecodeError: a value out of range, an unknown policy / precision / forward, a drafter
             whose options do not fit it.
     """
-    return check_serve_options(opts)
+    check_serve_options(opts)
+    return opts.drafter_spec().check()
 
 
 def build_state(
@@ -188,17 +189,16 @@ def _describe(spec: DrafterSpec, text: str | None) -> str:
 
 def load_state(opts: ServeOptions, progress: bool = True) -> ServingState:
     """Load the models named in ``opts`` (as ``specdecode generate`` does) and build the serving state."""
-    choice = check_options(opts)
+    spec = check_options(opts)
     say = (lambda line: print(f"specdecode: {line}", file=sys.stderr, flush=True)) if progress else None
-    check_models(opts.target, choice.model_spec, cache_dir=opts.cache_dir,  # tokenizer files and config, before weights
-                 cross_vocab=True, tree=opts.tree, say=say)
+    check_models(opts.target, spec.model_spec, cache_dir=opts.cache_dir,  # tokenizer files and config, before weights
+                 cross_vocab=True, tree=spec.tree, say=say)
     target, precision = load_target(opts.target, opts.weights, dtype=opts.dtype, cache_dir=opts.cache_dir,
                                     progress=progress, status=say, forward=opts.forward)
     if say is not None:
         say(f"weights {precision.reason}")
     weights = precision.precision
     draft_weights = weights if opts.draft_weights in (None, "auto") else opts.draft_weights
-    spec = opts.drafter_spec()
     draft_model = load_draft_for(spec, target, opts.target, weights=weights, draft_weights=draft_weights,
                                  dtype=opts.dtype, cache_dir=opts.cache_dir, progress=progress)
     state = build_state(
