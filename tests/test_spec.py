@@ -77,7 +77,7 @@ def test_canonical_form_sorts_and_drops_defaults():
     ("ngram:max_ngram=many", "max_ngram must be a non-negative integer, got 'many'"),
     ("eagle:tree=bushy", "tree must be one of none, static, dynamic; got 'bushy'"),
     ("tree-draft:model=m,kind=none", "kind must be one of static, dynamic"),
-    ("tree-draft:model=m,num_nodes=65", r"num_nodes \(a node budget\) must be an integer in \[1, 64\]"),
+    ("tree-draft:model=m,num_nodes=65", r"num nodes \(num_nodes, a node budget\) must be an integer in \[1, 64\]"),
     ("suffix:max_spec_nodes=0", "max_spec_nodes"),
     ("layer-skip:skip_layers=a/b", "--skip-layers takes comma-separated layer indices"),
     ("suffix:eagle", "a draft head cannot be suffix decoding's fallback"),

@@ -300,7 +300,8 @@ def _check_nodes(key: str, value) -> int:
     if isinstance(value, str) and value.strip().isdigit():
         value = int(value)
     if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_TREE_NODES:
-        raise _refuse(key, f"{key} (a node budget) must be an integer in [1, {MAX_TREE_NODES}], got {value!r}")
+        raise _refuse(key, f"{key.replace('_', ' ')} ({key}, a node budget) must be an integer in [1, {MAX_TREE_NODES}], "
+                            f"got {value!r}")
     return value
 
 
