@@ -25,13 +25,11 @@ from __future__ import annotations
 
 import dataclasses
 import gc
-import hashlib
-import json
 import logging
 import os
 import sys
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -40,424 +38,37 @@ import torch
 from specdecode.bench import report
 from specdecode.bench.env import environment
 from specdecode.bench.records import RECORDS_FILE, RecordStore  # noqa: F401 - re-exported
-from specdecode.build import assemble, build_factory
+from specdecode.build import build_factory
 from specdecode.eagle.head import EagleCheckpointError
-from specdecode.types import SamplingParams, SpecDecodeError
-from specdecode.options import WEIGHT_CHOICES, WEIGHT_PRECISIONS
+from specdecode.types import SpecDecodeError
 from specdecode.paths import check_output_dir
-from specdecode.proposers import PROPOSERS
-from specdecode.proposers.factory import other_tokenizer, takes_draft_model
+from specdecode.proposers.factory import other_tokenizer
 from specdecode.spec import DrafterSpec
 
+from specdecode.bench.config import (  # noqa: F401 - re-exported: the settings and prompts of a run
+    DEFAULT_DATASETS,
+    KERNELS,
+    BenchConfig,
+    BenchPrompt,
+    encode_prompt,
+    quick_config,
+    select_prompts,
+    smoke_config,
+)
+from specdecode.bench.variants import (  # noqa: F401 - re-exported: the matrix's columns
+    PROBE_REPS,
+    RunOutput,
+    Variant,
+    engine_runner,
+    expand_methods,
+    main_gamma_of,
+    needs_draft_model,
+    peer_runner,
+    probe_forward_times,
+    registered_methods,
+)
+
 logger = logging.getLogger(__name__)
-
-KERNELS = ("default", "small-row")
-#: Timed forwards per k in the cost probe (the least counts).
-PROBE_REPS = 5
-#: Spec-Bench's 13 categories come from ``spec-bench``; the issue's four prompt sources.
-DEFAULT_DATASETS = ("spec-bench", "humaneval", "mt-bench", "gsm8k")
-
-
-# --------------------------------------------------------------------------- methods (drafter specs)
-
-
-def registered_methods() -> list[str]:
-    """Every proposer the project registers (``specdecode.proposers.PROPOSERS``), in registration order."""
-    return list(PROPOSERS)
-
-
-def needs_draft_model(name: str) -> bool:
-    """True when the proposer registered as ``name`` drafts with a draft model (its factory takes ``model``)."""
-    return takes_draft_model(name)
-
-
-# --------------------------------------------------------------------------- configuration
-
-
-@dataclass(frozen=True)
-class BenchConfig:
-    """One benchmark run. Defaults are the full matrix; see :func:`quick_config` and :func:`smoke_config`.
-
-    Attributes:
-        target: model spec of the target (``load_model``; ``smoke:target`` for the built-in tiny one).
-        methods: method specs (``ngram:k=5``); empty = every registered proposer (those that need a
-            draft model only when ``draft`` is set).
-        draft: default draft-model spec for methods that take one.
-        datasets: prompt sets (``spec-bench``, ``spec-bench:coding``, ``humaneval``, ``mt-bench``, ``gsm8k``).
-        limit: prompts per category (None = all).
-        max_new_tokens: per prompt.
-        temperature: 0 = greedy (outputs compared across methods and with HF); > 0 samples.
-        verification: how our engine verifies sampled drafts ("auto", "token", "block";
-            ``EngineConfig.verification``); the HF peer has its own. Greedy runs are unaffected.
-        seed: base seed; prompt i uses seed + i in every variant.
-        gamma: draft length of methods whose spec has no ``k``.
-        gammas: extra sweep: every method family also runs at each of these gammas.
-        peer: also run transformers' plain / assisted / prompt-lookup generate.
-        chat: apply the chat template to chat prompts (HumanEval is completion text, never templated).
-        probe: time target forwards of k + 1 tokens (T_verify(k)) and draft forwards for the theory.
-        warmup: one short unrecorded generation per variant before measuring.
-        repeats: runs of every (prompt, variant), interleaved; figures use the fastest (on a shared
-            machine noise only adds time). A rerun with more repeats adds runs to the old ones.
-        dtype: model dtype name.
-        kernel: "default" (the Hugging Face forward as shipped) or "small-row" (every linear layer of
-            target and drafts computed as ``W @ x.T`` for few rows: ``specdecode.kernels``); the HF
-            peer runs the same model objects, so both sides get the same kernels.
-        llama_cpp: also run llama-cpp-python (``bench.llamacpp``).
-        openvino: also run OpenVINO GenAI in its own venv (``bench.openvino``; ``--setup-peers`` first).
-        openvino_weights: weight format of the OpenVINO exports ("int8", "int4", "fp16").
-        llama_server: also run llama.cpp's C++ ``llama-server`` (``bench.llamaserver``; ``--setup-peers`` first).
-        threads: torch intra-op threads (None = torch's default); the peers get the same count.
-        remeasure_bandwidth: measure the memory read bandwidth of the roofline again (``bench.roofline``;
-            otherwise it is measured once per machine and thread count, and cached).
-        output: report directory (records.jsonl, report.md, report.json, PNGs).
-        preset: name of the preset the config came from ("full", "quick", "smoke").
-    """
-
-    target: str = "smollm2-135m"
-    methods: tuple[str, ...] = ()
-    draft: str | None = None
-    datasets: tuple[str, ...] = DEFAULT_DATASETS
-    limit: int | None = 5
-    max_new_tokens: int = 128
-    temperature: float = 0.0
-    verification: str = "auto"
-    seed: int = 0
-    gamma: int = 4
-    gammas: tuple[int, ...] = ()
-    peer: bool = True
-    chat: bool = True
-    probe: bool = True
-    warmup: bool = True
-    repeats: int = 1
-    dtype: str = "float32"
-    kernel: str = "default"
-    draft_weights: str | None = None
-    weights: str = "auto"
-    llama_cpp: bool = False
-    openvino: bool = False
-    openvino_weights: str = "int8"
-    llama_server: bool = False
-    threads: int | None = None
-    remeasure_bandwidth: bool = False
-    output: str = "bench-out/full"
-    preset: str = "full"
-
-    def __post_init__(self) -> None:
-        from specdecode.types import SamplingParams
-
-        from specdecode.validate import check_threads, check_verification
-
-        SamplingParams(temperature=self.temperature, max_new_tokens=self.max_new_tokens)  # range checks
-        check_verification(self.verification, "--verification")
-        for g in (self.gamma, *self.gammas):
-            if not isinstance(g, int) or not 1 <= g <= 64:
-                raise SpecDecodeError(f"gamma values must be integers in [1, 64], got {g!r}")
-        if self.limit is not None and self.limit < 1:
-            raise SpecDecodeError(f"--limit must be >= 1, got {self.limit}")
-        if not isinstance(self.repeats, int) or self.repeats < 1:
-            raise SpecDecodeError(f"--repeats must be an integer >= 1, got {self.repeats!r}")
-        check_threads(self.threads)  # 1..the cores this process may use
-        if not self.datasets:
-            raise SpecDecodeError("no dataset selected")
-        if self.weights not in WEIGHT_CHOICES:
-            raise SpecDecodeError(f"unknown weight precision {self.weights!r}; choose one of {', '.join(WEIGHT_CHOICES)}")
-        if self.draft_weights is not None and self.draft_weights not in WEIGHT_PRECISIONS:
-            raise SpecDecodeError(f"unknown weight precision {self.draft_weights!r}; choose one of "
-                                  f"{', '.join(WEIGHT_PRECISIONS)}")
-        if (self.openvino or self.llama_server) and self.temperature > 0:
-            raise SpecDecodeError("--openvino / --llama-server run greedy decoding only: drop them or use "
-                                  "--temperature 0")
-        if self.openvino_weights not in ("int8", "int4", "fp16"):  # bench.openvino.WEIGHT_FORMATS
-            raise SpecDecodeError(f"unknown OpenVINO weight format {self.openvino_weights!r}; use int8, int4, fp16")
-        if self.kernel not in KERNELS:
-            raise SpecDecodeError(f"unknown kernel {self.kernel!r}; choose one of {', '.join(KERNELS)}")
-
-    def settings(self) -> dict:
-        """What makes records comparable: a rerun resumes only records with equal settings."""
-        out = {"target": self.target, "max_new_tokens": self.max_new_tokens, "temperature": self.temperature,
-               "seed": self.seed, "dtype": self.dtype, "chat": self.chat, "batch_size": 1, "kernel": self.kernel}
-        # Settings added later enter only when set to something else than their default, so that
-        # output directories written before they existed keep resuming.
-        if (self.draft_weights or self.weights) != "fp32":  # None: the target's (what ran, once it is resolved)
-            out["draft_weights"] = self.draft_weights or self.weights
-        if self.weights != "fp32":
-            out["weights"] = self.weights
-        if self.verification != "auto":
-            out["verification"] = self.verification
-        if self.openvino and self.openvino_weights != "int8":
-            out["openvino_weights"] = self.openvino_weights
-        return out
-
-    def settings_id(self) -> str:
-        blob = json.dumps(self.settings(), sort_keys=True).encode()
-        return hashlib.sha256(blob).hexdigest()[:12]
-
-
-def quick_config(**overrides) -> BenchConfig:
-    """A few minutes on SmolLM2-135M: n-gram at gamma 2 / 4, 2 prompts of 3 Spec-Bench categories, 48 tokens,
-    each run twice (the faster counts)."""
-    base = dict(target="smollm2-135m", methods=("ngram",), datasets=("spec-bench:summarization",
-                "spec-bench:coding", "spec-bench:math_reasoning"), limit=2, max_new_tokens=48, gamma=4,
-                gammas=(2, 4), repeats=2, output="bench-out/quick", preset="quick")
-    return BenchConfig(**{**base, **overrides})
-
-
-def smoke_config(**overrides) -> BenchConfig:
-    """Seconds on tiny random models built in code (CI): draft-model and n-gram, gamma 2 and 4, HF peer.
-
-    One torch thread: tiny matrices gain nothing from two, and a loaded CI machine makes
-    multi-threaded tiny ops wait on each other.
-    """
-    from specdecode.bench.smoke import SMOKE_DATASET, SMOKE_DRAFT, SMOKE_TARGET
-
-    base = dict(target=SMOKE_TARGET, draft=SMOKE_DRAFT, methods=("ngram", "draft-model"), datasets=(SMOKE_DATASET,), limit=2,
-                max_new_tokens=24, gamma=4, gammas=(2, 4), dtype="float64", weights="fp32", probe=True, threads=1,
-                output="bench-out/smoke", preset="smoke")
-    return BenchConfig(**{**base, **overrides})
-
-
-# --------------------------------------------------------------------------- prompts
-
-
-@dataclass(frozen=True)
-class BenchPrompt:
-    """One prompt of the matrix: identity, category label for tables, text, and whether it is chat."""
-
-    key: str  # unique: "spec-bench/81", "humaneval/HumanEval/0"
-    dataset: str
-    category: str  # the table column: Spec-Bench category, or the dataset name for HumanEval / GSM8K
-    text: str
-    is_completion: bool
-
-
-def select_prompts(datasets: Sequence[str], limit: int | None) -> list[BenchPrompt]:
-    """Prompts of the named sets, at most ``limit`` per category, ordered round-robin over categories.
-
-    Round-robin order makes a partial (interrupted) run cover every category early.
-
-    Raises:
-        SpecDecodeError: unknown dataset or category (from ``load_prompts``), or nothing selected.
-    """
-    from specdecode.bench.smoke import SMOKE_DATASET, SMOKE_PROMPTS
-    from specdecode.data import load_prompts
-
-    by_category: dict[str, list[BenchPrompt]] = {}
-    seen: set[str] = set()
-    for spec in datasets:
-        if spec.strip().lower() == SMOKE_DATASET:
-            items = [BenchPrompt(f"smoke/{i}", "smoke", cat, text, comp)
-                     for i, (cat, text, comp) in enumerate(SMOKE_PROMPTS)]
-        else:
-            items = [_bench_prompt(p) for p in load_prompts(spec)]
-        for item in items:
-            if item.key in seen:
-                continue
-            bucket = by_category.setdefault(item.category, [])
-            if limit is None or len(bucket) < limit:
-                bucket.append(item)
-                seen.add(item.key)
-    prompts = [p for i in range(max(map(len, by_category.values()), default=0))
-               for bucket in by_category.values() if i < len(bucket) for p in [bucket[i]]]
-    if not prompts:
-        raise SpecDecodeError(f"no prompts selected from {list(datasets)}")
-    return prompts
-
-
-def _bench_prompt(p) -> BenchPrompt:
-    key = p.id if p.id.startswith(p.dataset) else f"{p.dataset}/{p.id}"
-    category = p.category if p.dataset in ("spec-bench", "mt-bench") else p.dataset
-    if p.dataset == "mt-bench":
-        category = f"mt-bench/{p.category}"
-    return BenchPrompt(key, p.dataset, category, p.turns[0], p.is_completion)
-
-
-def encode_prompt(tokenizer, prompt: BenchPrompt, chat: bool) -> tuple[list[int], bool]:
-    """Token ids of a prompt's first turn, through the chat template when the model has one.
-
-    Completion prompts (HumanEval) are never templated. Returns (ids, templated).
-    """
-    use_chat = chat and not prompt.is_completion and bool(getattr(tokenizer, "chat_template", None))
-    if use_chat:
-        text = tokenizer.apply_chat_template([{"role": "user", "content": prompt.text}],
-                                             add_generation_prompt=True, tokenize=False)
-        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-    else:
-        ids = tokenizer(prompt.text)["input_ids"]
-    return [int(t) for t in ids], use_chat
-
-
-# --------------------------------------------------------------------------- variants
-
-
-@dataclass
-class RunOutput:
-    """One timed generation: new token ids, wall seconds around the call, and our RunMetrics (None for HF)."""
-
-    token_ids: list[int]
-    wall_s: float
-    finish_reason: str
-    metrics: dict | None = None
-    engine_stats: dict | None = None  # an external engine's own figures (llama-server's "timings"), recorded as is
-
-
-@dataclass
-class Variant:
-    """One column of the matrix: how to run a prompt, and how to label it.
-
-    Attributes:
-        key: unique id, ``specdecode/plain``, ``specdecode/ngram:k=4``, ``hf/assisted:k=4,model=...``.
-        engine: "specdecode" or "hf".
-        method: "plain", a proposer name, or the HF peer's method ("assisted", "prompt-lookup").
-        gamma: draft length (0 for plain).
-        family: method spec without gamma (groups a gamma sweep), "plain" for baselines.
-        peer_of: for HF variants, the key of our variant they mirror.
-        draft: draft model spec, when the method uses one.
-        run: (prompt ids, seed, max_new_tokens override or None) -> RunOutput.
-    """
-
-    key: str
-    engine: str
-    method: str
-    gamma: int
-    family: str
-    run: Callable[..., RunOutput] = field(repr=False)
-    peer_of: str | None = None
-    draft: str | None = None
-
-    def info(self) -> dict:
-        return {"key": self.key, "engine": self.engine, "method": self.method, "gamma": self.gamma,
-                "family": self.family, "peer_of": self.peer_of, "draft": self.draft}
-
-
-def engine_runner(target, proposer, gamma: int, max_new_tokens: int, temperature: float, eos: tuple[int, ...],
-                  max_context: int, verification: str = "auto", *, policy: str = "fixed",
-                  new_proposer: Callable[[], object] | None = None):
-    """A timed run of our engine on one target: ``run(prompt ids, seed, max_new_tokens or None) -> RunOutput``.
-
-    Args:
-        target: the target's LoadedModel. proposer: a proposer, or None for plain decoding.
-        gamma: draft length (``num_speculative_tokens``; the starting gamma of an adaptive ``policy``).
-        max_new_tokens, temperature, eos: the sampling of every run (greedy at temperature 0).
-        max_context: positions per row of the engine's cache.
-        verification: ``EngineConfig.verification``.
-        policy: the draft-length policy by name (``policy.build_policy``), kept across runs as in ``generate``.
-        new_proposer: a zero-argument factory of proposers: each run then drafts with a fresh one (bound
-            before the timing starts), so no run sees what an earlier one left in a proposer's memory (the
-            suffix tree of earlier outputs: a repeat of the same prompt would find its own answer there).
-
-    Wall seconds are those of ``engine.generate`` alone. The engine is ``run.engine``.
-    """
-    if new_proposer is not None:
-        proposer = new_proposer()
-    engine = assemble(target, proposer, num_speculative_tokens=max(1, gamma), policy=policy,
-                      verification=verification, max_context=max_context)
-
-    def run(ids: list[int], seed: int, limit: int | None = None) -> RunOutput:
-        if new_proposer is not None and engine.rows == []:
-            engine.proposer.release()
-            engine.proposer = new_proposer()
-            engine.proposer.bind(engine.runner, engine.runner.num_slots)
-        params = SamplingParams(temperature=temperature, max_new_tokens=limit or max_new_tokens, seed=seed,
-                                eos_token_ids=eos)
-        start = time.perf_counter()
-        out = engine.generate(ids, params)
-        wall = time.perf_counter() - start
-        return RunOutput(list(out.token_ids), wall, out.finish_reason, out.metrics.to_dict())
-
-    run.engine = engine
-    return run
-
-
-def _peer_runner(target, method: str, gamma: int, draft, max_ngram: int, max_new_tokens: int,
-                 temperature: float, eos: tuple[int, ...]):
-    from specdecode.bench.peer import hf_generate  # lazy: transformers' generation stack
-
-    uag = draft is not None and other_tokenizer(target, draft)  # universal assisted generation
-    toks = {"tokenizer": target.tokenizer, "assistant_tokenizer": draft.tokenizer} if uag else {}
-
-    def run(ids: list[int], seed: int, limit: int | None = None) -> RunOutput:
-        res = hf_generate(target.model, ids, max_new_tokens=limit or max_new_tokens, temperature=temperature,
-                          seed=seed, eos_token_ids=eos, method=method, gamma=gamma,
-                          draft=draft.model if draft is not None else None, max_ngram=max_ngram, **toks)
-        return RunOutput(res.token_ids, res.wall_s, res.finish_reason, None)
-
-    return run
-
-
-def expand_methods(config: BenchConfig) -> list[DrafterSpec]:
-    """Drafter specs to run: given or all registered, each at its gamma and at every sweep gamma.
-
-    Methods that take a draft model get ``model=--draft`` in their spec unless they name one.
-
-    Raises:
-        SpecDecodeError: a malformed spec, or an unknown proposer name.
-    """
-    names = config.methods or tuple(m for m in registered_methods()  # cross-vocab: what draft-model becomes
-                                    if (not needs_draft_model(m) or config.draft) and m != "cross-vocab")
-    specs = [DrafterSpec.parse(m, bare_model=False) for m in names]
-    known = registered_methods()
-    out: list[DrafterSpec] = []
-    for spec in specs:
-        if spec.kind not in known:
-            raise SpecDecodeError(f"unknown method {spec.kind!r}; registered proposers: {', '.join(known)}")
-        base = spec.with_gamma(spec.num_speculative_tokens or config.gamma)
-        if needs_draft_model(spec.kind) and spec.model is None and config.draft:
-            # name the draft in the spec: records of another --draft must never be resumed as this one's
-            base = dataclasses.replace(base, model=config.draft)
-        for g in (base.num_speculative_tokens, *config.gammas):
-            s = base.with_gamma(g)
-            if s not in out:
-                out.append(s)
-    return out
-
-
-def main_gamma_of(specs: Sequence[DrafterSpec]) -> dict[str, int]:
-    """Per method family, the gamma of its leaderboard row: the first of the family in ``expand_methods``
-    order, i.e. the spec's own k, else ``--gamma`` (sweep gammas come after it)."""
-    out: dict[str, int] = {}
-    for spec in specs:
-        out.setdefault(spec.family, spec.num_speculative_tokens)
-    return out
-
-
-# --------------------------------------------------------------------------- records (resume)
-
-
-# --------------------------------------------------------------------------- cost probe
-
-
-@torch.inference_mode()
-def probe_forward_times(model: torch.nn.Module, context: list[int], ks: Iterable[int], reps: int = 3) -> dict[int, float]:
-    """Least seconds (over ``reps``) of one cached forward over k + 1 new tokens after ``context``, for each k.
-
-    The minimum, not the median: on a shared machine noise only ever adds time.
-
-    This is T_verify(k) of the target (k = 0: one decoding step, T_decode(1)) or the cost of
-    one draft-model step; the cache is cut back to ``context`` after every timed forward.
-
-    Args:
-        model: a causal LM.
-        context: [L] token ids already in the cache when timing starts.
-        ks: draft lengths to time.
-        reps: timed repetitions per k (after one untimed warm-up pass).
-    """
-    from specdecode.kv import make_runner
-
-    runner = make_runner(model).row(0)
-    runner.forward(context, last_only=True)
-    base = len(context)
-    ks = sorted(set(ks))
-    samples: dict[int, list[float]] = {k: [] for k in ks}
-    filler = context[-1]
-    for rep in range(reps + 1):
-        for k in ks:
-            start = time.perf_counter()
-            runner.forward([filler] * (k + 1))
-            elapsed = time.perf_counter() - start
-            runner.rollback(base)
-            if rep:  # rep 0 warms up
-                samples[k].append(elapsed)
-    return {k: min(v) for k, v in samples.items()}
 
 
 # --------------------------------------------------------------------------- the run
@@ -577,7 +188,7 @@ def build_variants(config: BenchConfig, models: Models, dtype: str, status: Call
                                                config.verification), draft=spec.model_spec))
     if config.peer:
         variants.append(Variant("hf/plain", "hf", "plain", 0, "hf/plain",
-                                _peer_runner(target, "plain", 1, None, 3, n, temp, eos)))
+                                peer_runner(target, "plain", 1, None, 3, n, temp, eos)))
         mains = main_gamma_of(specs)
         for spec in specs:
             peer = PEER_OF.get(spec.kind)
@@ -588,7 +199,7 @@ def build_variants(config: BenchConfig, models: Models, dtype: str, status: Call
             max_ngram = int(spec.option("max_ngram", "3"))
             tail = f":k={spec.num_speculative_tokens}" + (f",model={draft_spec}" if draft_spec else f",max_ngram={max_ngram}")
             variants.append(Variant(f"hf/{peer}{tail}", "hf", peer, spec.num_speculative_tokens, f"hf/{peer}",
-                                    _peer_runner(target, peer, spec.num_speculative_tokens, draft, max_ngram, n, temp, eos),
+                                    peer_runner(target, peer, spec.num_speculative_tokens, draft, max_ngram, n, temp, eos),
                                     peer_of=f"specdecode/{spec}", draft=draft_spec))
     if config.llama_cpp:
         variants += _llama_cpp_variants(config, specs, main_gamma_of(specs), eos, status)
