@@ -184,7 +184,8 @@ def test_every_front_end_builds_the_same_engine_from_one_spec(pair, text, tmp_pa
     from specdecode.bench.runner import BenchConfig, Models, build_variants, load_any
     from specdecode.generator import SpecDecoder
     from specdecode.server.launch import ServeOptions, load_state
-    from specdecode.tune import Candidate, _Session
+    from specdecode.tune import Candidate
+    from specdecode.tune.measure import _Session
 
     target_dir, draft_dir = pair
     spec = DrafterSpec.parse(text.replace("DRAFT", draft_dir))
