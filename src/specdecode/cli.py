@@ -50,6 +50,8 @@ from specdecode.errors import SpecDecodeError
 from specdecode.options import CATALOG_MODELS, DEFAULT_TARGET
 from specdecode.spec import DrafterSpec
 from specdecode.validate import check_serve_options  # the library's own check, without torch
+from specdecode.bench import add_arguments
+from specdecode.bench import run_command
 
 EXIT_USAGE = 2
 
@@ -190,7 +192,6 @@ def _add_generate(commands) -> None:
 
 
 def _add_bench(commands) -> None:
-    from specdecode.bench import add_arguments
 
     p = commands.add_parser(
         "bench",
@@ -239,20 +240,19 @@ def cmd_serve(args: argparse.Namespace) -> int:
         check_serve_options(args)  # launch.check_options' checks: a refusal never imports torch
         DrafterSpec.from_settings(vars(args)).check()
     check_threads(args.threads, bound=not args.ray_address)  # a cluster's replicas bound their own, where they run
-    from specdecode.scaleout import check_replica_options, replica_options_from_args, require_ray
+    from specdecode.scaleout import check_replica_options, replica_options_from_args, require_ray  # lazy: the replica options only for serve
 
     replicas = replica_options_from_args(args)  # refuses replica flags without --replicas
     if replicas is not None:
         check_replica_options(replicas)  # before Ray, torch or a model
         require_ray()
-    from specdecode.server.entry import run_from_args
+    from specdecode.server.entry import run_from_args  # lazy: the server stack and torch only for serve
 
     return run_from_args(args)
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
     """``specdecode bench``: run (or resume) the benchmark and print the Markdown report (specdecode.bench)."""
-    from specdecode.bench import run_command
 
     return run_command(args)
 

@@ -7,28 +7,33 @@ import argparse
 import re
 import sys
 
+from specdecode.audit.config import (
+    MAX_SAMPLES,
+    MAX_TOKENS,
+    MIN_SAMPLES,
+    AuditConfig,
+    AuditSetup,
+    check_concurrency,
+    check_temperature,
+)
+from specdecode.cli_generate import naming_flags, read_jobs, sampling_kwargs
+from specdecode.cliargs import HelpFormatter as _HelpFormatter
+from specdecode.cliargs import UsageError
 from specdecode.cliargs import (
     add_drafter_arguments,
     add_sampling_arguments,
+    add_tune_arguments,
     check_drafter_flags,
     check_threads,
     set_threads,
 )
+from specdecode.cliargs import status as _status
+from specdecode.data import SharedDataMissing, load_prompts
 from specdecode.options import DEFAULT_TARGET
 from specdecode.paths import check_output_dir
 from specdecode.spec import DrafterSpec
-from specdecode.validate import (  # the library's own checks, without torch
-    check_engine,
-    check_sampling,
-)
-from specdecode.cliargs import HelpFormatter as _HelpFormatter
-from specdecode.cliargs import UsageError
-from specdecode.cliargs import status as _status
-from specdecode.cli_generate import (
-    naming_flags,
-    read_jobs,
-    sampling_kwargs,
-)
+from specdecode.tune import DRAFTER_KINDS, TuneConfig, check_output
+from specdecode.validate import check_engine, check_sampling  # the library's own checks, without torch
 
 
 def add_train_drafter(commands) -> None:
@@ -58,7 +63,6 @@ def add_train_drafter(commands) -> None:
             "  specdecode generate --draft eagle --tree dynamic"
         ),
     )
-    from specdecode.options import DEFAULT_TARGET
 
     p.add_argument("--target", default=DEFAULT_TARGET, help="the model the head drafts for (default: %(default)s)")
     p.add_argument("--out", default=None, metavar="DIR",
@@ -106,7 +110,6 @@ AUDIT_DATASET, AUDIT_FALLBACK_DATASET = "spec-bench:writing:2", "humaneval:2"
 
 
 def add_audit(commands) -> None:
-    from specdecode.audit.config import MAX_SAMPLES, MAX_TOKENS, MIN_SAMPLES
 
     p = commands.add_parser(
         "audit",
@@ -221,8 +224,6 @@ def add_audit(commands) -> None:
 def cmd_audit(args: argparse.Namespace) -> int:
     """``specdecode audit``: check every flag (no torch), read the prompts, run ``specdecode.audit.runner``;
     0 on PASS, 1 on FAIL."""
-    from specdecode.audit.config import AuditConfig, AuditSetup, check_concurrency, check_temperature
-    from specdecode.data import SharedDataMissing, load_prompts
 
     check_drafter_flags(args)
     if args.endpoint is not None and not args.model:
@@ -265,7 +266,7 @@ def cmd_audit(args: argparse.Namespace) -> int:
         draft_weights=args.draft_weights, cache_dir=args.cache_dir, forward=args.forward, output=args.output,
         command="specdecode audit " + " ".join(sys.argv[2:]) if sys.argv[1:2] == ["audit"] else None)
     set_threads(args.threads, say=_status)
-    from specdecode.audit.runner import run_audit
+    from specdecode.audit.runner import run_audit  # lazy: torch and the model stack load only when the command runs
 
     return 0 if run_audit(setup, say=_status).passed else 1
 
@@ -294,11 +295,11 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
         if path is not None:
             check_output_dir(path, flag)
     if args.device.startswith("cuda"):
-        import torch
+        import torch  # lazy: torch and the model stack load only when the command runs
 
         if not torch.cuda.is_available():
             raise UsageError("--device cuda: no CUDA device is available to this torch build; use --device cpu")
-    from specdecode.eagle.train import TrainConfig, run
+    from specdecode.eagle.train import TrainConfig, run  # lazy: torch and the model stack load only when the command runs
 
     cfg = TrainConfig(num_prompts=args.prompts, mix=args.mix, max_new_tokens=args.max_new_tokens,
                       max_length=args.max_length, temperature=args.temperature, draft_vocab_size=args.draft_vocab,
@@ -312,7 +313,6 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
 
 
 def add_tune(commands) -> None:
-    from specdecode.cliargs import add_tune_arguments
 
     p = commands.add_parser(
         "tune",
@@ -341,8 +341,6 @@ def add_tune(commands) -> None:
 
 def cmd_tune(args: argparse.Namespace) -> int:
     """``specdecode tune``: measure, predict, confirm, decide; write the settings file (specdecode.tune)."""
-    from specdecode.tune import DRAFTER_KINDS, check_output, run_tune
-
     datasets = tuple(d.strip() for item in (args.datasets or ()) for d in item.split(",") if d.strip())
     drafters = (DRAFTER_KINDS if args.drafters is None  # --drafters '': refused as empty, not taken for all
                 else tuple(d.strip() for d in args.drafters.split(",") if d.strip()))
@@ -350,13 +348,13 @@ def cmd_tune(args: argparse.Namespace) -> int:
     check_output(args.output, default=False)  # the settings file and its .json, before anything is measured
     with naming_flags():  # "--max-new-tokens: max_new_tokens must be ...", as generate says it
         config = _tune_config(args, datasets, drafters)
+    from specdecode.tune.measure import run_tune  # lazy: torch and the model stack only to run the tune
+
     run_tune(config, progress=not args.no_progress)
     return 0
 
 
 def _tune_config(args: argparse.Namespace, datasets: tuple[str, ...], drafters: tuple[str, ...]):
-    from specdecode.tune import TuneConfig
-
     return TuneConfig(target=args.target, drafts=tuple(args.drafts or ()), datasets=datasets,
                       prompts_file=args.prompts_file, budget_s=args.budget_s, max_new_tokens=args.max_new_tokens,
                       temperature=args.temperature, threads=args.threads, weights=args.weights,

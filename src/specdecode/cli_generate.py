@@ -16,6 +16,7 @@ from specdecode.cliargs import SAMPLING_MODES, check_drafter_flags, check_thread
 from specdecode.cliargs import status as _status
 from specdecode.errors import SpecDecodeError
 from specdecode.spec import DrafterSpec
+from specdecode.data import SharedDataMissing, load_prompts
 from specdecode.validate import (  # the library's own checks, without torch
     check_engine,
     check_sampling,
@@ -51,7 +52,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     check_threads(args.threads)
     jobs = read_jobs(args)  # a bad dataset or prompt file: refused before torch is imported
     from specdecode.build import choose_skip_layers  # lazy, as every import of torch here: --help answers at once
-    from specdecode.generator import SpecDecoder
+    from specdecode.generator import SpecDecoder  # lazy: torch and the model stack load only when the command runs
 
     set_threads(args.threads, say=_status)
     _preflight(args, jobs)
@@ -169,7 +170,7 @@ def naming_flags():
 def _preflight(args: argparse.Namespace, jobs: list[_Job]) -> None:
     """Before any weight file is read: the models resolve, a draft model shares the target's tokenizer, and
     every prompt fits the target's context (``specdecode.preflight``, from tokenizer files and config.json)."""
-    from specdecode.preflight import check_models, check_prompts
+    from specdecode.preflight import check_models, check_prompts  # lazy: torch and the model stack load only when the command runs
 
     target = check_models(args.target, DrafterSpec.from_settings(vars(args)).model_spec, cache_dir=args.cache_dir,
                           cross_vocab=True, tree=args.tree)  # the cross-vocabulary line is said at load
@@ -178,7 +179,6 @@ def _preflight(args: argparse.Namespace, jobs: list[_Job]) -> None:
 
 
 def read_jobs(args: argparse.Namespace) -> list[_Job]:
-    from specdecode.data import SharedDataMissing, load_prompts
 
     if args.prompt is not None:
         if not args.prompt.strip():
@@ -259,7 +259,7 @@ def _warm_up(decoder, baseline) -> None:
 
 def _encode_job(args, decoder, job: _Job) -> tuple[_Job, bool, list[int]]:
     """(job, chat template used, prompt ids); PromptTooLongError when it cannot fit the context."""
-    from specdecode.types import PromptTooLongError
+    from specdecode.types import PromptTooLongError  # lazy: torch and the model stack load only when the command runs
 
     chat = args.chat if args.chat is not None else (job.chat_default and decoder.has_chat_template)
     prompt_ids = decoder.encode(job.text, chat=chat)
@@ -351,7 +351,7 @@ def _record(job: _Job, chat: bool, out, base_out) -> dict:
 
 
 def _console():
-    from rich.console import Console
+    from rich.console import Console  # lazy: rich only when printing
 
     out = sys.stdout
     width = None if out.isatty() else 160  # files and pipes: wide enough for the tables
@@ -395,7 +395,7 @@ def _print_summary(r: dict) -> None:
 
 def _print_aggregate(records: list[dict], with_baseline: bool) -> None:
     """One table row per prompt and a median row."""
-    from rich.table import Table
+    from rich.table import Table  # lazy: rich only when printing
 
     table = Table(title=f"{len(records)} prompts", title_justify="left")
     columns = ["prompt", "tokens", "drafted", "accepted", "accept", "tau", "fwd", "tok/s"]

@@ -47,6 +47,7 @@ from specdecode.proposers.factory import (  # noqa: F401 - the drafter choices, 
 from specdecode.spec import DrafterSpec
 from specdecode.types import EmptyPromptError, SamplingParams, SpecDecodeError
 from specdecode.validate import check_stops
+from specdecode.kv import make_runner
 
 
 @dataclass
@@ -221,7 +222,6 @@ class SpecDecoder:
                 return None
             i = min(len(token_ids), len(baseline_ids))
             return f"one output stops at token {i}, the other goes on (an EOS or a stop string at a near-tie)"
-        from specdecode.kv import make_runner
 
         row = make_runner(self.target.model).row(0)
         context = [*prompt_ids, *baseline_ids[:i]]

@@ -9,7 +9,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from specdecode.options import WEIGHT_CHOICES, WEIGHT_PRECISIONS
-from specdecode.types import SpecDecodeError
+from specdecode.errors import SpecDecodeError
+from specdecode.validate import check_threads, check_verification
+from specdecode.data import load_prompts
 
 KERNELS = ("default", "small-row")
 #: Spec-Bench's 13 categories come from ``spec-bench``; the issue's four prompt sources.
@@ -88,9 +90,8 @@ class BenchConfig:
     preset: str = "full"
 
     def __post_init__(self) -> None:
-        from specdecode.types import SamplingParams
+        from specdecode.types import SamplingParams  # lazy: torch (the CLI checks a BenchConfig without it)
 
-        from specdecode.validate import check_threads, check_verification
 
         SamplingParams(temperature=self.temperature, max_new_tokens=self.max_new_tokens)  # range checks
         check_verification(self.verification, "--verification")
@@ -153,7 +154,7 @@ def smoke_config(**overrides) -> BenchConfig:
     One torch thread: tiny matrices gain nothing from two, and a loaded CI machine makes
     multi-threaded tiny ops wait on each other.
     """
-    from specdecode.bench.smoke import SMOKE_DATASET, SMOKE_DRAFT, SMOKE_TARGET
+    from specdecode.bench.smoke import SMOKE_DATASET, SMOKE_DRAFT, SMOKE_TARGET  # lazy: torch (smoke models are built in code)
 
     base = dict(target=SMOKE_TARGET, draft=SMOKE_DRAFT, methods=("ngram", "draft-model"), datasets=(SMOKE_DATASET,), limit=2,
                 max_new_tokens=24, gamma=4, gammas=(2, 4), dtype="float64", weights="fp32", probe=True, threads=1,
@@ -183,8 +184,7 @@ def select_prompts(datasets: Sequence[str], limit: int | None) -> list[BenchProm
     Raises:
         SpecDecodeError: unknown dataset or category (from ``load_prompts``), or nothing selected.
     """
-    from specdecode.bench.smoke import SMOKE_DATASET, SMOKE_PROMPTS
-    from specdecode.data import load_prompts
+    from specdecode.bench.smoke import SMOKE_DATASET, SMOKE_PROMPTS  # lazy: torch (smoke models are built in code)
 
     by_category: dict[str, list[BenchPrompt]] = {}
     seen: set[str] = set()

@@ -67,6 +67,17 @@ from specdecode.bench.variants import (  # noqa: F401 - re-exported: the matrix'
     probe_forward_times,
     registered_methods,
 )
+from specdecode.lowbit import set_weight_precision
+from specdecode.bench.smoke import load_smoke_model
+from specdecode.models import default_cache_dir
+from specdecode.precision import choose_precision
+from specdecode.precision import load_target
+from specdecode.lowbit import load_in_precision
+from specdecode.kernels import use_small_row_matmul
+from specdecode.models import check_compatible
+import atexit
+from specdecode.models import gguf_file
+from specdecode.bench import roofline
 
 logger = logging.getLogger(__name__)
 
@@ -108,16 +119,12 @@ def load_any(spec: str, dtype: str, kernel: str = "default", weights: str = "fp3
         ModelLoadError: the spec names no loadable model; SpecDecodeError: an unknown precision, ``auto`` on a
         built-in model that is not float32, a GGUF tensor without a low-bit layout.
     """
-    from specdecode.lowbit import set_weight_precision
 
     if spec.startswith("smoke:"):  # the built-in tiny model, built in code (no file behind it)
-        from specdecode.bench.smoke import load_smoke_model
 
         loaded = load_smoke_model(spec)
         loaded.model.to(getattr(torch, dtype))
         if weights == "auto":  # load_target's measured choice, on the model built here
-            from specdecode.models import default_cache_dir
-            from specdecode.precision import choose_precision
 
             try:
                 choice = choose_precision(loaded, default_cache_dir(), status=status)
@@ -129,18 +136,15 @@ def load_any(spec: str, dtype: str, kernel: str = "default", weights: str = "fp3
         if weights != "fp32":
             set_weight_precision(loaded.model, weights)
     elif target:
-        from specdecode.precision import load_target
 
         loaded, choice = load_target(spec, weights, dtype=dtype, status=status)
         if status is not None and weights == "auto":
             status(f"weights {choice.reason}")
         weights = choice.precision
     else:
-        from specdecode.lowbit import load_in_precision
 
         loaded = load_in_precision(spec, weights, dtype=getattr(torch, dtype), say=status)
     if kernel == "small-row":
-        from specdecode.kernels import use_small_row_matmul
 
         use_small_row_matmul(loaded.model)
     return loaded, weights
@@ -149,7 +153,6 @@ def load_any(spec: str, dtype: str, kernel: str = "default", weights: str = "fp3
 def build_variants(config: BenchConfig, models: Models, dtype: str, status: Callable[[str], None]) -> list[Variant]:
     """Our plain baseline, every method spec, then the HF plain / peer variants (when ``config.peer``)."""
     from specdecode.bench.peer import PEER_OF  # lazy: the peer imports transformers' generation stack
-    from specdecode.models import check_compatible
 
     target = models.target
     eos = target.eos_token_ids
@@ -240,9 +243,8 @@ def _openvino_variants(config: BenchConfig, specs, mains: dict, eos: tuple[int, 
     Raises:
         SpecDecodeError: the peer is not set up (names ``--setup-peers``), or its worker failed to load.
     """
-    import atexit
 
-    from specdecode.bench import openvino as ov
+    from specdecode.bench import openvino as ov  # lazy: an optional peer engine
 
     fmt = config.openvino_weights
     target = ov.require_model(config.target, fmt)
@@ -288,10 +290,8 @@ def _llama_server_variants(config: BenchConfig, specs, mains: dict, eos: tuple[i
     Raises:
         SpecDecodeError: llama-server is not built (names ``--setup-peers``), or a server did not start.
     """
-    import atexit
 
-    from specdecode.bench import llamaserver as ls
-    from specdecode.models import gguf_file
+    from specdecode.bench import llamaserver as ls  # lazy: an optional peer engine
 
     exe = ls.require_binary()
     target = gguf_file(config.target)
@@ -313,8 +313,7 @@ def _llama_server_variants(config: BenchConfig, specs, mains: dict, eos: tuple[i
 
 def _llama_cpp_variants(config: BenchConfig, specs, mains: dict, eos: tuple[int, ...], status) -> list[Variant]:
     """llama.cpp plain, and its prompt lookup as the peer of each n-gram family (``bench.llamacpp``)."""
-    from specdecode.bench import llamacpp
-    from specdecode.models import gguf_file
+    from specdecode.bench import llamacpp  # lazy: an optional peer engine
 
     if not llamacpp.available():
         raise SpecDecodeError("--llama-cpp needs llama-cpp-python: pip install llama-cpp-python (it builds "
@@ -408,8 +407,6 @@ def run_bench(config: BenchConfig, *, progress: bool = True, log: Callable[[str]
 def roofline_facts(config: BenchConfig, models: Models, variants: list[Variant], status) -> dict:
     """The roofline's inputs: the read bandwidth in bytes/s (measured once per machine and thread count,
     cached) and each model's weight bytes per step and KV bytes per token in its runner's cache dtype."""
-    from specdecode.bench import roofline
-    from specdecode.models import default_cache_dir
 
     runners: dict[int, object] = {}  # id(model) -> its slot runner (target's and drafts')
     for v in variants:
@@ -459,8 +456,8 @@ def _seed(config: BenchConfig, prompt_index: int) -> int:
 
 
 def _run_matrix(todo, prompts, variants, encoded, config: BenchConfig, store: RecordStore, progress: bool) -> None:
-    from rich.console import Console
-    from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
+    from rich.console import Console  # lazy: rich only when printing
+    from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,  # lazy: rich only when printing
                                TimeRemainingColumn)
 
     index = {p.key: i for i, p in enumerate(prompts)}
@@ -551,7 +548,7 @@ def _probe(config, models: Models, variants, prompts, encoded, store: RecordStor
 def _quiet_transformers() -> None:
     """Keep transformers' generation warnings (flags, deprecations) out of the progress display."""
     try:
-        from transformers.utils import logging as hf_logging
+        from transformers.utils import logging as hf_logging  # lazy: transformers only to quiet it
 
         hf_logging.set_verbosity_error()
     except ImportError:

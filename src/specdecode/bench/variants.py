@@ -16,6 +16,7 @@ from specdecode.proposers import PROPOSERS
 from specdecode.proposers.factory import other_tokenizer, takes_draft_model
 from specdecode.spec import DrafterSpec
 from specdecode.types import SamplingParams, SpecDecodeError
+from specdecode.kv import make_runner
 
 #: Timed forwards per k in the cost probe (the least counts).
 PROBE_REPS = 5
@@ -185,7 +186,6 @@ def probe_forward_times(model: torch.nn.Module, context: list[int], ks: Iterable
         ks: draft lengths to time.
         reps: timed repetitions per k (after one untimed warm-up pass).
     """
-    from specdecode.kv import make_runner
 
     runner = make_runner(model).row(0)
     runner.forward(context, last_only=True)

@@ -41,6 +41,7 @@ from specdecode.validate import (  # the checks that need no model, shared with 
     check_server_limits,
     parse_skip_layers,
 )
+import socket
 
 logger = logging.getLogger("specdecode.server")
 
@@ -247,7 +248,6 @@ def bind_address(host: str, port: int):
     Raises:
         SpecDecodeError: a port outside 0..65535, an address that cannot be bound (the message says what to do).
     """
-    import socket
 
     check_port(port)
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
@@ -263,7 +263,7 @@ def bind_address(host: str, port: int):
 
 def run(opts: ServeOptions) -> int:
     """Load, then serve until interrupted (blocking)."""
-    import uvicorn
+    import uvicorn  # lazy: the HTTP server only when serving
 
     logging.basicConfig(level=getattr(logging, opts.log_level.upper(), logging.INFO),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")

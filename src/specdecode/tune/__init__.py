@@ -58,8 +58,17 @@ from specdecode.tune.decide import (  # noqa: F401
     predict,
     tree_speedup,
 )
-from specdecode.tune.measure import run_tune  # noqa: F401
 from specdecode.tune.report import print_report, report_rows, write_settings  # noqa: F401
+
+
+def __getattr__(name: str):
+    """``run_tune``, from :mod:`specdecode.tune.measure` on first use (PEP 562)."""
+    if name == "run_tune":
+        from specdecode.tune.measure import run_tune  # lazy: torch and the model stack, only to run a tune
+
+        return run_tune
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = ["Candidate", "Choice", "Confirmation", "DRAFTER_KINDS", "Prediction", "Skipped", "TuneConfig",
            "TuneResult", "best_per_drafter", "choose", "confirmation_plan", "decision_lines", "predict",

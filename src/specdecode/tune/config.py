@@ -10,6 +10,8 @@ from pathlib import Path
 
 from specdecode.errors import SpecDecodeError
 from specdecode.options import DEFAULT_TREE_NODES
+from specdecode.options import WEIGHT_CHOICES, WEIGHT_PRECISIONS
+from specdecode.validate import check_sampling, check_threads
 
 
 #: Drafter kinds ``--drafters`` may name (``draft-model``: every ``--draft`` model given).
@@ -83,8 +85,6 @@ class TuneConfig:
     output: str = "specdecode-tune.toml"
 
     def __post_init__(self) -> None:
-        from specdecode.options import WEIGHT_CHOICES, WEIGHT_PRECISIONS
-        from specdecode.validate import check_sampling, check_threads
 
         if bool(self.datasets) == bool(self.prompts_file):
             raise SpecDecodeError("give the prompts with one of --prompts FILE or --dataset SPEC")
@@ -130,7 +130,7 @@ def read_prompts_file(path: str | Path):
     Raises:
         SpecDecodeError: no such file, unreadable, malformed (the line named), or no prompt in it.
     """
-    from specdecode.bench.runner import BenchPrompt
+    from specdecode.bench.runner import BenchPrompt  # lazy: torch (the CLI checks a TuneConfig without it)
 
     file = Path(path).expanduser()
     if not file.is_file():
@@ -196,7 +196,7 @@ def _prompt_of(row, n: int, path) -> tuple[str, str, str | None]:
 
 def select_tune_prompts(config: TuneConfig):
     """All prompts of the run: the file's, or the prompt sets' (round-robin over categories)."""
-    from specdecode.bench.runner import select_prompts
+    from specdecode.bench.runner import select_prompts  # lazy: torch (the CLI checks a TuneConfig without it)
 
     if config.prompts_file:
         return read_prompts_file(config.prompts_file)

@@ -11,6 +11,7 @@ from specdecode.options import DEFAULT_TREE_NODES
 from specdecode.paths import check_output_file
 from specdecode.spec import DrafterSpec
 from specdecode.tune.config import PLAIN, REPETITIVE_ACCEPTANCE, TuneConfig
+import os
 
 
 # --------------------------------------------------------------------------- candidates
@@ -104,7 +105,7 @@ def predict(plain: dict, measured: dict[str, tuple[Candidate, int, dict]], ratio
     Returns:
         predictions sorted by predicted speedup, highest first (ties: the smaller gamma first).
     """
-    from specdecode.bench.summary import predicted_curve
+    from specdecode.bench.summary import predicted_curve  # lazy: numpy, not at the command line's start
 
     out: list[Prediction] = []
     for key, (cand, cap, pooled) in measured.items():
@@ -277,7 +278,8 @@ class TuneResult:
 
     def ratio(self):
         """T_verify(k) / T_decode(1) from the probe (None without one)."""
-        from specdecode.costmodel import verify_ratio_from_samples
+
+        from specdecode.costmodel import verify_ratio_from_samples  # lazy: numpy, not at the command line's start
 
         return verify_ratio_from_samples(self.verify_forward_s) if self.verify_forward_s.get(0) else None
 
@@ -402,7 +404,6 @@ def check_output(path: str | Path, *, default: bool = True) -> None:
 
 def load_average_1m() -> float | None:
     """The 1-minute load average, None where the platform has none."""
-    import os
 
     try:
         return os.getloadavg()[0]
@@ -418,7 +419,6 @@ def busy_line(load_start: float | None, load_end: float | None, threads: int,
     above ``max(threads, cores) + 0.5`` means something else ran too, so every time measured (and the
     prediction made of them) is noisy. ``cores`` defaults to ``os.cpu_count()``.
     """
-    import os
 
     cores = cores or os.cpu_count() or 1
     loads = [x for x in (load_start, load_end) if x is not None]

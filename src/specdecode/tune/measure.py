@@ -1,15 +1,40 @@
 """The measuring of ``specdecode tune``: the budget's clock, the loaded models and every timed run
-(:func:`run_tune` is the interface)."""
+(:func:`run_tune` is the interface). It imports torch and the model stack; ``specdecode.tune`` loads it on
+first use of ``run_tune``, so the command line reads and checks a tune's settings without them."""
 
 from __future__ import annotations
 
 import math
+import os
 import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from specdecode import layer_search
+from specdecode.bench.env import environment
+from specdecode.bench.runner import (
+    PROBE_REPS,
+    _quiet_transformers,
+    encode_all,
+    engine_runner,
+    probe_context,
+    probe_forward_times,
+    rotate,
+)
+from specdecode.bench.summary import cell, fastest_runs, first_difference, pool_metrics
+from specdecode.build import build_factory, load_draft_for
+from specdecode.cliargs import set_threads
+from specdecode.eagle.head import EagleCheckpointError
 from specdecode.errors import SpecDecodeError
+from specdecode.kv.owned import supports
+from specdecode.precision import load_target
+from specdecode.preflight import check_models
+from specdecode.proposers.eagle import find_head
+from specdecode.proposers.factory import other_tokenizer
 from specdecode.spec import DrafterSpec
 from specdecode.tune.config import MEASURE_SHARE, PLAIN, TREE_KIND, TuneConfig, select_tune_prompts, split_prompts
 from specdecode.tune.decide import (
@@ -18,14 +43,14 @@ from specdecode.tune.decide import (
     Prediction,
     Skipped,
     TuneResult,
-    variant_label,
-    load_average_1m,
     check_output,
     choose,
     confirmation_plan,
     decision_lines,
     drafter_spec,
+    load_average_1m,
     predict,
+    variant_label,
 )
 from specdecode.tune.report import print_report, write_settings
 
@@ -65,14 +90,9 @@ def run_tune(config: TuneConfig, *, progress: bool = True, log: Callable[[str], 
     clock = _Clock(config.budget_s)
     check_output(config.output)  # before any measuring: a path that cannot be written would lose the run
     prompts = select_tune_prompts(config)  # a bad file or dataset: refused before torch loads a model
-    from specdecode.preflight import check_models
 
     for draft in config.drafts or (None,):  # every model resolves (and a draft's tokenizer is read) before weights
         check_models(config.target, draft, cache_dir=config.cache_dir, cross_vocab=True)
-    from specdecode.bench.env import environment
-    from specdecode.bench.runner import _quiet_transformers, encode_all
-    from specdecode.cliargs import set_threads
-    from specdecode.precision import load_target
 
     _quiet_transformers()
     result = TuneResult(config=config)
@@ -110,7 +130,6 @@ def run_tune(config: TuneConfig, *, progress: bool = True, log: Callable[[str], 
     result.seconds = clock.elapsed()
     result.environment = environment()
     try:
-        import os
 
         result.load_average = list(os.getloadavg())
     except (AttributeError, OSError):
@@ -139,9 +158,6 @@ class _Session:
     # Runs ------------------------------------------------------------------------
 
     def runner(self, cand: Candidate | None, gamma: int, policy: str = "fixed"):
-        # lazy, as every torch-side import of this module: the command line reads TuneConfig without torch
-        from specdecode.bench.runner import engine_runner
-        from specdecode.build import build_factory
 
         factory = None
         if cand is not None:
@@ -160,8 +176,6 @@ class _Session:
         run(first[: min(len(first), 32)], 0, 8)
 
     def _bar(self):
-        from rich.console import Console
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
         return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("elapsed"),
                         TimeElapsedColumn(), console=Console(stderr=True), disable=not self.progress,
@@ -170,8 +184,6 @@ class _Session:
     # 1. costs of the target ---------------------------------------------------------
 
     def measure_costs(self) -> None:
-        from specdecode.bench.runner import PROBE_REPS, probe_context, probe_forward_times
-        from specdecode.bench.summary import pool_metrics
 
         sample = self.result.sample
         context = probe_context([self.ids[k] for k in sample], self.config.max_new_tokens)
@@ -195,7 +207,6 @@ class _Session:
 
     def candidates(self) -> list[Candidate]:
         """The drafters to try, cheapest to measure first; what cannot run is recorded as skipped."""
-        from specdecode.kv.owned import supports
 
         cfg, out = self.config, []
         kinds = set(cfg.drafters)
@@ -222,8 +233,6 @@ class _Session:
         return drafter_spec(draft, tree, self.config.tree_nodes)
 
     def _draft_candidates(self, spec: str) -> list[Candidate]:
-        from specdecode.build import load_draft_for  # lazy: torch (see runner)
-        from specdecode.proposers.factory import other_tokenizer
 
         if spec not in self.drafts:
             self.status(f"loading draft {spec!r}")
@@ -243,8 +252,6 @@ class _Session:
                           note=f"{TREE_KIND} trees of {self.config.tree_nodes} nodes")]
 
     def _eagle_candidates(self) -> list[Candidate]:
-        from specdecode.eagle.head import EagleCheckpointError
-        from specdecode.proposers.eagle import find_head
 
         try:
             path = find_head(self.target.model, None, self.config.cache_dir)
@@ -259,7 +266,6 @@ class _Session:
         self.status(f"{what} skipped: {why}")
 
     def measure_drafters(self) -> None:
-        from specdecode.bench.summary import pool_metrics
 
         cands = self.candidates()
         self.result.candidates = {c.key: c for c in cands}
@@ -295,7 +301,6 @@ class _Session:
 
     def _layer_set(self, cand: Candidate) -> Candidate | None:
         """layer-skip with its skip set: the one cached for this target, else a search that fits the budget."""
-        from specdecode import layer_search
 
         cached = layer_search.load_cached(self.target.model, self.config.cache_dir)
         if cached is not None:
@@ -336,8 +341,6 @@ class _Session:
     # 4. confirmation -----------------------------------------------------------------------
 
     def confirm(self, plan: Sequence[Prediction]) -> None:
-        from specdecode.bench.runner import rotate
-        from specdecode.bench.summary import cell, fastest_runs, first_difference, pool_metrics
 
         if not plan:
             return

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from specdecode.tune.config import PLAIN
 from specdecode.tune.decide import TuneResult, variant_label, times_text, best_per_drafter
+from specdecode.configfile import write_toml
 
 
 # --------------------------------------------------------------------------- report and settings file
@@ -43,8 +44,8 @@ def report_rows(result: TuneResult) -> list[dict]:
 
 def print_report(result: TuneResult, console=None) -> None:
     """The ranked table (rich) and the decision, on ``console`` (default stdout)."""
-    from rich.console import Console
-    from rich.table import Table
+    from rich.console import Console  # lazy: rich only when printing
+    from rich.table import Table  # lazy: rich only when printing
 
     if console is None:
         console = Console(file=sys.stdout, highlight=False, soft_wrap=True,
@@ -77,7 +78,6 @@ def print_report(result: TuneResult, console=None) -> None:
 def write_settings(result: TuneResult, path: str | Path) -> Path:
     """Write the chosen settings as a ``--config`` TOML file, the measurements in its ``[tune]`` table, and the
     full report as JSON beside it (same name, ``.json``). Returns the TOML path."""
-    from specdecode.configfile import write_toml
 
     cfg = result.config
     settings = result.chosen_settings()
