@@ -149,14 +149,14 @@ class DrafterSpec:
 
         Args:
             settings: any of ``draft``, ``num_speculative_tokens``, ``ngram_min``, ``ngram_max``, ``skip_layers``,
-                ``tree``, ``tree_nodes`` (missing ones take the flags' defaults, :data:`FLAG_DEFAULTS`; other
-                keys are ignored). ``draft`` may be a compact spec, whose own options win over the flags.
+                ``tree``, ``tree_nodes`` (missing ones take the flags' defaults, :data:`FLAG_DEFAULTS`; ``draft``
+                None is plain decoding; other keys are ignored). ``draft`` may be a compact spec, whose own options win over the flags.
 
         Raises:
             SpecDecodeError: as :meth:`parse`; a tree asked of a drafter that builds none; a draft head as
                 suffix decoding's fallback.
         """
-        s = {**FLAG_DEFAULTS, **{k: v for k, v in settings.items() if v is not None or k == "skip_layers"}}
+        s = {**FLAG_DEFAULTS, **{k: v for k, v in settings.items() if v is not None or k in ("skip_layers", "draft")}}
         base = cls.parse(str(s["draft"] or NONE))
         tree = (s["tree"] or "none").strip().lower()
         if tree not in TREE_KINDS:
