@@ -150,7 +150,8 @@ class DrafterSpec:
         Args:
             settings: any of ``draft``, ``num_speculative_tokens``, ``ngram_min``, ``ngram_max``, ``skip_layers``,
                 ``tree``, ``tree_nodes`` (missing ones take the flags' defaults, :data:`FLAG_DEFAULTS`; ``draft``
-                None is plain decoding; other keys are ignored). ``draft`` may be a compact spec, whose own options win over the flags.
+                None is plain decoding; other keys are ignored). ``draft`` may be a compact spec, whose own options
+                win over the flags.
 
         Raises:
             SpecDecodeError: as :meth:`parse`; a tree asked of a drafter that builds none; a draft head as
