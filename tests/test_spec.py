@@ -92,6 +92,8 @@ def test_bad_compact_values_are_refused_in_one_line(text, needle):
 
 @pytest.mark.parametrize("flags, needle", [
     ({"draft": "ngram", "tree": "static"}, "--tree static needs a draft model or head"),
+    ({"draft": "suffix", "tree": "dynamic"}, "--tree dynamic needs a draft model or head"),
+    ({"draft": "suffix:ngram", "tree": "static"}, "--tree static needs a draft model or head"),
     ({"draft": MODEL, "tree": "bushy"}, "tree must be one of"),
     ({"draft": MODEL, "tree": "static", "tree_nodes": 0}, "tree_nodes"),
     ({"draft": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens must be an integer in"),

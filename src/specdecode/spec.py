@@ -352,6 +352,9 @@ def _with_flags(base: DrafterSpec, s: Mapping, tree: str, text: str) -> DrafterS
         skip = parse_skip_layers(s["skip_layers"])
         flags = {"skip_layers": "/".join(map(str, skip))} if skip else {}
     elif base.kind == "suffix":
+        if base.fallback is None and tree != "none":
+            raise _refuse("tree", f"--tree {tree} needs a draft model or head (--draft MODEL, suffix:MODEL or eagle), "
+                                  f"not {text!r}")
         fallback = _with_flags(base.fallback, s, tree, text) if base.fallback is not None else None
         return replace(base, fallback=fallback, options=_normal("suffix", {"max_spec_nodes": s["tree_nodes"],
                                                                            **own}, text))

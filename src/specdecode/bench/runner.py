@@ -76,7 +76,7 @@ from specdecode.lowbit import load_in_precision
 from specdecode.kernels import use_small_row_matmul
 from specdecode.models import check_compatible
 import atexit
-from specdecode.models import gguf_file
+import specdecode.models  # gguf_file looked up at call time: the tests stand a fake in for it
 from specdecode.bench import roofline
 
 logger = logging.getLogger(__name__)
@@ -294,10 +294,10 @@ def _llama_server_variants(config: BenchConfig, specs, mains: dict, eos: tuple[i
     from specdecode.bench import llamaserver as ls  # lazy: an optional peer engine
 
     exe = ls.require_binary()
-    target = gguf_file(config.target)
+    target = specdecode.models.gguf_file(config.target)
     threads = config.threads or torch.get_num_threads()
     peers = _peer_methods(config, specs, mains)
-    drafts = {d: gguf_file(d) for kind, _, d, _ in peers if kind == "draft" and d}
+    drafts = {d: specdecode.models.gguf_file(d) for kind, _, d, _ in peers if kind == "draft" and d}
     status(f"llama-server peer on {target.name} ({threads} threads)")
     log = Path(config.output) / "llama-server.log"
     Path(config.output).mkdir(parents=True, exist_ok=True)
@@ -318,7 +318,7 @@ def _llama_cpp_variants(config: BenchConfig, specs, mains: dict, eos: tuple[int,
     if not llamacpp.available():
         raise SpecDecodeError("--llama-cpp needs llama-cpp-python: pip install llama-cpp-python (it builds "
                               "llama.cpp from source; set CMAKE_ARGS=-DGGML_NATIVE=ON for this CPU)")
-    gguf = gguf_file(config.target)
+    gguf = specdecode.models.gguf_file(config.target)
     status(f"llama.cpp peer on {gguf.name}")
 
     def runner(method: str, gamma: int, max_ngram: int):
