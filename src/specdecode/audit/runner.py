@@ -29,7 +29,7 @@ from specdecode.audit.report import print_report, write_report
 from specdecode.audit.results import AuditReport, GreedyAudit, PromptAudit, machine_info  # noqa: F401 - re-exported
 from specdecode.audit.sampled_mode import audit_sampled
 from specdecode.audit.sources import AuditPrompt, EndpointSource, EngineSource
-from specdecode.engine import EngineConfig, SpeculativeEngine
+from specdecode.build import assemble
 from specdecode.generator import SpecDecoder
 from specdecode.options import SAMPLING_MODES
 from specdecode.paths import check_output_dir
@@ -116,10 +116,9 @@ def _load(setup, say):
         ngram_max=setup.ngram_max, dtype=setup.dtype, cache_dir=setup.cache_dir, weights=setup.weights,
         draft_weights=setup.draft_weights, tree=setup.tree, tree_nodes=setup.tree_nodes, policy=setup.policy,
         skip_layers=setup.skip_layers, verification=setup.verification, status=say)
-    config = EngineConfig(num_speculative_tokens=setup.num_speculative_tokens, max_batch_size=setup.batch_size,
-                          max_context=decoder.target.max_context, forward=setup.forward,
-                          verification=setup.verification)
-    engine = SpeculativeEngine(decoder.target.model, decoder.proposer, config, policy=decoder.policy)
+    engine = assemble(decoder.target, decoder.proposer, num_speculative_tokens=decoder.num_speculative_tokens,
+                      policy=decoder.policy, max_batch_size=setup.batch_size, forward=setup.forward,
+                      verification=setup.verification)
     name = (f"specdecode engine in-process (draft {setup.draft}, gamma {setup.num_speculative_tokens}, "
             f"{setup.sampling_mode} sampling, {setup.batch_size} rows)")
     return decoder, EngineSource(engine, name, coupled=SAMPLING_MODES[setup.sampling_mode])

@@ -63,18 +63,17 @@ def held_out_estimate(loaded, head_dir: Path, *, prompts: str = "spec-bench", ma
         {"prompts", "tau" (mean accepted length per target forward, bonus included), "acceptance_rate",
         "accepted_by_position" (rate per draft position), "speedup" (median plain / speculative time)}.
     """
-    # lazy: these pull in transformers (start-up time)
-    from specdecode.engine import EngineConfig, SpeculativeEngine
-    from specdecode.proposers.eagle import EagleDraftConfig, make_eagle
+    # lazy: the builder imports the proposers, which import this package (a cycle at import time)
+    from specdecode.build import assemble, build_engine
+    from specdecode.spec import DrafterSpec
 
     if ":" in prompts:
         rows = load_prompts(prompts, shared_dir=shared_dir)
     else:
         rows = [p for c in dataset_categories(prompts, shared_dir=shared_dir)
                 for p in load_prompts(f"{prompts}:{c}:1", shared_dir=shared_dir)]
-    plain = SpeculativeEngine(loaded.model, None, EngineConfig())
-    spec = SpeculativeEngine(loaded.model, make_eagle(loaded.model, EagleDraftConfig(head=str(head_dir))),
-                             EngineConfig(num_speculative_tokens=gamma))
+    plain = assemble(loaded, None)
+    spec = build_engine(loaded, DrafterSpec("eagle", gamma, options=(("head", str(head_dir)),))).engine
     ratios, steps, step_tokens, drafted, accepted = [], 0, 0, 0, 0
     by_pos_d, by_pos_a = [0] * gamma, [0] * gamma
     for p in rows:
