@@ -295,9 +295,10 @@ class FakeEngine:
 
 
 def _specs():
-    from specdecode.bench.runner import MethodSpec, main_gamma_of
+    from specdecode.bench.runner import main_gamma_of
+    from specdecode.spec import DrafterSpec
 
-    specs = [MethodSpec.parse(s) for s in ("draft-model:k=3,model=qwen2.5-coder-0.5b", "ngram:k=5,max_ngram=2",
+    specs = [DrafterSpec.parse(s, bare_model=False) for s in ("draft-model:k=3,model=qwen2.5-coder-0.5b", "ngram:k=5,max_ngram=2",
                                            "ngram:k=8,max_ngram=2", "suffix:k=4")]
     return specs, main_gamma_of(specs)
 
@@ -390,8 +391,10 @@ def test_external_peers_are_greedy_only_and_never_run_twice(tmp_path):
 
     with pytest.raises(SpecDecodeError, match="greedy decoding only"):
         runner.BenchConfig(target="smollm2-135m", output=str(tmp_path), openvino=True, temperature=0.7)
-    spec = types.SimpleNamespace(gamma=4, canonical="ngram:k=4")
-    other = types.SimpleNamespace(gamma=4, canonical="ngram:k=4,min_ngram=2")  # the same to the peer
+    from specdecode.spec import DrafterSpec
+
+    spec = DrafterSpec.parse("ngram:k=4")
+    other = DrafterSpec.parse("ngram:k=4,min_ngram=2")  # the same to the peer
     made = []
     out = runner._external_variants("peer", [("ngram", spec, None, 3), ("ngram", other, None, 3)], {},
                                     lambda *a: made.append(a) or (lambda *x: None),

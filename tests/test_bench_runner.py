@@ -9,12 +9,8 @@ import pytest
 
 from specdecode.bench.runner import (
     BenchConfig,
-    BuildContext,
-    MethodSpec,
     Models,
-    build_proposer_for,
     build_variants,
-    draft_model_of,
     encode_prompt,
     expand_methods,
     load_any,
@@ -25,6 +21,8 @@ from specdecode.bench.runner import (
     select_prompts,
     smoke_config,
 )
+from specdecode.build import build_factory
+from specdecode.spec import DrafterSpec
 from specdecode.bench.smoke import SMOKE_DRAFT, SMOKE_TARGET, load_smoke_model, make_tokenizer
 from specdecode.proposers import PROPOSERS, NgramProposer
 from specdecode.types import SpecDecodeError
@@ -33,41 +31,50 @@ from specdecode.types import SpecDecodeError
 # --------------------------------------------------------------------------- method specs
 
 
+def parse(text):
+    return DrafterSpec.parse(text, bare_model=False)  # as --methods reads it
+
+
+def build_proposer(spec, target=None, draft=None):
+    return build_factory(spec, target, draft)()
+
+
 def test_method_spec_parsing_and_canonical_form():
-    s = MethodSpec.parse(" ngram : k=5, max_ngram=4 ,min-ngram=2")
-    assert (s.name, s.gamma, dict(s.options)) == ("ngram", 5, {"max_ngram": "4", "min_ngram": "2"})
-    assert s.canonical == "ngram:k=5,max_ngram=4,min_ngram=2"
+    s = parse(" ngram : k=5, max_ngram=4 ,min-ngram=2")
+    assert (s.kind, s.num_speculative_tokens, dict(s.options)) == ("ngram", 5, {"max_ngram": "4", "min_ngram": "2"})
+    assert str(s) == "ngram:k=5,max_ngram=4,min_ngram=2"
     assert s.family == "ngram:max_ngram=4,min_ngram=2"
-    assert MethodSpec.parse("draft-model").canonical == "draft-model"
+    assert str(parse("draft-model")) == "draft-model"
     for bad in ("", ":k=3", "ngram:k=0", "ngram:k=x", "ngram:oops"):
         with pytest.raises(SpecDecodeError):
-            MethodSpec.parse(bad)
+            DrafterSpec.parse(bad, bare_model=False) if bad else expand_methods(BenchConfig(methods=(bad,)))
 
 
 def test_methods_default_to_the_registry_and_expand_over_gammas():
     cfg = BenchConfig(methods=(), gammas=(1, 8), datasets=("smoke",))
     specs = expand_methods(cfg)
-    names = {s.name for s in specs}
+    names = {s.kind for s in specs}
     assert "ngram" in names and "draft-model" not in names  # no --draft: model-based methods are skipped
-    assert sorted(s.gamma for s in specs if s.name == "ngram") == [1, 4, 8]
+    assert sorted(s.num_speculative_tokens for s in specs if s.kind == "ngram") == [1, 4, 8]
     with_draft = expand_methods(dataclasses.replace(cfg, draft="some-draft", methods=("draft-model:k=3",)))
-    assert [s.canonical for s in with_draft] == ["draft-model:k=3,model=some-draft", "draft-model:k=1,model=some-draft",
-                                                 "draft-model:k=8,model=some-draft"]
+    assert [str(s) for s in with_draft] == ["draft-model:k=3,model=some-draft", "draft-model:k=1,model=some-draft",
+                                            "draft-model:k=8,model=some-draft"]
     assert main_gamma_of(with_draft) == {"draft-model:model=some-draft": 3}
     with pytest.raises(SpecDecodeError, match="registered"):
         expand_methods(dataclasses.replace(cfg, methods=("no-such-method",)))
 
 
 def test_generic_builder_fills_config_fields_with_their_types():
-    ctx = BuildContext(target=None, load_draft=lambda spec: pytest.fail("no draft needed"), default_draft=None)
-    prop = build_proposer_for(MethodSpec.parse("ngram:k=5,max_ngram=4,min_ngram=2"), ctx)
+    prop = build_proposer(parse("ngram:k=5,max_ngram=4,min_ngram=2"))
     assert isinstance(prop, NgramProposer) and (prop.config.min_ngram, prop.config.max_ngram) == (2, 4)
     with pytest.raises(SpecDecodeError, match="no option"):
-        build_proposer_for(MethodSpec.parse("ngram:depth=3"), ctx)
-    with pytest.raises(SpecDecodeError, match="must be int"):
-        build_proposer_for(MethodSpec.parse("ngram:max_ngram=many"), ctx)
-    with pytest.raises(SpecDecodeError, match="needs a draft model"):
-        build_proposer_for(MethodSpec.parse("draft-model:k=2"), ctx)
+        build_proposer(parse("ngram:depth=3"))
+    with pytest.raises(SpecDecodeError, match="max_ngram must be .*integer"):  # read when the spec is read
+        build_proposer(parse("ngram:max_ngram=many"))
+    with pytest.raises(SpecDecodeError, match="must be int"):  # a field the spec reader does not know
+        build_proposer(parse("ngram:min_ngram=2,depth=x").__class__("tree-draft", options=(("top_k", "x"),)))
+    with pytest.raises(SpecDecodeError, match="names a draft model, but none was loaded"):
+        build_proposer(parse("draft-model:k=2"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,13 +95,10 @@ class Echo:
 def test_a_newly_registered_proposer_plugs_in_without_harness_changes():
     PROPOSERS["echo-test"] = Echo
     try:
-        loaded = []
-        ctx = BuildContext(target=None, default_draft="d0",
-                           load_draft=lambda spec: loaded.append(spec) or type("M", (), {"model": spec})())
-        prop = build_proposer_for(MethodSpec.parse("echo-test:k=3,width=7,scale=0.5,loud=yes,shape=4/2/1,model=d1"),
-                                  ctx)
+        spec = parse("echo-test:k=3,width=7,scale=0.5,loud=yes,shape=4/2/1,model=d1")
+        assert spec.model_spec == "d1"
+        prop = build_proposer(spec, draft=type("M", (), {"model": "d1", "tokenizer": None})())
         assert prop.config == EchoConfig(width=7, scale=0.5, loud=True, shape=(4, 2, 1)) and prop.model == "d1"
-        assert loaded == ["d1"]
     finally:
         del PROPOSERS["echo-test"]
 
@@ -117,12 +121,13 @@ def test_settings_added_later_keep_old_output_dirs_resumable():
 
 
 def test_method_spec_options_and_the_draft_model_it_uses():
-    s = MethodSpec.parse("draft-model:k=3,model=tiny-draft")
-    assert s.option("model") == "tiny-draft" and s.option("missing", "x") == "x"
-    assert s.with_gamma(5).canonical == "draft-model:k=5,model=tiny-draft" and s.gamma == 3
-    assert draft_model_of(s, "default") == "tiny-draft"
-    assert draft_model_of(MethodSpec.parse("draft-model"), "default") == "default"
-    assert draft_model_of(MethodSpec.parse("ngram:model=x"), "default") is None  # model-free methods
+    s = parse("draft-model:k=3,model=tiny-draft")
+    assert s.model == "tiny-draft" and s.option("missing", "x") == "x"
+    assert str(s.with_gamma(5)) == "draft-model:k=5,model=tiny-draft" and s.num_speculative_tokens == 3
+    assert s.model_spec == "tiny-draft"
+    cfg = BenchConfig(methods=("draft-model",), draft="default", datasets=("smoke",))
+    assert expand_methods(cfg)[0].model_spec == "default"
+    assert parse("ngram:model=x").model_spec is None  # model-free methods
     assert needs_draft_model("tree-draft") and not needs_draft_model("layer-skip")
 
 

@@ -105,7 +105,7 @@ def test_several_prompts_print_an_aggregate(capsys, tiny_model_dir):
 @pytest.mark.shared_data
 def test_default_prompt_is_the_first_spec_bench_summarization_question():
     args = cli.build_parser().parse_args(["generate"])
-    (job,) = cli._read_jobs(args)
+    (job,) = cli.read_jobs(args)
     assert args.target == "smollm2-135m" and args.draft == "ngram"
     assert job.id == "spec-bench/241" and job.category == "summarization" and job.chat_default
     assert job.text.startswith("Summarize:")
@@ -375,15 +375,15 @@ def test_draft_kinds_agree_with_the_library():
 
 
 def test_an_empty_prompt_file_is_refused_like_an_empty_prompt(tmp_path):
-    from specdecode.cli import _read_prompt_file
+    from specdecode.cli import read_prompt_file
     from specdecode.errors import SpecDecodeError
 
     empty = tmp_path / "empty.txt"
     empty.write_text("  \n")
     with pytest.raises(SpecDecodeError, match="is empty"):
-        _read_prompt_file(str(empty))
+        read_prompt_file(str(empty))
     (tmp_path / "p.txt").write_text("def f(x):")
-    assert _read_prompt_file(str(tmp_path / "p.txt")) == "def f(x):"
+    assert read_prompt_file(str(tmp_path / "p.txt")) == "def f(x):"
 
 
 def test_sampling_flags_reach_the_library(capsys, tiny_model_dir, tiny_loaded):

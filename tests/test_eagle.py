@@ -220,13 +220,14 @@ def test_sampled_output_follows_the_target_distribution(tree):
     vocab = 5
     tgt = tiny_llama(vocab_size=vocab, seed=3, layers=2, hidden=32, scale=4.0)
     head = random_head(tgt, vocab=[0, 1, 3], std=0.2)
+    # 2,000 seeded requests decoded 64 at a time (a request's tokens do not depend on the rest of the batch)
     engine = SpeculativeEngine(tgt, EagleProposer(head, EagleDraftConfig(tree=tree, num_nodes=6, top_k=2)),
-                               EngineConfig(num_speculative_tokens=2))
+                               EngineConfig(num_speculative_tokens=2, max_batch_size=64))
     prompt = [1, 2]
     counts = np.zeros(vocab**3)
     drafted = 0
-    for s in range(2000):
-        out = engine.generate(prompt, SamplingParams(temperature=1.0, max_new_tokens=3, seed=s))
+    params = [SamplingParams(temperature=1.0, max_new_tokens=3, seed=s) for s in range(2000)]
+    for out in engine.generate_batch([prompt] * 2000, params):
         counts[np.ravel_multi_index(out.token_ids, (vocab,) * 3)] += 1
         drafted += out.metrics.num_drafted_tokens
     assert drafted > 1000

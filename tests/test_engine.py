@@ -131,10 +131,11 @@ def test_sampled_output_follows_target_distribution_through_the_engine(coupled):
     drf = tiny_llama(vocab_size=vocab, seed=4, layers=1, hidden=32, scale=4.0)
     prompt = [1, 2]
     exact = exact_joint3(tgt, prompt)
-    engine = _engine(tgt, DraftModelProposer(drf), 2)
+    # 2,000 seeded requests decoded 64 at a time (a request's tokens do not depend on the rest of the batch)
+    engine = SpeculativeEngine(tgt, DraftModelProposer(drf), EngineConfig(num_speculative_tokens=2, max_batch_size=64))
     counts = np.zeros(vocab**3)
-    for s in range(2000):
-        out = engine.generate(prompt, SamplingParams(temperature=1.0, max_new_tokens=3, seed=s, coupled=coupled))
+    params = [SamplingParams(temperature=1.0, max_new_tokens=3, seed=s, coupled=coupled) for s in range(2000)]
+    for out in engine.generate_batch([prompt] * 2000, params):
         counts[np.ravel_multi_index(out.token_ids, (vocab,) * 3)] += 1
     assert chi2_pvalue(counts, exact) > 1e-3
 

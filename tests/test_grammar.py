@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import weakref
 from collections import Counter
 
 import jsonschema
@@ -439,6 +440,10 @@ class _FixedChain(RowProposer):
         return Draft.chain(torch.tensor([[1, 2, 3, 7][:max_tokens]]))
 
 
+#: draft model -> {context ids: q before the grammar} (see ``_MaskedDraft._softmax``).
+_DRAFT_SOFTMAX: "weakref.WeakKeyDictionary[torch.nn.Module, dict]" = weakref.WeakKeyDictionary()
+
+
 class _MaskedDraft(RowProposer):
     """A draft model (no cache) with q built three ways from its softmax: ``"renormalised"`` (masked by the
     grammar and renormalised: right), ``"unmasked"`` (the grammar ignored: forbidden tokens are drafted and
@@ -454,11 +459,21 @@ class _MaskedDraft(RowProposer):
         self.model, self.mode = model, mode
 
     @torch.inference_mode()
+    def _softmax(self, ids: list[int]) -> torch.Tensor:
+        """[V] float32 softmax of the biased logits after ``ids``: one forward per distinct context (the few
+        contexts the grammar allows recur thousands of times; a forward of the same ids gives the same q)."""
+        memo = _DRAFT_SOFTMAX.setdefault(self.model, {})
+        key = tuple(ids)
+        if key not in memo:
+            logits = self.model(input_ids=torch.tensor([ids])).logits[0, -1].float() + self.BIAS
+            memo[key] = torch.softmax(logits, -1)
+        return memo[key]
+
+    @torch.inference_mode()
     def propose_row(self, ctx, max_tokens):
         path, probs = [], []
         for _ in range(max_tokens):
-            logits = self.model(input_ids=torch.tensor([ctx.token_ids + path])).logits[0, -1].float() + self.BIAS
-            q = torch.softmax(logits, -1)
+            q = self._softmax(ctx.token_ids + path)
             if self.mode != "unmasked":
                 q = q * ctx.sampler.constraint.masks([path])[0]
             if self.mode == "renormalised":
@@ -516,7 +531,7 @@ def test_negative_control_an_unnormalised_draft_breaks_the_distribution(dist_set
     (the row fails, naming the proposer); let through, verification's min(1, p/q) and residual would read the
     wrong law, and the chi-square test must see it. The same drafter with q renormalised, or not masked at all,
     passes above."""
-    import specdecode.engine as engine_module
+    import specdecode.drafts as drafts_module
 
     grammar, target, draft, exact = dist_setup
     engine = SpeculativeEngine(target, _MaskedDraft(draft, "unnormalised"), EngineConfig(num_speculative_tokens=3))
@@ -525,7 +540,7 @@ def test_negative_control_an_unnormalised_draft_breaks_the_distribution(dist_set
     while req.finish_reason is None:
         engine.step()
     assert req.finish_reason == "error" and "masked-draft" in req.error and "sum to 1" in req.error
-    monkeypatch.setattr(engine_module, "_draft_probs_problem", lambda q, ids, vocab: None)  # the door's q check off
+    monkeypatch.setattr(drafts_module, "_draft_probs_problem", lambda q, ids, vocab: None)  # the door's q check off
     counts = _sample_counts(grammar, target, _MaskedDraft(draft, "unnormalised"), coupled=False)
     assert _pvalue(counts, exact) < 1e-6, (counts, exact)
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from specdecode import lowbit
+from specdecode import lowbit, lowbit_kernels
 from specdecode.engine import EngineConfig, SpeculativeEngine
 from specdecode.lowbit import set_weight_precision
 from specdecode.proposers import DraftModelProposer, NgramProposer, TreeDraftConfig, TreeDraftProposer
@@ -22,7 +22,7 @@ KINDS = sorted(lowbit.GGUF_BLOCKS)
 
 
 def _raw(kind: str, rows: int, cols: int, seed: int = 0) -> np.ndarray:
-    return lowbit._random_raw(kind, rows, cols, np.random.default_rng(seed))
+    return lowbit_kernels._random_raw(kind, rows, cols, np.random.default_rng(seed))
 
 
 def _cols(kind: str) -> int:

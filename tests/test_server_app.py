@@ -686,10 +686,10 @@ def test_usage_and_metrics_count_to_the_committed_end(tiny64, tiny_model_dir):
 def test_a_request_failing_inside_the_server_frees_its_rows(live, monkeypatch, stream):
     """Issue 28, item 1, the server's path: the server's own code failing mid-request (here: taking an engine
     event) answers an error, cancels the request's rows within a step or two, and the server serves on."""
-    from specdecode.server import app as app_module
+    from specdecode.server import choices as choices_module
 
     scheduler = live.state.scheduler
-    real, calls = app_module._Choice.feed, []
+    real, calls = choices_module._Choice.feed, []
 
     def feed(self, ev):
         calls.append(ev)
@@ -697,7 +697,7 @@ def test_a_request_failing_inside_the_server_frees_its_rows(live, monkeypatch, s
             raise RuntimeError("server bug")
         return real(self, ev)
 
-    monkeypatch.setattr(app_module._Choice, "feed", feed)
+    monkeypatch.setattr(choices_module._Choice, "feed", feed)
     engine, aborted = scheduler.engine, []
     real_abort = engine.abort
 
@@ -716,6 +716,6 @@ def test_a_request_failing_inside_the_server_frees_its_rows(live, monkeypatch, s
     # both rows were cancelled by the server, far from their 200 tokens (not left to finish on their own)
     assert len(aborted) >= 2 and all(n < 100 for _, n in aborted), aborted
     monkeypatch.setattr(engine, "abort", real_abort)
-    monkeypatch.setattr(app_module._Choice, "feed", real)
+    monkeypatch.setattr(choices_module._Choice, "feed", real)
     out = live.client().completions.create(model=MODEL, prompt=PROMPT, max_tokens=5, temperature=0)
     assert len(out.choices[0].token_ids) == 5

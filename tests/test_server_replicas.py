@@ -20,17 +20,14 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from specdecode.server import build_state, create_app
+from specdecode.server.relay import asgi_request, carries_output, merge_metrics, split_events
 from specdecode.server.replicas import (
     ReplicaOptions,
-    asgi_request,
-    carries_output,
     check_replica_options,
-    merge_metrics,
     rank_replicas,
     read_ray_config,
     routing_key,
     split_args,
-    split_events,
 )
 from specdecode.types import SpecDecodeError
 
@@ -200,7 +197,7 @@ def test_target_ongoing_requests_needs_autoscaling():
 
 
 def test_hop_by_hop_headers_are_not_forwarded():
-    from specdecode.server.replicas import forwarded_headers
+    from specdecode.server.deployments import forwarded_headers
 
     given = [("Host", "x"), ("Connection", "keep-alive"), ("Transfer-Encoding", "chunked"), ("content-length", "5"),
              ("Authorization", "Bearer k"), ("set-cookie", "a=1"), ("set-cookie", "b=2"), ("X-Request-Id", "r")]

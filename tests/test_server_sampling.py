@@ -22,7 +22,7 @@ from starlette.testclient import TestClient
 from specdecode.engine import EngineConfig, SpeculativeEngine
 from tiny import load_float64
 from specdecode.server import build_state, create_app
-from specdecode.server.app import _top_dict
+from specdecode.server.responses import _top_dict
 from specdecode.token_bytes import TokenBytes, byte_decoder, display
 from specdecode.types import SamplingParams
 
@@ -280,7 +280,7 @@ def test_text_offsets_are_the_whole_prefixes_lengths(tiny64):
     character vocabulary, a byte-level BPE one (characters split across tokens) and SmolLM2's, specials too."""
     import random
 
-    from specdecode.server.app import _TextOffsets
+    from specdecode.server.choices import _TextOffsets
 
     rng = random.Random(0)
     from specdecode.models import default_cache_dir

@@ -119,6 +119,11 @@ def _table(seed: int, sharp: float = 1.5) -> dict[tuple[int, ...], torch.Tensor]
     return {pre: torch.randn(V, generator=g) * sharp for n in range(N + 1) for pre in itertools.product(range(V), repeat=n)}
 
 
+def _probs(table: dict[tuple[int, ...], torch.Tensor]) -> dict[tuple[int, ...], torch.Tensor]:
+    """``logits_to_probs`` of every prefix's logits, computed once (the simulation asks for each thousands of times)."""
+    return {pre: logits_to_probs(logits, PARAMS) for pre, logits in table.items()}
+
+
 def _exact(target) -> np.ndarray:
     probs = np.ones(V**N)
     for i, seq in enumerate(itertools.product(range(V), repeat=N)):
@@ -150,7 +155,7 @@ def _build_tree(draft, seq, mode, g, depth_cap):
         children = [c for c in kids.get(parent, []) if c in nodes]
         if not children:
             continue
-        q = logits_to_probs(draft[prefix(parent)], PARAMS)
+        q = draft[prefix(parent)]  # the draft's probabilities (a ``_probs`` table)
         order = torch.argsort(q, descending=True).tolist()
         if mode in ("topk", "topk-as-sampled"):
             toks = order[: len(children)]
@@ -175,14 +180,15 @@ def _build_tree(draft, seq, mode, g, depth_cap):
 
 def _simulate(mode, samples, seed, verifier=verify_tree_sampling):
     target, draft = _table(1), _table(2)
+    target_p, draft_p = _probs(target), _probs(draft)
     g = torch.Generator().manual_seed(seed)
     counts = np.zeros(V**N)
     for _ in range(samples):
         seq: list[int] = []
         while len(seq) < N:
-            toks, parents, q, prefix = _build_tree(draft, seq, mode, g, N - len(seq) - 1)
+            toks, parents, q, prefix = _build_tree(draft_p, seq, mode, g, N - len(seq) - 1)
             rows = [prefix(-1)] + [prefix(i) for i in range(len(toks))]
-            p = torch.stack([logits_to_probs(target[r], PARAMS) for r in rows]).unsqueeze(0)
+            p = torch.stack([target_p[r] for r in rows]).unsqueeze(0)
             r = verifier(torch.tensor([toks], dtype=torch.int64).reshape(1, -1),
                          torch.tensor([parents], dtype=torch.int64).reshape(1, -1), q, p, [g])
             n = int(r.num_accepted[0])

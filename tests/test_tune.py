@@ -17,6 +17,8 @@ import tomllib
 from pathlib import Path
 
 import pytest
+
+from specdecode.spec import DrafterSpec
 from dataclasses import replace
 import torch
 
@@ -24,6 +26,7 @@ from conftest import make_tiny_model, make_tiny_tokenizer
 from specdecode.errors import SpecDecodeError
 from specdecode.tune import (
     Candidate,
+    drafter_spec,
     Choice,
     Confirmation,
     Prediction,
@@ -201,7 +204,7 @@ def test_predict_from_pooled_metrics():
     spec = {"num_verify_steps": 10, "verify_time_s": 1.2, "other_time_s": 0.0, "draft_time_s": 0.0,
             "num_drafted_tokens": 40, "survival": [0.9, 0.8, 0.7, 0.6], "draft_lengths": [4] * 10, "tau": 4.0,
             "acceptance_rate": 0.75, "is_tree": False}
-    cand = Candidate("ngram", "ngram")
+    cand = Candidate("ngram", drafter_spec("ngram"))
     preds = predict(plain, {"ngram": (cand, 4, spec)}, lambda k: 1.0 + 0.05 * k, 4)
     fixed = {p.gamma: p for p in preds if p.policy == "fixed"}
     assert set(fixed) == {1, 2, 3, 4}
@@ -225,19 +228,19 @@ def _result(tmp_path, cand: Candidate, gamma: int, policy: str) -> TuneResult:
 
 
 @pytest.mark.parametrize("cand,gamma,policy", [
-    (Candidate("ngram", "ngram"), 4, "fixed"),
-    (Candidate("layer-skip", "layer-skip", skip_layers=(3, 5, 7)), 3, "cost-model"),
-    (Candidate("tree:qwen2.5-coder-0.5b", "qwen2.5-coder-0.5b", tree="dynamic", model="qwen2.5-coder-0.5b",
-               trees=True), 6, "fixed"),
+    (Candidate("ngram", drafter_spec("ngram")), 4, "fixed"),
+    (Candidate("layer-skip", DrafterSpec.parse("layer-skip:skip_layers=3/5/7")), 3, "cost-model"),
+    (Candidate("tree:qwen2.5-coder-0.5b", drafter_spec("qwen2.5-coder-0.5b", "dynamic"), trees=True), 6, "fixed"),
 ])
 def test_settings_round_trip_into_generate_serve_and_bench(tmp_path, cand, gamma, policy):
     from specdecode.cli import build_parser
     from specdecode.configfile import parse_with_config
 
     path = write_settings(_result(tmp_path, cand, gamma, policy), tmp_path / "t.toml")
-    want = {"target": "smollm2-135m", "draft": cand.draft, "num_speculative_tokens": gamma, "policy": policy,
-            "weights": "int8", "threads": 2, "tree": cand.tree,
-            "skip_layers": ",".join(map(str, cand.skip_layers)) if cand.skip_layers else None}
+    skip = cand.spec.skip_layers
+    want = {"target": "smollm2-135m", "draft": cand.spec.settings()["draft"], "num_speculative_tokens": gamma,
+            "policy": policy, "weights": "int8", "threads": 2, "tree": cand.tree,
+            "skip_layers": ",".join(map(str, skip)) if skip else None}
     for command in ("generate", "serve"):
         args = parse_with_config(build_parser(), [command, "--config", str(path)])
         assert {k: getattr(args, k) for k in want} == want, command
@@ -250,9 +253,10 @@ def test_settings_round_trip_into_generate_serve_and_bench(tmp_path, cand, gamma
     assert "generate" not in tomllib.loads(path.read_text())
     over = parse_with_config(build_parser(), ["generate", "--config", str(path), "-k", "2", "--threads", "1",
                                               "--policy", "heuristic"])
-    assert (over.num_speculative_tokens, over.threads, over.policy, over.draft) == (2, 1, "heuristic", cand.draft)
+    assert (over.num_speculative_tokens, over.threads, over.policy, over.draft) == (2, 1, "heuristic", want["draft"])
+    assert DrafterSpec.from_settings(vars(over)) == cand.spec.with_gamma(2)  # the file reads back as the spec
     bench = parse_with_config(build_parser(), ["bench", "--config", str(path)])
-    assert bench.methods == cand.bench_method(gamma, 15) and bench.weights == "int8" and bench.target == "smollm2-135m"
+    assert bench.methods == str(cand.spec.with_gamma(gamma)) and bench.weights == "int8" and bench.target == "smollm2-135m"
     assert bench.draft == cand.model
     data = tomllib.loads(path.read_text())
     assert data["tune"]["candidates"][0]["method"].startswith(cand.key)
@@ -260,7 +264,7 @@ def test_settings_round_trip_into_generate_serve_and_bench(tmp_path, cand, gamma
 
 
 def test_plain_choice_writes_draft_none(tmp_path):
-    r = _result(tmp_path, Candidate("ngram", "ngram"), 4, "fixed")
+    r = _result(tmp_path, Candidate("ngram", drafter_spec("ngram")), 4, "fixed")
     r.choice = Choice("plain", 0, "fixed", 1.0, None, "plain")
     data = tomllib.loads(write_settings(r, tmp_path / "p.toml").read_text())
     assert data["draft"] == "none" and "methods" not in data["bench"]
@@ -359,7 +363,7 @@ def test_an_unwritable_output_is_refused_before_measuring(tmp_path):
 
 
 def test_a_thread_count_is_written_only_when_the_user_chose_one(tmp_path):
-    r = _result(tmp_path, Candidate("ngram", "ngram"), 4, "fixed")
+    r = _result(tmp_path, Candidate("ngram", drafter_spec("ngram")), 4, "fixed")
     assert r.chosen_settings()["threads"] == 2
     r.config = replace(r.config, threads=None)  # tune sampled the idle cores: each later run samples its own
     assert "threads" not in r.chosen_settings()

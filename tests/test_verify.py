@@ -102,6 +102,9 @@ def _simulate(target, draft, params, gamma, samples, seed, deterministic=False, 
     """Run the speculative loop over the synthetic tables; return counts of generated sequences."""
     g = torch.Generator().manual_seed(seed)
     counts = np.zeros(V**N)
+    # each prefix's processed probabilities, computed once (the loop asks for each thousands of times)
+    target_p = {pre: logits_to_probs(logits, params) for pre, logits in target.items()}
+    draft_p = {pre: logits_to_probs(logits, params) for pre, logits in draft.items()}
     for _ in range(samples):
         seq: list[int] = []
         while len(seq) < N:
@@ -112,10 +115,10 @@ def _simulate(target, draft, params, gamma, samples, seed, deterministic=False, 
                 if deterministic:  # a lookup-like drafter: the draft's argmax, q one-hot
                     tokens.append(int(draft[prefix].argmax()))
                 else:
-                    q = logits_to_probs(draft[prefix], params)
+                    q = draft_p[prefix]
                     qs.append(q)
                     tokens.append(int(torch.multinomial(q, 1, generator=g)))
-            ps = torch.stack([logits_to_probs(target[tuple(seq + tokens[:i])], params) for i in range(k + 1)])
+            ps = torch.stack([target_p[tuple(seq + tokens[:i])] for i in range(k + 1)])
             r = verifier(
                 torch.tensor([tokens], dtype=torch.int64).reshape(1, -1),
                 None if deterministic or not qs else torch.stack(qs).unsqueeze(0),

@@ -11,6 +11,7 @@ equal the target's own sequence distribution to 1e-9; deliberately broken varian
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 from collections import defaultdict
@@ -511,11 +512,12 @@ def test_block_verification_through_the_engine_follows_the_target(proposer, monk
     else:
         prop, prompt = NgramProposer(), [1, 2, 3, 1, 2, 3, 1, 2]
     seen = _spy(monkeypatch)
-    engine = SpeculativeEngine(tgt, prop, EngineConfig(num_speculative_tokens=3, verification="block"))
+    # 2,000 seeded requests decoded 64 at a time (a request's tokens do not depend on the rest of the batch)
+    engine = SpeculativeEngine(tgt, prop, EngineConfig(num_speculative_tokens=3, verification="block", max_batch_size=64))
     exact = exact_joint3(tgt, prompt)
     counts = np.zeros(vocab**3)
-    for s in range(2000):
-        out = engine.generate(prompt, SamplingParams(temperature=1.0, max_new_tokens=3, seed=s, coupled=False))
+    for out in engine.generate_batch([prompt] * 2000, [SamplingParams(temperature=1.0, max_new_tokens=3, seed=s,
+                                                                      coupled=False) for s in range(2000)]):
         counts[np.ravel_multi_index(out.token_ids, (vocab,) * 3)] += 1
     assert sum(seen) > 1000  # block verification ran, over many drafted tokens
     assert chi2_pvalue(counts, exact) > 1e-3
@@ -549,7 +551,7 @@ def test_a_broken_q_is_refused_at_the_door_where_it_would_bias_the_output(verifi
     """First three of four sampled tokens through the engine (the first step drafts two: the prefill made one), the
     draft reporting a broken q: every such request fails at the door (no output from that q is delivered). Controls: the honest q follows the target's exact joint, and
     the broken q let through (the door's q check off) misses it, so this test could tell."""
-    import specdecode.engine as engine_module
+    import specdecode.drafts as drafts_module
 
     vocab, prompt, samples = 5, [1, 2], 1000
     tgt = tiny_llama(vocab_size=vocab, seed=3, layers=1, hidden=32, scale=4.0)
@@ -557,11 +559,11 @@ def test_a_broken_q_is_refused_at_the_door_where_it_would_bias_the_output(verifi
     exact = exact_joint3(tgt, prompt)
     config = EngineConfig(num_speculative_tokens=3, verification=verification)
 
-    def counts(claim) -> np.ndarray:
-        engine = SpeculativeEngine(tgt, _ClaimsQ(drf, claim), config)
+    def counts(claim) -> np.ndarray:  # the requests decoded 64 at a time (each row's tokens are its own)
+        engine = SpeculativeEngine(tgt, _ClaimsQ(drf, claim), dataclasses.replace(config, max_batch_size=64))
         out = np.zeros(vocab**3)
-        for s in range(samples):
-            ids = engine.generate(prompt, SamplingParams(temperature=1.0, max_new_tokens=4, seed=s, coupled=False))
+        params = [SamplingParams(temperature=1.0, max_new_tokens=4, seed=s, coupled=False) for s in range(samples)]
+        for ids in engine.generate_batch([prompt] * samples, params):
             out[np.ravel_multi_index(ids.token_ids[:3], (vocab,) * 3)] += 1
         return out
 
@@ -570,5 +572,5 @@ def test_a_broken_q_is_refused_at_the_door_where_it_would_bias_the_output(verifi
         out = door.generate(prompt, SamplingParams(temperature=1.0, max_new_tokens=4, seed=s, coupled=False))
         assert out.finish_reason == "error" and len(out.token_ids) == 1  # the prefill's token, nothing verified
     assert chi2_pvalue(counts(lambda q: q), exact) > 1e-3
-    monkeypatch.setattr(engine_module, "_draft_probs_problem", lambda q, ids, vocab: None)
+    monkeypatch.setattr(drafts_module, "_draft_probs_problem", lambda q, ids, vocab: None)
     assert chi2_pvalue(counts(BIASING_Q[fault]), exact) < 1e-3

@@ -26,9 +26,10 @@ import torch
 
 from specdecode.bench.env import cpu_flags, describe, environment
 from specdecode.data import load_prompts
-from specdecode.engine import EngineConfig, RequestSpeculation, SpeculativeEngine
+from specdecode.engine import RequestSpeculation, SpeculativeEngine
 from specdecode.models import load_model
-from specdecode.proposers.factory import DrafterOptions, load_draft_model, parse_draft, proposer_factory
+from specdecode.build import assemble, build_factory, load_draft_for
+from specdecode.spec import DrafterSpec
 from specdecode.types import SamplingParams
 
 #: A small nested JSON schema for the structured-output settings.
@@ -106,14 +107,12 @@ def main() -> None:
         ap.error(f"unknown settings {unknown}; choose from {list(SETTINGS)}")
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     target = load_model(args.target, dtype=dtype, progress=False)
-    choice = parse_draft(args.draft)
+    drafter = DrafterSpec.parse(args.draft)
     weights = "bf16" if args.dtype == "bf16" else "fp32"
-    draft = load_draft_model(choice, target, args.target, weights=weights, dtype=dtype, progress=False)
-    make = proposer_factory(choice, DrafterOptions(), target=target.model,
-                            draft=None if draft is None else draft.model)
-    cfg = EngineConfig(num_speculative_tokens=args.num_speculative_tokens, forward="owned")
-    plain = SpeculativeEngine(target.model, None, cfg)
-    spec = SpeculativeEngine(target.model, make(), cfg)
+    draft = load_draft_for(drafter, target, args.target, weights=weights, dtype=dtype, progress=False)
+    make = build_factory(drafter, target, draft)
+    plain = assemble(target, None, num_speculative_tokens=args.num_speculative_tokens, forward="owned")
+    spec = assemble(target, make(), num_speculative_tokens=args.num_speculative_tokens, forward="owned")
     prompts = load_prompts(args.dataset)[: args.limit]
     eos = target.eos_token_ids
     compiled = None

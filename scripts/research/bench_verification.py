@@ -102,15 +102,15 @@ def build(args):
     from specdecode.data import load_prompts
     from specdecode.lowbit import set_weight_precision
     from specdecode.models import load_model
-    from specdecode.proposers.factory import DrafterOptions, load_draft_model, parse_draft, proposer_factory
+    from specdecode.build import build_factory, load_draft_for
+    from specdecode.spec import DrafterSpec
 
     loaded = load_model(args.target, dtype=args.dtype)
     set_weight_precision(loaded.model, args.weights)
-    choice = parse_draft(args.draft)
-    draft = load_draft_model(choice, loaded, args.target, weights=args.weights, draft_weights=args.draft_weights,
-                             dtype=args.dtype)
-    factory = proposer_factory(choice, DrafterOptions(), target=loaded.model,
-                               draft=None if draft is None else draft.model)
+    spec = DrafterSpec.parse(args.draft)
+    draft = load_draft_for(spec, loaded, args.target, weights=args.weights, draft_weights=args.draft_weights,
+                           dtype=args.dtype)
+    factory = build_factory(spec, loaded, draft)
     if factory is None:
         sys.exit("--draft none: nothing to verify")
     tok = loaded.tokenizer

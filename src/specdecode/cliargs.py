@@ -10,6 +10,7 @@ rule 5): this module and ``cli.py`` / ``server/launch.py`` are its only users. I
 from __future__ import annotations
 
 import argparse
+import sys
 
 from specdecode.errors import SpecDecodeError
 from specdecode.validate import check_threads, usable_cores  # noqa: F401 - check_threads re-exported (the CLI's)
@@ -35,6 +36,22 @@ DRAFT_CHOICES_HELP = ("'ngram' (prompt lookup, no model), 'none' (plain decoding
                       "states: the one 'specdecode train-drafter' left in the cache for a target of this shape, "
                       "else the one shipped in the package), "
                       "'eagle:DIR' (a head checkpoint), or a draft model spec")
+
+
+class UsageError(SpecDecodeError):
+    """A command-line mistake found by argparse (unknown flag, bad number, ...)."""
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """The subcommands' help: descriptions as written, flags in a column 32 wide."""
+
+    def __init__(self, prog: str) -> None:
+        super().__init__(prog, max_help_position=32)
+
+
+def status(message: str) -> None:
+    """One status line of the command line, on standard error."""
+    print(f"specdecode: {message}", file=sys.stderr, flush=True)
 
 
 #: --draft values that run no draft model of their own (``proposers.factory.parse_draft``'s model-free kinds).

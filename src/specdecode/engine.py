@@ -24,135 +24,35 @@ Scheduling (queue, admission, the server's thread, cancellation) lives in ``sche
 
 from __future__ import annotations
 
-import dataclasses
-import itertools
 import secrets
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass, field
 
 import torch
 
+from specdecode.config import EngineConfig, RequestSpeculation
+from specdecode.coupled import CoupledNoise
+from specdecode.drafts import _cut_draft, _draft_problem, _row_gamma
 from specdecode.kv import SlotRunner, make_runner
 from specdecode.metrics import RunMetrics, StepRecord
 from specdecode.policy import FixedPolicy
 from specdecode.proposers.base import ProposeContext, Proposer
-from specdecode.coupled import CoupledNoise
+from specdecode.request import Request, apply_stopping_rules, check_prompt
 from specdecode.sampling import RequestSampler, chain_paths, tree_paths
 from specdecode.tree import tree_depth, verify_tree_greedy, verify_tree_sampling
 from specdecode.types import (
     PAD_TOKEN_ID,
     Draft,
-    EmptyPromptError,
     EngineFullError,
     GenerationOutput,
-    PromptTooLongError,
     ProposerContractError,
     SamplingParams,
     SpecDecodeError,
     StepOutput,
     VerifyResult,
 )
-from specdecode.validate import check_engine, check_request_speculation  # the rules, without torch: the CLI checks with them too
 from specdecode.verify import verify_block, verify_chains
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    """Engine settings: the engine's defaults, checked on construction by ``validate.check_engine`` (the one copy
-    of its limits, which the command line uses too).
-
-    Attributes:
-        num_speculative_tokens: gamma, draft tokens per step (1..64) for the fixed policy.
-        max_batch_size: rows decoded together (KV cache slots), 1..256.
-        max_context: positions per row; None reads the target's config.
-        forward: target forward backend: "auto" (the project's own Llama / Qwen2 forward when the
-            model is supported, else Hugging Face), "hf", or "owned".
-        verification: how sampled chains are verified: "token" (Leviathan et al. 2023), "block"
-            (Sun et al. 2024, ``verify.verify_block``), or "auto": block for sampling drafters,
-            token-level for deterministic ones (where block keeps exactly as much). Greedy and
-            coupled rows are verified by exact match either way; token trees by ``specdecode.tree``.
-
-    Raises:
-        SpecDecodeError: a value out of range.
-    """
-
-    num_speculative_tokens: int = 5
-    max_batch_size: int = 1
-    max_context: int | None = None
-    forward: str = "auto"
-    verification: str = "auto"
-
-    def __post_init__(self) -> None:
-        check_engine(self.num_speculative_tokens, self.max_batch_size, self.max_context, self.forward,
-                     self.verification)
-
-
-@dataclass(frozen=True)
-class RequestSpeculation:
-    """One request's own speculation settings (the server's ``"speculative"`` extension field).
-
-    Attributes:
-        enabled: False decodes this request plainly (one token per step) whatever the engine's proposer.
-        num_speculative_tokens: this request's gamma (1..64) in place of the draft-length policy's
-            choice; None follows the policy.
-        verification: "token" | "block" | None (the engine's setting) for this request's sampled chains.
-
-    Raises:
-        SpecDecodeError: gamma outside 1..64 or an unknown verification method.
-    """
-
-    enabled: bool = True
-    num_speculative_tokens: int | None = None
-    verification: str | None = None
-
-    def __post_init__(self) -> None:
-        check_request_speculation(self.enabled, self.num_speculative_tokens, self.verification)
-
-
-_request_ids = itertools.count()
-
-
-@dataclass
-class Request:
-    """One request in the batch: its context, randomness, counters and progress.
-
-    Attributes:
-        ctx: what the proposer sees (``ctx.slot`` = its row); metrics: RunMetrics.
-        logprobs: None, or n >= 0: report each committed token's logprob and the top n.
-        generated: committed output tokens; finish_reason: None while running; error: why it failed.
-        tag: anything the caller attaches (the scheduler's event sink).
-        seed: the seed of the request's generator (the one given, or the fresh one drawn for it).
-        prompt_logprobs: None unless asked (``add(prompt_logprobs=n)``): per prompt token
-            (logprob, rank, top n [(token id, logprob)]) under the target given the tokens before it;
-            the first token has (None, None, []).
-    """
-
-    ctx: ProposeContext
-    metrics: RunMetrics
-    started_at: float
-    logprobs: int | None = None
-    generated: list[int] = field(default_factory=list)
-    finish_reason: str | None = None
-    error: str | None = None
-    tag: object = None
-    seed: int | None = None
-    speculation: RequestSpeculation = field(default_factory=RequestSpeculation)
-    prompt_logprobs: list[tuple[float | None, int | None, list[tuple[int, float]]]] | None = None
-    id: int = field(default_factory=_request_ids.__next__)
-
-    @property
-    def sampler(self) -> RequestSampler:
-        return self.ctx.sampler
-
-    @property
-    def params(self) -> SamplingParams:
-        return self.ctx.params
-
-    @property
-    def remaining(self) -> int:
-        return self.ctx.params.max_new_tokens - len(self.generated)
 
 
 class SpeculativeEngine:
@@ -694,151 +594,5 @@ class SpeculativeEngine:
                                 metrics=req.metrics, prompt_token_ids=req.ctx.token_ids[: req.ctx.num_prompt_tokens])
 
 
-def _row_gamma(row: Request, gamma: int) -> int:
-    """The draft length of one row this step: 0 with speculation off for it, its own gamma when it
-    set one, else the policy's."""
-    spec = row.speculation
-    if not spec.enabled:
-        return 0
-    return spec.num_speculative_tokens if spec.num_speculative_tokens is not None else gamma
-
-
-def _cut_draft(row: Request, d: Draft) -> Draft:
-    """Drop draft tokens the request could never generate (a banned token, a stop token before
-    min_tokens, a token the grammar forbids) before verification: a deterministic chain ends before
-    the first one. Cutting changes no output distribution there: q is a point mass, verification
-    would reject such a token (target probability 0) and sample from p at that position, which is
-    what the shortened chain's next position does. A sampling drafter's chain is not cut (its q,
-    processed like p, gives such tokens no mass; a q that did would make a cut depend on the draw,
-    and verification, not a cut, is then exact), nor is a token tree (the drafter's own cache maps
-    its nodes): verification rejects such nodes."""
-    n = d.num_tokens
-    if not n or d.draft_probs is not None or not row.sampler.active:
-        return d
-    if d.parents[0].tolist() == list(range(-1, n - 1)):
-        keep = row.sampler.valid_prefix(d.token_ids[0].tolist())
-        if keep == n:
-            return d
-        return Draft.chain(d.token_ids[:, :keep], catch_up_s=d.catch_up_s) if keep else \
-            dataclasses.replace(Draft.empty(), catch_up_s=d.catch_up_s)
-    return d  # a token tree is not cut (the drafter's own cache maps its nodes); such nodes are rejected
-
-
 #: Prompt positions scored per forward for prompt logprobs (bounds the [positions, V] logits held at once).
 PROMPT_SCORE_CHUNK = 128
-
-#: Most draft nodes a row may propose per step (the slot cache's scratch columns hold them past the context).
-MAX_DRAFT_NODES = 128
-
-
-def _draft_problem(d: Draft, cap: int, vocab: int, trees: bool) -> str | None:
-    """Why a row's draft breaks the proposer contract, or None."""
-    if not isinstance(d, Draft) or not isinstance(d.token_ids, torch.Tensor):
-        return f"expected a Draft with a token_ids tensor, got {type(d).__name__}"
-    ids = d.token_ids
-    if ids.ndim != 2 or ids.shape[0] != 1 or ids.dtype != torch.int64:
-        return f"token_ids must be [1, N] int64, got {list(ids.shape)} {ids.dtype}"
-    n = ids.shape[1]
-    if d.parents.shape != ids.shape:
-        return f"parents {list(d.parents.shape)} must match token_ids {list(ids.shape)}"
-    if n == 0:
-        return None
-    if n > MAX_DRAFT_NODES:
-        return f"{n} draft nodes; at most {MAX_DRAFT_NODES} per row"
-    lo, hi = int(ids.min()), int(ids.max())
-    if lo < 0 or hi >= vocab:
-        return f"draft token ids must be in [0, {vocab}); got {lo if lo < 0 else hi}"
-    if d.draft_probs is not None:
-        problem = _draft_probs_problem(d.draft_probs, ids, vocab)
-        if problem is not None:
-            return problem
-    parents = d.parents[0]
-    if trees:
-        ok = bool(((parents >= -1) & (parents < torch.arange(n))).all())
-        if not ok:
-            return "parents must satisfy -1 <= parents[i] < i (breadth-first token tree)"
-        depth = tree_depth(parents)
-    else:
-        if not torch.equal(parents, torch.arange(-1, n - 1)):
-            return "a proposer without produces_trees must return chains (parents -1, 0, 1, ...)"
-        depth = n
-    if depth > cap:
-        return f"drafted {depth} levels; at most {cap} were asked for"
-    return None
-
-
-#: How far a row of draft_probs may sum from 1 (a float32 softmax over any vocabulary sums within ~1e-6).
-DRAFT_PROBS_SUM_TOLERANCE = 1e-3
-
-
-def _draft_probs_problem(q, ids: torch.Tensor, vocab: int) -> str | None:
-    """Why a row's draft_probs q (``[1, N, <= V]``, the law each of its ``ids`` [1, N] was drawn from) is not
-    one, or None: every entry finite and >= 0, every node's row summing to 1, each drafted token possible.
-    Verification reads q as given (an all-zero or NaN row as a deterministic drafter's, q(x) in ratios and
-    residuals), so a q that is not a distribution would bias the output silently: refused here instead."""
-    n = ids.shape[1]
-    if not isinstance(q, torch.Tensor) or not q.is_floating_point():
-        return f"draft_probs must be a float tensor, got {type(q).__name__ if not isinstance(q, torch.Tensor) else q.dtype}"
-    if q.ndim != 3 or q.shape[:2] != ids.shape or q.shape[2] > vocab:
-        return f"draft_probs must be [1, {n}, <= {vocab}], got {list(q.shape)}"
-    rows = q[0].float()  # [N, V']
-    sums, low = rows.sum(-1), rows.amin(-1)  # [N] each: two cheap reductions; NaN / inf make the sum non-finite
-    if bool((~((sums - 1.0).abs() <= DRAFT_PROBS_SUM_TOLERANCE) | (low < 0)).any()):  # then say which rule broke
-        finite = torch.isfinite(rows).all(-1)  # [N]
-        if not bool(finite.all()):
-            return f"draft_probs must be finite; node {int((~finite).nonzero()[0, 0])}'s row has NaN or inf"
-        if bool((low < 0).any()):
-            node = int(low.argmin())
-            return f"draft_probs must be >= 0; node {node}'s row has a negative entry ({float(low[node]):.4g})"
-        node = int((sums - 1.0).abs().argmax())
-        return (f"each node's draft_probs row must sum to 1 (within {DRAFT_PROBS_SUM_TOLERANCE:g}); node {node}'s "
-                f"sums to {float(sums[node]):.6g}")
-    if bool((q[0].gather(1, ids[0].unsqueeze(1).clamp(max=q.shape[2] - 1)) <= 0).any()) or ids.max() >= q.shape[2]:
-        return "a drafted token has probability 0 under its own draft_probs (q must be the law it was drawn from)"
-    return None
-
-
-def check_prompt(prompt_ids: Sequence[int], params: SamplingParams, vocab_size: int, max_context: int) -> list[int]:
-    """The prompt checks every front end shares (see :meth:`SpeculativeEngine.check_prompt`)."""
-    prompt = [int(t) for t in prompt_ids]
-    if not prompt:
-        raise EmptyPromptError("the prompt is empty: give at least one token (text callers: the tokenizer's BOS "
-                               "token is used when it has one)")
-    bad = [t for t in prompt if not 0 <= t < vocab_size]
-    if bad:
-        raise SpecDecodeError(f"prompt token ids must be in [0, {vocab_size}); got {bad[:5]}")
-    if len(prompt) + params.max_new_tokens > max_context:
-        room = max_context - len(prompt)
-        if room >= 1:
-            advice = f"shorten the prompt or lower max_new_tokens to at most {room}"
-        elif params.max_new_tokens < max_context:
-            advice = (f"shorten the prompt to at most {max_context - params.max_new_tokens} tokens (it leaves no room "
-                      "to generate)")
-        else:
-            advice = f"lower max_new_tokens below {max_context} and shorten the prompt"
-        raise PromptTooLongError(
-            f"prompt of {len(prompt)} tokens + max_new_tokens {params.max_new_tokens} exceeds the model's context "
-            f"of {max_context} tokens: {advice}")
-    return prompt
-
-
-def apply_stopping_rules(tokens: list[int], params: SamplingParams, num_generated: int) -> tuple[list[int], str | None]:
-    """The stopping rules of one request.
-
-    Args:
-        tokens: [n] token ids a step would commit, in order.
-        params: the request's SamplingParams (max_new_tokens, eos_token_ids, ignore_eos, stop_token_ids).
-        num_generated: tokens the request generated before these.
-
-    Returns:
-        (the tokens to commit: cut at max_new_tokens and just after the first EOS, the finish reason:
-        "stop" (EOS committed), "length" (max_new_tokens reached) or None (go on)).
-    """
-    remaining = params.max_new_tokens - num_generated
-    tokens = tokens[:remaining]
-    stops = params.stop_ids
-    if stops:
-        for i, tok in enumerate(tokens):
-            if tok in stops:
-                return tokens[: i + 1], "stop"
-    return tokens, "length" if len(tokens) >= remaining else None

@@ -28,7 +28,8 @@ import sys
 
 import torch
 
-from specdecode.engine import EngineConfig, SpeculativeEngine
+from specdecode.build import assemble, build_factory, load_draft_for
+from specdecode.engine import EngineConfig
 from specdecode.grammar import compile_grammar, structured_output
 from specdecode.kernels import WEIGHT_PRECISIONS
 from specdecode.metrics import RunMetrics
@@ -42,15 +43,11 @@ from specdecode.proposers.factory import (  # noqa: F401 - the drafter choices, 
     NGRAM_DRAFT,
     NO_DRAFT,
     SUFFIX_DRAFT,
-    DrafterOptions,
-    check_drafter,
-    load_draft_model,
-    parse_draft,
-    proposer_factory,
 )
-from specdecode.proposers.layer_skip import parse_skip_layers
+from specdecode.spec import DrafterSpec
 from specdecode.types import EmptyPromptError, SamplingParams, SpecDecodeError
 from specdecode.validate import check_stops
+from specdecode.kv import make_runner
 
 
 @dataclass
@@ -113,18 +110,19 @@ class SpecDecoder:
         self.draft = draft
         #: What ``from_pretrained`` ran the target's weights in, and why (None when built from modules).
         self.precision: PrecisionChoice | None = None
+        #: The drafter ``from_pretrained`` built (None when built from modules).
+        self.spec: DrafterSpec | None = None
         self.num_speculative_tokens = num_speculative_tokens
         self.verification = verification
-        config = EngineConfig(num_speculative_tokens=num_speculative_tokens, max_context=target.max_context,
-                              verification=verification)
         self.policy = build_policy(policy, num_speculative_tokens) if isinstance(policy, str) else policy
-        self.engine = SpeculativeEngine(target.model, proposer, config, policy=self.policy)
+        self.engine = assemble(target, proposer, num_speculative_tokens=num_speculative_tokens, policy=self.policy,
+                               verification=verification)
 
     @classmethod
     def from_pretrained(
         cls,
         target: str,
-        draft: str | None = NGRAM_DRAFT,
+        draft: str | DrafterSpec | None = NGRAM_DRAFT,
         *,
         num_speculative_tokens: int = 5,
         ngram_min: int = 1,
@@ -146,9 +144,11 @@ class SpecDecoder:
         Args:
             target: a model spec for :func:`specdecode.models.load_model` (offline name,
                 local directory, GGUF file, hub id).
-            draft: None or "none" = plain decoding; "ngram" = prompt lookup
-                (``ngram_min``..``ngram_max`` token matches); anything else = a draft
-                model spec, loaded like the target and checked for a shared tokenizer.
+            draft: the drafter: a :class:`~specdecode.spec.DrafterSpec`, or what ``--draft`` takes (None or
+                "none" = plain decoding; "ngram" = prompt lookup (``ngram_min``..``ngram_max`` token matches);
+                a compact spec such as ``"ngram:k=4,max_ngram=4"``; anything else = a draft model spec, loaded
+                like the target and checked for a shared tokenizer). A spec's own γ and options win over the
+                keyword arguments below; a DrafterSpec is taken as it is.
             num_speculative_tokens: gamma (1..64).
             dtype, cache_dir, progress: passed to ``load_model``.
             weights: precision the target's weights execute in: "auto" (default: the fastest that keeps
@@ -174,35 +174,38 @@ class SpecDecoder:
             ModelLoadError, IncompatibleTokenizerError, SpecDecodeError (bad gamma or
             n-gram sizes; checked before any model is loaded).
         """
+        if isinstance(draft, DrafterSpec):
+            spec = draft
+        else:
+            spec = DrafterSpec.from_settings({
+                "draft": draft, "num_speculative_tokens": num_speculative_tokens, "ngram_min": ngram_min,
+                "ngram_max": ngram_max, "tree": tree, "tree_nodes": tree_nodes,
+                "skip_layers": skip_layers if skip_layers is None or isinstance(skip_layers, str)
+                else ",".join(map(str, skip_layers))})
+        spec.check()
+        num_speculative_tokens = spec.num_speculative_tokens or num_speculative_tokens
         EngineConfig(num_speculative_tokens=num_speculative_tokens, verification=verification)  # fail fast
         build_policy(policy, num_speculative_tokens)
-        choice = parse_draft(draft)
-        options = DrafterOptions(ngram_min=ngram_min, ngram_max=ngram_max, tree=tree, tree_nodes=tree_nodes,
-                                 skip_layers=parse_skip_layers(skip_layers),
-                                 cache_dir=None if cache_dir is None else str(cache_dir))
-        check_drafter(choice, options)
         for precision in (weights, draft_weights or weights):
             if precision != "auto" and precision not in WEIGHT_PRECISIONS:
                 raise SpecDecodeError(f"unknown weight precision {precision!r}; choose auto or one of "
                                       f"{', '.join(WEIGHT_PRECISIONS)}")
         say = (lambda line: print(f"specdecode: {line}", file=sys.stderr, flush=True)) if progress else None
-        check_models(target, choice.model_spec, cache_dir=cache_dir, cross_vocab=True, tree=tree,  # before weights
+        check_models(target, spec.model_spec, cache_dir=cache_dir, cross_vocab=True, tree=spec.tree,  # before weights
                      say=say)
         loaded, precision_choice = load_target(target, weights, dtype=dtype, cache_dir=cache_dir, progress=progress,
                                                status=status)
         weights = precision_choice.precision
         draft_weights = weights if draft_weights in (None, "auto") else draft_weights
-        draft_model = load_draft_model(choice, loaded, target, weights=weights, draft_weights=draft_weights,
-                                       dtype=dtype, cache_dir=cache_dir, progress=progress)
-        factory = proposer_factory(choice, options, target=loaded.model,
-                                   draft=None if draft_model is None else draft_model.model,
-                                   target_tokenizer=loaded.tokenizer,
-                                   draft_tokenizer=None if draft_model is None else draft_model.tokenizer)
+        draft_model = load_draft_for(spec, loaded, target, weights=weights, draft_weights=draft_weights,
+                                     dtype=dtype, cache_dir=cache_dir, progress=progress)
+        factory = build_factory(spec, loaded, draft_model, cache_dir=cache_dir)
         if factory is None:  # plain decoding: no draft length to choose
             decoder = cls(loaded, None, num_speculative_tokens=num_speculative_tokens, verification=verification)
         else:
             decoder = cls(loaded, factory(), num_speculative_tokens=num_speculative_tokens, draft=draft_model,
                           policy=policy, verification=verification)
+        decoder.spec = spec
         decoder.precision = precision_choice
         return decoder
 
@@ -219,7 +222,6 @@ class SpecDecoder:
                 return None
             i = min(len(token_ids), len(baseline_ids))
             return f"one output stops at token {i}, the other goes on (an EOS or a stop string at a near-tie)"
-        from specdecode.kv import make_runner
 
         row = make_runner(self.target.model).row(0)
         context = [*prompt_ids, *baseline_ids[:i]]

@@ -22,509 +22,54 @@ forces one (tests, benchmarks), ``SPECDECODE_KERNEL_ISA=reference`` the torch re
 split and the C++ layer loop live in a torch extension (``csrc/lowbit.cpp``, ``csrc/step.cpp``, built
 once per machine with torch's C++ extension tools, about a minute; it says so). Without a compiler the
 same products run as a torch reference (slower, row-invariant too). :func:`kernel_status` says which.
+
+This module turns whole models low-bit (from the GGUF file, or from the float copy) and caches them; the layer
+is :mod:`specdecode.quant_linear`, the kernels :mod:`specdecode.lowbit_kernels` (both re-exported here).
 """
 
 from __future__ import annotations
 
-import ctypes
 import hashlib
 import json
 import logging
 import os
-import subprocess
-import sys
-import threading
-import time
 from pathlib import Path
 
 import numpy as np
 import torch
-import torch.nn.functional as F
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+from tqdm import tqdm
 
 from specdecode.errors import SpecDecodeError
-from specdecode.kernels import row_product
+from specdecode.lowbit_kernels import (  # noqa: F401 - the kernels' names, re-exported here (lowbit.kernel_status, ...)
+    GGUF_BLOCKS,
+    ISA_ENV,
+    VARIANTS,
+    active_variant,
+    cpu_flags,
+    fast_bf16,
+    kernel_status,
+    load_kernel,
+    load_variant,
+    repack,
+    supported_variants,
+    unpack,
+    variant_table,
+)
 from specdecode.options import WEIGHT_PRECISIONS
+from specdecode.quant_linear import (  # noqa: F401 - the layer's names, re-exported here (lowbit.QuantLinear, ...)
+    LARGE_MODEL_BYTES,
+    LOWBIT_TYPES,
+    PREFILL_ROWS,
+    PREFILL_ROWS_LARGE,
+    QuantLinear,
+    concat,
+    prefill_rows,
+    quantize_activations,
+)
 
 logger = logging.getLogger(__name__)
-
-_CSRC = Path(__file__).with_name("csrc")
-_SOURCES = [_CSRC / name for name in ("lowbit.cpp", "step.cpp")]
-_QGEMM = _CSRC / "qgemm.c"
-_HEADER = _CSRC / "qtable.h"  # the table layout both sides share
-_lock = threading.Lock()
-_kernel = None  # the compiled torch extension, False once its build failed
-_kernel_note = "not loaded yet"
-
-#: Rows above which a prompt's prefill (which need not be row-invariant: plain and speculative decoding
-#: prefill alike) dequantizes the weight and runs one many-row float product instead of the kernel.
-PREFILL_ROWS = 32
-
-#: The same for models whose low-bit weights exceed :data:`LARGE_MODEL_BYTES`: dequantizing them costs
-#: seconds (measured, 2 cores: the Qwen 1.5B prefilled 150 tokens in 1.7 s with the kernel against 3.9 s
-#: with the float product, 400 tokens in 5.2 s against 6.4 s; SmolLM2's 92 MB dequantize in milliseconds).
-PREFILL_ROWS_LARGE = 512
-LARGE_MODEL_BYTES = 256 * 2**20
-
-
-def prefill_rows(model: torch.nn.Module) -> int:
-    """Prompt tokens above which ``model``'s prefill takes the dequantized float product."""
-    total = sum(m.weight_nbytes() for m in model.modules() if isinstance(m, QuantLinear))
-    return PREFILL_ROWS_LARGE if total > LARGE_MODEL_BYTES else PREFILL_ROWS
-
-#: GGUF block types run as stored: name -> (format id in csrc/qgemm.c, weights per block, bytes per block).
-GGUF_BLOCKS = {"Q4_0": (0, 32, 18), "Q4_1": (1, 32, 20), "Q5_0": (2, 32, 22), "Q8_0": (3, 32, 34),
-               "Q4_K": (4, 256, 144), "Q6_K": (5, 256, 210)}
-
-#: Fields of a 32-weight block (byte ranges), which the kernel reads as one array per field per row
-#: (:func:`repack`: same bytes, eight blocks' scales in one load). K-quants keep their blocks; Q4_K's 12
-#: bytes of 6-bit scales and minimums are re-ordered (:func:`_q4k_to_kernel`: same bytes, decoded in a
-#: few vector instructions instead of about thirty scalar ones per block).
-_FIELDS = {"Q4_0": ((0, 2), (2, 18)), "Q4_1": ((0, 2), (2, 4), (4, 20)), "Q5_0": ((0, 2), (2, 6), (6, 22)),
-           "Q8_0": ((0, 2), (2, 34))}
-
-
-def _q4k_values(q: np.ndarray) -> np.ndarray:
-    """Q4_K's scale bytes as GGUF stores them [..., 12] uint8 -> [..., 16] uint8: the 8 sub-block scales, then
-    the 8 minimums (6 bits each)."""
-    v = np.empty(q.shape[:-1] + (16,), np.uint8)
-    v[..., 0:4] = q[..., 0:4] & 63
-    v[..., 8:12] = q[..., 4:8] & 63
-    v[..., 4:8] = (q[..., 8:12] & 0xF) | ((q[..., 0:4] >> 6) << 4)
-    v[..., 12:16] = (q[..., 8:12] >> 4) | ((q[..., 4:8] >> 6) << 4)
-    return v
-
-
-def _q4k_to_kernel(q: np.ndarray) -> np.ndarray:
-    """GGUF's 12 Q4_K scale bytes [..., 12] -> the kernel's 12 (csrc/qgemm.c ``q4k_scale_bytes``): byte i < 8 =
-    low nibbles of value i and 8 + i; byte 8 + b = the high two bits of values 4t + b at bits 2t."""
-    v = _q4k_values(q)
-    out = np.empty_like(q)
-    out[..., 0:8] = (v[..., 0:8] & 0xF) | ((v[..., 8:16] & 0xF) << 4)
-    high = v >> 4
-    out[..., 8:12] = 0
-    for t in range(4):
-        out[..., 8:12] |= high[..., 4 * t : 4 * t + 4] << (2 * t)
-    return out
-
-
-def _q4k_from_kernel(k: np.ndarray) -> np.ndarray:
-    """The inverse of :func:`_q4k_to_kernel`."""
-    v = np.empty(k.shape[:-1] + (16,), np.uint8)
-    v[..., 0:8] = k[..., 0:8] & 0xF
-    v[..., 8:16] = k[..., 0:8] >> 4
-    for t in range(4):
-        v[..., 4 * t : 4 * t + 4] |= ((k[..., 8:12] >> (2 * t)) & 3) << 4
-    q = np.empty_like(k)
-    q[..., 0:4] = (v[..., 0:4] & 63) | ((v[..., 4:8] >> 4) << 6)
-    q[..., 4:8] = (v[..., 8:12] & 63) | ((v[..., 12:16] >> 4) << 6)
-    q[..., 8:12] = (v[..., 4:8] & 0xF) | ((v[..., 12:16] & 0xF) << 4)
-    return q
-
-
-def _q4k_scales_mapped(raw: np.ndarray, fn) -> np.ndarray:
-    blocks = np.array(raw, dtype=np.uint8, copy=True).reshape(raw.shape[0], -1, GGUF_BLOCKS["Q4_K"][2])
-    blocks[..., 4:16] = fn(blocks[..., 4:16])
-    return blocks.reshape(raw.shape[0], -1)
-
-
-def repack(raw: np.ndarray, kind: str) -> np.ndarray:
-    """GGUF rows [rows, bytes] uint8 -> the kernel's layout [rows, bytes] uint8 (the same bytes, each block field
-    as one array per row: ``d[nb] | m[nb] | qs[nb][16]`` for Q4_1; Q4_K's scale bytes re-ordered, see
-    :func:`_q4k_to_kernel`). Q6_K is returned as it is."""
-    if kind == "Q4_K":
-        return _q4k_scales_mapped(raw, _q4k_to_kernel)
-    if kind not in _FIELDS:
-        return np.ascontiguousarray(raw)
-    rows = raw.shape[0]
-    blocks = raw.reshape(rows, -1, GGUF_BLOCKS[kind][2])
-    return np.ascontiguousarray(np.concatenate([blocks[..., a:b].reshape(rows, -1) for a, b in _FIELDS[kind]], axis=1))
-
-
-def unpack(packed: np.ndarray, kind: str) -> np.ndarray:
-    """The inverse of :func:`repack`: the kernel's layout [rows, bytes] uint8 -> GGUF rows [rows, bytes] uint8."""
-    if kind == "Q4_K":
-        return _q4k_scales_mapped(packed, _q4k_from_kernel)
-    if kind not in _FIELDS:
-        return np.ascontiguousarray(packed)
-    rows, nbytes = packed.shape[0], GGUF_BLOCKS[kind][2]
-    nb = packed.shape[1] // nbytes
-    out = np.empty((rows, nb, nbytes), np.uint8)
-    at = 0
-    for a, b in _FIELDS[kind]:
-        out[..., a:b] = packed[:, at : at + nb * (b - a)].reshape(rows, nb, b - a)
-        at += nb * (b - a)
-    return out.reshape(rows, -1)
-
-
-#: Instruction-set variants of the kernel, fastest first where the CPU runs several: name ->
-#: (the /proc/cpuinfo flags it needs, gcc flags, the macro csrc/qgemm.c reads).
-VARIANTS = {
-    "avx512vnni": (("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni"),
-                   ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni"],
-                   "SD_VARIANT_AVX512VNNI"),
-    "avx512": (("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl"),
-               ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl"], "SD_VARIANT_AVX512"),
-    "avx2": (("avx2", "fma", "f16c"), ["-mavx2", "-mfma", "-mf16c"], "SD_VARIANT_AVX2"),
-}
-#: The environment variable that forces a variant (or ``reference``).
-ISA_ENV = "SPECDECODE_KERNEL_ISA"
-
-
-def cpu_flags() -> set[str]:
-    """This CPU's feature flags (``/proc/cpuinfo``); empty where they cannot be read."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
-
-
-def supported_variants() -> list[str]:
-    """The kernel variants this CPU executes, in :data:`VARIANTS` order."""
-    flags = cpu_flags()
-    return [name for name, (need, _, _) in VARIANTS.items() if all(f in flags for f in need)]
-
-
-def _cache_base(cache_dir=None) -> Path:
-    from specdecode.models import default_cache_dir
-
-    return Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
-
-
-_variants: dict[str, tuple[ctypes.CDLL, int]] = {}
-_variant_lock = threading.Lock()
-
-
-def load_variant(name: str, cache_dir=None) -> int:
-    """The address of variant ``name``'s kernel table (compiled with gcc on first use, cached; one
-    compilation at a time in this process, each into its own temporary file, then an atomic rename).
-
-    Raises:
-        SpecDecodeError: unknown variant, a CPU without its instructions, or no compiler.
-    """
-    if name not in VARIANTS:
-        raise SpecDecodeError(f"unknown kernel variant {name!r}; choose one of {', '.join(VARIANTS)} or reference")
-    with _variant_lock:
-        if name not in _variants:
-            _variants[name] = _compile_variant(name, cache_dir)
-    return _variants[name][1]
-
-
-def _compile_variant(name: str, cache_dir=None) -> tuple[ctypes.CDLL, int]:
-    import tempfile
-
-    if name not in supported_variants():
-        raise SpecDecodeError(f"this CPU cannot run the {name} kernel (it runs: {', '.join(supported_variants()) or 'none'})")
-    _, flags, macro = VARIANTS[name]
-    digest = hashlib.sha256(_QGEMM.read_bytes() + _HEADER.read_bytes() + " ".join(flags).encode()).hexdigest()[:12]
-    out = _cache_base(cache_dir) / "kernels" / f"qgemm-{name}-{digest}.so"
-    if not out.is_file():
-        print(f"specdecode: compiling the {name} low-bit kernel into {out.parent} (once per machine and version, "
-              "seconds)", file=sys.stderr, flush=True)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp")
-        os.close(fd)
-        cmd = [os.environ.get("CC", "gcc"), "-O3", "-std=gnu11", "-shared", "-fPIC", *flags, f"-D{macro}",
-               f"-I{_CSRC}", str(_QGEMM), "-o", tmp, "-lm"]
-        try:
-            subprocess.run(cmd, check=True, capture_output=True, text=True)
-            os.replace(tmp, out)
-        except (OSError, subprocess.CalledProcessError) as exc:
-            Path(tmp).unlink(missing_ok=True)
-            detail = (getattr(exc, "stderr", "") or str(exc)).strip()
-            first = next((line for line in detail.splitlines() if "error" in line), detail.splitlines()[0] if detail else "")
-            raise SpecDecodeError(f"could not compile the {name} kernel: {first[:200]}") from exc
-    lib = ctypes.CDLL(str(out))
-    lib.sd_table.restype = ctypes.c_void_p
-    return lib, int(lib.sd_table())
-
-
-def _time_variant(kernel, address: int) -> float:
-    """Seconds of a Q4_K product of 1 and 5 rows (the decoding and verification shapes), best of 5."""
-    rng = np.random.default_rng(0)
-    n, k = 1024, 2048
-    raw = torch.from_numpy(_random_raw("Q4_K", n, k, rng))
-    total = 0.0
-    for rows in (1, 5):
-        x = torch.from_numpy(rng.standard_normal((rows, k), dtype=np.float32))
-        times = []
-        for _ in range(5):
-            start = time.perf_counter()
-            kernel.q_linear(x, raw, GGUF_BLOCKS["Q4_K"][0], address)  # timing only: the layout does not matter
-            times.append(time.perf_counter() - start)
-        total += min(times)
-    return total
-
-
-def _random_raw(kind: str, rows: int, cols: int, rng) -> np.ndarray:
-    """Random bytes shaped as ``kind`` blocks with sane float16 scales (random bytes are valid blocks)."""
-    _, size, nbytes = GGUF_BLOCKS[kind]
-    raw = rng.integers(0, 256, size=(rows, cols // size, nbytes), dtype=np.uint8)
-    scale = lambda n: rng.uniform(1e-3, 2e-2, size=(rows, cols // size, n)).astype(np.float16).view(np.uint8)  # noqa: E731
-    if kind == "Q6_K":
-        raw[..., 208:210] = scale(1)
-    elif kind in ("Q4_K", "Q4_1"):
-        raw[..., 0:4] = scale(2)
-    else:
-        raw[..., 0:2] = scale(1)
-    return raw.reshape(rows, -1)
-
-
-_chosen: str | None = None
-
-
-def active_variant() -> str | None:
-    """The variant the products run: ``SPECDECODE_KERNEL_ISA`` when set, else the fastest this CPU
-    executes (measured once per process, about a second); None: the torch reference runs.
-
-    Raises:
-        SpecDecodeError: a forced variant that is unknown or that this CPU cannot run."""
-    global _chosen, _kernel_note
-    forced = os.environ.get(ISA_ENV, "").strip().lower()
-    if forced == "reference":
-        return None
-    kernel = load_kernel()
-    if kernel is None:
-        return None
-    if forced:
-        load_variant(forced)
-        _kernel_note = f"{forced} kernel (forced by {ISA_ENV})"
-        return forced
-    if _chosen is None:
-        with _lock:
-            if _chosen is None:
-                timed = {}
-                for name in supported_variants():
-                    try:
-                        timed[name] = _time_variant(kernel, load_variant(name))
-                    except SpecDecodeError as exc:
-                        logger.warning("%s", exc)
-                _chosen = min(timed, key=timed.get) if timed else ""
-                if timed:
-                    figures = ", ".join(f"{k} {1e3 * v:.2f} ms" for k, v in timed.items())
-                    _kernel_note = f"{_chosen} kernel (measured here: {figures})"
-    return _chosen or None
-
-
-def variant_table() -> int:
-    """The kernel table address of :func:`active_variant`, 0 for the torch reference.
-
-    Raises:
-        SpecDecodeError: as :func:`active_variant`."""
-    name = active_variant()
-    return load_variant(name) if name else 0
-
-
-def load_kernel(cache_dir: str | Path | None = None):
-    """The compiled torch extension (thread split, C++ layer loop), building it on first use; None
-    where it cannot run. Build directory: ``<cache dir>/kernels/lowbit-<torch version>-<source hash>``.
-    ``SPECDECODE_KERNEL_ISA=reference`` forces the torch reference (tests)."""
-    global _kernel, _kernel_note
-    if os.environ.get(ISA_ENV, "").strip().lower() == "reference":
-        if _kernel_note != f"torch reference ({ISA_ENV}=reference)":
-            _kernel_note = f"torch reference ({ISA_ENV}=reference)"
-            print(f"specdecode: low-bit products run the slower {_kernel_note}", file=sys.stderr, flush=True)
-        return None
-    with _lock:
-        if _kernel is not None:
-            return _kernel or None
-        if not supported_variants():
-            _kernel, _kernel_note = False, "torch reference (this CPU has no AVX2 + FMA + F16C)"
-            print(f"specdecode: low-bit products run the slower {_kernel_note}", file=sys.stderr, flush=True)
-            return None
-        # the source, this checkout and this interpreter (ninja's build file holds their absolute paths)
-        where = f"{Path(__file__).resolve().parent}|{sys.prefix}".encode()
-        digest = hashlib.sha256(b"".join(s.read_bytes() for s in (*_SOURCES, _HEADER)) + where).hexdigest()[:12]
-        build = _cache_base(cache_dir) / "kernels" / f"lowbit-{torch.__version__.split('+')[0]}-{digest}"
-        try:
-            from torch.utils.cpp_extension import load
-
-            build.mkdir(parents=True, exist_ok=True)
-            name = f"specdecode_lowbit_{digest}"
-            fresh = not any(build.glob(f"{name}*.so"))
-            if fresh:  # the first use on this machine (or of this source): say why it pauses
-                print(f"specdecode: compiling the low-bit products' thread split and the C++ layer loop into {build} "
-                      "(once per machine and version, about a minute)", file=sys.stderr, flush=True)
-            start = time.perf_counter()
-            import fcntl
-
-            # Our own lock first: the OS drops it when its holder dies, so while we hold it no build of ours
-            # runs, and torch's lock file (which a build killed mid-way leaves behind, and which torch
-            # then waits on forever) can only be stale.
-            with open(build / "specdecode.lock", "w") as guard:
-                fcntl.flock(guard, fcntl.LOCK_EX)
-                stale = build / "lock"
-                if stale.exists():
-                    print(f"specdecode: removing {stale}, left by a build that was interrupted", file=sys.stderr,
-                          flush=True)
-                    stale.unlink(missing_ok=True)
-                _kernel = load(name, [str(s) for s in _SOURCES], extra_cflags=["-O3", "-fopenmp"],
-                               extra_include_paths=[str(_CSRC)],
-                               extra_ldflags=["-fopenmp"], build_directory=str(build), verbose=False)
-            took = time.perf_counter() - start
-            if fresh:
-                print(f"specdecode: compiled in {took:.0f} s", file=sys.stderr, flush=True)
-            _kernel_note = f"kernel extension {'compiled' if fresh else 'loaded'} in {took:.1f} s (variant not chosen yet)"
-        except Exception as exc:  # noqa: BLE001 - no compiler / headers / ninja: the reference runs
-            _kernel = False
-            first = next((line for line in str(exc).splitlines() if line.strip()), "")
-            _kernel_note = f"torch reference (the kernel extension did not build: {type(exc).__name__}: {first[:200]})"
-            print(f"specdecode: low-bit products run the slower {_kernel_note}", file=sys.stderr, flush=True)
-        return _kernel or None
-
-
-_bf16_fast = None
-
-
-def fast_bf16() -> bool:
-    """Whether this CPU runs bfloat16 matrix products natively (AVX512-BF16 or AMX-BF16)."""
-    global _bf16_fast
-    if _bf16_fast is None:
-        flags = cpu_flags()
-        _bf16_fast = "avx512_bf16" in flags or "amx_bf16" in flags
-    return _bf16_fast
-
-
-def kernel_status() -> str:
-    """One line: which implementation (and instruction-set variant) runs the low-bit products."""
-    return _kernel_note
-
-
-# Activations ------------------------------------------------------------------------------------
-
-def quantize_activations(x: torch.Tensor, kind: str) -> torch.Tensor:
-    """The float32 values the kernel multiplies for ``x`` [rows, in] (8 bits per row, a scale per
-    block of 32 for the 32-weight formats, per 256 for Q4_K / Q6_K), dequantized: the torch
-    reference's input, and the tests' float64 reference. Rounding: to nearest, ties to even."""
-    block = 256 if GGUF_BLOCKS[kind][1] == 256 else 32
-    rows, k = x.shape
-    g = x.float().reshape(rows, k // block, block)
-    amax = g.abs().amax(-1, keepdim=True)
-    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
-    q = torch.round(g * inv).clamp(-127, 127)
-    return (q * (amax / 127.0)).reshape(rows, k)
-
-
-# The module -------------------------------------------------------------------------------------
-
-class QuantLinear(torch.nn.Module):
-    """A linear layer whose weight is GGUF blocks, run by the few-row kernel.
-
-    Args:
-        raw: [out, bytes per row] uint8: each output row's blocks as a GGUF file stores them (or, with
-            ``packed``, as :func:`repack` lays them out for the kernel; :attr:`packed` holds that).
-        kind: the block type, a key of :data:`GGUF_BLOCKS` ("Q4_K", "Q6_K", "Q4_1", ...).
-        in_features: the row length in weights (a multiple of the type's block size).
-        bias: [out] or None.
-        precision: the model-level name this layer belongs to ("int4": a GGUF file's own blocks;
-            "int8": Q8_0 quantized from float weights).
-
-    Input [..., in_features] (any float dtype); output [..., out_features] float32.
-
-    Raises:
-        SpecDecodeError: an unknown type, or ``raw`` that does not hold ``in_features`` of it.
-    """
-
-    def __init__(self, raw: torch.Tensor, kind: str, in_features: int, bias: torch.Tensor | None = None,
-                 precision: str = "int4", packed: bool = False) -> None:
-        super().__init__()
-        if kind not in GGUF_BLOCKS:
-            raise SpecDecodeError(f"GGUF tensor type {kind} has no low-bit kernel here (types run: {', '.join(GGUF_BLOCKS)})")
-        fmt, size, nbytes = GGUF_BLOCKS[kind]
-        if in_features % size or raw.dim() != 2 or raw.shape[1] != in_features // size * nbytes:
-            raise SpecDecodeError(f"GGUF {kind} weight of {tuple(raw.shape)} bytes does not hold rows of {in_features} "
-                                  f"weights ({in_features // size * nbytes} bytes each)")
-        raw = raw.to(torch.uint8).contiguous()
-        self.packed = raw if packed else torch.from_numpy(repack(raw.numpy(), kind))
-        self.kind, self.fmt = kind, fmt
-        self.out_features, self.in_features = int(raw.shape[0]), int(in_features)
-        self.bias = None if bias is None else bias.detach().float().clone()
-        self.weight_precision = precision
-        self._reference_weight = None
-        #: rows above which a non-exact call (a prompt's prefill) takes the float product (set per model by
-        #: the owned forward, :func:`prefill_rows`)
-        self.prefill_rows = PREFILL_ROWS
-
-    @property
-    def bits(self) -> float:
-        """Bits per weight as stored (Q4_K 4.5, Q6_K 6.56, Q4_1 5, Q8_0 8.5)."""
-        _, size, nbytes = GGUF_BLOCKS[self.kind]
-        return 8 * nbytes / size
-
-    @classmethod
-    def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None = None, kind: str = "Q8_0",
-                   precision: str = "int8") -> "QuantLinear":
-        """Quantize float weights [out, in] to ``kind`` blocks with the gguf package (Q8_0, Q4_0, Q4_1,
-        Q5_0: the types it quantizes)."""
-        import gguf
-
-        w = weight.detach().float().numpy()
-        raw = gguf.quants.quantize(w, gguf.GGMLQuantizationType[kind])
-        return cls(torch.from_numpy(np.ascontiguousarray(raw)), kind, w.shape[1], bias, precision)
-
-    def dequantize(self) -> torch.Tensor:
-        """[out, in] float32: the weights these blocks hold (``gguf.dequantize``)."""
-        import gguf
-
-        values = gguf.quants.dequantize(self.gguf_raw(), gguf.GGMLQuantizationType[self.kind])
-        return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).reshape(self.out_features, -1)
-
-    def gguf_raw(self) -> np.ndarray:
-        """[out, bytes per row] uint8: the blocks as a GGUF file stores them."""
-        return unpack(self.packed.numpy(), self.kind)
-
-    def forward(self, x: torch.Tensor, exact: bool = True, prompt: bool = False) -> torch.Tensor:
-        """x [..., in_features] -> [..., out_features] float32; the same arithmetic for any number of rows.
-
-        ``exact=False`` with more than :attr:`prefill_rows` rows (a prompt's prefill): the weight is
-        dequantized once and multiplied in one many-row product (float32, or with ``prompt`` bfloat16 on
-        CPUs with AVX512-BF16 / AMX), which is faster there and not row-invariant.
-        """
-        rows = x.reshape(-1, self.in_features).float().contiguous()
-        kernel, table = load_kernel(), variant_table()
-        if not exact and rows.shape[0] > self.prefill_rows:
-            weight = kernel.q_dequantize(self.packed, self.fmt, self.in_features, table) if table else self.dequantize()
-            if prompt and fast_bf16():
-                out = F.linear(rows.to(torch.bfloat16), weight.to(torch.bfloat16)).float()
-            else:
-                out = F.linear(rows, weight)
-        elif kernel is not None and table:
-            out = kernel.q_linear(rows, self.packed, self.fmt, table)
-        else:  # the reference: 8-bit activations, fixed 16-row blocks, every block padded (row-invariant)
-            if self._reference_weight is None:
-                self._reference_weight = self.dequantize()
-            out = row_product("padded", self._reference_weight, quantize_activations(rows, self.kind))
-        if self.bias is not None:
-            out = out + self.bias
-        return out.reshape(*x.shape[:-1], self.out_features)
-
-    def weight_nbytes(self) -> int:
-        """Bytes one product reads: the blocks and the bias."""
-        return self.packed.numel() + (0 if self.bias is None else self.bias.numel() * 4)
-
-    def state_tensors(self) -> dict[str, torch.Tensor]:
-        return {"packed": self.packed}
-
-    def extra_repr(self) -> str:
-        return (f"in_features={self.in_features}, out_features={self.out_features}, {self.kind} "
-                f"({self.bits:.2f} bits per weight), bias={self.bias is not None}")
-
-
-LOWBIT_TYPES = (QuantLinear,)
-
-
-def concat(parts: list[QuantLinear]) -> QuantLinear | None:
-    """One module computing ``cat([p(x) for p in parts], -1)`` in one product, or None when the
-    parts differ in block type or row length (then they run one after another)."""
-    if len({(p.kind, p.in_features) for p in parts}) != 1:
-        return None
-    biases = None
-    if any(p.bias is not None for p in parts):
-        biases = torch.cat([p.bias if p.bias is not None else torch.zeros(p.out_features) for p in parts])
-    return QuantLinear(torch.cat([p.packed for p in parts]), parts[0].kind, parts[0].in_features, biases,
-                       parts[0].weight_precision, packed=True)
 
 
 # Whole models ------------------------------------------------------------------------------------
@@ -561,6 +106,7 @@ def modules_from_gguf(model: torch.nn.Module, gguf: str | Path, progress: bool =
         SpecDecodeError: the file is not what the model was converted from (shapes), or a linear
             layer's tensor is stored in a type without a low-bit layout here (F16 / F32: use bf16).
     """
+    # lazy: specdecode.models pulls in transformers (start-up time)
     from specdecode.models import _stream_plan
 
     plan = _stream_plan(Path(gguf))
@@ -574,8 +120,6 @@ def modules_from_gguf(model: torch.nn.Module, gguf: str | Path, progress: bool =
     names = _linear_names(model)
     iterator = names
     if progress:
-        from tqdm import tqdm
-
         iterator = tqdm(names, desc=f"reading the blocks of {Path(gguf).name}", unit="layer", leave=False)
     for name in iterator:
         key = f"{name}.weight"
@@ -609,8 +153,6 @@ def cache_path(converted_dir: str | Path, precision: str) -> Path:
 
 def save_modules(path: Path, modules: dict[str, QuantLinear], source: dict) -> None:
     """Write ``modules`` as one safetensors file (atomic rename), with ``source`` in its metadata."""
-    from safetensors.torch import save_file
-
     tensors, layout = {}, {}
     for name, m in modules.items():
         for part, t in m.state_tensors().items():
@@ -626,9 +168,6 @@ def save_modules(path: Path, modules: dict[str, QuantLinear], source: dict) -> N
 
 def load_modules(path: Path, source: dict) -> dict[str, QuantLinear] | None:
     """The modules :func:`save_modules` wrote, memory-mapped; None when missing, stale or unreadable."""
-    from safetensors import safe_open
-    from safetensors.torch import load_file
-
     try:
         with safe_open(str(path), framework="pt") as f:
             meta = f.metadata() or {}
@@ -661,6 +200,7 @@ def _source(loaded, precision: str, from_gguf: bool) -> dict:
 def converted_dir(loaded, cache_dir=None) -> Path | None:
     """The converted copy of a GGUF model ``loaded`` was read from (where its low-bit weights are
     cached), or None (a model directory of the user's or a hub model: nothing is written there)."""
+    # lazy: specdecode.models pulls in transformers (start-up time)
     from specdecode.models import default_cache_dir
 
     source = Path(str(loaded.source))
@@ -745,6 +285,7 @@ def load_in_precision(spec: str, precision: str, *, dtype=torch.float32, cache_d
     Raises:
         ModelLoadError (from load_model), SpecDecodeError (a GGUF tensor without a low-bit layout).
     """
+    # lazy: specdecode.models pulls in transformers (start-up time)
     from specdecode.models import _converted_ok, default_cache_dir, load_model, resolve_spec
 
     if precision not in WEIGHT_PRECISIONS:
@@ -770,6 +311,7 @@ def _gguf_of(loaded, out_dir: Path | None, cache_dir=None) -> Path | None:
     """The GGUF file behind ``loaded`` (joined again from its packages for a catalog model), or None."""
     if not loaded.sha256:
         return None
+    # lazy: specdecode.models pulls in transformers (start-up time)
     from specdecode.models import gguf_file
 
     try:
@@ -816,7 +358,7 @@ def load_cached(spec: str, out_dir: Path, sha256: str | None, precision: str, fr
     """A LoadedModel in ``precision`` built from the cached low-bit file and the float copy's other
     tensors (embeddings, norms) without reading the float copy's linear weights; None when no valid
     cache exists. Seconds instead of a minute for the 1.5B."""
-    from safetensors import safe_open
+    # lazy: these pull in transformers (start-up time)
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     from transformers.initialization import no_init_weights
 

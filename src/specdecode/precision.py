@@ -18,6 +18,9 @@ Three questions per candidate precision (int4, int8, bf16, fp32), answered by me
 passes 1, saying so) and says why in one line. Results are cached under
 ``<cache dir>/precision/`` as JSON: the first load on a machine measures (seconds for a 135M model,
 one to three minutes for a 1.5B one on 2 cores), later loads read.
+
+The measures themselves (quality, exactness, step cost) are :mod:`specdecode.precision_measures`; this module
+decides, caches and loads.
 """
 
 from __future__ import annotations
@@ -25,246 +28,37 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
-import math
-import time
+import os
+import tempfile
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
 
+from specdecode.bench.env import cpu_flags, cpu_model
 from specdecode.errors import SpecDecodeError
-from specdecode.lowbit import set_weight_precision
+from specdecode.kernels import WEIGHT_PRECISIONS
+from specdecode.lowbit import active_variant, kernel_status, load_in_precision, quantize_loaded, set_weight_precision
+from specdecode.precision_measures import (  # noqa: F401 - the measures' names, re-exported here
+    CATALOG_QUALITY,
+    MAX_PERPLEXITY_CHANGE,
+    MIN_ARGMAX_AGREEMENT,
+    ExactnessReport,
+    QualityReport,
+    check_batch_invariance,
+    measure_quality,
+    measure_step,
+    quality_gate,
+    quality_texts,
+    teacher_forced,
+)
 
-#: Next-token argmax agreement with float32 a precision needs to keep the model.
-MIN_ARGMAX_AGREEMENT = 0.97
-#: Largest relative perplexity change against float32 (0.01 = 1%).
-MAX_PERPLEXITY_CHANGE = 0.01
+
 #: Candidates, in the order they are tried (ties in speed go to the earlier one).
 CANDIDATES = ("int4", "int8", "bf16", "fp32")
 #: Bump when what is measured or how changes: older cache files are then measured again.
 CACHE_VERSION = 4
-
-
-@dataclass(frozen=True)
-class QualityReport:
-    """What a precision does to the model, teacher-forced against float32.
-
-    Attributes:
-        precision: "fp32", "bf16", "int8" or "int4".
-        argmax_agreement: fraction of positions whose next-token argmax equals float32's, in [0, 1].
-        nll: mean negative log-likelihood of the text's tokens, nats/token.
-        perplexity_change: perplexity / float32's perplexity - 1 (+0.055 = 5.5% higher).
-        positions: scored positions.
-    """
-
-    precision: str
-    argmax_agreement: float
-    nll: float
-    perplexity_change: float
-    positions: int
-
-
-def quality_gate(report: QualityReport) -> tuple[bool, str]:
-    """(passes, one line of figures): agreement >= MIN_ARGMAX_AGREEMENT and |perplexity change| <= MAX.
-
-    Both figures are compared as they are reported, in percent to one decimal (96.97% is 97.0%, and
-    passes): on a few thousand positions the measurement's own standard error is about 0.3%, so a
-    finer comparison would decide on noise.
-    """
-    agreement = round(100 * report.argmax_agreement, 1)
-    change = round(100 * report.perplexity_change, 1)
-    ok = agreement >= round(100 * MIN_ARGMAX_AGREEMENT, 1) and abs(change) <= round(100 * MAX_PERPLEXITY_CHANGE, 1)
-    line = (f"next-token agreement with float32 {100 * report.argmax_agreement:.1f}% (needs >= "
-            f"{100 * MIN_ARGMAX_AGREEMENT:.0f}%), perplexity {100 * report.perplexity_change:+.1f}% "
-            f"(needs within {100 * MAX_PERPLEXITY_CHANGE:.0f}%)")
-    return ok, line
-
-
-#: Quality figures of the offline catalog's models, measured with ``scripts/bench/precision_quality.py``
-#: (26 Spec-Bench prompts, 2 per category, chat template, up to 512 tokens each, teacher-forced,
-#: float32 reference; docs/results/precision/), so a first load measures only this machine.
-CATALOG_QUALITY: dict[str, dict[str, QualityReport]] = {
-    "smollm2-135m": {
-        "bf16": QualityReport("bf16", 0.96975, 3.48981, -0.00448, 3768),
-        # int8 / int4 with 8-bit activations per row (the kernels of issue 27): docs/results/kernels/quality_*
-        "int8": QualityReport("int8", 0.95621, 3.48435, -0.00990, 3768),
-        "int4": QualityReport("int4", 0.97505, 3.49498, 0.00068, 3768),
-    },
-    "qwen2.5-coder-0.5b": {
-        "bf16": QualityReport("bf16", 0.98485, 4.20118, 0.00044, 3696),
-        # int4 with 8-bit activations, 13 prompts (docs/results/kernels/); int8 not measured with them yet
-        "int4": QualityReport("int4", 0.98390, 4.33706, 0.00267, 1801),
-    },
-    "qwen2.5-coder-1.5b": {
-        "bf16": QualityReport("bf16", 0.98593, 3.49068, -0.00209, 3696),
-        # int4 (the Q4_K_M file's blocks) with 8-bit activations per row, a scale per 256 for the K-quants
-        # as llama.cpp runs the file (docs/results/kernels/quality_qwen2.5-coder-1.5b.md: a scale per 32
-        # would give 98.7% / +0.6%); int8 not measured with them yet
-        "int4": QualityReport("int4", 0.96104, 3.53341, 0.04147, 3696),
-    },
-}
-
-
-def quality_texts(tokenizer, per_category: int = 2, max_tokens: int = 512) -> list[list[int]]:
-    """Token ids of the Spec-Bench prompts (``per_category`` of each), chat template applied, at most
-    ``max_tokens`` each; the first HumanEval problems when ../shared/data is missing."""
-    from specdecode.data import SharedDataMissing, load_prompts
-
-    try:
-        prompts = load_prompts("spec-bench")
-    except SharedDataMissing:
-        prompts = load_prompts(f"humaneval:{13 * per_category}")
-    texts, seen = [], {}
-    limit = getattr(tokenizer, "model_max_length", None)
-    if isinstance(limit, int) and 1 < limit < max_tokens:
-        max_tokens = limit
-    for p in prompts:
-        if seen.get(p.category, 0) >= per_category:
-            continue
-        seen[p.category] = seen.get(p.category, 0) + 1
-        if getattr(tokenizer, "chat_template", None):
-            text = tokenizer.apply_chat_template([{"role": "user", "content": p.turns[0]}], tokenize=False,
-                                                 add_generation_prompt=True)
-        else:
-            text = p.turns[0]
-        texts.append(tokenizer(text, add_special_tokens=False)["input_ids"][:max_tokens])
-    return texts
-
-
-@torch.inference_mode()
-def teacher_forced(model: torch.nn.Module, texts: Sequence[Sequence[int]]) -> tuple[list[torch.Tensor], float, int]:
-    """Per text the next-token argmax [n - 1] int64, plus the summed NLL (nats) and the positions scored.
-
-    Runs the owned forward where it applies, with its fast (prefill) numerics: the batch-invariant
-    ones differ from them only in rounding, which moves agreement by near-ties, not the model.
-    """
-    from specdecode.kv import make_runner
-
-    runner = make_runner(model, batch_invariant=False).row(0)
-    argmaxes, nll, n = [], 0.0, 0
-    for ids in texts:
-        runner.reset()
-        logits = runner.forward(list(ids)).float()[:-1]
-        logp = torch.log_softmax(logits, -1)
-        nll -= float(logp.gather(1, torch.tensor(ids[1:])[:, None]).sum())
-        n += len(ids) - 1
-        argmaxes.append(logits.argmax(-1))
-    runner.reset()
-    return argmaxes, nll, n
-
-
-def measure_quality(reference: torch.nn.Module, candidate: torch.nn.Module, precision: str,
-                    texts: Sequence[Sequence[int]],
-                    reference_scores: tuple[list[torch.Tensor], float, int] | None = None) -> QualityReport:
-    """Teacher-force ``texts`` through a float32 ``reference`` and a ``candidate`` (the same model in
-    ``precision``); compare next-token argmax and perplexity.
-
-    Args:
-        reference_scores: :func:`teacher_forced` of the reference, when already computed.
-    """
-    ref_argmax, ref_nll, n = reference_scores or teacher_forced(reference, texts)
-    argmax, nll, _ = teacher_forced(candidate, texts)
-    agree = sum(int((a == b).sum()) for a, b in zip(argmax, ref_argmax))
-    return QualityReport(precision, agree / max(n, 1), nll / max(n, 1),
-                         math.exp((nll - ref_nll) / max(n, 1)) - 1.0, n)
-
-
-@dataclass(frozen=True)
-class ExactnessReport:
-    """Whether a token's logits are bitwise equal verified alone or among others (the contract).
-
-    Attributes:
-        exact: every comparison equal, bit for bit.
-        detail: the first difference ("9 tokens in one forward: row 3 differs by 0.44") or what was checked.
-        row_kernel: the product kernel the batch-invariant forward uses (``kernels.row_product``),
-            None for int8 or the Hugging Face forward.
-    """
-
-    exact: bool
-    detail: str
-    row_kernel: str | None = None
-
-
-@torch.inference_mode()
-def check_batch_invariance(model: torch.nn.Module, counts: Sequence[int] = (2, 5, 9, 17),
-                           context: int = 48, seed: int = 0, forward: str = "auto") -> ExactnessReport:
-    """Verify the batch-invariance contract on ``model`` as loaded, on this machine.
-
-    After a prefill of ``context`` random tokens, for each c in ``counts``: the logits of c tokens fed
-    in one forward equal those of the same tokens fed one by one, bitwise; and two rows verified
-    together equal each row verified alone (the batch case).
-    """
-    from specdecode.kv import make_runner
-
-    runner = make_runner(model, forward, num_slots=2)
-    gen = torch.Generator().manual_seed(seed)
-    vocab = runner.vocab_size
-    prompts = [torch.randint(0, vocab, (context,), generator=gen).tolist() for _ in range(2)]
-    feeds = [torch.randint(0, vocab, (max(counts),), generator=gen).tolist() for _ in range(2)]
-    kernel = getattr(runner, "row_kernel", None)
-    try:
-        for slot in range(2):
-            runner.forward(slice(slot, slot + 1), [prompts[slot]], last_only=True)
-        base = [runner.length(0), runner.length(1)]
-
-        def reset() -> None:
-            for slot in range(2):
-                runner.rollback(slot, base[slot])
-
-        alone = []
-        for t in feeds[0]:
-            alone.append(runner.forward(slice(0, 1), [[t]])[0, 0])
-        alone = torch.stack(alone)
-        reset()
-        for c in counts:
-            together = runner.forward(slice(0, 1), [feeds[0][:c]])[0]
-            reset()
-            diff = (together - alone[:c]).abs().amax(-1)
-            if bool((diff != 0).any()):
-                row = int((diff != 0).nonzero()[0])
-                return ExactnessReport(False, f"{c} tokens in one forward: token {row} differs from the same token "
-                                              f"fed alone by {float(diff[row]):.3g} in a logit", kernel)
-        c = counts[len(counts) // 2]
-        both = runner.forward(slice(0, 2), [feeds[0][:c], feeds[1][:c]])
-        reset()
-        second = runner.forward(slice(1, 2), [feeds[1][:c]])[0]
-        reset()
-        for row, single in ((0, alone[:c]), (1, second)):
-            d = float((both[row, :c] - single).abs().max())
-            if d != 0:
-                return ExactnessReport(False, f"two rows of {c} tokens in one forward: row {row} differs from "
-                                              f"the row alone by {d:.3g} in a logit", kernel)
-    finally:
-        runner.release()
-    return ExactnessReport(True, f"{', '.join(map(str, counts))} tokens and 2 rows x {c}: bitwise equal", kernel)
-
-
-@torch.inference_mode()
-def measure_step(model: torch.nn.Module, context: int = 256, repeats: int = 7, verify_rows: int = 6,
-                 seed: int = 0, forward: str = "auto") -> tuple[float, float]:
-    """(T_decode, T_verify) in seconds: the fastest of ``repeats`` timings of a one-token decoding step and
-    of a ``verify_rows``-token verification forward, after ``context`` cached tokens."""
-    from specdecode.kv import make_runner
-
-    runner = make_runner(model, forward)
-    gen = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, runner.vocab_size, (context + verify_rows,), generator=gen).tolist()
-    row = runner.row(0)
-    try:
-        row.forward(ids[:context], last_only=True)
-        times = {1: [], verify_rows: []}
-        for _ in range(repeats + 1):  # the first round warms up
-            for k in times:
-                t0 = time.perf_counter()
-                row.forward(ids[context : context + k])
-                times[k].append(time.perf_counter() - t0)
-                row.rollback(context)
-        return min(times[1][1:]), min(times[verify_rows][1:])  # the fastest: a shared machine only adds time
-    finally:
-        row.reset()
-
-
 @dataclass
 class Candidate:
     """One precision's figures on this machine (``None``: not measured, e.g. it failed the gate)."""
@@ -303,8 +97,6 @@ class PrecisionChoice:
 def machine_key(*, include_threads: bool = True) -> str:
     """CPU model, the SIMD flags that pick kernels, torch version and (unless ``include_threads`` is
     False) the current torch thread count, hashed: one cache per machine."""
-    from specdecode.bench.env import cpu_flags, cpu_model
-
     text = f"{cpu_model()}|{','.join(cpu_flags())}|torch {torch.__version__}"
     if include_threads:
         text += f"|threads {torch.get_num_threads()}"
@@ -442,9 +234,6 @@ def choose_precision(loaded, cache_dir: str | Path, *, status: Callable[[str], N
 def _write_cache(path: Path, data: dict, say: Callable[[str], None]) -> None:
     """Atomically (a temporary file of its own, then ``os.replace``); a cache that cannot be written costs a
     measurement next time, never the load."""
-    import os
-    import tempfile
-
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.stem, suffix=".tmp")
@@ -501,6 +290,7 @@ def _copy_in(loaded, precision: str) -> torch.nn.Module:
     """
     source = Path(str(loaded.source))
     if source.is_dir() and (source / "config.json").exists():
+        # lazy: these pull in transformers (start-up time)
         from specdecode.models import quiet_hf_output
         from transformers import AutoModelForCausalLM
 
@@ -513,10 +303,6 @@ def _copy_in(loaded, precision: str) -> torch.nn.Module:
         clone = copy.deepcopy(loaded.model)
         clone.__dict__.pop("_specdecode_fused_layers", None)
     if precision in ("int4", "int8"):  # a GGUF model's own 4-bit blocks (cached), not a requantization
-        from dataclasses import replace
-
-        from specdecode.lowbit import quantize_loaded
-
         return quantize_loaded(replace(loaded, model=clone), precision)
     return set_weight_precision(clone, precision)
 
@@ -535,7 +321,7 @@ def load_target(spec: str, weights: str = "auto", *, dtype: torch.dtype | str = 
     Raises:
         ModelLoadError (from load_model), SpecDecodeError (unknown precision).
     """
-    from specdecode.kernels import WEIGHT_PRECISIONS
+    # lazy: specdecode.models pulls in transformers (start-up time)
     from specdecode.models import _normalize_dtype, default_cache_dir, load_model
 
     if weights != "auto" and weights not in WEIGHT_PRECISIONS:
@@ -551,8 +337,6 @@ def load_target(spec: str, weights: str = "auto", *, dtype: torch.dtype | str = 
         set_weight_precision(loaded.model, "bf16")
         return loaded, _explicit(loaded, "bf16", cache, forward, why="the weights were loaded in bfloat16 (--dtype)")
     if weights != "auto":
-        from specdecode.lowbit import load_in_precision
-
         loaded = load_in_precision(spec, weights, dtype=dtype, cache_dir=cache_dir, progress=progress, say=status)
         return loaded, _explicit(loaded, weights, cache, forward)
     fast = _gguf_blocks_choice(spec, cache_dir, progress, status, forward)
@@ -561,8 +345,6 @@ def load_target(spec: str, weights: str = "auto", *, dtype: torch.dtype | str = 
     loaded = load_model(spec, dtype=torch.float32, cache_dir=cache_dir, progress=progress)
     choice = choose_precision(loaded, cache, status=status, forward=forward)
     if choice.precision in ("int4", "int8"):
-        from specdecode.lowbit import quantize_loaded
-
         quantize_loaded(loaded, choice.precision, cache_dir=cache_dir, progress=progress, say=status)
     else:
         set_weight_precision(loaded.model, choice.precision)
@@ -580,8 +362,8 @@ def _gguf_blocks_choice(spec: str, cache_dir, progress: bool, status, forward: s
     its effect on the catalog models is :data:`CATALOG_QUALITY`. Returns None (the measured choice
     runs) for other models, CPUs without a kernel, or an architecture the owned forward lacks.
     """
+    # lazy: these pull in transformers (start-up time)
     from specdecode.kv.owned import supports
-    from specdecode.lowbit import active_variant, load_in_precision
     from specdecode.models import resolve_spec
 
     if forward == "hf":
@@ -635,11 +417,10 @@ def _explicit(loaded, weights: str, cache: Path, forward: str = "auto",
             reason += f"; it changes the model: {line}"
     exact = m.get("exact")
     if exact is None and weights in ("int4", "int8") and forward != "hf":
+        # lazy: specdecode.kv.owned pulls in transformers (start-up time)
         from specdecode.kv.owned import supports
 
         if supports(loaded.model):  # row-independent low-bit products and attention: by construction
-            from specdecode.lowbit import active_variant, kernel_status
-
             exact = True
             active_variant()
             reason += (f"; {kernel_status()}; speculation stays exact (row-independent low-bit products in the "

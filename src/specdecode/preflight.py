@@ -37,6 +37,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
 
+from transformers import AutoConfig, AutoTokenizer
+
 from specdecode import models as M
 from specdecode.models import LoadedModel, ModelLoadError, OfflineModel
 from specdecode.types import PromptTooLongError, SpecDecodeError
@@ -243,8 +245,6 @@ def _stamp(path: Path) -> tuple:
 
 def _read_hf_dir(spec: str, path: Path) -> ModelInfo | None:
     """A Hugging Face model directory's tokenizer and config (None when its tokenizer does not load)."""
-    from transformers import AutoConfig, AutoTokenizer
-
     with M.quiet_hf_output():
         try:
             tokenizer = AutoTokenizer.from_pretrained(path)
@@ -260,8 +260,6 @@ def _read_hf_dir(spec: str, path: Path) -> ModelInfo | None:
 
 def _read_hub(spec: str, _: str) -> ModelInfo:
     """A hub id's tokenizer and config: fetched (small files only), or from the local cache when offline."""
-    from transformers import AutoConfig, AutoTokenizer
-
     with M.quiet_hf_output(), M.hub_access(spec) as offline:
         try:
             tokenizer = AutoTokenizer.from_pretrained(spec, local_files_only=offline)

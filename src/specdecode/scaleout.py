@@ -21,6 +21,7 @@ def require_ray() -> None:
         SpecDecodeError: names what to install.
     """
     try:
+        # optional: Ray Serve (pip install -e ".[ray]"); a missing one is reported below
         import ray  # noqa: F401
         from ray import serve  # noqa: F401
     except ImportError as exc:

@@ -490,7 +490,8 @@ def check_server_limits(max_queue: int, max_request_bytes: int, default_max_toke
 
 
 def check_serve_options(opts) -> DraftChoice:
-    """Every check of ``specdecode serve`` that needs no model (``server.launch.check_options``).
+    """Every check of ``specdecode serve`` that needs no model but the drafter's (``server.launch.check_options``
+    adds those: ``DrafterSpec.from_settings``).
 
     Args:
         opts: a ``server.launch.ServeOptions``, or the ``argparse.Namespace`` of ``specdecode serve``
@@ -500,15 +501,12 @@ def check_serve_options(opts) -> DraftChoice:
         the parsed ``--draft``.
 
     Raises:
-        SpecDecodeError: a value out of range, an unknown policy / precision / forward, a drafter
-            whose options do not fit it.
+        SpecDecodeError: a value out of range, an unknown policy / precision / forward.
     """
     check_engine(num_speculative_tokens=opts.num_speculative_tokens, max_batch_size=opts.max_batch_size,
                  forward=opts.forward, verification=getattr(opts, "verification", "auto"))
     check_policy_name(opts.policy)
-    choice = parse_draft(opts.draft)
-    check_drafter(choice, DrafterOptions(ngram_min=opts.ngram_min, ngram_max=opts.ngram_max, tree=opts.tree,
-                                         tree_nodes=opts.tree_nodes, skip_layers=opts.skip_layers))
+    choice = parse_draft(opts.draft)  # the drafter and its flags: specdecode.spec.DrafterSpec.from_settings
     for flag, precision in (("--weights", opts.weights), ("--draft-weights", opts.draft_weights or opts.weights)):
         if precision not in WEIGHT_CHOICES:  # "auto": the library measures and picks one
             raise SpecDecodeError(f"{flag}: unknown precision {precision!r}; choose one of {WEIGHT_CHOICES}")

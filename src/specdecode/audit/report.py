@@ -7,13 +7,14 @@ observed and the exact frequencies of its most likely outcomes (matplotlib, Agg 
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
 
 if TYPE_CHECKING:  # annotations only: the runner imports this module to write its report
-    from specdecode.audit.runner import AuditReport
+    from specdecode.audit.results import AuditReport
 
 #: Outcomes in the plot.
 PLOT_CELLS = 24
@@ -75,10 +76,9 @@ def summary_lines(report: AuditReport) -> list[str]:
 
 def print_report(report: AuditReport, console=None, tokenizer=None) -> None:
     """The table and the verdict on the terminal (``console``: a rich Console; default stdout)."""
+    # lazy: rich (start-up time)
     from rich.console import Console
     from rich.table import Table
-
-    import sys
 
     console = console or Console(file=sys.stdout, highlight=False, soft_wrap=True,
                                  width=None if sys.stdout.isatty() else 180)
@@ -130,9 +130,11 @@ def plot_worst(report: AuditReport, path: Path) -> Path | None:
     """Observed vs exact frequencies of the most likely outcomes of the prompt with the smallest p-value."""
     if report.mode != "sampled" or not report.prompts:
         return None
+    # lazy: matplotlib, its Agg backend chosen before pyplot (start-up time)
     import matplotlib
 
     matplotlib.use("Agg")
+    # lazy: matplotlib, its Agg backend chosen before pyplot (start-up time)
     import matplotlib.pyplot as plt
 
     worst = min(report.prompts, key=lambda p: p.chi2.pvalue)

@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 from typing import Protocol
+from urllib.parse import urlsplit
 
 from specdecode.audit.config import AuditError
 from specdecode.types import SamplingParams
@@ -149,7 +150,6 @@ def _base_url(url: str) -> str:
     if not base.startswith(("http://", "https://")):
         raise AuditError(f"--endpoint {url!r} is not an http(s) URL: give the server's address, like "
                          "http://127.0.0.1:8000")
-    from urllib.parse import urlsplit
 
     try:
         host, _ = urlsplit(base).hostname, urlsplit(base).port  # .port raises on a malformed port
@@ -183,6 +183,7 @@ class EndpointSource:
 
     def __init__(self, url: str, model: str, *, api_key: str | None = None, concurrency: int = 8,
                  timeout: float = 120.0, prompt_format: str = "ids", extra: dict | None = None) -> None:
+        # lazy: httpx (start-up time)
         import httpx
 
         self.base = _base_url(url)
@@ -284,6 +285,7 @@ class EndpointSource:
                        choice.get("finish_reason"))
 
     def _send(self, method: str, path: str, retry: bool = True, **kw):
+        # lazy: httpx (start-up time)
         import httpx
 
         for attempt in range(MAX_ERROR_RETRIES + 1):

@@ -11,10 +11,13 @@ This module stays light (argparse only): the CLI builds its parser without impor
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from specdecode.cliargs import check_precision_flags
+from specdecode.errors import SpecDecodeError
 from specdecode.options import VERIFICATION_METHODS, WEIGHT_CHOICES, WEIGHT_PRECISIONS
 from specdecode.paths import check_output_dir
+from specdecode.validate import check_threads
 
 PRESETS = ("full", "quick", "smoke")
 
@@ -121,6 +124,7 @@ def config_from_args(args: argparse.Namespace):
         SpecDecodeError: malformed lists, out-of-range numbers.
     """
     check_precision_flags(args.dtype, args.weights, args.draft_weights)  # both given and contradictory
+    # lazy: these pull in torch (start-up time)
     from specdecode.bench.runner import BenchConfig, quick_config, smoke_config
     from specdecode.types import SpecDecodeError
 
@@ -152,14 +156,10 @@ def config_from_args(args: argparse.Namespace):
 
 def run_command(args: argparse.Namespace) -> int:
     """Entry point of ``specdecode bench`` (called by ``specdecode.cli``); returns the exit status."""
-    from pathlib import Path
-
-    from specdecode.errors import SpecDecodeError
-    from specdecode.validate import check_threads
-
     check_threads(args.threads)  # 1..the cores this process may use, whatever the mode
 
     if getattr(args, "setup_peers", None):
+        # lazy: specdecode.bench.peers pulls in torch (start-up time)
         from specdecode.bench.peers import parse_peers, setup_peers
 
         names = parse_peers(args.setup_peers)
@@ -167,6 +167,7 @@ def run_command(args: argparse.Namespace) -> int:
         setup_peers(names, models, args.openvino_weights or "int8")
         return 0
     if getattr(args, "verify_table", False):
+        # lazy: the package imports its submodules only when a command runs them (start-up time)
         from specdecode.bench.verifytable import run_table
 
         try:
@@ -185,6 +186,7 @@ def run_command(args: argparse.Namespace) -> int:
         out = Path(args.output or f"bench-out/{args.preset or 'full'}")
         if out.is_dir():  # a folder without a run is said below; one that cannot take the report here
             check_output_dir(out, "--output")
+        # lazy: specdecode.bench.report pulls in numpy (start-up time)
         from specdecode.bench import report
 
         try:
@@ -198,6 +200,7 @@ def run_command(args: argparse.Namespace) -> int:
     config = config_from_args(args)
     if args.output is None:  # the preset's own folder (bench-out/PRESET), made with its parents
         check_output_dir(config.output, "--output", default=True)
+    # lazy: these pull in numpy, torch (start-up time)
     from specdecode.bench import report
     from specdecode.bench.runner import run_bench
 

@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from specdecode import __version__
+
 
 def cpu_model() -> str:
     """The CPU's model name (``/proc/cpuinfo``, else ``platform.processor()``), or 'unknown'."""
@@ -69,10 +71,9 @@ def git_commit(start: Path | None = None) -> str | None:
 
 def environment() -> dict:
     """Machine, software and thread facts as a JSON-ready dict (date in UTC, ISO 8601)."""
+    # lazy: these pull in torch, transformers (start-up time)
     import torch
     import transformers
-
-    from specdecode import __version__
 
     return {
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
@@ -95,6 +96,7 @@ def environment() -> dict:
 
 def _lowbit_kernel() -> str:
     """Which low-bit kernel variant ran (``lowbit.kernel_status``), or that none was loaded."""
+    # lazy: specdecode.lowbit pulls in torch (start-up time)
     from specdecode.lowbit import kernel_status
 
     return kernel_status()

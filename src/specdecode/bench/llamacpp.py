@@ -57,6 +57,7 @@ class LlamaCppRunner:
 
     def __init__(self, gguf: str, method: str = "plain", *, gamma: int = 10, max_ngram: int = 2,
                  n_ctx: int = 512, n_threads: int | None = None) -> None:
+        # lazy: torch (start-up time)
         import torch
 
         if method not in ("plain", "prompt-lookup"):
@@ -70,10 +71,12 @@ class LlamaCppRunner:
     def _load(self, n_ctx: int) -> None:
         """(Re)create the context with room for ``n_ctx`` tokens. A draft makes llama-cpp-python keep
         logits for every position (n_ctx x vocab floats), so the context is sized to the need."""
+        # optional: llama-cpp-python, a benchmark peer
         from llama_cpp import Llama
 
         draft = None
         if self.method == "prompt-lookup":
+            # optional: llama-cpp-python, a benchmark peer
             from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
             draft = LlamaPromptLookupDecoding(max_ngram_size=self.max_ngram, num_pred_tokens=self.gamma)

@@ -31,11 +31,13 @@ are compared with llama-server's own plain decoding, and with ours for informati
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import shutil
 import socket
 import subprocess
+import sys
 import tarfile
 import time
 import urllib.error
@@ -60,6 +62,7 @@ ALWAYS_OFF = ("GGML_AMX_TILE", "GGML_AMX_INT8", "GGML_AMX_BF16")
 
 def peer_dir(cache: str | Path | None = None) -> Path:
     """``$SPECDECODE_CACHE/peers/llama.cpp`` (source, build, binary)."""
+    # lazy: specdecode.models pulls in transformers (start-up time)
     from specdecode.models import default_cache_dir
 
     return Path(cache) if cache is not None else default_cache_dir() / "peers" / "llama.cpp"
@@ -153,9 +156,6 @@ def setup(*, root: Path | None = None, jobs: int = 2, status=print) -> Path:
 
 def vendored_source(root: Path, status=print, _unpacked: bool = False) -> Path:
     """``root/src/<sdist>/vendor/llama.cpp``, downloaded with pip and unpacked when missing."""
-    import glob
-    import sys
-
     src_root = root / "src"
     folder = "llama_cpp_python-" + SDIST.split("==")[-1]  # this version's unpacked sdist, not an older one
     found = glob.glob(str(src_root / folder / "vendor" / "llama.cpp" / "CMakeLists.txt"))

@@ -32,6 +32,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from specdecode.types import SpecDecodeError
 
 ENGINE = "openvino"
@@ -43,6 +45,7 @@ WORKER = Path(__file__).with_name("openvino_worker.py")
 
 def peer_dir(cache: str | Path | None = None) -> Path:
     """``$SPECDECODE_CACHE/peers/openvino`` (the venv and the exported models)."""
+    # lazy: specdecode.models pulls in transformers (start-up time)
     from specdecode.models import default_cache_dir
 
     return Path(cache) if cache is not None else default_cache_dir() / "peers" / "openvino"
@@ -202,8 +205,6 @@ def setup(models: Sequence[str], weight_format: str = DEFAULT_FORMAT, *, root: P
 
 def make_venv(root: Path, status=print) -> None:
     """``root/venv``: our CPU torch first, then openvino-genai and optimum-intel with torch pinned to it."""
-    import torch
-
     py = venv_python(root)
     marker = root / "venv" / "specdecode-peer.json"
     if marker.exists():
@@ -247,6 +248,7 @@ def hf_dir_of(spec: str) -> Path:
     Raises:
         SpecDecodeError: neither a catalog name nor a directory.
     """
+    # lazy: specdecode.models pulls in transformers (start-up time)
     from specdecode.models import OFFLINE_MODELS, default_cache_dir, load_model
 
     entry = OFFLINE_MODELS.get(spec.strip().lower())

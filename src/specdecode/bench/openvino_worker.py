@@ -47,6 +47,7 @@ class Worker:
         self.mode = "plain"
 
     def load(self, req: dict) -> dict:
+        # optional: OpenVINO GenAI, a benchmark peer
         import openvino_genai as ov_genai
 
         props = {"INFERENCE_NUM_THREADS": int(req["threads"])} if req.get("threads") else {}
@@ -61,6 +62,7 @@ class Worker:
         return {"ok": True, "load_s": time.perf_counter() - start, "openvino_genai": ov_genai.__version__}
 
     def generate(self, req: dict) -> dict:
+        # optional: OpenVINO and OpenVINO GenAI, a benchmark peer (numpy with them)
         import numpy as np
         import openvino as ov
         import openvino_genai as ov_genai

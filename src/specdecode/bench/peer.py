@@ -35,6 +35,7 @@ class PeerResult:
 
 def generation_config(max_new_tokens: int, temperature: float, eos_token_ids: Sequence[int]):
     """An explicit GenerationConfig matching our SamplingParams (top-k / top-p off, batch size 1)."""
+    # lazy: transformers (start-up time)
     from transformers import GenerationConfig
 
     eos = list(eos_token_ids)

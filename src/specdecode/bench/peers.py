@@ -13,6 +13,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 
+from specdecode.bench import llamaserver, openvino
 from specdecode.types import SpecDecodeError
 
 PEERS = ("openvino", "llama-server")
@@ -41,11 +42,7 @@ def setup_peers(names: Sequence[str], models: Sequence[str], openvino_weights: s
     """
     say = status or (lambda msg: print(f"specdecode bench --setup-peers: {msg}", file=sys.stderr, flush=True))
     if "llama-server" in names:
-        from specdecode.bench import llamaserver
-
         say(f"llama-server ready: {llamaserver.setup(status=say)}")
     if "openvino" in names:
-        from specdecode.bench import openvino
-
         dirs = openvino.setup(list(dict.fromkeys(models)), openvino_weights, status=say)
         say(f"OpenVINO peer ready: {', '.join(str(d) for d in dirs)}")

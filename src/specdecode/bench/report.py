@@ -360,9 +360,11 @@ def markdown(summary: dict, meta: dict) -> str:
 
 def plot_all(summary: dict, meta: dict, out: Path) -> list[Path]:
     """Write the three PNG plots; returns their paths."""
+    # lazy: matplotlib, its Agg backend chosen before pyplot (start-up time)
     import matplotlib
 
     matplotlib.use("Agg")
+    # lazy: matplotlib, its Agg backend chosen before pyplot (start-up time)
     import matplotlib.pyplot as plt
 
     variants = {v["key"]: v for v in meta["variants"]}

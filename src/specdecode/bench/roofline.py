@@ -13,6 +13,7 @@ from __future__ import annotations
 import datetime as _dt
 import json
 import os
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -36,6 +37,7 @@ def bandwidth_cache_file(cache_dir: str | Path | None = None) -> Path:
 
     One file per machine whatever the current thread count: its entries are keyed by tensor size and threads.
     """
+    # lazy: these pull in torch (start-up time)
     from specdecode.models import default_cache_dir
     from specdecode.precision import machine_key
 
@@ -63,8 +65,7 @@ def measure_read_bandwidth(cache_dir: str | Path | None = None, *, size_bytes: i
     Raises:
         ValueError: ``size_bytes`` < 4 or ``repeats`` < 1.
     """
-    import time
-
+    # lazy: torch (start-up time)
     import torch
 
     if size_bytes < 4 or repeats < 1:
@@ -141,6 +142,7 @@ def weight_bytes_by_kind(model) -> dict[str, int]:
     Args:
         model: a ``torch.nn.Module``.
     """
+    # lazy: torch (start-up time)
     import torch
 
     embeddings = {id(m) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
@@ -193,6 +195,7 @@ def kv_bytes_per_token(model, dtype) -> int:
     Raises:
         ValueError: the config lacks those fields.
     """
+    # lazy: torch (start-up time)
     import torch
 
     cfg = getattr(model, "config", None)
@@ -214,6 +217,7 @@ def model_facts(name: str, role: str, model, kv_dtype=None) -> dict:
         name: the model spec; role: "target" or "draft".
         kv_dtype: the runner's cache ``torch.dtype`` (None: the model's first floating-point parameter's).
     """
+    # lazy: torch (start-up time)
     import torch
 
     kinds = weight_bytes_by_kind(model)

@@ -13,26 +13,23 @@ rotates from prompt to prompt), so the machine's drift hits all of them alike:
 Each finished (prompt, variant) run is appended to ``records.jsonl`` at once; a rerun with
 the same output directory and settings skips what is there (resume).
 
-Method specs are one line: ``NAME[:OPTION=VALUE,...]`` where NAME is a key of
-``specdecode.proposers.PROPOSERS``, ``k`` is gamma (``num_speculative_tokens``), ``model``
-names a draft model (for proposers that take one) and any other option is a field of the
-proposer's config dataclass (``ngram:k=5,max_ngram=4``; tuples as ``branching=4/2/2``). A new proposer registered with
-``@register("name")`` whose factory takes ``config=`` (a dataclass) and/or ``model=`` needs
-no change here; one that needs more registers a builder with :func:`method_builder`.
+Methods are drafter specs in their compact form (:class:`specdecode.spec.DrafterSpec`): ``KIND[:KEY=VALUE,...]``
+where KIND is a key of ``specdecode.proposers.PROPOSERS``, ``k`` is gamma (``num_speculative_tokens``), ``model``
+names a draft model (for proposers that take one) and any other option is a field of the proposer's config
+dataclass (``ngram:k=5,max_ngram=4``; tuples as ``branching=4/2/2``). Each is built by the one builder
+(:mod:`specdecode.build`), as ``generate`` and ``serve`` build it. A new proposer registered with
+``@register("name")`` whose factory takes ``config=`` (a dataclass) and/or ``model=`` needs no change here.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import gc
-import hashlib
-import json
 import logging
 import os
 import sys
 import time
-import typing
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -41,572 +38,48 @@ import torch
 from specdecode.bench import report
 from specdecode.bench.env import environment
 from specdecode.bench.records import RECORDS_FILE, RecordStore  # noqa: F401 - re-exported
+from specdecode.build import build_factory
 from specdecode.eagle.head import EagleCheckpointError
 from specdecode.types import SpecDecodeError
-from specdecode.options import WEIGHT_CHOICES, WEIGHT_PRECISIONS
 from specdecode.paths import check_output_dir
+from specdecode.proposers.factory import other_tokenizer
+from specdecode.spec import DrafterSpec
+
+from specdecode.bench.config import (  # noqa: F401 - re-exported: the settings and prompts of a run
+    DEFAULT_DATASETS,
+    KERNELS,
+    BenchConfig,
+    BenchPrompt,
+    encode_prompt,
+    quick_config,
+    select_prompts,
+    smoke_config,
+)
+from specdecode.bench.variants import (  # noqa: F401 - re-exported: the matrix's columns
+    PROBE_REPS,
+    RunOutput,
+    Variant,
+    engine_runner,
+    expand_methods,
+    main_gamma_of,
+    needs_draft_model,
+    peer_runner,
+    probe_forward_times,
+    registered_methods,
+)
+from specdecode.lowbit import set_weight_precision
+from specdecode.bench.smoke import load_smoke_model
+from specdecode.models import default_cache_dir
+from specdecode.precision import choose_precision
+from specdecode.precision import load_target
+from specdecode.lowbit import load_in_precision
+from specdecode.kernels import use_small_row_matmul
+from specdecode.models import check_compatible
+import atexit
+import specdecode.models  # gguf_file looked up at call time: the tests stand a fake in for it
+from specdecode.bench import roofline
 
 logger = logging.getLogger(__name__)
-
-KERNELS = ("default", "small-row")
-#: Timed forwards per k in the cost probe (the least counts).
-PROBE_REPS = 5
-#: Spec-Bench's 13 categories come from ``spec-bench``; the issue's four prompt sources.
-DEFAULT_DATASETS = ("spec-bench", "humaneval", "mt-bench", "gsm8k")
-
-
-# --------------------------------------------------------------------------- method specs
-
-
-@dataclass(frozen=True)
-class MethodSpec:
-    """A proposer by registry name, its gamma, and its options (``ngram:k=5,max_ngram=4``).
-
-    Attributes:
-        name: a key of ``specdecode.proposers.PROPOSERS``.
-        gamma: draft tokens per step (``k``); None until defaulted.
-        options: (key, value-string) pairs other than ``k``, sorted by key.
-    """
-
-    name: str
-    gamma: int | None = None
-    options: tuple[tuple[str, str], ...] = ()
-
-    @classmethod
-    def parse(cls, text: str) -> "MethodSpec":
-        """Parse ``NAME[:KEY=VALUE,...]``.
-
-        Raises:
-            SpecDecodeError: empty name, an option without '=', or k not an integer in [1, 64].
-        """
-        name, _, rest = text.strip().partition(":")
-        name = name.strip()
-        if not name:
-            raise SpecDecodeError(f"empty method name in {text!r}; write e.g. 'ngram:k=5' or 'draft-model:k=4'")
-        gamma, options = None, {}
-        for item in filter(None, (p.strip() for p in rest.split(","))):
-            key, eq, value = item.partition("=")
-            if not eq or not key.strip():
-                raise SpecDecodeError(f"method option {item!r} in {text!r} is not KEY=VALUE")
-            key, value = key.strip().replace("-", "_"), value.strip()
-            if key in ("k", "gamma", "num_speculative_tokens"):
-                if not value.isdigit() or not 1 <= int(value) <= 64:
-                    raise SpecDecodeError(f"k (gamma) must be an integer in [1, 64], got {value!r} in {text!r}")
-                gamma = int(value)
-            else:
-                options[key] = value
-        return cls(name, gamma, tuple(sorted(options.items())))
-
-    def with_gamma(self, gamma: int) -> "MethodSpec":
-        return dataclasses.replace(self, gamma=gamma)
-
-    def option(self, key: str, default: str | None = None) -> str | None:
-        return dict(self.options).get(key, default)
-
-    @property
-    def canonical(self) -> str:
-        """``name:k=G,opt=v,...`` (options sorted): the method's identity in records and tables."""
-        parts = ([f"k={self.gamma}"] if self.gamma is not None else []) + [f"{k}={v}" for k, v in self.options]
-        return self.name + (":" + ",".join(parts) if parts else "")
-
-    @property
-    def family(self) -> str:
-        """The spec without gamma: variants of one family differ only in gamma (a sweep)."""
-        return dataclasses.replace(self, gamma=None).canonical
-
-
-@dataclass
-class BuildContext:
-    """What a method builder may use: the target, and a loader of draft models by spec."""
-
-    target: object  # LoadedModel
-    load_draft: Callable[[str], object]  # spec -> LoadedModel (cached, tokenizer-checked)
-    default_draft: str | None
-
-
-def registered_methods() -> list[str]:
-    """Every proposer the project registers (``specdecode.proposers.PROPOSERS``), in registration order."""
-    from specdecode.proposers import PROPOSERS
-
-    return list(PROPOSERS)
-
-
-def needs_draft_model(name: str) -> bool:
-    """True when the registered factory takes a ``model`` argument (a draft model)."""
-    from specdecode.proposers.factory import takes_draft_model
-
-    return takes_draft_model(name)
-
-
-def draft_model_of(spec: MethodSpec, default: str | None) -> str | None:
-    """The draft-model spec a method uses (its ``model`` option, else the default), None for model-free ones."""
-    if not needs_draft_model(spec.name):
-        return None
-    return spec.option("model", default)
-
-
-def build_proposer_for(spec: MethodSpec, ctx: BuildContext):
-    """Build the proposer a MethodSpec names, through the registered factory.
-
-    The generic path (:func:`specdecode.proposers.factory.registered_factory`) passes ``config=``
-    (the factory's config dataclass, built from the options with each field's type), ``model=``
-    (the draft model: option ``model`` or the default draft; the target for self-speculative
-    proposers, ``specdecode.proposers.factory.SELF_SPECULATIVE``) and ``target=`` (the target
-    model) where the factory takes them.
-
-    Raises:
-        SpecDecodeError: unknown method (lists the registered ones), an option that is no
-            config field, a value of the wrong type, or a draft model needed but not given.
-    """
-    from specdecode.proposers import PROPOSERS
-    from specdecode.proposers.factory import config_type, other_tokenizer, registered_factory, takes_draft_model
-
-    if spec.name not in PROPOSERS:
-        raise SpecDecodeError(f"unknown method {spec.name!r}; registered proposers: {', '.join(PROPOSERS)}")
-    options = dict(spec.options)
-    draft = None
-    if takes_draft_model(spec.name):
-        draft_spec = options.pop("model", None) or ctx.default_draft
-        if not draft_spec:
-            raise SpecDecodeError(f"method {spec.name!r} needs a draft model: pass --draft SPEC or "
-                                  f"'{spec.name}:model=SPEC'")
-        loaded = ctx.load_draft(draft_spec)
-        draft = loaded.model
-        if spec.name == "cross-vocab" or (spec.name == "draft-model" and other_tokenizer(ctx.target, loaded)):
-            return registered_factory("cross-vocab", draft=draft, target_tokenizer=ctx.target.tokenizer,
-                                      draft_tokenizer=loaded.tokenizer,
-                                      target_vocab=int(ctx.target.model.config.vocab_size))()
-    kind = config_type(spec.name)
-    if kind is None and options:
-        raise SpecDecodeError(f"method {spec.name!r} takes no options, got {sorted(options)}")
-    config = _build_config(kind, options, spec) if kind is not None else None
-    return registered_factory(spec.name, target=getattr(ctx.target, "model", None), draft=draft, config=config)()
-
-
-def _build_config(config_type: type, options: dict[str, str], spec: MethodSpec):
-    fields = {f.name: f for f in dataclasses.fields(config_type)}
-    hints = typing.get_type_hints(config_type)
-    values = {}
-    for key, raw in options.items():
-        if key not in fields:
-            raise SpecDecodeError(f"method {spec.name!r} has no option {key!r}; its options: "
-                                  f"k, {', '.join(fields) or '(none)'}")
-        values[key] = _convert(raw, hints.get(key, str), key, spec)
-    return config_type(**values)
-
-
-def _convert(raw: str, hint, key: str, spec: MethodSpec):
-    """An option string as the config field's type: bool, int, float, str, or a tuple written a/b/c."""
-    for h in (hint, *typing.get_args(hint)):
-        if typing.get_origin(h) is tuple:
-            item = next((t for t in typing.get_args(h) if t is not Ellipsis), str)
-            return tuple(_convert(part, item, key, spec) for part in raw.split("/") if part)
-    kinds = [t for t in (hint, *typing.get_args(hint)) if t in (bool, int, float, str)]
-    kind = kinds[0] if kinds else str
-    try:
-        if kind is bool:
-            if raw.lower() not in ("1", "0", "true", "false", "yes", "no"):
-                raise ValueError(raw)
-            return raw.lower() in ("1", "true", "yes")
-        return kind(raw)
-    except ValueError:
-        raise SpecDecodeError(f"option {key}={raw!r} of method {spec.name!r} must be {kind.__name__}") from None
-
-
-# --------------------------------------------------------------------------- configuration
-
-
-@dataclass(frozen=True)
-class BenchConfig:
-    """One benchmark run. Defaults are the full matrix; see :func:`quick_config` and :func:`smoke_config`.
-
-    Attributes:
-        target: model spec of the target (``load_model``; ``smoke:target`` for the built-in tiny one).
-        methods: method specs (``ngram:k=5``); empty = every registered proposer (those that need a
-            draft model only when ``draft`` is set).
-        draft: default draft-model spec for methods that take one.
-        datasets: prompt sets (``spec-bench``, ``spec-bench:coding``, ``humaneval``, ``mt-bench``, ``gsm8k``).
-        limit: prompts per category (None = all).
-        max_new_tokens: per prompt.
-        temperature: 0 = greedy (outputs compared across methods and with HF); > 0 samples.
-        verification: how our engine verifies sampled drafts ("auto", "token", "block";
-            ``EngineConfig.verification``); the HF peer has its own. Greedy runs are unaffected.
-        seed: base seed; prompt i uses seed + i in every variant.
-        gamma: draft length of methods whose spec has no ``k``.
-        gammas: extra sweep: every method family also runs at each of these gammas.
-        peer: also run transformers' plain / assisted / prompt-lookup generate.
-        chat: apply the chat template to chat prompts (HumanEval is completion text, never templated).
-        probe: time target forwards of k + 1 tokens (T_verify(k)) and draft forwards for the theory.
-        warmup: one short unrecorded generation per variant before measuring.
-        repeats: runs of every (prompt, variant), interleaved; figures use the fastest (on a shared
-            machine noise only adds time). A rerun with more repeats adds runs to the old ones.
-        dtype: model dtype name.
-        kernel: "default" (the Hugging Face forward as shipped) or "small-row" (every linear layer of
-            target and drafts computed as ``W @ x.T`` for few rows: ``specdecode.kernels``); the HF
-            peer runs the same model objects, so both sides get the same kernels.
-        llama_cpp: also run llama-cpp-python (``bench.llamacpp``).
-        openvino: also run OpenVINO GenAI in its own venv (``bench.openvino``; ``--setup-peers`` first).
-        openvino_weights: weight format of the OpenVINO exports ("int8", "int4", "fp16").
-        llama_server: also run llama.cpp's C++ ``llama-server`` (``bench.llamaserver``; ``--setup-peers`` first).
-        threads: torch intra-op threads (None = torch's default); the peers get the same count.
-        remeasure_bandwidth: measure the memory read bandwidth of the roofline again (``bench.roofline``;
-            otherwise it is measured once per machine and thread count, and cached).
-        output: report directory (records.jsonl, report.md, report.json, PNGs).
-        preset: name of the preset the config came from ("full", "quick", "smoke").
-    """
-
-    target: str = "smollm2-135m"
-    methods: tuple[str, ...] = ()
-    draft: str | None = None
-    datasets: tuple[str, ...] = DEFAULT_DATASETS
-    limit: int | None = 5
-    max_new_tokens: int = 128
-    temperature: float = 0.0
-    verification: str = "auto"
-    seed: int = 0
-    gamma: int = 4
-    gammas: tuple[int, ...] = ()
-    peer: bool = True
-    chat: bool = True
-    probe: bool = True
-    warmup: bool = True
-    repeats: int = 1
-    dtype: str = "float32"
-    kernel: str = "default"
-    draft_weights: str | None = None
-    weights: str = "auto"
-    llama_cpp: bool = False
-    openvino: bool = False
-    openvino_weights: str = "int8"
-    llama_server: bool = False
-    threads: int | None = None
-    remeasure_bandwidth: bool = False
-    output: str = "bench-out/full"
-    preset: str = "full"
-
-    def __post_init__(self) -> None:
-        from specdecode.types import SamplingParams
-
-        from specdecode.validate import check_threads, check_verification
-
-        SamplingParams(temperature=self.temperature, max_new_tokens=self.max_new_tokens)  # range checks
-        check_verification(self.verification, "--verification")
-        for g in (self.gamma, *self.gammas):
-            if not isinstance(g, int) or not 1 <= g <= 64:
-                raise SpecDecodeError(f"gamma values must be integers in [1, 64], got {g!r}")
-        if self.limit is not None and self.limit < 1:
-            raise SpecDecodeError(f"--limit must be >= 1, got {self.limit}")
-        if not isinstance(self.repeats, int) or self.repeats < 1:
-            raise SpecDecodeError(f"--repeats must be an integer >= 1, got {self.repeats!r}")
-        check_threads(self.threads)  # 1..the cores this process may use
-        if not self.datasets:
-            raise SpecDecodeError("no dataset selected")
-        if self.weights not in WEIGHT_CHOICES:
-            raise SpecDecodeError(f"unknown weight precision {self.weights!r}; choose one of {', '.join(WEIGHT_CHOICES)}")
-        if self.draft_weights is not None and self.draft_weights not in WEIGHT_PRECISIONS:
-            raise SpecDecodeError(f"unknown weight precision {self.draft_weights!r}; choose one of "
-                                  f"{', '.join(WEIGHT_PRECISIONS)}")
-        if (self.openvino or self.llama_server) and self.temperature > 0:
-            raise SpecDecodeError("--openvino / --llama-server run greedy decoding only: drop them or use "
-                                  "--temperature 0")
-        if self.openvino_weights not in ("int8", "int4", "fp16"):  # bench.openvino.WEIGHT_FORMATS
-            raise SpecDecodeError(f"unknown OpenVINO weight format {self.openvino_weights!r}; use int8, int4, fp16")
-        if self.kernel not in KERNELS:
-            raise SpecDecodeError(f"unknown kernel {self.kernel!r}; choose one of {', '.join(KERNELS)}")
-
-    def settings(self) -> dict:
-        """What makes records comparable: a rerun resumes only records with equal settings."""
-        out = {"target": self.target, "max_new_tokens": self.max_new_tokens, "temperature": self.temperature,
-               "seed": self.seed, "dtype": self.dtype, "chat": self.chat, "batch_size": 1, "kernel": self.kernel}
-        # Settings added later enter only when set to something else than their default, so that
-        # output directories written before they existed keep resuming.
-        if (self.draft_weights or self.weights) != "fp32":  # None: the target's (what ran, once it is resolved)
-            out["draft_weights"] = self.draft_weights or self.weights
-        if self.weights != "fp32":
-            out["weights"] = self.weights
-        if self.verification != "auto":
-            out["verification"] = self.verification
-        if self.openvino and self.openvino_weights != "int8":
-            out["openvino_weights"] = self.openvino_weights
-        return out
-
-    def settings_id(self) -> str:
-        blob = json.dumps(self.settings(), sort_keys=True).encode()
-        return hashlib.sha256(blob).hexdigest()[:12]
-
-
-def quick_config(**overrides) -> BenchConfig:
-    """A few minutes on SmolLM2-135M: n-gram at gamma 2 / 4, 2 prompts of 3 Spec-Bench categories, 48 tokens,
-    each run twice (the faster counts)."""
-    base = dict(target="smollm2-135m", methods=("ngram",), datasets=("spec-bench:summarization",
-                "spec-bench:coding", "spec-bench:math_reasoning"), limit=2, max_new_tokens=48, gamma=4,
-                gammas=(2, 4), repeats=2, output="bench-out/quick", preset="quick")
-    return BenchConfig(**{**base, **overrides})
-
-
-def smoke_config(**overrides) -> BenchConfig:
-    """Seconds on tiny random models built in code (CI): draft-model and n-gram, gamma 2 and 4, HF peer.
-
-    One torch thread: tiny matrices gain nothing from two, and a loaded CI machine makes
-    multi-threaded tiny ops wait on each other.
-    """
-    from specdecode.bench.smoke import SMOKE_DATASET, SMOKE_DRAFT, SMOKE_TARGET
-
-    base = dict(target=SMOKE_TARGET, draft=SMOKE_DRAFT, methods=("ngram", "draft-model"), datasets=(SMOKE_DATASET,), limit=2,
-                max_new_tokens=24, gamma=4, gammas=(2, 4), dtype="float64", weights="fp32", probe=True, threads=1,
-                output="bench-out/smoke", preset="smoke")
-    return BenchConfig(**{**base, **overrides})
-
-
-# --------------------------------------------------------------------------- prompts
-
-
-@dataclass(frozen=True)
-class BenchPrompt:
-    """One prompt of the matrix: identity, category label for tables, text, and whether it is chat."""
-
-    key: str  # unique: "spec-bench/81", "humaneval/HumanEval/0"
-    dataset: str
-    category: str  # the table column: Spec-Bench category, or the dataset name for HumanEval / GSM8K
-    text: str
-    is_completion: bool
-
-
-def select_prompts(datasets: Sequence[str], limit: int | None) -> list[BenchPrompt]:
-    """Prompts of the named sets, at most ``limit`` per category, ordered round-robin over categories.
-
-    Round-robin order makes a partial (interrupted) run cover every category early.
-
-    Raises:
-        SpecDecodeError: unknown dataset or category (from ``load_prompts``), or nothing selected.
-    """
-    from specdecode.bench.smoke import SMOKE_DATASET, SMOKE_PROMPTS
-    from specdecode.data import load_prompts
-
-    by_category: dict[str, list[BenchPrompt]] = {}
-    seen: set[str] = set()
-    for spec in datasets:
-        if spec.strip().lower() == SMOKE_DATASET:
-            items = [BenchPrompt(f"smoke/{i}", "smoke", cat, text, comp)
-                     for i, (cat, text, comp) in enumerate(SMOKE_PROMPTS)]
-        else:
-            items = [_bench_prompt(p) for p in load_prompts(spec)]
-        for item in items:
-            if item.key in seen:
-                continue
-            bucket = by_category.setdefault(item.category, [])
-            if limit is None or len(bucket) < limit:
-                bucket.append(item)
-                seen.add(item.key)
-    prompts = [p for i in range(max(map(len, by_category.values()), default=0))
-               for bucket in by_category.values() if i < len(bucket) for p in [bucket[i]]]
-    if not prompts:
-        raise SpecDecodeError(f"no prompts selected from {list(datasets)}")
-    return prompts
-
-
-def _bench_prompt(p) -> BenchPrompt:
-    key = p.id if p.id.startswith(p.dataset) else f"{p.dataset}/{p.id}"
-    category = p.category if p.dataset in ("spec-bench", "mt-bench") else p.dataset
-    if p.dataset == "mt-bench":
-        category = f"mt-bench/{p.category}"
-    return BenchPrompt(key, p.dataset, category, p.turns[0], p.is_completion)
-
-
-def encode_prompt(tokenizer, prompt: BenchPrompt, chat: bool) -> tuple[list[int], bool]:
-    """Token ids of a prompt's first turn, through the chat template when the model has one.
-
-    Completion prompts (HumanEval) are never templated. Returns (ids, templated).
-    """
-    use_chat = chat and not prompt.is_completion and bool(getattr(tokenizer, "chat_template", None))
-    if use_chat:
-        text = tokenizer.apply_chat_template([{"role": "user", "content": prompt.text}],
-                                             add_generation_prompt=True, tokenize=False)
-        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-    else:
-        ids = tokenizer(prompt.text)["input_ids"]
-    return [int(t) for t in ids], use_chat
-
-
-# --------------------------------------------------------------------------- variants
-
-
-@dataclass
-class RunOutput:
-    """One timed generation: new token ids, wall seconds around the call, and our RunMetrics (None for HF)."""
-
-    token_ids: list[int]
-    wall_s: float
-    finish_reason: str
-    metrics: dict | None = None
-    engine_stats: dict | None = None  # an external engine's own figures (llama-server's "timings"), recorded as is
-
-
-@dataclass
-class Variant:
-    """One column of the matrix: how to run a prompt, and how to label it.
-
-    Attributes:
-        key: unique id, ``specdecode/plain``, ``specdecode/ngram:k=4``, ``hf/assisted:k=4,model=...``.
-        engine: "specdecode" or "hf".
-        method: "plain", a proposer name, or the HF peer's method ("assisted", "prompt-lookup").
-        gamma: draft length (0 for plain).
-        family: method spec without gamma (groups a gamma sweep), "plain" for baselines.
-        peer_of: for HF variants, the key of our variant they mirror.
-        draft: draft model spec, when the method uses one.
-        run: (prompt ids, seed, max_new_tokens override or None) -> RunOutput.
-    """
-
-    key: str
-    engine: str
-    method: str
-    gamma: int
-    family: str
-    run: Callable[..., RunOutput] = field(repr=False)
-    peer_of: str | None = None
-    draft: str | None = None
-
-    def info(self) -> dict:
-        return {"key": self.key, "engine": self.engine, "method": self.method, "gamma": self.gamma,
-                "family": self.family, "peer_of": self.peer_of, "draft": self.draft}
-
-
-def engine_runner(target, proposer, gamma: int, max_new_tokens: int, temperature: float, eos: tuple[int, ...],
-                  max_context: int, verification: str = "auto", *, policy: str = "fixed",
-                  new_proposer: Callable[[], object] | None = None):
-    """A timed run of our engine on one target: ``run(prompt ids, seed, max_new_tokens or None) -> RunOutput``.
-
-    Args:
-        target: the target's LoadedModel. proposer: a proposer, or None for plain decoding.
-        gamma: draft length (``num_speculative_tokens``; the starting gamma of an adaptive ``policy``).
-        max_new_tokens, temperature, eos: the sampling of every run (greedy at temperature 0).
-        max_context: positions per row of the engine's cache.
-        verification: ``EngineConfig.verification``.
-        policy: the draft-length policy by name (``policy.build_policy``), kept across runs as in ``generate``.
-        new_proposer: a zero-argument factory of proposers: each run then drafts with a fresh one (bound
-            before the timing starts), so no run sees what an earlier one left in a proposer's memory (the
-            suffix tree of earlier outputs: a repeat of the same prompt would find its own answer there).
-
-    Wall seconds are those of ``engine.generate`` alone. The engine is ``run.engine``.
-    """
-    from specdecode.engine import EngineConfig, SpeculativeEngine
-    from specdecode.policy import build_policy
-    from specdecode.types import SamplingParams
-
-    if new_proposer is not None:
-        proposer = new_proposer()
-    config = EngineConfig(num_speculative_tokens=max(1, gamma), max_context=max_context, verification=verification)
-    engine = SpeculativeEngine(target.model, proposer, config,
-                               policy=build_policy(policy, max(1, gamma)) if proposer is not None else None)
-
-    def run(ids: list[int], seed: int, limit: int | None = None) -> RunOutput:
-        if new_proposer is not None and engine.rows == []:
-            engine.proposer.release()
-            engine.proposer = new_proposer()
-            engine.proposer.bind(engine.runner, engine.runner.num_slots)
-        params = SamplingParams(temperature=temperature, max_new_tokens=limit or max_new_tokens, seed=seed,
-                                eos_token_ids=eos)
-        start = time.perf_counter()
-        out = engine.generate(ids, params)
-        wall = time.perf_counter() - start
-        return RunOutput(list(out.token_ids), wall, out.finish_reason, out.metrics.to_dict())
-
-    run.engine = engine
-    return run
-
-
-def _peer_runner(target, method: str, gamma: int, draft, max_ngram: int, max_new_tokens: int,
-                 temperature: float, eos: tuple[int, ...]):
-    from specdecode.bench.peer import hf_generate
-
-    from specdecode.proposers.factory import other_tokenizer
-
-    uag = draft is not None and other_tokenizer(target, draft)  # universal assisted generation
-    toks = {"tokenizer": target.tokenizer, "assistant_tokenizer": draft.tokenizer} if uag else {}
-
-    def run(ids: list[int], seed: int, limit: int | None = None) -> RunOutput:
-        res = hf_generate(target.model, ids, max_new_tokens=limit or max_new_tokens, temperature=temperature,
-                          seed=seed, eos_token_ids=eos, method=method, gamma=gamma,
-                          draft=draft.model if draft is not None else None, max_ngram=max_ngram, **toks)
-        return RunOutput(res.token_ids, res.wall_s, res.finish_reason, None)
-
-    return run
-
-
-def expand_methods(config: BenchConfig) -> list[MethodSpec]:
-    """Method specs to run: given or all registered, each at its gamma and at every sweep gamma.
-
-    Methods that take a draft model get ``model=--draft`` in their spec unless they name one.
-
-    Raises:
-        SpecDecodeError: a malformed spec, or an unknown proposer name.
-    """
-    names = config.methods or tuple(m for m in registered_methods()  # cross-vocab: what draft-model becomes
-                                    if (not needs_draft_model(m) or config.draft) and m != "cross-vocab")
-    specs = [MethodSpec.parse(m) for m in names]
-    known = registered_methods()
-    out: list[MethodSpec] = []
-    for spec in specs:
-        if spec.name not in known:
-            raise SpecDecodeError(f"unknown method {spec.name!r}; registered proposers: {', '.join(known)}")
-        base = spec.with_gamma(spec.gamma or config.gamma)
-        if needs_draft_model(spec.name) and spec.option("model") is None and config.draft:
-            # name the draft in the spec: records of another --draft must never be resumed as this one's
-            base = dataclasses.replace(base, options=tuple(sorted((*base.options, ("model", config.draft)))))
-        for g in (base.gamma, *config.gammas):
-            s = base.with_gamma(g)
-            if s not in out:
-                out.append(s)
-    return out
-
-
-def main_gamma_of(specs: Sequence[MethodSpec]) -> dict[str, int]:
-    """Per method family, the gamma of its leaderboard row: the first of the family in ``expand_methods``
-    order, i.e. the spec's own k, else ``--gamma`` (sweep gammas come after it)."""
-    out: dict[str, int] = {}
-    for spec in specs:
-        out.setdefault(spec.family, spec.gamma)
-    return out
-
-
-# --------------------------------------------------------------------------- records (resume)
-
-
-# --------------------------------------------------------------------------- cost probe
-
-
-@torch.inference_mode()
-def probe_forward_times(model: torch.nn.Module, context: list[int], ks: Iterable[int], reps: int = 3) -> dict[int, float]:
-    """Least seconds (over ``reps``) of one cached forward over k + 1 new tokens after ``context``, for each k.
-
-    The minimum, not the median: on a shared machine noise only ever adds time.
-
-    This is T_verify(k) of the target (k = 0: one decoding step, T_decode(1)) or the cost of
-    one draft-model step; the cache is cut back to ``context`` after every timed forward.
-
-    Args:
-        model: a causal LM.
-        context: [L] token ids already in the cache when timing starts.
-        ks: draft lengths to time.
-        reps: timed repetitions per k (after one untimed warm-up pass).
-    """
-    from specdecode.kv import make_runner
-
-    runner = make_runner(model).row(0)
-    runner.forward(context, last_only=True)
-    base = len(context)
-    ks = sorted(set(ks))
-    samples: dict[int, list[float]] = {k: [] for k in ks}
-    filler = context[-1]
-    for rep in range(reps + 1):
-        for k in ks:
-            start = time.perf_counter()
-            runner.forward([filler] * (k + 1))
-            elapsed = time.perf_counter() - start
-            runner.rollback(base)
-            if rep:  # rep 0 warms up
-                samples[k].append(elapsed)
-    return {k: min(v) for k, v in samples.items()}
 
 
 # --------------------------------------------------------------------------- the run
@@ -646,16 +119,12 @@ def load_any(spec: str, dtype: str, kernel: str = "default", weights: str = "fp3
         ModelLoadError: the spec names no loadable model; SpecDecodeError: an unknown precision, ``auto`` on a
         built-in model that is not float32, a GGUF tensor without a low-bit layout.
     """
-    from specdecode.lowbit import set_weight_precision
 
     if spec.startswith("smoke:"):  # the built-in tiny model, built in code (no file behind it)
-        from specdecode.bench.smoke import load_smoke_model
 
         loaded = load_smoke_model(spec)
         loaded.model.to(getattr(torch, dtype))
         if weights == "auto":  # load_target's measured choice, on the model built here
-            from specdecode.models import default_cache_dir
-            from specdecode.precision import choose_precision
 
             try:
                 choice = choose_precision(loaded, default_cache_dir(), status=status)
@@ -667,18 +136,15 @@ def load_any(spec: str, dtype: str, kernel: str = "default", weights: str = "fp3
         if weights != "fp32":
             set_weight_precision(loaded.model, weights)
     elif target:
-        from specdecode.precision import load_target
 
         loaded, choice = load_target(spec, weights, dtype=dtype, status=status)
         if status is not None and weights == "auto":
             status(f"weights {choice.reason}")
         weights = choice.precision
     else:
-        from specdecode.lowbit import load_in_precision
 
         loaded = load_in_precision(spec, weights, dtype=getattr(torch, dtype), say=status)
     if kernel == "small-row":
-        from specdecode.kernels import use_small_row_matmul
 
         use_small_row_matmul(loaded.model)
     return loaded, weights
@@ -686,9 +152,7 @@ def load_any(spec: str, dtype: str, kernel: str = "default", weights: str = "fp3
 
 def build_variants(config: BenchConfig, models: Models, dtype: str, status: Callable[[str], None]) -> list[Variant]:
     """Our plain baseline, every method spec, then the HF plain / peer variants (when ``config.peer``)."""
-    from specdecode.bench.peer import PEER_OF
-    from specdecode.models import check_compatible
-    from specdecode.proposers.factory import other_tokenizer
+    from specdecode.bench.peer import PEER_OF  # lazy: the peer imports transformers' generation stack
 
     target = models.target
     eos = target.eos_token_ids
@@ -709,38 +173,37 @@ def build_variants(config: BenchConfig, models: Models, dtype: str, status: Call
             models.drafts[spec] = draft
         return models.drafts[spec]
 
-    build = BuildContext(target=target, load_draft=load_draft, default_draft=config.draft)
     variants = [Variant("specdecode/plain", "specdecode", "plain", 0, "plain",
                         engine_runner(target, None, 1, n, temp, eos, ctx_len, config.verification))]
     specs = expand_methods(config)
     for spec in list(specs):
         try:
-            proposer = build_proposer_for(spec, build)
+            draft = load_draft(spec.model_spec) if needs_draft_model(spec.kind) and spec.model_spec else None
+            proposer = build_factory(spec, target, draft)()
         except EagleCheckpointError as exc:
             if config.methods:  # asked for by name: say why it cannot run
                 raise
-            print(f"specdecode bench: skipping {spec.canonical}: {exc}", file=sys.stderr)  # the default list
+            print(f"specdecode bench: skipping {spec}: {exc}", file=sys.stderr)  # the default list
             specs.remove(spec)
             continue
-        draft = draft_model_of(spec, config.draft)
-        variants.append(Variant(f"specdecode/{spec.canonical}", "specdecode", spec.name, spec.gamma, spec.family,
-                                engine_runner(target, proposer, spec.gamma, n, temp, eos, ctx_len,
-                                               config.verification), draft=draft))
+        variants.append(Variant(f"specdecode/{spec}", "specdecode", spec.kind, spec.num_speculative_tokens, spec.family,
+                                engine_runner(target, proposer, spec.num_speculative_tokens, n, temp, eos, ctx_len,
+                                               config.verification), draft=spec.model_spec))
     if config.peer:
         variants.append(Variant("hf/plain", "hf", "plain", 0, "hf/plain",
-                                _peer_runner(target, "plain", 1, None, 3, n, temp, eos)))
+                                peer_runner(target, "plain", 1, None, 3, n, temp, eos)))
         mains = main_gamma_of(specs)
         for spec in specs:
-            peer = PEER_OF.get(spec.name)
-            if peer is None or spec.gamma != mains.get(spec.family):
+            peer = PEER_OF.get(spec.kind)
+            if peer is None or spec.num_speculative_tokens != mains.get(spec.family):
                 continue  # the peer mirrors each family at its leaderboard gamma only
-            draft_spec = draft_model_of(spec, config.draft)
+            draft_spec = spec.model_spec
             draft = load_draft(draft_spec) if draft_spec else None
             max_ngram = int(spec.option("max_ngram", "3"))
-            tail = f":k={spec.gamma}" + (f",model={draft_spec}" if draft_spec else f",max_ngram={max_ngram}")
-            variants.append(Variant(f"hf/{peer}{tail}", "hf", peer, spec.gamma, f"hf/{peer}",
-                                    _peer_runner(target, peer, spec.gamma, draft, max_ngram, n, temp, eos),
-                                    peer_of=f"specdecode/{spec.canonical}", draft=draft_spec))
+            tail = f":k={spec.num_speculative_tokens}" + (f",model={draft_spec}" if draft_spec else f",max_ngram={max_ngram}")
+            variants.append(Variant(f"hf/{peer}{tail}", "hf", peer, spec.num_speculative_tokens, f"hf/{peer}",
+                                    peer_runner(target, peer, spec.num_speculative_tokens, draft, max_ngram, n, temp, eos),
+                                    peer_of=f"specdecode/{spec}", draft=draft_spec))
     if config.llama_cpp:
         variants += _llama_cpp_variants(config, specs, main_gamma_of(specs), eos, status)
     if config.openvino:
@@ -750,16 +213,16 @@ def build_variants(config: BenchConfig, models: Models, dtype: str, status: Call
     return variants
 
 
-def _peer_methods(config: BenchConfig, specs, mains: dict) -> list[tuple[str, MethodSpec, str | None, int]]:
+def _peer_methods(config: BenchConfig, specs, mains: dict) -> list[tuple[str, DrafterSpec, str | None, int]]:
     """(kind, our spec, draft spec, max_ngram) for each family an external engine mirrors at its main gamma:
     kind "draft" for draft-model methods with a draft of the same tokenizer, "ngram" for the n-gram method."""
     out = []
     for spec in specs:
-        if spec.gamma != mains.get(spec.family):
+        if spec.num_speculative_tokens != mains.get(spec.family):
             continue
-        if spec.name == "draft-model":
-            out.append(("draft", spec, draft_model_of(spec, config.draft), 0))
-        elif spec.name == "ngram":
+        if spec.kind == "draft-model":
+            out.append(("draft", spec, spec.model or config.draft, 0))
+        elif spec.kind == "ngram":
             out.append(("ngram", spec, None, int(spec.option("max_ngram", "3"))))
     return out
 
@@ -780,9 +243,8 @@ def _openvino_variants(config: BenchConfig, specs, mains: dict, eos: tuple[int, 
     Raises:
         SpecDecodeError: the peer is not set up (names ``--setup-peers``), or its worker failed to load.
     """
-    import atexit
 
-    from specdecode.bench import openvino as ov
+    from specdecode.bench import openvino as ov  # lazy: an optional peer engine
 
     fmt = config.openvino_weights
     target = ov.require_model(config.target, fmt)
@@ -807,17 +269,17 @@ def _external_variants(e: str, peers, drafts: dict, runner, *, draft_method: str
     out = [Variant(f"{e}/plain", e, "plain", 0, f"{e}/plain", runner("plain"))]
     seen: set[tuple] = set()
     for kind, spec, draft, max_ngram in peers:
-        if (kind, spec.gamma, draft, max_ngram) in seen:  # two of our families the engine cannot tell apart
+        if (kind, spec.num_speculative_tokens, draft, max_ngram) in seen:  # two of our families the engine cannot tell apart
             continue
-        seen.add((kind, spec.gamma, draft, max_ngram))
+        seen.add((kind, spec.num_speculative_tokens, draft, max_ngram))
         if kind == "draft" and draft:
-            out.append(Variant(f"{e}/{draft_method}:k={spec.gamma},model={draft}", e, draft_method, spec.gamma,
-                               f"{e}/{draft_method}", runner(draft_method, spec.gamma, drafts[draft]),
-                               peer_of=f"specdecode/{spec.canonical}", draft=draft))
+            out.append(Variant(f"{e}/{draft_method}:k={spec.num_speculative_tokens},model={draft}", e, draft_method, spec.num_speculative_tokens,
+                               f"{e}/{draft_method}", runner(draft_method, spec.num_speculative_tokens, drafts[draft]),
+                               peer_of=f"specdecode/{spec}", draft=draft))
         elif kind == "ngram":
-            out.append(Variant(f"{e}/{ngram_method}:k={spec.gamma},max_ngram={max_ngram}", e, ngram_method,
-                               spec.gamma, f"{e}/{ngram_method}", runner(ngram_method, spec.gamma, None, max_ngram),
-                               peer_of=f"specdecode/{spec.canonical}"))
+            out.append(Variant(f"{e}/{ngram_method}:k={spec.num_speculative_tokens},max_ngram={max_ngram}", e, ngram_method,
+                               spec.num_speculative_tokens, f"{e}/{ngram_method}", runner(ngram_method, spec.num_speculative_tokens, None, max_ngram),
+                               peer_of=f"specdecode/{spec}"))
     return out
 
 
@@ -828,16 +290,14 @@ def _llama_server_variants(config: BenchConfig, specs, mains: dict, eos: tuple[i
     Raises:
         SpecDecodeError: llama-server is not built (names ``--setup-peers``), or a server did not start.
     """
-    import atexit
 
-    from specdecode.bench import llamaserver as ls
-    from specdecode.models import gguf_file
+    from specdecode.bench import llamaserver as ls  # lazy: an optional peer engine
 
     exe = ls.require_binary()
-    target = gguf_file(config.target)
+    target = specdecode.models.gguf_file(config.target)
     threads = config.threads or torch.get_num_threads()
     peers = _peer_methods(config, specs, mains)
-    drafts = {d: gguf_file(d) for kind, _, d, _ in peers if kind == "draft" and d}
+    drafts = {d: specdecode.models.gguf_file(d) for kind, _, d, _ in peers if kind == "draft" and d}
     status(f"llama-server peer on {target.name} ({threads} threads)")
     log = Path(config.output) / "llama-server.log"
     Path(config.output).mkdir(parents=True, exist_ok=True)
@@ -853,13 +313,12 @@ def _llama_server_variants(config: BenchConfig, specs, mains: dict, eos: tuple[i
 
 def _llama_cpp_variants(config: BenchConfig, specs, mains: dict, eos: tuple[int, ...], status) -> list[Variant]:
     """llama.cpp plain, and its prompt lookup as the peer of each n-gram family (``bench.llamacpp``)."""
-    from specdecode.bench import llamacpp
-    from specdecode.models import gguf_file
+    from specdecode.bench import llamacpp  # lazy: an optional peer engine
 
     if not llamacpp.available():
         raise SpecDecodeError("--llama-cpp needs llama-cpp-python: pip install llama-cpp-python (it builds "
                               "llama.cpp from source; set CMAKE_ARGS=-DGGML_NATIVE=ON for this CPU)")
-    gguf = gguf_file(config.target)
+    gguf = specdecode.models.gguf_file(config.target)
     status(f"llama.cpp peer on {gguf.name}")
 
     def runner(method: str, gamma: int, max_ngram: int):
@@ -875,12 +334,12 @@ def _llama_cpp_variants(config: BenchConfig, specs, mains: dict, eos: tuple[int,
     out = [Variant(f"{llamacpp.ENGINE}/plain", llamacpp.ENGINE, "plain", 0, f"{llamacpp.ENGINE}/plain",
                    runner("plain", 1, 2))]
     for spec in specs:
-        if spec.name == "ngram" and spec.gamma == mains.get(spec.family):
+        if spec.kind == "ngram" and spec.num_speculative_tokens == mains.get(spec.family):
             max_ngram = int(spec.option("max_ngram", "3"))
-            out.append(Variant(f"{llamacpp.ENGINE}/prompt-lookup:k={spec.gamma},max_ngram={max_ngram}",
-                               llamacpp.ENGINE, "prompt-lookup", spec.gamma, f"{llamacpp.ENGINE}/prompt-lookup",
-                               runner("prompt-lookup", spec.gamma, max_ngram),
-                               peer_of=f"specdecode/{spec.canonical}"))
+            out.append(Variant(f"{llamacpp.ENGINE}/prompt-lookup:k={spec.num_speculative_tokens},max_ngram={max_ngram}",
+                               llamacpp.ENGINE, "prompt-lookup", spec.num_speculative_tokens, f"{llamacpp.ENGINE}/prompt-lookup",
+                               runner("prompt-lookup", spec.num_speculative_tokens, max_ngram),
+                               peer_of=f"specdecode/{spec}"))
     return out
 
 
@@ -948,8 +407,6 @@ def run_bench(config: BenchConfig, *, progress: bool = True, log: Callable[[str]
 def roofline_facts(config: BenchConfig, models: Models, variants: list[Variant], status) -> dict:
     """The roofline's inputs: the read bandwidth in bytes/s (measured once per machine and thread count,
     cached) and each model's weight bytes per step and KV bytes per token in its runner's cache dtype."""
-    from specdecode.bench import roofline
-    from specdecode.models import default_cache_dir
 
     runners: dict[int, object] = {}  # id(model) -> its slot runner (target's and drafts')
     for v in variants:
@@ -999,8 +456,8 @@ def _seed(config: BenchConfig, prompt_index: int) -> int:
 
 
 def _run_matrix(todo, prompts, variants, encoded, config: BenchConfig, store: RecordStore, progress: bool) -> None:
-    from rich.console import Console
-    from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
+    from rich.console import Console  # lazy: rich only when printing
+    from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,  # lazy: rich only when printing
                                TimeRemainingColumn)
 
     index = {p.key: i for i, p in enumerate(prompts)}
@@ -1091,7 +548,7 @@ def _probe(config, models: Models, variants, prompts, encoded, store: RecordStor
 def _quiet_transformers() -> None:
     """Keep transformers' generation warnings (flags, deprecations) out of the progress display."""
     try:
-        from transformers.utils import logging as hf_logging
+        from transformers.utils import logging as hf_logging  # lazy: transformers only to quiet it
 
         hf_logging.set_verbosity_error()
     except ImportError:

@@ -13,6 +13,9 @@ import hashlib
 import string
 
 import torch
+from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers
+
+from specdecode.types import SpecDecodeError
 
 #: Model specs the bench runner resolves here instead of through ``load_model``.
 SMOKE_TARGET = "smoke:target"
@@ -42,7 +45,7 @@ def make_tokenizer():
 
     Ids: 0 <pad>, 1 <s> (BOS), 2 </s> (EOS), 3 <unk>, then one id per character.
     """
-    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers
+    # lazy: transformers (start-up time)
     from transformers import PreTrainedTokenizerFast
 
     vocab = {tok: i for i, tok in enumerate((*_SPECIALS, *_CHARS))}
@@ -58,6 +61,7 @@ def make_tokenizer():
 
 
 def _tiny_llama(vocab_size: int, seed: int):
+    # lazy: transformers (start-up time)
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
@@ -101,8 +105,8 @@ def load_smoke_model(spec: str):
     Raises:
         SpecDecodeError: any other ``smoke:`` name.
     """
+    # lazy: specdecode.models pulls in transformers (start-up time)
     from specdecode.models import LoadedModel
-    from specdecode.types import SpecDecodeError
 
     tokenizer = make_tokenizer()
     target = _tiny_llama(len(tokenizer), seed=0)

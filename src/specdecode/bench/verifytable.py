@@ -19,6 +19,8 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from specdecode.bench.env import environment
+from specdecode.cliargs import set_threads
 from specdecode.errors import SpecDecodeError
 from specdecode.paths import check_output_dir
 
@@ -66,6 +68,7 @@ class OurForward:
     """One row of the owned forward on a model's GGUF blocks, for timing forwards of k tokens."""
 
     def __init__(self, spec: str, depth: int) -> None:
+        # lazy: these pull in torch (start-up time)
         from specdecode.kv import make_runner
         from specdecode.lowbit import load_in_precision
 
@@ -102,9 +105,9 @@ def run_table(models: Sequence[str], output: Path, *, ks: Sequence[int] = KS, de
     Raises:
         SpecDecodeError: an unwritable output, a model without a GGUF file, a failed llama-bench.
     """
+    # lazy: these pull in torch, numpy (start-up time)
     import torch
 
-    from specdecode.bench.env import environment
     from specdecode.bench.llamaserver import binary as peer_binary
     from specdecode.bench.roofline import measure_read_bandwidth, weight_bytes_per_step
     from specdecode.lowbit import kernel_status, variant_table
@@ -113,7 +116,6 @@ def run_table(models: Sequence[str], output: Path, *, ks: Sequence[int] = KS, de
 
     check_output_dir(output, "--output", default=True)  # probed before anything loads; nothing left behind
     output.mkdir(parents=True, exist_ok=True)
-    from specdecode.cliargs import set_threads
 
     threads = set_threads(threads, say=say)  # None: one per core other processes leave idle
     bench_bin = peer_binary(name="llama-bench")

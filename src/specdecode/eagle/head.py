@@ -34,6 +34,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
 
 from specdecode.errors import SpecDecodeError
 
@@ -348,8 +349,6 @@ def _dequantized_weight(module: torch.nn.Module) -> torch.Tensor:
 
 def save_head(head: EagleHead, directory: str | Path, dtype: torch.dtype = torch.bfloat16) -> Path:
     """Write ``directory/model.safetensors`` (the head's own weights in ``dtype``) and ``config.json``."""
-    from safetensors.torch import save_file
-
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
     state = {k: v.to(dtype).contiguous() for k, v in head.trainable_state().items()}
@@ -368,8 +367,6 @@ def load_head(directory: str | Path, dtype: torch.dtype = torch.float32) -> Eagl
     Raises:
         EagleCheckpointError: no such directory, missing files, another format version, missing weights.
     """
-    from safetensors.torch import load_file
-
     path = Path(directory).expanduser()
     if not (path / CONFIG_FILE).is_file() or not (path / WEIGHTS_FILE).is_file():
         raise EagleCheckpointError(

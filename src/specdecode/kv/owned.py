@@ -18,11 +18,20 @@ A test checks its logits against the Hugging Face forward (``tests/test_kv_owned
 from __future__ import annotations
 
 
+import os
+
 import torch
 import torch.nn.functional as F
 
 from specdecode.kernels import ROW_BLOCK, row_product
-from specdecode.lowbit import LOWBIT_TYPES, QuantLinear, concat as concat_lowbit, prefill_rows, variant_table
+from specdecode.lowbit import (
+    LOWBIT_TYPES,
+    QuantLinear,
+    concat as concat_lowbit,
+    load_kernel,
+    prefill_rows,
+    variant_table,
+)
 from specdecode.kv.base import SlotRunner
 from specdecode.types import SpecDecodeError
 
@@ -464,10 +473,6 @@ def _native_parts(weight, table: int) -> list[tuple] | None:
 
 
 def _build_native(runner: OwnedRunner):
-    import os
-
-    from specdecode.lowbit import load_kernel
-
     if os.environ.get("SPECDECODE_NATIVE_STEP", "1") == "0":
         return None
     kernel = load_kernel()

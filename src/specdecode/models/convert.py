@@ -23,7 +23,8 @@ from pathlib import Path
 import numpy as np
 import torch
 import transformers
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from safetensors.torch import save_file
+from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 from specdecode.models.errors import ModelLoadError
 from specdecode.models.loaded import LoadedModel, _finish, _from_pretrained
@@ -102,8 +103,6 @@ def _convert_in_memory(gguf: Path, out: Path, progress: bool) -> list[str]:
 
 def _convert_streamed(plan: _StreamPlan, gguf: Path, out: Path, progress: bool) -> list[str]:
     """Weights streamed into ``out/model.safetensors``, then tokenizer, config and generation config."""
-    from transformers import GenerationConfig
-
     total = plan.nbytes
     with _bar(f"converting {gguf.name} to float32 safetensors ({total / 1e9:.2f} GB)", total, progress) as update:
         count, n = iter(range(1, len(plan.tensors) + 1)), len(plan.tensors)
@@ -160,6 +159,7 @@ def _stream_plan(gguf: Path) -> _StreamPlan | None:
     tensor of its shape (transformers would initialise it: the in-memory path keeps that behaviour).
     """
     try:
+        # lazy: gguf and transformers' GGUF reader (start-up time); what they cannot read gives None below
         import gguf as gguf_lib
         from transformers import AutoConfig
         from transformers import modeling_gguf_pytorch_utils as hf_gguf
@@ -234,6 +234,7 @@ def _write_streamed(plan: _StreamPlan, path: Path, report: ProgressFn | None = N
     Raises:
         ModelLoadError: a tensor came out of dequantization with another shape than planned.
     """
+    # lazy: gguf (start-up time)
     from gguf import dequantize
 
     header: dict = {"__metadata__": {"format": "pt"}}
@@ -268,6 +269,7 @@ def _write_streamed(plan: _StreamPlan, path: Path, report: ProgressFn | None = N
 def _one_gguf_parse() -> Iterator[None]:
     """Within: every ``gguf.GGUFReader(path)`` (ours, transformers' config, tensor and tokenizer readers)
     is one shared parse per file; each parse costs 2 to 8 s of Python on a 49k-151k token vocabulary."""
+    # lazy: gguf (start-up time)
     import gguf as gguf_lib
 
     original = gguf_lib.GGUFReader
@@ -288,8 +290,6 @@ def _one_gguf_parse() -> Iterator[None]:
 
 def _save_converted(model: transformers.PreTrainedModel, tokenizer, out: Path) -> list[str]:
     """Write weights, config, generation config and tokenizer; return the dropped tied keys."""
-    from safetensors.torch import save_file
-
     state = model.state_dict()
     tied = _tied_keys(model, state)
     tensors = {k: v.detach().contiguous() for k, v in state.items() if k not in tied}

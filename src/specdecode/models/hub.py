@@ -9,11 +9,16 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import socket
 import sys
 import threading
+import urllib.request
 from collections.abc import Iterator
+from urllib.parse import urlsplit
 
 import torch
+from huggingface_hub import constants as hub_constants
+from huggingface_hub import try_to_load_from_cache
 from transformers import AutoTokenizer
 
 from specdecode.models.catalog import _catalog_hint, _guess
@@ -78,7 +83,6 @@ def hub_access(spec: str) -> Iterator[bool]:
         return
     if not _in_hf_cache(spec):
         raise ModelLoadError(_hub_missing_message(spec, reason))
-    from huggingface_hub import constants as hub_constants
 
     was = hub_constants.HF_HUB_OFFLINE
     hub_constants.HF_HUB_OFFLINE = True
@@ -90,9 +94,6 @@ def hub_access(spec: str) -> Iterator[bool]:
 
 def _hub_address() -> tuple[str, int]:
     """(host, port) a hub request connects to first: the endpoint's, or its proxy's (``https_proxy`` ...)."""
-    import urllib.request
-    from urllib.parse import urlsplit
-
     url = urlsplit(hub_endpoint())
     proxies = urllib.request.getproxies()
     proxy = proxies.get(url.scheme) or proxies.get("all")
@@ -103,8 +104,6 @@ def _hub_address() -> tuple[str, int]:
 
 def _can_connect(address: tuple[str, int], timeout: float) -> bool:
     """One TCP connect in a daemon thread (so a hanging DNS lookup is bounded too); True when it opened."""
-    import socket
-
     opened: list[bool] = []
 
     def attempt() -> None:
@@ -122,8 +121,6 @@ def _can_connect(address: tuple[str, int], timeout: float) -> bool:
 
 def _in_hf_cache(spec: str) -> bool:
     """True when the local Hugging Face cache holds ``spec``'s config.json (no network call)."""
-    from huggingface_hub import try_to_load_from_cache
-
     try:
         return isinstance(try_to_load_from_cache(spec, "config.json"), str)
     except Exception:  # noqa: BLE001 - an id the hub would refuse (bad characters) is not cached either
@@ -131,8 +128,6 @@ def _in_hf_cache(spec: str) -> bool:
 
 
 def _hub_missing_message(spec: str, reason: str) -> str:
-    from huggingface_hub import constants as hub_constants
-
     return (
         f"could not load {spec!r}: it is not a named offline model or an existing local path; {reason}, "
         f"and {spec!r} is not in the local Hugging Face cache ({hub_constants.HF_HUB_CACHE}).{_guess(spec)} "

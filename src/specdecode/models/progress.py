@@ -10,6 +10,20 @@ import time
 from collections.abc import Callable, Iterator
 
 import transformers
+from huggingface_hub import constants as hub_constants
+from huggingface_hub import utils as hub_utils
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    DownloadColumn,
+    Progress,
+    SpinnerColumn,
+    TaskProgressColumn,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+    TransferSpeedColumn,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -19,9 +33,6 @@ def _status(message: str, enabled: bool) -> Iterator[None]:
     would leave a blank line); logs the duration."""
     start = time.perf_counter()
     if enabled and sys.stderr.isatty():
-        from rich.console import Console
-        from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
-
         columns = (SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn())
         with Progress(*columns, console=Console(stderr=True), transient=True) as bar:
             bar.add_task(message, total=None)
@@ -40,10 +51,6 @@ ProgressFn = Callable[[int], None]
 
 def _rich_progress(kind: str = "bytes"):
     """A transient rich ``Progress`` on stderr: ``"bytes"`` columns (done / total, speed, ETA) or ``"percent"``."""
-    from rich.console import Console
-    from rich.progress import (BarColumn, DownloadColumn, Progress, TaskProgressColumn, TextColumn,
-                               TimeElapsedColumn, TimeRemainingColumn, TransferSpeedColumn)
-
     amount = (DownloadColumn(), TransferSpeedColumn()) if kind == "bytes" else (TaskProgressColumn(),)
     columns = (TextColumn("{task.description}"), BarColumn(bar_width=30), *amount, TextColumn("ETA"),
                TimeRemainingColumn(), TimeElapsedColumn(), TextColumn("{task.fields[detail]}"))
@@ -101,9 +108,6 @@ def quiet_hf_output() -> Iterator[None]:
     errors still show) and no progress bars ("Loading weights"); huggingface_hub: no progress bars (a hub
     download turns its bars back on: :func:`_hub_download_bars`). Our own status lines say what happens.
     """
-    from huggingface_hub import constants as hub_constants
-    from huggingface_hub import utils as hub_utils
-
     hf_logging = transformers.utils.logging
     verbosity, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
     hub_bars_off = hub_utils.are_progress_bars_disabled() or hub_constants.HF_HUB_DISABLE_PROGRESS_BARS is False
@@ -125,9 +129,6 @@ def quiet_hf_output() -> Iterator[None]:
 def _hub_download_bars(enabled: bool) -> Iterator[None]:
     """huggingface_hub's download bars on inside :func:`quiet_hf_output` while a hub model downloads (a real
     download of gigabytes needs its bytes shown), unless ``HF_HUB_DISABLE_PROGRESS_BARS`` says otherwise."""
-    from huggingface_hub import constants as hub_constants
-    from huggingface_hub import utils as hub_utils
-
     turn_on = enabled and hub_utils.are_progress_bars_disabled() and not hub_constants.HF_HUB_DISABLE_PROGRESS_BARS
     if turn_on:
         hub_utils.enable_progress_bars()

@@ -31,7 +31,9 @@ from pathlib import Path
 
 import torch
 
+from specdecode.eagle.head import CONFIG_FILE, EagleCheckpointError, autocast_dtype, load_head
 from specdecode.errors import SpecDecodeError
+from specdecode.models import default_cache_dir
 from specdecode.options import DEFAULT_TREE_NODES
 from specdecode.proposers.base import ProposeContext, register
 from specdecode.proposers.tree_draft import TREE_KINDS, TreeDraftConfig, TreeDraftProposer, static_shape
@@ -91,8 +93,6 @@ class _RowCache:
 
 def _fast_bf16() -> bool:
     """True on CPUs with AMX / AVX512-BF16 (bfloat16 products at least as fast as float32's)."""
-    from specdecode.eagle.head import autocast_dtype
-
     return autocast_dtype("cpu") is torch.bfloat16
 
 
@@ -103,8 +103,6 @@ PACKAGED_HEADS = Path(__file__).resolve().parent.parent / "heads"
 def head_directories(cache_dir: str | Path | None = None) -> list[Path]:
     """Candidate head checkpoints: those ``train-drafter`` left in the cache (a user's own training wins), then
     the package's own."""
-    from specdecode.models import default_cache_dir
-
     cache = Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
     complete = lambda d: (d / "model.safetensors").is_file()  # noqa: E731 - a config alone is no checkpoint
     found = sorted(p.parent for p in (cache / "eagle").glob("*/head/config.json") if complete(p.parent))
@@ -119,8 +117,6 @@ def find_head(target: torch.nn.Module, head: str | Path | None = None, cache_dir
     Raises:
         EagleCheckpointError: ``head`` is not a checkpoint, or no candidate fits the target.
     """
-    from specdecode.eagle.head import CONFIG_FILE, EagleCheckpointError
-
     if head is not None:
         path = Path(head).expanduser()
         if not (path / CONFIG_FILE).is_file():
@@ -150,8 +146,6 @@ _HEADS: "weakref.WeakKeyDictionary[torch.nn.Module, dict[str, torch.nn.Module]]"
 def make_eagle(target: torch.nn.Module, config: EagleDraftConfig | None = None) -> "EagleProposer":
     """The registered factory: the head of ``config.head`` (or :func:`find_head`'s) for ``target``, loaded
     once per (checkpoint, target) and shared by every proposer built for them."""
-    from specdecode.eagle.head import load_head
-
     config = config or EagleDraftConfig()
     if target is None:
         raise SpecDecodeError("the eagle proposer needs the target model (its embedding and LM head)")

@@ -1,29 +1,21 @@
-"""From a drafter choice to a proposer: the one construction path of the library, the server and the bench.
+"""From a drafter spec to a proposer: the one construction path of every front end.
 
-A *drafter choice* is what ``--draft`` (and ``SpecDecoder.from_pretrained(draft=...)``) takes:
+A drafter is a :class:`specdecode.spec.DrafterSpec` (read from ``--draft`` and its flags, a ``--config``
+file, or the compact form ``ngram:k=4,max_ngram=4``). Here:
 
-- ``none`` (or empty): plain decoding, no proposer;
-- ``ngram``: prompt lookup (:class:`~specdecode.proposers.ngram.NgramProposer`);
-- ``layer-skip``: self-speculation, the target with some decoder layers skipped;
-- ``eagle`` / ``eagle:PATH``: a trained feature-level head (EAGLE-3 style) on the target's hidden
-  states, chains or token trees with ``tree``;
-- ``suffix`` / ``suffix:INNER``: suffix decoding, falling back to the drafter INNER (any other
-  choice) when the suffix match scores low;
-- anything else: a draft-model spec, loaded like the target (chains, or token trees with ``tree``).
-
-The pieces, used in this order:
-
-- :func:`parse_draft` reads a choice once (a :class:`DraftChoice`);
-- :func:`check_drafter` range-checks it with its :class:`DrafterOptions` before any slow load
-  (these three live in :mod:`specdecode.validate`, without torch, and are re-exported here);
-- :func:`load_draft_model` loads the draft model it names (the target itself for the target's spec);
-- :func:`proposer_factory` turns it and the loaded modules into a zero-argument factory of
-  proposers: the library builds one proposer per decoder, the server one per request.
+- :func:`load_draft` loads the draft model a spec names (the target itself for the target's spec);
+- :func:`factory_from_spec` turns the spec and the loaded modules into a zero-argument factory of
+  proposers: the library builds one proposer per decoder, the server one per engine, the bench
+  and tune one per run (``specdecode.build`` assembles the engine around it);
+- :func:`config_from_options` reads a spec's option texts as the proposer's config dataclass.
 
 Underneath, :func:`registered_factory` binds a registered proposer (``@register(name)``) to
 the arguments its factory takes (``model``: the draft model, or the target for self-speculative
-proposers; ``target``; ``config``). The bench's method specs (``ngram:k=5,max_ngram=4``) build
-through it as well, with their own option parsing.
+proposers; ``target``; ``config``): a new proposer needs no change here.
+
+The ``--draft`` word readers of :mod:`specdecode.validate` (``parse_draft``, ``DrafterOptions``,
+``check_drafter``) are re-exported, with :func:`proposer_factory` / :func:`load_draft_model`, which turn
+them into a spec (:func:`spec_of`) and build it.
 """
 
 from __future__ import annotations
@@ -32,16 +24,15 @@ import dataclasses
 import functools
 import inspect
 import typing
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from specdecode import layer_search
+from specdecode.lowbit import load_in_precision
 from specdecode.models import check_compatible
+from specdecode.models.compat import _tokenizer_difference, trees_across_vocabularies
 from specdecode.proposers.base import PROPOSERS, Proposer
-from specdecode.proposers.eagle import EagleDraftConfig
-from specdecode.proposers.layer_skip import LayerSkipConfig
-from specdecode.proposers.ngram import NgramConfig
-from specdecode.proposers.suffix import SuffixConfig
 from specdecode.proposers.tree_draft import TreeDraftConfig
+from specdecode.spec import DrafterSpec
 from specdecode.types import SpecDecodeError
 # Reading a choice and checking it need no model: they live without torch (the command line uses them too).
 from specdecode.validate import (  # noqa: F401 - re-exported: the drafter choices and their checks
@@ -122,7 +113,7 @@ def registered_factory(name: str, *, target=None, draft=None, config=None, **kwa
     return functools.partial(factory, **kwargs)
 
 
-# --------------------------------------------------------------------------- drafter choices
+# --------------------------------------------------------------------------- from a spec
 
 
 def tree_config(tree: str | None, tree_nodes: int) -> TreeDraftConfig | None:
@@ -135,34 +126,128 @@ def tree_config(tree: str | None, tree_nodes: int) -> TreeDraftConfig | None:
     return None if kind == "none" else TreeDraftConfig(kind=kind, num_nodes=tree_nodes)
 
 
-def load_draft_model(choice: DraftChoice, target, target_spec: str, *, weights: str = "fp32",
-                     draft_weights: str | None = None, **load_kwargs):
-    """The draft LoadedModel a choice names (its own or its suffix fallback's), None for model-free choices.
+def config_from_options(kind: str, options: Sequence[tuple[str, str]], *, cache_dir: str | None = None):
+    """The config dataclass of the proposer registered as ``kind``, its fields read from a spec's option texts.
+
+    Each text is read as the field's type: bool (1 / 0 / true / false / yes / no), int, float, str, or a
+    tuple written ``a/b/c``. A ``cache_dir`` field the options leave out gets ``cache_dir``.
+
+    Returns:
+        the config, or None when the factory takes none (and no option is given).
+
+    Raises:
+        SpecDecodeError: an option that is no field of the config (the message lists them), a value of
+            the wrong type, or options given to a proposer that takes no config.
+    """
+    kind_type = config_type(kind)
+    values = dict(options)
+    if kind_type is None:
+        if values:
+            raise SpecDecodeError(f"drafter {kind!r} takes no options, got {sorted(values)}")
+        return None
+    fields = {f.name for f in dataclasses.fields(kind_type)}
+    hints = typing.get_type_hints(kind_type)
+    out = {}
+    for key, raw in values.items():
+        if key not in fields:
+            raise SpecDecodeError(f"drafter {kind!r} has no option {key!r}; its options: k, "
+                                  f"{', '.join(sorted(fields)) or '(none)'}")
+        out[key] = _convert(raw, hints.get(key, str), key, kind)
+    if "cache_dir" in fields and "cache_dir" not in out and cache_dir is not None:
+        out["cache_dir"] = str(cache_dir)
+    return kind_type(**out)
+
+
+def _convert(raw: str, hint, key: str, kind: str):
+    """An option text as the config field's type: bool, int, float, str, or a tuple written a/b/c."""
+    for h in (hint, *typing.get_args(hint)):
+        if typing.get_origin(h) is tuple:
+            item = next((t for t in typing.get_args(h) if t is not Ellipsis), str)
+            return tuple(_convert(part, item, key, kind) for part in raw.split("/") if part)
+    kinds = [t for t in (hint, *typing.get_args(hint)) if t in (bool, int, float, str)]
+    want = kinds[0] if kinds else str
+    try:
+        if want is bool:
+            if raw.lower() not in ("1", "0", "true", "false", "yes", "no"):
+                raise ValueError(raw)
+            return raw.lower() in ("1", "true", "yes")
+        return want(raw)
+    except ValueError:
+        raise SpecDecodeError(f"option {key}={raw!r} of drafter {kind!r} must be {want.__name__}") from None
+
+
+def factory_from_spec(spec: DrafterSpec, *, target=None, draft=None, target_tokenizer=None, draft_tokenizer=None,
+                      cache_dir: str | None = None) -> Callable[[], Proposer] | None:
+    """A zero-argument factory of fresh proposers for a drafter spec; None for plain decoding.
+
+    The one place a spec becomes a proposer (``build.build_engine`` and every front end land here). A
+    draft-model spec whose draft has another tokenizer than the target drafts across vocabularies
+    (``proposers.cross_vocab``, chains only); suffix decoding wraps its fallback's factory.
+
+    Args:
+        spec: the drafter (:class:`specdecode.spec.DrafterSpec`).
+        target: the target ``nn.Module`` (self-speculative and head drafters draft with it).
+        draft: the draft ``nn.Module`` of a draft-model spec (or of its suffix fallback).
+        target_tokenizer, draft_tokenizer: both tokenizers, to tell a cross-vocabulary pair.
+        cache_dir: where layer-skip sets and draft heads are cached (None: their default).
+
+    Raises:
+        SpecDecodeError: an unknown kind (the message lists the registered ones), an option the kind's
+            config lacks or a value of the wrong type, a draft-model spec without ``draft``, token trees
+            across vocabularies.
+    """
+    if spec.kind == "none":
+        return None
+    if spec.kind not in PROPOSERS:
+        raise SpecDecodeError(f"unknown drafter {spec.kind!r}; registered proposers: {', '.join(PROPOSERS)}")
+    config = config_from_options(spec.kind, spec.options, cache_dir=cache_dir)
+    if spec.kind == SUFFIX_DRAFT:
+        inner = None if spec.fallback is None else factory_from_spec(
+            spec.fallback, target=target, draft=draft, target_tokenizer=target_tokenizer,
+            draft_tokenizer=draft_tokenizer, cache_dir=cache_dir)
+        suffix = registered_factory(SUFFIX_DRAFT, config=config)
+        return lambda: suffix(fallback=inner() if inner is not None else None)
+    if not takes_draft_model(spec.kind):
+        return registered_factory(spec.kind, target=target, config=config)
+    if draft is None:
+        raise SpecDecodeError(f"drafter {str(spec)!r} names a draft model, but none was loaded (name it with "
+                              f"--draft MODEL or '{spec.kind}:model=MODEL')")
+    difference = None
+    if target_tokenizer is not None and draft_tokenizer is not None and draft is not target:
+        difference = _tokenizer_difference(target_tokenizer, draft_tokenizer)
+    if difference and spec.kind == "tree-draft":  # the real reason (the pair drafts chains across vocabularies)
+        raise trees_across_vocabularies(None, spec.model or "the draft", spec.tree, difference)
+    if difference or spec.kind == "cross-vocab":
+        vocab = int(getattr(getattr(target, "config", None), "vocab_size", 0) or len(target_tokenizer))
+        return registered_factory("cross-vocab", draft=draft, target_tokenizer=target_tokenizer,
+                                  draft_tokenizer=draft_tokenizer, target_vocab=vocab)
+    return registered_factory(spec.kind, target=target, draft=draft, config=config)
+
+
+def load_draft(spec: DrafterSpec, target, target_spec: str, *, weights: str = "fp32",
+               draft_weights: str | None = None, **load_kwargs):
+    """The draft LoadedModel a spec names (its own or its suffix fallback's), None for model-free drafters.
 
     The draft is ``target`` itself (one module; each proposer keeps its own cache) when its spec
     is ``target_spec`` and it runs in the target's precision; otherwise it is loaded with
-    :func:`specdecode.models.load_model` (``load_kwargs``: dtype, cache_dir, progress), checked
-    for a tokenizer shared with the target, in ``draft_weights`` (``lowbit.load_in_precision``: int4 /
-    int8 weights come from their cache when one exists).
+    ``lowbit.load_in_precision`` in ``draft_weights`` (``load_kwargs``: dtype, cache_dir, progress) and,
+    when it shares the target's tokenizer, checked to cover it (another tokenizer drafts across vocabularies).
 
     Args:
-        choice: the parsed ``--draft``.
-        target: the target's LoadedModel; target_spec: the spec it was loaded from.
+        spec: the drafter. target: the target's LoadedModel; target_spec: the spec it was loaded from.
         weights: the precision the target runs in; draft_weights: the draft's (None = ``weights``).
 
     Raises:
         ModelLoadError, IncompatibleTokenizerError.
     """
-    spec = choice.model_spec
-    if spec is None:
+    model = spec.model_spec
+    if model is None:
         return None
     draft_weights = draft_weights or weights
-    if spec == target_spec and draft_weights == weights:
+    if model == target_spec and draft_weights == weights:
         return target
-    from specdecode.lowbit import load_in_precision
-
-    draft = load_in_precision(spec, draft_weights, **load_kwargs)
-    if not other_tokenizer(target, draft):  # another tokenizer: the cross-vocabulary proposer (proposer_factory)
+    draft = load_in_precision(model, draft_weights, **load_kwargs)
+    if not other_tokenizer(target, draft):  # another tokenizer: the cross-vocabulary proposer
         check_compatible(target, draft)
     return draft
 
@@ -170,60 +255,41 @@ def load_draft_model(choice: DraftChoice, target, target_spec: str, *, weights: 
 def other_tokenizer(target, draft) -> str | None:
     """How the draft's tokenizer differs from the target's (LoadedModels), or None when they are the same
     (then ids mean the same tokens and the ordinary draft path runs)."""
-    from specdecode.models import _tokenizer_difference
-
     if target is None or draft is None or draft is target:
         return None
     return _tokenizer_difference(target.tokenizer, draft.tokenizer)
 
 
-def proposer_factory(choice: DraftChoice, options: DrafterOptions, *, target=None,
-                     draft=None, target_tokenizer=None, draft_tokenizer=None) -> Callable[[], Proposer] | None:
-    """A zero-argument factory of fresh proposers for a choice; None for plain decoding.
+# --------------------------------------------------------------------------- the --draft flags (kept for callers)
 
-    Args:
-        choice: the parsed ``--draft``.
-        options: its settings (checked here as by :func:`check_drafter`).
-        target: the target ``nn.Module`` (``layer-skip`` drafts with it).
-        draft: the draft ``nn.Module`` of a draft-model choice (or of its suffix fallback),
-            e.g. ``load_draft_model(...).model``.
-        target_tokenizer, draft_tokenizer: both tokenizers; when they differ the draft drafts across
-            vocabularies (``proposers.cross_vocab``; chains only).
+
+def spec_of(choice: DraftChoice, options: DrafterOptions, num_speculative_tokens: int | None = None) -> DrafterSpec:
+    """The drafter spec of a parsed ``--draft`` and its flag settings.
 
     Raises:
-        SpecDecodeError: as :func:`check_drafter`; a draft-model choice without ``draft``.
+        SpecDecodeError: as :meth:`specdecode.spec.DrafterSpec.from_settings`.
+    """
+    skip = options.skip_layers
+    spec = DrafterSpec.from_settings({
+        "draft": choice.text or "none", "ngram_min": options.ngram_min, "ngram_max": options.ngram_max,
+        "skip_layers": ",".join(map(str, skip)) if skip is not None and not isinstance(skip, str) else skip,
+        "tree": options.tree or "none", "tree_nodes": options.tree_nodes,
+        "num_speculative_tokens": num_speculative_tokens or 1})
+    return spec.with_gamma(num_speculative_tokens)
+
+
+def load_draft_model(choice: DraftChoice, target, target_spec: str, **kwargs):
+    """:func:`load_draft` for a parsed ``--draft`` (the draft model it names, or None)."""
+    return load_draft(DrafterSpec.parse(choice.text), target, target_spec, **kwargs)
+
+
+def proposer_factory(choice: DraftChoice, options: DrafterOptions, *, target=None,
+                     draft=None, target_tokenizer=None, draft_tokenizer=None) -> Callable[[], Proposer] | None:
+    """:func:`factory_from_spec` for a parsed ``--draft`` and its settings (checked as by :func:`check_drafter`).
+
+    Raises:
+        SpecDecodeError: as :func:`check_drafter` and :func:`factory_from_spec`.
     """
     check_drafter(choice, options)
-    if choice.kind == "none":
-        return None
-    if choice.kind == SUFFIX_DRAFT:
-        inner = proposer_factory(choice.fallback, options, target=target, draft=draft,
-                                 target_tokenizer=target_tokenizer, draft_tokenizer=draft_tokenizer)
-        suffix = registered_factory(SUFFIX_DRAFT, config=SuffixConfig(max_spec_nodes=options.tree_nodes))
-        return lambda: suffix(fallback=inner() if inner is not None else None)
-    if choice.kind == NGRAM_DRAFT:
-        return registered_factory("ngram", config=NgramConfig(min_ngram=options.ngram_min,
-                                                              max_ngram=options.ngram_max))
-    if choice.kind == LAYER_SKIP_DRAFT:
-        config = LayerSkipConfig(skip_layers=parse_skip_layers(options.skip_layers), cache_dir=options.cache_dir)
-        return registered_factory("layer-skip", target=target, config=config)
-    if choice.kind == EAGLE_DRAFT:
-        config = EagleDraftConfig(tree=options.tree or "none", num_nodes=options.tree_nodes, head=choice.head_path,
-                                  cache_dir=options.cache_dir)
-        return registered_factory(EAGLE_DRAFT, target=target, config=config)
-    if draft is None:
-        raise SpecDecodeError(f"--draft {choice.text!r} names a draft model, but none was loaded")
-    tree = tree_config(options.tree, options.tree_nodes)
-    if target_tokenizer is not None and draft_tokenizer is not None and draft is not target:
-        from specdecode.models import _tokenizer_difference, trees_across_vocabularies
-
-        difference = _tokenizer_difference(target_tokenizer, draft_tokenizer)
-        if difference:
-            if tree is not None:  # the real reason (the pair drafts chains across vocabularies)
-                raise trees_across_vocabularies(None, choice.text, options.tree, difference)
-            vocab = int(getattr(getattr(target, "config", None), "vocab_size", 0) or len(target_tokenizer))
-            return registered_factory("cross-vocab", draft=draft, target_tokenizer=target_tokenizer,
-                                      draft_tokenizer=draft_tokenizer, target_vocab=vocab)
-    if tree is not None:
-        return registered_factory("tree-draft", draft=draft, config=tree)
-    return registered_factory("draft-model", draft=draft)
+    return factory_from_spec(spec_of(choice, options), target=target, draft=draft, target_tokenizer=target_tokenizer,
+                             draft_tokenizer=draft_tokenizer, cache_dir=options.cache_dir)

@@ -5,10 +5,9 @@
 ``server.replicas.run``, which builds on this module); tests and scripts use
 :func:`build_state` with models they already hold.
 
-The drafter is built the way ``specdecode generate`` builds it, through
-``specdecode.proposers.factory`` (``parse_draft`` -> ``check_drafter`` ->
-``load_draft_model`` -> ``proposer_factory``): every drafter generate takes,
-the server takes. One proposer serves the whole batch (proposers are batched),
+The drafter is built the way ``specdecode generate`` builds it: the flags read as one
+:class:`~specdecode.spec.DrafterSpec`, built by the one builder (``specdecode.build``): every
+drafter generate takes, the server takes. One proposer serves the whole batch (proposers are batched),
 so the factory is called once. The draft length comes from a
 ``specdecode.policy`` policy; the cost model (the default) learns T_draft /
 T_verify and acceptance online, so there is no start-up calibration.
@@ -17,28 +16,26 @@ T_verify and acceptance online, so there is no start-up calibration.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
+import socket
 import sys
 from dataclasses import dataclass
 
 
 from specdecode.cliargs import set_threads
-from specdecode.engine import EngineConfig, SpeculativeEngine
+from specdecode.build import build_engine, choose_skip_layers, load_draft_for
+from specdecode.data import load_prompts
 from specdecode.models import LoadedModel, check_compatible
-from specdecode.options import DEFAULT_TREE_NODES
-from specdecode.policy import build_policy
+from specdecode.options import DEFAULT_MAX_REQUEST_BYTES, DEFAULT_TREE_NODES
 from specdecode.precision import load_target
 from specdecode.preflight import check_models
-from specdecode.proposers.factory import (
-    DraftChoice,
-    DrafterOptions,
-    load_draft_model,
-    other_tokenizer,
-    parse_draft,
-    proposer_factory,
-)
+from specdecode.proposers import LayerSkipProposer
+from specdecode.proposers.factory import DrafterOptions, other_tokenizer
 from specdecode.scheduler import Scheduler
-from specdecode.server.app import DEFAULT_MAX_REQUEST_BYTES, ServerConfig, ServingState, create_app
+from specdecode.server.app import create_app
+from specdecode.server.state import ServerConfig, ServingState
+from specdecode.spec import DrafterSpec
 from specdecode.types import SpecDecodeError
 from specdecode.validate import (  # the checks that need no model, shared with the command line
     check_port,
@@ -89,24 +86,29 @@ class ServeOptions:
                               tree_nodes=self.tree_nodes, skip_layers=parse_skip_layers(self.skip_layers),
                               cache_dir=self.cache_dir)
 
+    def drafter_spec(self) -> DrafterSpec:
+        """The drafter these options name (``--draft`` and its flags, read as one spec)."""
+        return DrafterSpec.from_settings(dataclasses.asdict(self))
 
-def check_options(opts: ServeOptions) -> DraftChoice:
+
+def check_options(opts: ServeOptions) -> DrafterSpec:
     """Every check that needs no model, so a bad flag fails before a slow load (``validate.check_serve_options``,
     which ``specdecode serve`` runs before importing this module, so a refused command never imports torch).
 
     Returns:
-        the parsed ``--draft``.
+        the drafter the options name.
 
     Raises:
         SpecDecodeError: a value out of range, an unknown policy / precision / forward, a drafter
             whose options do not fit it.
     """
-    return check_serve_options(opts)
+    check_serve_options(opts)
+    return opts.drafter_spec().check()
 
 
 def build_state(
     target: LoadedModel,
-    draft: str | LoadedModel | None = "ngram",
+    draft: str | DrafterSpec | LoadedModel | None = "ngram",
     *,
     draft_model: LoadedModel | None = None,
     model_name: str | None = None,
@@ -130,8 +132,9 @@ def build_state(
 
     Args:
         target: the LoadedModel served (its weights already in the precision they run in).
-        draft: a drafter choice as ``--draft`` takes it ("ngram", "suffix", "suffix:ngram",
-            "suffix:MODEL", "layer-skip", "none" / None, a draft-model spec), or a draft LoadedModel.
+        draft: a :class:`~specdecode.spec.DrafterSpec` (taken as it is: the drafter keywords below are
+            ignored), a drafter choice as ``--draft`` takes it ("ngram", "suffix", "suffix:ngram", "suffix:MODEL",
+            "layer-skip", "none" / None, a draft-model spec, a compact spec), or a draft LoadedModel.
         draft_model: the loaded model a draft-model (or ``suffix:MODEL``) choice names, e.g. from
             ``proposers.factory.load_draft_model``; with another tokenizer it drafts across vocabularies.
         num_speculative_tokens: gamma of the fixed policy, the starting gamma of the others.
@@ -142,7 +145,7 @@ def build_state(
             a request's ``"speculative": {"verification": ...}`` overrides it.
         ngram_min, ngram_max, skip_layers, tree, tree_nodes, cache_dir: the drafter's settings
             (``proposers.factory.DrafterOptions``).
-        api_key, default_max_tokens, max_request_bytes: see :class:`~specdecode.server.app.ServerConfig`.
+        api_key, default_max_tokens, max_request_bytes: see :class:`~specdecode.server.state.ServerConfig`.
 
     Raises:
         SpecDecodeError: bad settings, a draft-model choice without its loaded model;
@@ -150,58 +153,56 @@ def build_state(
     """
     check_server_limits(max_queue, max_request_bytes, default_max_tokens)
     if isinstance(draft, LoadedModel):
-        draft_model, choice = draft, DraftChoice(draft.name, "model")
-    else:
-        choice = parse_draft(draft)
-    options = DrafterOptions(ngram_min=ngram_min, ngram_max=ngram_max, tree=tree, tree_nodes=tree_nodes,
-                             skip_layers=parse_skip_layers(skip_layers), cache_dir=cache_dir)
-    if choice.model_spec is not None and draft_model is None:
-        raise SpecDecodeError(f"--draft {choice.text!r} names a draft model: load it first (load_draft_model) and "
+        draft_model, draft = draft, draft.name
+    spec = draft if isinstance(draft, DrafterSpec) else DrafterSpec.from_settings({
+        "draft": draft, "num_speculative_tokens": num_speculative_tokens, "ngram_min": ngram_min,
+        "ngram_max": ngram_max, "tree": tree, "tree_nodes": tree_nodes,
+        "skip_layers": skip_layers if skip_layers is None or isinstance(skip_layers, str)
+        else ",".join(map(str, skip_layers))})
+    if spec.model_spec is not None and draft_model is None:
+        raise SpecDecodeError(f"--draft {draft!r} names a draft model: load it first (build.load_draft_for) and "
                               f"pass it as draft_model")
     if draft_model is not None and draft_model is not target and not other_tokenizer(target, draft_model):
         check_compatible(target, draft_model)  # the same tokenizer: the embedding must cover it
-    factory = proposer_factory(choice, options, target=target.model,
-                               draft=None if draft_model is None else draft_model.model,
-                               target_tokenizer=target.tokenizer,
-                               draft_tokenizer=None if draft_model is None else draft_model.tokenizer)
-    proposer = factory() if factory is not None else None  # batched: one proposer for the whole engine
-    draft_policy = build_policy(policy, num_speculative_tokens) if proposer is not None else None
-    config = EngineConfig(num_speculative_tokens=num_speculative_tokens, max_batch_size=max_batch_size,
-                          max_context=target.max_context, forward=forward, verification=verification)
-    engine = SpeculativeEngine(target.model, proposer, config, policy=draft_policy)
+    engine = build_engine(target, spec, draft=draft_model, num_speculative_tokens=num_speculative_tokens,
+                          policy=policy, max_batch_size=max_batch_size, forward=forward, verification=verification,
+                          cache_dir=cache_dir).engine  # batched: one proposer for the whole engine
+    proposer = engine.proposer
+    num_speculative_tokens = spec.num_speculative_tokens or num_speculative_tokens
     scheduler = Scheduler(engine, max_queue=max_queue)
-    server_config = ServerConfig(model_name=model_name or target.name, draft=_describe(choice, options),
+    server_config = ServerConfig(model_name=model_name or target.name, draft=_describe(
+        spec, draft if isinstance(draft, str) else spec.describe()),
                                  num_speculative_tokens=num_speculative_tokens,
                                  policy=policy if proposer is not None else "none", api_key=api_key,
                                  default_max_tokens=default_max_tokens, max_request_bytes=max_request_bytes)
     return ServingState(scheduler, target, server_config)
 
 
-def _describe(choice: DraftChoice, options: DrafterOptions) -> str:
-    """The drafter as /v1/models shows it: the --draft value, plus its tree / skip settings."""
-    text = choice.text or "none"
-    if options.tree not in (None, "none") and choice.model_spec is not None:
-        text += f" ({options.tree} trees of {options.tree_nodes} nodes)"
-    if choice.kind == "layer-skip" and options.skip_layers is not None:
-        text += f" (skip {','.join(map(str, options.skip_layers))})"
-    return text
+def _describe(spec: DrafterSpec, text: str | None) -> str:
+    """The drafter as /v1/models shows it: the --draft value (``text``), plus its tree / skip settings."""
+    out = (text or "").strip() or "none"
+    if spec.tree != "none" and spec.model_spec is not None:
+        inner = spec.fallback if spec.fallback is not None else spec
+        out += f" ({spec.tree} trees of {inner.option('num_nodes')} nodes)"
+    if spec.skip_layers is not None:
+        out += f" (skip {','.join(map(str, spec.skip_layers))})"
+    return out
 
 
 def load_state(opts: ServeOptions, progress: bool = True) -> ServingState:
     """Load the models named in ``opts`` (as ``specdecode generate`` does) and build the serving state."""
-    choice = check_options(opts)
+    spec = check_options(opts)
     say = (lambda line: print(f"specdecode: {line}", file=sys.stderr, flush=True)) if progress else None
-    check_models(opts.target, choice.model_spec, cache_dir=opts.cache_dir,  # tokenizer files and config, before weights
-                 cross_vocab=True, tree=opts.tree, say=say)
+    check_models(opts.target, spec.model_spec, cache_dir=opts.cache_dir,  # tokenizer files and config, before weights
+                 cross_vocab=True, tree=spec.tree, say=say)
     target, precision = load_target(opts.target, opts.weights, dtype=opts.dtype, cache_dir=opts.cache_dir,
                                     progress=progress, status=say, forward=opts.forward)
     if say is not None:
         say(f"weights {precision.reason}")
     weights = precision.precision
     draft_weights = weights if opts.draft_weights in (None, "auto") else opts.draft_weights
-    draft_model = load_draft_model(choice, target, opts.target, weights=weights,
-                                   draft_weights=draft_weights, dtype=opts.dtype, cache_dir=opts.cache_dir,
-                                   progress=progress)
+    draft_model = load_draft_for(spec, target, opts.target, weights=weights, draft_weights=draft_weights,
+                                 dtype=opts.dtype, cache_dir=opts.cache_dir, progress=progress)
     state = build_state(
         target, opts.draft, draft_model=draft_model, model_name=opts.served_model_name or opts.target,
         num_speculative_tokens=opts.num_speculative_tokens, max_batch_size=opts.max_batch_size,
@@ -218,14 +219,10 @@ def load_state(opts: ServeOptions, progress: bool = True) -> ServingState:
 def _choose_skip_layers(state: ServingState) -> None:
     """``--draft layer-skip`` without ``--skip-layers``: the set cached for the model, else a search now, on
     :data:`LAYER_SKIP_CALIBRATION` (otherwise the first long prompt would search while every request waits)."""
-    from specdecode.proposers import LayerSkipProposer
-
     proposer = state.engine.proposer
     if not isinstance(proposer, LayerSkipProposer) or proposer.config.skip_layers is not None:
         return
     try:
-        from specdecode.data import load_prompts
-
         texts = [p.turns[0] for p in load_prompts(LAYER_SKIP_CALIBRATION)]
         chat = state.text.has_chat_template
         prompts = [state.text.encode(t, chat=chat) for t in texts]
@@ -233,9 +230,7 @@ def _choose_skip_layers(state: ServingState) -> None:
         logger.warning("layer-skip: no calibration prompts (%s); the first request of %d+ tokens chooses the "
                        "skip set", exc, 32)
         return
-    logger.warning("layer-skip: choosing the layers to skip (cached per model; the search shows its progress and an estimate of its time)")
-    r = proposer.calibrate(prompts)  # a set slower than plain decoding: drafting off, said by the line
-    logger.warning("layer-skip: %s", r.line())
+    choose_skip_layers(proposer, prompts, say=logger.warning)
 
 
 def check_address(host: str, port: int) -> None:
@@ -254,8 +249,6 @@ def bind_address(host: str, port: int):
     Raises:
         SpecDecodeError: a port outside 0..65535, an address that cannot be bound (the message says what to do).
     """
-    import socket
-
     check_port(port)
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
     try:
@@ -270,6 +263,7 @@ def bind_address(host: str, port: int):
 
 def run(opts: ServeOptions) -> int:
     """Load, then serve until interrupted (blocking)."""
+    # lazy: uvicorn (start-up time)
     import uvicorn
 
     logging.basicConfig(level=getattr(logging, opts.log_level.upper(), logging.INFO),

@@ -8,6 +8,8 @@ request's ``routing_key`` with a queue-length guard), tested without Ray. A requ
 
 from __future__ import annotations
 
+import random
+
 from ray.serve.request_router import PendingRequest, RunningReplica
 
 try:  # Ray's own power of two choices (with its locality and multiplexing rules) for keyless requests
@@ -17,8 +19,6 @@ except ImportError:  # pragma: no cover - a Ray that moved it: the public base, 
 
     class _Base(FIFOMixin, RequestRouter):  # type: ignore[no-redef]
         async def choose_replicas(self, candidate_replicas, pending_request=None):
-            import random
-
             return [random.sample(list(candidate_replicas), k=min(2, len(candidate_replicas)))]
 
 from specdecode.server.routing import rank_replicas

@@ -1,0 +1,352 @@
+"""The compiled low-bit kernels: the GGUF block formats as the kernels lay them out, the plain-C products
+(``csrc/qgemm.c``) compiled per instruction-set variant with gcc and the variant chosen by measuring, the torch
+extension (``csrc/lowbit.cpp``, ``csrc/step.cpp``) built once per machine, and which of them runs
+(:func:`kernel_status`)."""
+
+from __future__ import annotations
+
+import ctypes
+import fcntl
+import hashlib
+import logging
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from specdecode.errors import SpecDecodeError
+
+
+logger = logging.getLogger(__name__)
+
+_CSRC = Path(__file__).with_name("csrc")
+_SOURCES = [_CSRC / name for name in ("lowbit.cpp", "step.cpp")]
+_QGEMM = _CSRC / "qgemm.c"
+_HEADER = _CSRC / "qtable.h"  # the table layout both sides share
+_lock = threading.Lock()
+_kernel = None  # the compiled torch extension, False once its build failed
+_kernel_note = "not loaded yet"
+#: GGUF block types run as stored: name -> (format id in csrc/qgemm.c, weights per block, bytes per block).
+GGUF_BLOCKS = {"Q4_0": (0, 32, 18), "Q4_1": (1, 32, 20), "Q5_0": (2, 32, 22), "Q8_0": (3, 32, 34),
+               "Q4_K": (4, 256, 144), "Q6_K": (5, 256, 210)}
+
+#: Fields of a 32-weight block (byte ranges), which the kernel reads as one array per field per row
+#: (:func:`repack`: same bytes, eight blocks' scales in one load). K-quants keep their blocks; Q4_K's 12
+#: bytes of 6-bit scales and minimums are re-ordered (:func:`_q4k_to_kernel`: same bytes, decoded in a
+#: few vector instructions instead of about thirty scalar ones per block).
+_FIELDS = {"Q4_0": ((0, 2), (2, 18)), "Q4_1": ((0, 2), (2, 4), (4, 20)), "Q5_0": ((0, 2), (2, 6), (6, 22)),
+           "Q8_0": ((0, 2), (2, 34))}
+
+
+def _q4k_values(q: np.ndarray) -> np.ndarray:
+    """Q4_K's scale bytes as GGUF stores them [..., 12] uint8 -> [..., 16] uint8: the 8 sub-block scales, then
+    the 8 minimums (6 bits each)."""
+    v = np.empty(q.shape[:-1] + (16,), np.uint8)
+    v[..., 0:4] = q[..., 0:4] & 63
+    v[..., 8:12] = q[..., 4:8] & 63
+    v[..., 4:8] = (q[..., 8:12] & 0xF) | ((q[..., 0:4] >> 6) << 4)
+    v[..., 12:16] = (q[..., 8:12] >> 4) | ((q[..., 4:8] >> 6) << 4)
+    return v
+
+
+def _q4k_to_kernel(q: np.ndarray) -> np.ndarray:
+    """GGUF's 12 Q4_K scale bytes [..., 12] -> the kernel's 12 (csrc/qgemm.c ``q4k_scale_bytes``): byte i < 8 =
+    low nibbles of value i and 8 + i; byte 8 + b = the high two bits of values 4t + b at bits 2t."""
+    v = _q4k_values(q)
+    out = np.empty_like(q)
+    out[..., 0:8] = (v[..., 0:8] & 0xF) | ((v[..., 8:16] & 0xF) << 4)
+    high = v >> 4
+    out[..., 8:12] = 0
+    for t in range(4):
+        out[..., 8:12] |= high[..., 4 * t : 4 * t + 4] << (2 * t)
+    return out
+
+
+def _q4k_from_kernel(k: np.ndarray) -> np.ndarray:
+    """The inverse of :func:`_q4k_to_kernel`."""
+    v = np.empty(k.shape[:-1] + (16,), np.uint8)
+    v[..., 0:8] = k[..., 0:8] & 0xF
+    v[..., 8:16] = k[..., 0:8] >> 4
+    for t in range(4):
+        v[..., 4 * t : 4 * t + 4] |= ((k[..., 8:12] >> (2 * t)) & 3) << 4
+    q = np.empty_like(k)
+    q[..., 0:4] = (v[..., 0:4] & 63) | ((v[..., 4:8] >> 4) << 6)
+    q[..., 4:8] = (v[..., 8:12] & 63) | ((v[..., 12:16] >> 4) << 6)
+    q[..., 8:12] = (v[..., 4:8] & 0xF) | ((v[..., 12:16] & 0xF) << 4)
+    return q
+
+
+def _q4k_scales_mapped(raw: np.ndarray, fn) -> np.ndarray:
+    blocks = np.array(raw, dtype=np.uint8, copy=True).reshape(raw.shape[0], -1, GGUF_BLOCKS["Q4_K"][2])
+    blocks[..., 4:16] = fn(blocks[..., 4:16])
+    return blocks.reshape(raw.shape[0], -1)
+
+
+def repack(raw: np.ndarray, kind: str) -> np.ndarray:
+    """GGUF rows [rows, bytes] uint8 -> the kernel's layout [rows, bytes] uint8 (the same bytes, each block field
+    as one array per row: ``d[nb] | m[nb] | qs[nb][16]`` for Q4_1; Q4_K's scale bytes re-ordered, see
+    :func:`_q4k_to_kernel`). Q6_K is returned as it is."""
+    if kind == "Q4_K":
+        return _q4k_scales_mapped(raw, _q4k_to_kernel)
+    if kind not in _FIELDS:
+        return np.ascontiguousarray(raw)
+    rows = raw.shape[0]
+    blocks = raw.reshape(rows, -1, GGUF_BLOCKS[kind][2])
+    return np.ascontiguousarray(np.concatenate([blocks[..., a:b].reshape(rows, -1) for a, b in _FIELDS[kind]], axis=1))
+
+
+def unpack(packed: np.ndarray, kind: str) -> np.ndarray:
+    """The inverse of :func:`repack`: the kernel's layout [rows, bytes] uint8 -> GGUF rows [rows, bytes] uint8."""
+    if kind == "Q4_K":
+        return _q4k_scales_mapped(packed, _q4k_from_kernel)
+    if kind not in _FIELDS:
+        return np.ascontiguousarray(packed)
+    rows, nbytes = packed.shape[0], GGUF_BLOCKS[kind][2]
+    nb = packed.shape[1] // nbytes
+    out = np.empty((rows, nb, nbytes), np.uint8)
+    at = 0
+    for a, b in _FIELDS[kind]:
+        out[..., a:b] = packed[:, at : at + nb * (b - a)].reshape(rows, nb, b - a)
+        at += nb * (b - a)
+    return out.reshape(rows, -1)
+
+
+#: Instruction-set variants of the kernel, fastest first where the CPU runs several: name ->
+#: (the /proc/cpuinfo flags it needs, gcc flags, the macro csrc/qgemm.c reads).
+VARIANTS = {
+    "avx512vnni": (("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni"),
+                   ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni"],
+                   "SD_VARIANT_AVX512VNNI"),
+    "avx512": (("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl"),
+               ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl"], "SD_VARIANT_AVX512"),
+    "avx2": (("avx2", "fma", "f16c"), ["-mavx2", "-mfma", "-mf16c"], "SD_VARIANT_AVX2"),
+}
+#: The environment variable that forces a variant (or ``reference``).
+ISA_ENV = "SPECDECODE_KERNEL_ISA"
+
+
+def cpu_flags() -> set[str]:
+    """This CPU's feature flags (``/proc/cpuinfo``); empty where they cannot be read."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def supported_variants() -> list[str]:
+    """The kernel variants this CPU executes, in :data:`VARIANTS` order."""
+    flags = cpu_flags()
+    return [name for name, (need, _, _) in VARIANTS.items() if all(f in flags for f in need)]
+
+
+def _cache_base(cache_dir=None) -> Path:
+    # lazy: specdecode.models pulls in transformers (start-up time)
+    from specdecode.models import default_cache_dir
+
+    return Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
+
+
+_variants: dict[str, tuple[ctypes.CDLL, int]] = {}
+_variant_lock = threading.Lock()
+
+
+def load_variant(name: str, cache_dir=None) -> int:
+    """The address of variant ``name``'s kernel table (compiled with gcc on first use, cached; one
+    compilation at a time in this process, each into its own temporary file, then an atomic rename).
+
+    Raises:
+        SpecDecodeError: unknown variant, a CPU without its instructions, or no compiler.
+    """
+    if name not in VARIANTS:
+        raise SpecDecodeError(f"unknown kernel variant {name!r}; choose one of {', '.join(VARIANTS)} or reference")
+    with _variant_lock:
+        if name not in _variants:
+            _variants[name] = _compile_variant(name, cache_dir)
+    return _variants[name][1]
+
+
+def _compile_variant(name: str, cache_dir=None) -> tuple[ctypes.CDLL, int]:
+    if name not in supported_variants():
+        raise SpecDecodeError(f"this CPU cannot run the {name} kernel (it runs: {', '.join(supported_variants()) or 'none'})")
+    _, flags, macro = VARIANTS[name]
+    digest = hashlib.sha256(_QGEMM.read_bytes() + _HEADER.read_bytes() + " ".join(flags).encode()).hexdigest()[:12]
+    out = _cache_base(cache_dir) / "kernels" / f"qgemm-{name}-{digest}.so"
+    if not out.is_file():
+        print(f"specdecode: compiling the {name} low-bit kernel into {out.parent} (once per machine and version, "
+              "seconds)", file=sys.stderr, flush=True)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp")
+        os.close(fd)
+        cmd = [os.environ.get("CC", "gcc"), "-O3", "-std=gnu11", "-shared", "-fPIC", *flags, f"-D{macro}",
+               f"-I{_CSRC}", str(_QGEMM), "-o", tmp, "-lm"]
+        try:
+            subprocess.run(cmd, check=True, capture_output=True, text=True)
+            os.replace(tmp, out)
+        except (OSError, subprocess.CalledProcessError) as exc:
+            Path(tmp).unlink(missing_ok=True)
+            detail = (getattr(exc, "stderr", "") or str(exc)).strip()
+            first = next((line for line in detail.splitlines() if "error" in line), detail.splitlines()[0] if detail else "")
+            raise SpecDecodeError(f"could not compile the {name} kernel: {first[:200]}") from exc
+    lib = ctypes.CDLL(str(out))
+    lib.sd_table.restype = ctypes.c_void_p
+    return lib, int(lib.sd_table())
+
+
+def _time_variant(kernel, address: int) -> float:
+    """Seconds of a Q4_K product of 1 and 5 rows (the decoding and verification shapes), best of 5."""
+    rng = np.random.default_rng(0)
+    n, k = 1024, 2048
+    raw = torch.from_numpy(_random_raw("Q4_K", n, k, rng))
+    total = 0.0
+    for rows in (1, 5):
+        x = torch.from_numpy(rng.standard_normal((rows, k), dtype=np.float32))
+        times = []
+        for _ in range(5):
+            start = time.perf_counter()
+            kernel.q_linear(x, raw, GGUF_BLOCKS["Q4_K"][0], address)  # timing only: the layout does not matter
+            times.append(time.perf_counter() - start)
+        total += min(times)
+    return total
+
+
+def _random_raw(kind: str, rows: int, cols: int, rng) -> np.ndarray:
+    """Random bytes shaped as ``kind`` blocks with sane float16 scales (random bytes are valid blocks)."""
+    _, size, nbytes = GGUF_BLOCKS[kind]
+    raw = rng.integers(0, 256, size=(rows, cols // size, nbytes), dtype=np.uint8)
+    scale = lambda n: rng.uniform(1e-3, 2e-2, size=(rows, cols // size, n)).astype(np.float16).view(np.uint8)  # noqa: E731
+    if kind == "Q6_K":
+        raw[..., 208:210] = scale(1)
+    elif kind in ("Q4_K", "Q4_1"):
+        raw[..., 0:4] = scale(2)
+    else:
+        raw[..., 0:2] = scale(1)
+    return raw.reshape(rows, -1)
+
+
+_chosen: str | None = None
+
+
+def active_variant() -> str | None:
+    """The variant the products run: ``SPECDECODE_KERNEL_ISA`` when set, else the fastest this CPU
+    executes (measured once per process, about a second); None: the torch reference runs.
+
+    Raises:
+        SpecDecodeError: a forced variant that is unknown or that this CPU cannot run."""
+    global _chosen, _kernel_note
+    forced = os.environ.get(ISA_ENV, "").strip().lower()
+    if forced == "reference":
+        return None
+    kernel = load_kernel()
+    if kernel is None:
+        return None
+    if forced:
+        load_variant(forced)
+        _kernel_note = f"{forced} kernel (forced by {ISA_ENV})"
+        return forced
+    if _chosen is None:
+        with _lock:
+            if _chosen is None:
+                timed = {}
+                for name in supported_variants():
+                    try:
+                        timed[name] = _time_variant(kernel, load_variant(name))
+                    except SpecDecodeError as exc:
+                        logger.warning("%s", exc)
+                _chosen = min(timed, key=timed.get) if timed else ""
+                if timed:
+                    figures = ", ".join(f"{k} {1e3 * v:.2f} ms" for k, v in timed.items())
+                    _kernel_note = f"{_chosen} kernel (measured here: {figures})"
+    return _chosen or None
+
+
+def variant_table() -> int:
+    """The kernel table address of :func:`active_variant`, 0 for the torch reference.
+
+    Raises:
+        SpecDecodeError: as :func:`active_variant`."""
+    name = active_variant()
+    return load_variant(name) if name else 0
+
+
+def load_kernel(cache_dir: str | Path | None = None):
+    """The compiled torch extension (thread split, C++ layer loop), building it on first use; None
+    where it cannot run. Build directory: ``<cache dir>/kernels/lowbit-<torch version>-<source hash>``.
+    ``SPECDECODE_KERNEL_ISA=reference`` forces the torch reference (tests)."""
+    global _kernel, _kernel_note
+    if os.environ.get(ISA_ENV, "").strip().lower() == "reference":
+        if _kernel_note != f"torch reference ({ISA_ENV}=reference)":
+            _kernel_note = f"torch reference ({ISA_ENV}=reference)"
+            print(f"specdecode: low-bit products run the slower {_kernel_note}", file=sys.stderr, flush=True)
+        return None
+    with _lock:
+        if _kernel is not None:
+            return _kernel or None
+        if not supported_variants():
+            _kernel, _kernel_note = False, "torch reference (this CPU has no AVX2 + FMA + F16C)"
+            print(f"specdecode: low-bit products run the slower {_kernel_note}", file=sys.stderr, flush=True)
+            return None
+        # the source, this checkout and this interpreter (ninja's build file holds their absolute paths)
+        where = f"{Path(__file__).resolve().parent}|{sys.prefix}".encode()
+        digest = hashlib.sha256(b"".join(s.read_bytes() for s in (*_SOURCES, _HEADER)) + where).hexdigest()[:12]
+        build = _cache_base(cache_dir) / "kernels" / f"lowbit-{torch.__version__.split('+')[0]}-{digest}"
+        try:
+            # lazy: torch's C++ extension tools (slow to import), only when the extension is built
+            from torch.utils.cpp_extension import load
+
+            build.mkdir(parents=True, exist_ok=True)
+            name = f"specdecode_lowbit_{digest}"
+            fresh = not any(build.glob(f"{name}*.so"))
+            if fresh:  # the first use on this machine (or of this source): say why it pauses
+                print(f"specdecode: compiling the low-bit products' thread split and the C++ layer loop into {build} "
+                      "(once per machine and version, about a minute)", file=sys.stderr, flush=True)
+            start = time.perf_counter()
+
+            # Our own lock first: the OS drops it when its holder dies, so while we hold it no build of ours
+            # runs, and torch's lock file (which a build killed mid-way leaves behind, and which torch
+            # then waits on forever) can only be stale.
+            with open(build / "specdecode.lock", "w") as guard:
+                fcntl.flock(guard, fcntl.LOCK_EX)
+                stale = build / "lock"
+                if stale.exists():
+                    print(f"specdecode: removing {stale}, left by a build that was interrupted", file=sys.stderr,
+                          flush=True)
+                    stale.unlink(missing_ok=True)
+                _kernel = load(name, [str(s) for s in _SOURCES], extra_cflags=["-O3", "-fopenmp"],
+                               extra_include_paths=[str(_CSRC)],
+                               extra_ldflags=["-fopenmp"], build_directory=str(build), verbose=False)
+            took = time.perf_counter() - start
+            if fresh:
+                print(f"specdecode: compiled in {took:.0f} s", file=sys.stderr, flush=True)
+            _kernel_note = f"kernel extension {'compiled' if fresh else 'loaded'} in {took:.1f} s (variant not chosen yet)"
+        except Exception as exc:  # noqa: BLE001 - no compiler / headers / ninja: the reference runs
+            _kernel = False
+            first = next((line for line in str(exc).splitlines() if line.strip()), "")
+            _kernel_note = f"torch reference (the kernel extension did not build: {type(exc).__name__}: {first[:200]})"
+            print(f"specdecode: low-bit products run the slower {_kernel_note}", file=sys.stderr, flush=True)
+        return _kernel or None
+
+
+_bf16_fast = None
+
+
+def fast_bf16() -> bool:
+    """Whether this CPU runs bfloat16 matrix products natively (AVX512-BF16 or AMX-BF16)."""
+    global _bf16_fast
+    if _bf16_fast is None:
+        flags = cpu_flags()
+        _bf16_fast = "avx512_bf16" in flags or "amx_bf16" in flags
+    return _bf16_fast
+
+
+def kernel_status() -> str:
+    """One line: which implementation (and instruction-set variant) runs the low-bit products."""
+    return _kernel_note
