@@ -363,15 +363,19 @@ def test_consistent_flags_pass_the_checks():
 
 
 def test_draft_kinds_agree_with_the_library():
-    """cliargs reads --draft without importing the drafters; it must read it as parse_draft does."""
+    """cliargs reads --draft without importing the drafters; it must read it as the drafter spec does (the words
+    and the compact form alike): "model" when a draft model loads, else the kind that runs."""
     from specdecode.cliargs import _draft_kind
-    from specdecode.proposers.factory import parse_draft
+    from specdecode.spec import MODEL_KINDS, DrafterSpec
 
     for text in ("ngram", "NGRAM", " none ", "", "layer-skip", "suffix", "suffix:ngram", "suffix:layer-skip",
-                 "suffix:Some/Model", "qwen2.5-coder-0.5b", "/models/draft.gguf"):
-        choice = parse_draft(text)
-        runs = choice.fallback if choice.kind == "suffix" else choice
-        assert _draft_kind(text) == runs.kind, text
+                 "suffix:Some/Model", "qwen2.5-coder-0.5b", "/models/draft.gguf", "ngram:k=3", "layer-skip:k=2",
+                 "draft-model:model=m,k=3", "suffix:fallback=(ngram)", "eagle"):
+        spec = DrafterSpec.parse(text)
+        runs = spec.fallback if spec.kind == "suffix" and spec.fallback is not None else spec
+        expected = "model" if spec.model_spec is not None or runs.kind in MODEL_KINDS else runs.kind
+        assert _draft_kind(text) == expected, text
+    assert _draft_kind("layer-skip:k=3") == "layer-skip" and _draft_kind("suffix:m") == "model"
 
 
 def test_an_empty_prompt_file_is_refused_like_an_empty_prompt(tmp_path):

@@ -82,6 +82,9 @@ def test_canonical_form_sorts_and_drops_defaults():
     ("layer-skip:skip_layers=a/b", "--skip-layers takes comma-separated layer indices"),
     ("suffix:eagle", "a draft head cannot be suffix decoding's fallback"),
     ("ngram:k=3,k=4", "given twice"),
+    ("ngram:k=3,gamma=4", "given twice"),
+    ("draft-model:model=a,model=b", "'model' given twice"),
+    ("suffix:fallback=(ngram),fallback=(ngram)", "'fallback' given twice"),
     ("suffix:fallback=(ngram", r"unbalanced '\('"),
 ])
 def test_bad_compact_values_are_refused_in_one_line(text, needle):
@@ -221,3 +224,35 @@ def test_every_front_end_builds_the_same_engine_from_one_spec(pair, text, tmp_pa
     if spec.kind != "none":
         run = session.runner(Candidate("c", spec), spec.num_speculative_tokens)
         assert _facts(run.engine, target.model) == want
+
+
+def test_options_written_in_the_compact_form_win_over_the_flags_even_at_their_default():
+    """``--draft ngram:max_ngram=3 --ngram-max 5`` runs max_ngram 3 (the spec's own option), as ``ngram:max_ngram=4``
+    runs 4; without the option the flag applies."""
+    assert DrafterSpec.from_settings({"draft": "ngram:max_ngram=3", "ngram_max": 5}).option("max_ngram", "3") == "3"
+    assert DrafterSpec.from_settings({"draft": "ngram:max_ngram=4", "ngram_max": 5}).option("max_ngram") == "4"
+    assert DrafterSpec.from_settings({"draft": "ngram", "ngram_max": 5}).option("max_ngram") == "5"
+
+
+@pytest.mark.parametrize("draft, skip_ok, draft_weights_ok", [
+    ("layer-skip:k=3", True, False), ("layer-skip", True, False), ("ngram:k=3", False, False),
+    ("suffix:ngram", False, False), ("eagle", False, False), ("smollm2-135m", False, True),
+    ("draft-model:model=smollm2-135m,k=3", False, True), ("suffix:smollm2-135m", False, True),
+])
+def test_the_command_line_reads_a_compact_draft_as_the_spec_does(draft, skip_ok, draft_weights_ok):
+    """--skip-layers goes with a layer-skip drafter and --draft-weights with one that loads a draft model, whether
+    --draft names it in a word or in the compact form."""
+    import argparse
+
+    from specdecode.cliargs import check_drafter_flags
+
+    def check(**flags):
+        base = {"draft": draft, "skip_layers": None, "draft_weights": None, "dtype": None, "weights": None}
+        check_drafter_flags(argparse.Namespace(**{**base, **flags}))
+
+    for flags, ok in (({"skip_layers": "3,5"}, skip_ok), ({"draft_weights": "int8"}, draft_weights_ok)):
+        if ok:
+            check(**flags)
+        else:
+            with pytest.raises(SpecDecodeError):
+                check(**flags)

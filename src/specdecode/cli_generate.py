@@ -56,16 +56,18 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     set_threads(args.threads, say=_status)
     _preflight(args, jobs)
-    _status(f"loading target {args.target!r}" + ("" if args.draft.lower() in ("none", "ngram") else
-                                                  f" and draft {args.draft!r}"))
+    spec = DrafterSpec.from_settings(vars(args))
+    _status(f"loading target {args.target!r}" + (f" and draft model {spec.model_spec!r}" if spec.model_spec else ""))
     t0 = time.perf_counter()
     decoder = SpecDecoder.from_pretrained(
-        args.target, DrafterSpec.from_settings(vars(args)), num_speculative_tokens=args.num_speculative_tokens,
+        args.target, spec, num_speculative_tokens=args.num_speculative_tokens,
         dtype=args.dtype, cache_dir=args.cache_dir, weights=args.weights, draft_weights=args.draft_weights,
         policy=args.policy, verification=args.verification, status=_status,
     )
-    _status(f"loaded in {time.perf_counter() - t0:.1f} s: target {decoder.target.source}, {_draft_label(args)}, "
-            f"gamma {args.num_speculative_tokens}, context {decoder.target.max_context} tokens")
+    drafter = "no draft (plain decoding)" if spec.kind == "none" else f"drafter {spec.describe()}"
+    gamma = "" if spec.kind == "none" else f", gamma {decoder.num_speculative_tokens}, policy {args.policy}"
+    _status(f"loaded in {time.perf_counter() - t0:.1f} s: target {decoder.target.source}, {drafter}{gamma}, "
+            f"context {decoder.target.max_context} tokens")
     if decoder.precision is not None:
         p = decoder.precision
         _status(f"weights {p.reason}" + (f" (measured once on this machine, cached in {p.cache_file}: delete it to "
@@ -232,21 +234,6 @@ def read_prompt_file(path: str) -> str:
 def _preview(text: str, width: int = 90) -> str:
     flat = " ".join(text.split())
     return repr(flat if len(flat) <= width else flat[: width - 3] + "...")
-
-
-def _draft_label(args: argparse.Namespace) -> str:
-    kind = args.draft.strip().lower()
-    if kind == "none":
-        return "no draft (plain decoding)"
-    if kind == "ngram":
-        return f"ngram drafter (n = {args.ngram_max}..{args.ngram_min})"
-    if kind == "layer-skip":
-        return f"layer-skip self-speculation (skip {args.skip_layers or 'auto'}), policy {args.policy}"
-    tree = f", {args.tree} trees of {args.tree_nodes} nodes" if args.tree != "none" else ""
-    if kind.partition(":")[0] == "suffix":
-        fallback = args.draft.strip().partition(":")[2]
-        return f"suffix decoding ({args.tree_nodes} nodes)" + (f", fallback {fallback}{tree}" if fallback else "")
-    return f"draft model {args.draft}{tree}"
 
 
 def _warm_up(decoder, baseline) -> None:

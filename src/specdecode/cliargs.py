@@ -3,7 +3,7 @@ and the rest of ``specdecode serve``'s flags.
 
 Both front ends run the same engine with the same drafters, so they take the same flags with the same
 meaning; only their defaults may differ (``policy_default``). argparse lives at the edges (DESIGN.md
-rule 5): this module and ``cli.py`` / ``server/launch.py`` are its only users. It stays light (only
+rule 5): this module, ``cli.py`` / ``cli_generate.py`` / ``cli_commands.py`` and ``server/launch.py`` are its only users. It stays light (only
 :mod:`specdecode.options`, no torch, no server stack), so ``--help`` and argument errors answer at once.
 """
 
@@ -13,6 +13,7 @@ import argparse
 import sys
 
 from specdecode.errors import SpecDecodeError
+from specdecode.spec import MODEL_KINDS, DrafterSpec
 from specdecode.validate import check_threads, usable_cores  # noqa: F401 - check_threads re-exported (the CLI's)
 from specdecode.options import (
     DEFAULT_MAX_REQUEST_BYTES,
@@ -54,23 +55,21 @@ def status(message: str) -> None:
     print(f"specdecode: {message}", file=sys.stderr, flush=True)
 
 
-#: --draft values that run no draft model of their own (``proposers.factory.parse_draft``'s model-free kinds).
-_MODEL_FREE_DRAFTS = ("none", "ngram", "layer-skip")
-
 #: What each explicit --weights does to the weights --dtype loaded, for the refusal of a contradiction.
 _WEIGHTS_DO = {"fp32": "runs float32 weights", "bf16": "runs bfloat16 weights",
                "int8": "quantizes float32 weights to int8", "int4": "runs the GGUF file's 4-bit blocks"}
 
 
 def _draft_kind(draft: str | None) -> str:
-    """The drafter a --draft value runs (a suffix drafter's fallback): a model-free name or "model"."""
-    name = (draft or "").strip().lower()
-    if name.partition(":")[0] == "suffix":
-        name = name.partition(":")[2].strip()
-    name = name or "none"
-    if name.partition(":")[0] == "eagle":
-        return "eagle"  # a head on the target's features: no draft model
-    return name if name in _MODEL_FREE_DRAFTS else "model"
+    """The drafter a --draft value runs, read as the drafter spec reads it (suffix decoding: its fallback's
+    kind): "model" when it loads a draft model (or cannot be read: the spec refuses it later, in its own words),
+    else the kind ("none", "ngram", "layer-skip", "eagle", "suffix")."""
+    try:
+        spec = DrafterSpec.parse(draft or "none")
+    except SpecDecodeError:
+        return "model"
+    inner = spec.fallback if spec.kind == "suffix" and spec.fallback is not None else spec
+    return "model" if spec.model_spec is not None or inner.kind in MODEL_KINDS else inner.kind
 
 
 def check_precision_flags(dtype: str | None, weights: str | None, draft_weights: str | None) -> None:

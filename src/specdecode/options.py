@@ -4,7 +4,7 @@
 because the parsers (``cliargs.py``, ``bench/__init__.py``, ``cli.py``) read their choices from
 here. The modules that use these names re-export them (``kernels.WEIGHT_PRECISIONS``); the
 copies that still live beside their code are kept equal to these by tests/test_cliargs.py
-(``policy.POLICIES``, ``kv.FORWARD_BACKENDS``, ``server.app.DEFAULT_MAX_REQUEST_BYTES``).
+(``policy.POLICIES``, ``kv.FORWARD_BACKENDS``, ``server.state.ServerConfig.max_request_bytes``).
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ VERIFICATION_METHODS = ("auto", "token", "block")
 #: sampling, the coupled mode (``specdecode.coupled``).
 SAMPLING_MODES = {"auto": None, "standard": False, "coupled": True}
 
-#: Largest request body the server reads, bytes (``specdecode.server.app.DEFAULT_MAX_REQUEST_BYTES``).
+#: Largest request body the server reads, bytes (the server's ``--max-request-bytes`` default).
 DEFAULT_MAX_REQUEST_BYTES = 1 << 20
 
 __all__ = ["CATALOG_MODELS", "DEFAULT_MAX_REQUEST_BYTES", "DEFAULT_TARGET", "DEFAULT_TREE_NODES", "DTYPES", "FORWARD_BACKENDS", "POLICY_NAMES",

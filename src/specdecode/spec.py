@@ -121,19 +121,20 @@ class DrafterSpec:
             return cls("suffix", fallback=_fallback(cls.parse(rest), text))
         if kind not in BUILTIN_KINDS and bare_model and "=" not in rest:
             return cls("draft-model", model=text)  # a model spec (it may hold ':' of its own: smoke:tiny)
-        gamma, model, fallback, options = None, None, None, {}
+        gamma, model, fallback, options, seen = None, None, None, {}, set()
         for item in _split(rest, text):
             key, eq, value = item.partition("=")
             key, value = key.strip().replace("-", "_"), value.strip()
             if not eq or not key:
                 raise _refuse("draft", f"option {item!r} in {text!r} is not KEY=VALUE")
-            if key in options or (key in GAMMA_KEYS and gamma is not None):
+            if ("k" if key in GAMMA_KEYS else key) in seen:
                 raise _refuse(key, f"option {key!r} given twice in {text!r}")
+            seen.add("k" if key in GAMMA_KEYS else key)
             if key in GAMMA_KEYS:
-                if not value.isdigit():
-                    raise _refuse("num_speculative_tokens", f"k (γ, num_speculative_tokens) must be an integer in "
-                                                            f"[1, {MAX_SPECULATIVE_TOKENS}], got {value!r} in {text!r}")
-                gamma = check_gamma("num_speculative_tokens", int(value))
+                if not value.isdigit() or not 1 <= int(value) <= MAX_SPECULATIVE_TOKENS:
+                    raise _refuse("draft", f"k (γ): num_speculative_tokens must be an integer in "
+                                           f"[1, {MAX_SPECULATIVE_TOKENS}], got {value} in {text!r}")
+                gamma = int(value)
             elif key == "model":
                 model = value or None
             elif key == "fallback" and kind == "suffix":
@@ -166,7 +167,8 @@ class DrafterSpec:
         gamma = base.num_speculative_tokens
         if gamma is None and base.kind != NONE:
             gamma = check_gamma("num_speculative_tokens", s["num_speculative_tokens"])
-        return replace(_with_flags(base, s, tree, str(s["draft"])), num_speculative_tokens=gamma)
+        return replace(_with_flags(base, s, tree, str(s["draft"]), _written_keys(str(s["draft"]))),
+                       num_speculative_tokens=gamma)
 
     # ------------------------------------------------------------------ writing
 
@@ -343,8 +345,17 @@ def _fallback(inner: DrafterSpec, text: str) -> DrafterSpec | None:
     return None if inner.kind == NONE else inner
 
 
-def _with_flags(base: DrafterSpec, s: Mapping, tree: str, text: str) -> DrafterSpec:
-    """``base`` (what ``--draft`` said) with the drafter flags that apply to its kind; its own options win."""
+def _written_keys(text: str) -> set[str]:
+    """The option keys a compact spec writes out (defaults included: they win over the flags too)."""
+    rest = text.partition(":")[2]
+    if "=" not in rest:
+        return set()
+    return {item.partition("=")[0].strip().replace("-", "_") for item in _split(rest, text)}
+
+
+def _with_flags(base: DrafterSpec, s: Mapping, tree: str, text: str, written: set[str] = frozenset()) -> DrafterSpec:
+    """``base`` (what ``--draft`` said) with the drafter flags that apply to its kind; its own options win (those
+    ``written`` in the compact form too, where they equal the default and ``base`` no longer holds them)."""
     own = dict(base.options)
     if base.kind == "ngram":
         flags = {"min_ngram": s["ngram_min"], "max_ngram": s["ngram_max"]}
@@ -368,6 +379,7 @@ def _with_flags(base: DrafterSpec, s: Mapping, tree: str, text: str) -> DrafterS
     if tree != "none" and base.kind not in ("eagle", "tree-draft", "draft-model"):
         raise _refuse("tree", f"--tree {tree} needs a draft model or head (--draft MODEL, suffix:MODEL or eagle), "
                               f"not {text!r}")
+    flags = {k: v for k, v in flags.items() if k not in written}
     return replace(base, options=_normal(base.kind, {**flags, **own}, text))
 
 

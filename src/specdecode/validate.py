@@ -510,7 +510,7 @@ def check_serve_options(opts) -> DraftChoice:
     for flag, precision in (("--weights", opts.weights), ("--draft-weights", opts.draft_weights or opts.weights)):
         if precision not in WEIGHT_CHOICES:  # "auto": the library measures and picks one
             raise SpecDecodeError(f"{flag}: unknown precision {precision!r}; choose one of {WEIGHT_CHOICES}")
-    if choice.kind == LAYER_SKIP_DRAFT and opts.forward == "hf":
+    if (opts.draft or "").strip().lower().partition(":")[0] == LAYER_SKIP_DRAFT and opts.forward == "hf":
         raise SpecDecodeError("--draft layer-skip drafts through the project's own Llama / Qwen2 forward; "
                               "use --forward auto or owned")
     check_server_limits(opts.max_queue, opts.max_request_bytes, opts.default_max_tokens)

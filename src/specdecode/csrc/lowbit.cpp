@@ -2,7 +2,7 @@
 // dequantization, around the instruction-set variant of csrc/qgemm.c that the caller picked.
 //
 // This file holds no intrinsics: it builds with the compiler's default flags on any x86-64 CPU.
-// The variant's function table (qgemm.c's sd_table(), loaded by specdecode/lowbit.py) arrives as an
+// The variant's function table (qgemm.c's sd_table(), loaded by specdecode/lowbit_kernels.py) arrives as an
 // address with every call, so tests and benchmarks can run any variant the CPU executes side by side.
 //
 // Threads split the output columns, never the rows or the reduction: a (row, column) result is

@@ -4,7 +4,7 @@
 //   out[r, n] = sum_k x[r, k] * w[n, k],  r < rows (a decoding step: 1; a verification: gamma + 1)
 //
 // Plain C with intrinsics and no torch headers: compiled once per instruction-set variant by
-// specdecode/lowbit.py (gcc, seconds) and called through the table sd_table() returns.
+// specdecode/lowbit_kernels.py (gcc, seconds) and called through the table sd_table() returns.
 //   SD_VARIANT_AVX2        AVX2 + FMA + F16C (the floor)
 //   SD_VARIANT_AVX512      the same code with AVX-512 F/BW/VL enabled (EVEX encodings, 32 registers;
 //                          Q5_0's fifth bits as a byte mask)
@@ -150,7 +150,7 @@ static void quantize256(const float* x, int64_t rows, int64_t k, int8_t* q, floa
 
 // ---------------------------------------------------------------------------------------------
 // Weights: 32-element block formats (Q4_0, Q4_1, Q5_0, Q8_0) against act32.
-// A row's blocks are repacked at load (specdecode/lowbit.py, same bytes) as arrays instead of
+// A row's blocks are repacked at load (specdecode/lowbit_kernels.py, same bytes) as arrays instead of
 // structures, so eight blocks' float16 scales convert in one instruction:
 //   Q4_0: d[nb] f16 | qs[nb][16]          Q4_1: d[nb] | m[nb] | qs[nb][16]
 //   Q5_0: d[nb] | qh[nb] u32 | qs[nb][16]  Q8_0: d[nb] | qs[nb][32]
@@ -366,7 +366,7 @@ static inline __m256i pick16(__m256i v, int lo, int hi) {  // low lane: int16 lo
 }
 
 // Q4_K's 6-bit scales and minimums of its 8 sub-blocks: 12 bytes at blk + 4, repacked at load
-// (specdecode/lowbit.py, the same 12 bytes) so that they decode in a few vector instructions. With
+// (specdecode/lowbit_kernels.py, the same 12 bytes) so that they decode in a few vector instructions. With
 // v[0..7] the scales and v[8..15] the minimums: byte i < 8 holds the low four bits of v[i] (low nibble)
 // and of v[8 + i] (high nibble); bytes 8..11 hold the high two bits, value 4t + b at bits 2t..2t+1 of
 // byte 8 + b. Returns the 16 values as bytes, v[0] first.

@@ -5,7 +5,7 @@
 //              same bits);
 //   run_fused: GGUF-block weights: every layer on raw buffers with csrc/qgemm.c's kernels, each row
 //              in one fixed order (its own arithmetic: 8-bit activations, a float16 KV cache).
-// Built with lowbit.cpp into one extension (specdecode/lowbit.py compiles and caches it).
+// Built with lowbit.cpp into one extension (specdecode/lowbit_kernels.py compiles and caches it).
 #include <torch/extension.h>
 #include <pybind11/stl.h>
 

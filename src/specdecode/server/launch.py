@@ -31,7 +31,7 @@ from specdecode.options import DEFAULT_MAX_REQUEST_BYTES, DEFAULT_TREE_NODES
 from specdecode.precision import load_target
 from specdecode.preflight import check_models
 from specdecode.proposers import LayerSkipProposer
-from specdecode.proposers.factory import DrafterOptions, other_tokenizer
+from specdecode.proposers.factory import other_tokenizer
 from specdecode.scheduler import Scheduler
 from specdecode.server.app import create_app
 from specdecode.server.state import ServerConfig, ServingState
@@ -41,7 +41,6 @@ from specdecode.validate import (  # the checks that need no model, shared with 
     check_port,
     check_serve_options,
     check_server_limits,
-    parse_skip_layers,
 )
 
 logger = logging.getLogger("specdecode.server")
@@ -80,11 +79,6 @@ class ServeOptions:
     default_max_tokens: int = 256
     log_level: str = "info"
     threads: int | None = None
-
-    def drafter_options(self) -> DrafterOptions:
-        return DrafterOptions(ngram_min=self.ngram_min, ngram_max=self.ngram_max, tree=self.tree,
-                              tree_nodes=self.tree_nodes, skip_layers=parse_skip_layers(self.skip_layers),
-                              cache_dir=self.cache_dir)
 
     def drafter_spec(self) -> DrafterSpec:
         """The drafter these options name (``--draft`` and its flags, read as one spec)."""
@@ -136,7 +130,7 @@ def build_state(
             ignored), a drafter choice as ``--draft`` takes it ("ngram", "suffix", "suffix:ngram", "suffix:MODEL",
             "layer-skip", "none" / None, a draft-model spec, a compact spec), or a draft LoadedModel.
         draft_model: the loaded model a draft-model (or ``suffix:MODEL``) choice names, e.g. from
-            ``proposers.factory.load_draft_model``; with another tokenizer it drafts across vocabularies.
+            ``build.load_draft_for``; with another tokenizer it drafts across vocabularies.
         num_speculative_tokens: gamma of the fixed policy, the starting gamma of the others.
         max_batch_size: rows decoded together (KV cache slots); max_queue: requests waiting for one.
         policy: draft-length policy name (``specdecode.policy.build_policy``).
@@ -144,7 +138,7 @@ def build_state(
         verification: how sampled drafts are verified ("auto", "token", "block"; ``EngineConfig.verification``);
             a request's ``"speculative": {"verification": ...}`` overrides it.
         ngram_min, ngram_max, skip_layers, tree, tree_nodes, cache_dir: the drafter's settings
-            (``proposers.factory.DrafterOptions``).
+            (read into the drafter spec, :meth:`specdecode.spec.DrafterSpec.from_settings`).
         api_key, default_max_tokens, max_request_bytes: see :class:`~specdecode.server.state.ServerConfig`.
 
     Raises:

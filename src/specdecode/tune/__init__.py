@@ -4,7 +4,7 @@ On the user's own prompts and machine, in this order (each stage stops at the ti
 it skipped):
 
 1. **costs of the target**: T_decode (one plain step) and T_verify(k) for k = 0..max_gamma, timed the
-   way the benchmark times them (``bench.runner.probe_forward_times``), and plain decoding of the
+   way the benchmark times them (``bench.variants.probe_forward_times``), and plain decoding of the
    sample prompts (T_plain per token, the loop's overhead included);
 2. **acceptance per drafter**: every candidate drafter (none, n-gram, suffix, layer-skip with its cached
    or searched skip set, each draft model given (same tokenizer or cross-vocabulary), its token trees,
