@@ -10,7 +10,9 @@ rule 5): this module, ``cli.py`` / ``cli_generate.py`` / ``cli_commands.py`` and
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+import time
 
 from specdecode.errors import SpecDecodeError
 from specdecode.spec import MODEL_KINDS, DrafterSpec
@@ -297,7 +299,6 @@ def busy_cores(seconds: float = 0.2) -> float | None:
 
     Measured before our own work starts, so it counts the others only (the 1-minute load average, by
     contrast, still counts a run that has just ended)."""
-    import time
 
     def sample() -> tuple[int, int]:
         with open("/proc/stat") as f:
@@ -313,7 +314,6 @@ def busy_cores(seconds: float = 0.2) -> float | None:
         return None
     if total1 <= total0:
         return None
-    import os
 
     cpus = os.cpu_count() or 1
     return cpus * (1.0 - (idle1 - idle0) / (total1 - total0))
@@ -327,7 +327,6 @@ def auto_threads(cores: int | None = None, busy: float | None = None) -> tuple[i
     descheduled thread, and a decoding step of hundreds of regions runs 10-20x slower (measured on 2
     cores). Returns (threads, a one-line note when fewer than the cores, else None).
     """
-    import os
 
     if cores is None:
         cores = usable_cores()
@@ -357,7 +356,7 @@ def set_threads(threads: int | None, say=None) -> int:
         threads, note = auto_threads()
         if note and say is not None:
             say(note)
-    import torch
+    import torch  # lazy: --help and argument errors answer without loading torch
 
     torch.set_num_threads(threads)
     return threads
