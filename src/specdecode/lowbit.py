@@ -114,7 +114,12 @@ def _q4k_from_kernel(k: np.ndarray) -> np.ndarray:
     v[..., 8:16] = k[..., 0:8] >> 4
     for t in range(4):
         v[..., 4 * t : 4 * t + 4] |= ((k[..., 8:12] >> (2 * t)) & 3) << 4
-    q = np.empty_like(k)
+    return _q4k_from_values(v)
+
+
+def _q4k_from_values(v: np.ndarray) -> np.ndarray:
+    """The inverse of :func:`_q4k_values`: [..., 16] (8 scales, 8 minimums) -> GGUF's 12 bytes."""
+    q = np.empty(v.shape[:-1] + (12,), np.uint8)
     q[..., 0:4] = (v[..., 0:4] & 63) | ((v[..., 4:8] >> 4) << 6)
     q[..., 4:8] = (v[..., 8:12] & 63) | ((v[..., 12:16] >> 4) << 6)
     q[..., 8:12] = (v[..., 4:8] & 0xF) | ((v[..., 12:16] & 0xF) << 4)
@@ -122,17 +127,73 @@ def _q4k_from_kernel(k: np.ndarray) -> np.ndarray:
 
 
 def _q4k_scales_mapped(raw: np.ndarray, fn) -> np.ndarray:
+    if raw.shape[0] == 0:
+        return np.array(raw, dtype=np.uint8, copy=True)
     blocks = np.array(raw, dtype=np.uint8, copy=True).reshape(raw.shape[0], -1, GGUF_BLOCKS["Q4_K"][2])
     blocks[..., 4:16] = fn(blocks[..., 4:16])
     return blocks.reshape(raw.shape[0], -1)
 
 
+#: Q4_K columns repacked together (csrc/qgemm.c ``passt``): the first ``rows // 8 * 8`` weight rows (output
+#: columns) as tiles of 8, the last ``rows % 8`` in the column layout (:func:`_q4k_to_kernel` scale bytes).
+Q4K_TILE = 8
+
+
+def _q4k_tile(raw: np.ndarray) -> np.ndarray:
+    """GGUF Q4_K rows [8 T, nb * 144] -> tiles of 8 columns (csrc/qgemm.c, the comment above ``passt``): per
+    tile and super-block 1152 bytes = d[8] f16 | dmin[8] f16 | 64 bytes of low scale / minimum nibbles |
+    32 bytes of their high two bits | 8 sub-blocks of 128 bytes of weight nibbles, 4 k-values x 8 columns
+    per 32-bit group."""
+    n, nb = raw.shape[0], raw.shape[1] // 144
+    t = n // Q4K_TILE
+    b = raw.reshape(t, Q4K_TILE, nb, 144).transpose(0, 2, 1, 3)  # [tile, super-block, column, byte]
+    out = np.empty((t, nb, 1152), np.uint8)
+    out[..., 0:16] = b[..., 0:2].reshape(t, nb, 16)
+    out[..., 16:32] = b[..., 2:4].reshape(t, nb, 16)
+    v = _q4k_values(b[..., 4:16])  # [t, nb, column, 16]
+    sc = v[..., 0:8].transpose(0, 1, 3, 2).reshape(t, nb, 64)  # S[8 j + c]
+    mn = v[..., 8:16].reshape(t, nb, 8, 4, 2).transpose(0, 1, 3, 2, 4).reshape(t, nb, 64)  # M[16 p + 2 c + e]
+    out[..., 32:96] = (sc & 15) | ((mn & 15) << 4)
+    hs, hm = sc >> 4, mn >> 4
+    out[..., 96:128] = hm[..., :32] | (hm[..., 32:] << 2) | (hs[..., :32] << 4) | (hs[..., 32:] << 6)
+    qs = b[..., 16:144].reshape(t, nb, 8, 4, 32)  # [.., column, chunk of 64, byte]: low nibbles then high
+    w = np.stack([qs & 15, qs >> 4], axis=-2).reshape(t, nb, 8, 8, 8, 4)  # [.., column, sub-block, group, e]
+    w = w.transpose(0, 1, 3, 4, 2, 5)  # [.., sub-block, group of 4 k, column, e]
+    out[..., 128:] = (w[:, :, :, 0:4] | (w[:, :, :, 4:8] << 4)).reshape(t, nb, 1024)
+    return out.reshape(n, nb * 144)
+
+
+def _q4k_untile(packed: np.ndarray) -> np.ndarray:
+    """The inverse of :func:`_q4k_tile`."""
+    n, nb = packed.shape[0], packed.shape[1] // 144
+    t = n // Q4K_TILE
+    p = packed.reshape(t, nb, 1152)
+    b = np.empty((t, nb, Q4K_TILE, 144), np.uint8)
+    b[..., 0:2] = p[..., 0:16].reshape(t, nb, 8, 2)
+    b[..., 2:4] = p[..., 16:32].reshape(t, nb, 8, 2)
+    nib, h = p[..., 32:96], p[..., 96:128]
+    sc = (nib & 15) | (np.concatenate([(h >> 4) & 3, h >> 6], axis=-1) << 4)
+    mn = (nib >> 4) | (np.concatenate([h & 3, (h >> 2) & 3], axis=-1) << 4)
+    v = np.empty((t, nb, 8, 16), np.uint8)
+    v[..., 0:8] = sc.reshape(t, nb, 8, 8).transpose(0, 1, 3, 2)
+    v[..., 8:16] = mn.reshape(t, nb, 4, 8, 2).transpose(0, 1, 3, 2, 4).reshape(t, nb, 8, 8)
+    b[..., 4:16] = _q4k_from_values(v)
+    q = p[..., 128:].reshape(t, nb, 8, 4, 8, 4)  # [.., sub-block, vector, column, e]
+    w = np.concatenate([q & 15, q >> 4], axis=3)  # [.., sub-block, group, column, e]
+    w = w.transpose(0, 1, 4, 2, 3, 5).reshape(t, nb, 8, 4, 2, 32)  # [.., column, chunk, nibble, byte]
+    b[..., 16:144] = (w[..., 0, :] | (w[..., 1, :] << 4)).reshape(t, nb, 8, 128)
+    return np.ascontiguousarray(b.transpose(0, 2, 1, 3)).reshape(n, nb * 144)
+
+
 def repack(raw: np.ndarray, kind: str) -> np.ndarray:
     """GGUF rows [rows, bytes] uint8 -> the kernel's layout [rows, bytes] uint8 (the same bytes, each block field
-    as one array per row: ``d[nb] | m[nb] | qs[nb][16]`` for Q4_1; Q4_K's scale bytes re-ordered, see
-    :func:`_q4k_to_kernel`). Q6_K is returned as it is."""
+    as one array per row: ``d[nb] | m[nb] | qs[nb][16]`` for Q4_1; Q4_K: tiles of 8 columns, :func:`_q4k_tile`,
+    the last rows % 8 with their scale bytes re-ordered, :func:`_q4k_to_kernel`). Q6_K is returned as it is.
+    A Q4_K layout is whole: slice or concatenate GGUF rows (:func:`unpack`), not packed ones."""
     if kind == "Q4_K":
-        return _q4k_scales_mapped(raw, _q4k_to_kernel)
+        full = raw.shape[0] // Q4K_TILE * Q4K_TILE
+        return np.ascontiguousarray(np.concatenate([_q4k_tile(np.asarray(raw[:full], np.uint8)),
+                                                    _q4k_scales_mapped(raw[full:], _q4k_to_kernel)]))
     if kind not in _FIELDS:
         return np.ascontiguousarray(raw)
     rows = raw.shape[0]
@@ -143,7 +204,9 @@ def repack(raw: np.ndarray, kind: str) -> np.ndarray:
 def unpack(packed: np.ndarray, kind: str) -> np.ndarray:
     """The inverse of :func:`repack`: the kernel's layout [rows, bytes] uint8 -> GGUF rows [rows, bytes] uint8."""
     if kind == "Q4_K":
-        return _q4k_scales_mapped(packed, _q4k_from_kernel)
+        full = packed.shape[0] // Q4K_TILE * Q4K_TILE
+        return np.ascontiguousarray(np.concatenate([_q4k_untile(np.asarray(packed[:full], np.uint8)),
+                                                    _q4k_scales_mapped(packed[full:], _q4k_from_kernel)]))
     if kind not in _FIELDS:
         return np.ascontiguousarray(packed)
     rows, nbytes = packed.shape[0], GGUF_BLOCKS[kind][2]
@@ -523,6 +586,9 @@ def concat(parts: list[QuantLinear]) -> QuantLinear | None:
     biases = None
     if any(p.bias is not None for p in parts):
         biases = torch.cat([p.bias if p.bias is not None else torch.zeros(p.out_features) for p in parts])
+    if parts[0].kind == "Q4_K":  # tiles of 8 columns: concatenate the file's rows and repack them
+        return QuantLinear(torch.from_numpy(np.concatenate([p.gguf_raw() for p in parts])), parts[0].kind,
+                           parts[0].in_features, biases, parts[0].weight_precision)
     return QuantLinear(torch.cat([p.packed for p in parts]), parts[0].kind, parts[0].in_features, biases,
                        parts[0].weight_precision, packed=True)
 
@@ -530,7 +596,7 @@ def concat(parts: list[QuantLinear]) -> QuantLinear | None:
 # Whole models ------------------------------------------------------------------------------------
 
 #: Bump when the cached low-bit file's layout changes (older files are rebuilt).
-CACHE_FORMAT = 3  # 3: Q4_K scale bytes in the kernel's order (repack)
+CACHE_FORMAT = 4  # 3: Q4_K scale bytes in the kernel's order (repack); 4: Q4_K tiles of 8 columns
 
 
 def _linear_names(model: torch.nn.Module) -> list[str]:
@@ -686,6 +752,8 @@ def weight_digest(model: torch.nn.Module) -> str:
             rows, kind, bias = module.packed, module.kind, module.bias
         elif fused is not None and hasattr(fused, "packed"):  # q/k/v of a fused low-bit product: its rows
             rows, kind = fused.packed[module.start : module.end], fused.kind
+            if kind == "Q4_K":  # tiles of 8 columns: the file's rows, as the unfused module holds them
+                rows = torch.from_numpy(repack(fused.gguf_raw()[module.start : module.end], kind))
             bias = None if fused.bias is None else fused.bias[module.start : module.end]
         else:
             continue

@@ -94,7 +94,9 @@ void product_share(const Product& prod, const SdTable* t, const Acts& a, int64_t
                    int tid, int nth) {
   int64_t col = 0;
   for (const auto& p : prod.parts) {
-    const int64_t n_out = p.a.size(0), chunk = (n_out + nth - 1) / nth;
+    // K-quants: shares of whole tiles of 8 columns (Q4_K's layout, qgemm.c passt)
+    const int64_t n_out = p.a.size(0), unit = block32(p.fmt) ? 1 : 8;
+    const int64_t chunk = ((n_out + unit - 1) / unit + nth - 1) / nth * unit;
     const int64_t n0 = std::min<int64_t>(n_out, tid * chunk), n1 = std::min<int64_t>(n_out, n0 + chunk);
     const uint8_t* w = p.a.data_ptr<uint8_t>();
     if (n0 < n1) {
@@ -103,7 +105,7 @@ void product_share(const Product& prod, const SdTable* t, const Acts& a, int64_t
                   out + col, ldo, n0, n1);
       else
         t->gemmk(static_cast<int>(p.fmt), w, p.a.size(1), p.in, a.q256.data(), a.d256.data(), a.bsums.data(), rows,
-                 out + col, ldo, n0, n1);
+                 out + col, ldo, n0, n1, n_out);
       if (p.bias) {
         const float* bb = p.bias->data_ptr<float>();
         for (int64_t r = 0; r < rows; ++r)
