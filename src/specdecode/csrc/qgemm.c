@@ -445,7 +445,8 @@ static inline void unpack_q6k(const uint8_t* blk, SuperBlock* sb) {
 SD_INLINE void passk(const int P, const int q6, const uint8_t* wn, int64_t nb, int64_t k, const int8_t* xq,
                      const float* xd, const int16_t* bsums, int64_t r0, float* out, int64_t ldo, int64_t n) {
   __m256 acc[SD_PASSK], macc[SD_PASSK];
-  for (int r = 0; r < P; ++r) acc[r] = macc[r] = _mm256_setzero_ps();
+  float qacc[SD_PASSK], qmacc[SD_PASSK];
+  for (int r = 0; r < P; ++r) acc[r] = macc[r] = _mm256_setzero_ps(), qacc[r] = qmacc[r] = 0.0f;
   const __m256i m4 = _mm256_set1_epi8(0x0F), m2 = _mm256_set1_epi8(0x03);
   for (int64_t b = 0; b < nb; ++b) {
     __m256i s0[SD_PASSK], s1[SD_PASSK], msc;
@@ -492,13 +493,13 @@ SD_INLINE void passk(const int P, const int q6, const uint8_t* wn, int64_t nb, i
       if (q6) {  // w = d * sc * (u - 32): the zero point is an integer too
         sumi = _mm256_sub_epi32(sumi, _mm256_slli_epi32(summ, 5));
         acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sumi), _mm256_set1_ps(d * dx), acc[r]);
-      } else {
-        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sumi), _mm256_set1_ps(d * dx), acc[r]);
-        macc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(summ), _mm256_set1_ps(dmin * dx), macc[r]);
+      } else {  // Q4_K (a column after the last tile): the integers and float operations of a tile's lane
+        qacc[r] = fmaf((float)hsum_i32(sumi), d * dx, qacc[r]);
+        qmacc[r] = fmaf((float)hsum_i32(summ), dmin * dx, qmacc[r]);
       }
     }
   }
-  for (int r = 0; r < P; ++r) out[(r0 + r) * ldo + n] = hsum(acc[r]) - hsum(macc[r]);
+  for (int r = 0; r < P; ++r) out[(r0 + r) * ldo + n] = q6 ? hsum(acc[r]) - hsum(macc[r]) : qacc[r] - qmacc[r];
 }
 #undef SD_PAIR
 
@@ -519,7 +520,9 @@ SD_INLINE void passk(const int P, const int q6, const uint8_t* wn, int64_t nb, i
 // int32 sums; AVX2: the int16 sums, at most 8 * 2 * 15 * 127 = 30480, through vpmaddwd with the scale
 // twice per lane: the same integers); the minimums through the activations' sums per 32; per
 // super-block one float multiply-add with the 8 columns' d * dx and one with dmin * dx. The last
-// n_out % 8 columns keep the column layout above (passk).
+// n_out % 8 columns keep the column layout above (passk), which computes the same integers and the same
+// float operations as a tile's lane: a column's bits do not depend on whether it sits in a tile (fused
+// q / k / v, a reduced LM head).
 #define SD_TILE 8
 #define SD_TILE_SB 1152
 #if defined(SD_VARIANT_AVX2)
