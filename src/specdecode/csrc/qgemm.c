@@ -598,9 +598,14 @@ SD_INLINE void passt(const int P, const uint8_t* wt, int64_t nb, int64_t k, cons
       for (int r = 0; r < P; ++r) {
         const int8_t* xr = xq + (r0 + r) * k + 256 * b + 32 * j;
 #if defined(SD_VARIANT_AVX512VNNI)
-        __m256i dot = _mm256_dpbusd_epi32(_mm256_setzero_si256(), u[0], _mm256_set1_epi32(load_i32(xr)));
-        for (int g = 1; g < 8; ++g) dot = _mm256_dpbusd_epi32(dot, u[g], _mm256_set1_epi32(load_i32(xr + 4 * g)));
-        const __m256i scaled = _mm256_mullo_epi32(dot, s.sc[j]);
+        // two chains of four (a vpdpbusd waits for its accumulator: one chain of eight would wait 8 latencies)
+        __m256i dot0 = _mm256_dpbusd_epi32(_mm256_setzero_si256(), u[0], _mm256_set1_epi32(load_i32(xr)));
+        __m256i dot1 = _mm256_dpbusd_epi32(_mm256_setzero_si256(), u[4], _mm256_set1_epi32(load_i32(xr + 16)));
+        for (int g = 1; g < 4; ++g) {
+          dot0 = _mm256_dpbusd_epi32(dot0, u[g], _mm256_set1_epi32(load_i32(xr + 4 * g)));
+          dot1 = _mm256_dpbusd_epi32(dot1, u[g + 4], _mm256_set1_epi32(load_i32(xr + 4 * g + 16)));
+        }
+        const __m256i scaled = _mm256_mullo_epi32(_mm256_add_epi32(dot0, dot1), s.sc[j]);
 #else
         __m256i d16 = _mm256_maddubs_epi16(u[0], _mm256_set1_epi32(load_i32(xr)));
         for (int g = 1; g < 8; ++g) d16 = _mm256_add_epi16(d16, _mm256_maddubs_epi16(u[g], _mm256_set1_epi32(load_i32(xr + 4 * g))));
