@@ -76,9 +76,10 @@ GGUF_BLOCKS = {"Q4_0": (0, 32, 18), "Q4_1": (1, 32, 20), "Q5_0": (2, 32, 22), "Q
                "Q4_K": (4, 256, 144), "Q6_K": (5, 256, 210)}
 
 #: Fields of a 32-weight block (byte ranges), which the kernel reads as one array per field per row
-#: (:func:`repack`: same bytes, eight blocks' scales in one load). K-quants keep their blocks; Q4_K's 12
-#: bytes of 6-bit scales and minimums are re-ordered (:func:`_q4k_to_kernel`: same bytes, decoded in a
-#: few vector instructions instead of about thirty scalar ones per block).
+#: (:func:`repack`: same bytes, eight blocks' scales in one load). Q6_K keeps its blocks. Q4_K is repacked
+#: as tiles of 8 output columns (:func:`_q4k_tile`: same bytes; one vpdpbusd multiplies 4 weights of 8
+#: columns); the last rows % 8 keep their blocks with the 12 bytes of 6-bit scales and minimums re-ordered
+#: (:func:`_q4k_to_kernel`: same bytes, decoded in a few vector instructions).
 _FIELDS = {"Q4_0": ((0, 2), (2, 18)), "Q4_1": ((0, 2), (2, 4), (4, 20)), "Q5_0": ((0, 2), (2, 6), (6, 22)),
            "Q8_0": ((0, 2), (2, 34))}
 
