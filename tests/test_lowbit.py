@@ -329,36 +329,38 @@ def test_a_batch_of_long_prompts_is_prefilled_row_by_row_as_each_alone():
         assert torch.equal(alone.k_cache[:, 0, :, : len(p)], together.k_cache[:, i, :, : len(p)])
 
 
-# Q4_K tiles of 8 output columns (csrc/qgemm.c passt) ------------------------------------------------
+# Q4_K / Q6_K tiles of 8 output columns (csrc/qgemm.c passt, passt6) ------------------------------------------------
 
 
+@pytest.mark.parametrize("kind", ["Q4_K", "Q6_K"])
 @pytest.mark.parametrize("rows", [1, 7, 8, 13, 24, 61])
-def test_q4k_tiles_round_trip_and_dequantize_as_gguf(rows):
+def test_q4k_tiles_round_trip_and_dequantize_as_gguf(rows, kind):
     """Q4_K is repacked as tiles of 8 columns (the last rows % 8 in the column layout), the same bytes:
     unpack inverts repack (also on arbitrary bytes) and the kernel's dequantization of every column, tiled
     or not, equals gguf's."""
-    raw = _raw("Q4_K", rows, 512, seed=rows)
-    packed = lowbit.repack(raw, "Q4_K")
-    assert packed.shape == raw.shape and np.array_equal(lowbit.unpack(packed, "Q4_K"), raw)
+    raw = _raw(kind, rows, 512, seed=rows)
+    packed = lowbit.repack(raw, kind)
+    assert packed.shape == raw.shape and np.array_equal(lowbit.unpack(packed, kind), raw)
     noise = np.random.default_rng(rows).integers(0, 256, raw.shape, dtype=np.uint8)
-    assert np.array_equal(lowbit.unpack(lowbit.repack(noise, "Q4_K"), "Q4_K"), noise)
+    assert np.array_equal(lowbit.unpack(lowbit.repack(noise, kind), kind), noise)
     if rows >= 8:  # the tile really moves bytes: column 1's first super-block does not start at row 1's bytes
         assert not np.array_equal(packed[1, :144], raw[1, :144])
-    expected = gguf.dequantize(raw, gguf.GGMLQuantizationType.Q4_K).reshape(rows, -1)
+    expected = gguf.dequantize(raw, gguf.GGMLQuantizationType[kind]).reshape(rows, -1)
     kernel = lowbit.load_kernel()
     for name in VARIANTS:
-        got = kernel.q_dequantize(torch.from_numpy(packed), lowbit.GGUF_BLOCKS["Q4_K"][0], 512, lowbit.load_variant(name))
+        got = kernel.q_dequantize(torch.from_numpy(packed), lowbit.GGUF_BLOCKS[kind][0], 512, lowbit.load_variant(name))
         np.testing.assert_array_equal(got.numpy(), expected)
 
 
+@pytest.mark.parametrize("kind", ["Q4_K", "Q6_K"])
 @pytest.mark.parametrize("cols", [8, 13, 61])
-def test_q4k_tiles_are_bit_identical_across_variants_threads_and_rows(cols):
+def test_q4k_tiles_are_bit_identical_across_variants_threads_and_rows(cols, kind):
     """Every variant and thread count gives the same bits for tiles and the tail columns, and a row's
     result is the same alone and among 1..16 rows next to a row 1000x louder."""
     kernel = lowbit.load_kernel()
     if kernel is None or not VARIANTS:
         pytest.skip("no kernel variant on this CPU")
-    module = lowbit.QuantLinear(torch.from_numpy(_raw("Q4_K", cols, 768, seed=cols)), "Q4_K", 768)
+    module = lowbit.QuantLinear(torch.from_numpy(_raw(kind, cols, 768, seed=cols)), kind, 768)
     x = torch.randn(16, 768, generator=torch.Generator().manual_seed(cols))
     x[3] *= 1000.0
     threads = torch.get_num_threads()
@@ -380,10 +382,11 @@ def test_q4k_tiles_are_bit_identical_across_variants_threads_and_rows(cols):
     assert all(torch.equal(o, outs[0]) for o in outs)
 
 
-def test_q4k_fused_parts_and_slices_keep_their_columns():
-    """Concatenated Q4_K parts (q / k / v, gate / up) whose widths are not multiples of 8 equal the parts,
-    and a reduced LM head's rows equal the full head's first rows."""
-    parts = [lowbit.QuantLinear(torch.from_numpy(_raw("Q4_K", n, 256, seed=n)), "Q4_K", 256, torch.randn(n))
+@pytest.mark.parametrize("kind", ["Q4_K", "Q6_K"])
+def test_q4k_fused_parts_and_slices_keep_their_columns(kind):
+    """Concatenated Q4_K / Q6_K parts (q / k / v, gate / up) whose widths are not multiples of 8 equal the
+    parts: a column's bits do not depend on whether it sits in a tile."""
+    parts = [lowbit.QuantLinear(torch.from_numpy(_raw(kind, n, 256, seed=n)), kind, 256, torch.randn(n))
              for n in (12, 8, 5, 16)]
     fused = lowbit.concat(parts)
     x = torch.randn(5, 256)

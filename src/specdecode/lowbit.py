@@ -186,15 +186,72 @@ def _q4k_untile(packed: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(b.transpose(0, 2, 1, 3)).reshape(n, nb * 144)
 
 
+def _q6k_values(b: np.ndarray) -> np.ndarray:
+    """Q6_K blocks [..., 210] -> the 256 unsigned 6-bit values u [..., 256] (w = d * scale * (u - 32))."""
+    ql = b[..., 0:128].reshape(b.shape[:-1] + (2, 2, 32))
+    lo = np.concatenate([ql & 15, ql >> 4], axis=-2)  # [.., half of 128, 32-group, l]
+    qh = b[..., 128:192].reshape(b.shape[:-1] + (2, 1, 32))
+    hi = (qh >> np.array([0, 2, 4, 6], np.uint8)[:, None]) & 3
+    return (lo | (hi << 4)).reshape(b.shape[:-1] + (256,))
+
+
+def _q6k_from_values(u: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The inverse of :func:`_q6k_values`: u [..., 256] -> (ql [..., 128], qh [..., 64])."""
+    v = u.reshape(u.shape[:-1] + (2, 4, 32))
+    lo, hi = v & 15, v >> 4
+    ql = (lo[..., 0:2, :] | (lo[..., 2:4, :] << 4)).reshape(u.shape[:-1] + (128,))
+    qh = (hi[..., 0, :] | (hi[..., 1, :] << 2) | (hi[..., 2, :] << 4) | (hi[..., 3, :] << 6)).reshape(u.shape[:-1] + (64,))
+    return ql, qh
+
+
+def _q6k_tile(raw: np.ndarray) -> np.ndarray:
+    """GGUF Q6_K rows [8 T, nb * 210] -> tiles of 8 columns (csrc/qgemm.c, the comment above ``passt6``): per
+    tile and super-block 1680 bytes = d[8] f16 | 128 int8 scales (per 16 weights, 8 columns each) | 1024
+    bytes of low nibbles as Q4_K's tiles | 512 bytes of high two bits."""
+    n, nb = raw.shape[0], raw.shape[1] // 210
+    t = n // Q4K_TILE
+    b = raw.reshape(t, Q4K_TILE, nb, 210).transpose(0, 2, 1, 3)  # [tile, super-block, column, byte]
+    out = np.empty((t, nb, 1680), np.uint8)
+    out[..., 0:16] = b[..., 208:210].reshape(t, nb, 16)
+    out[..., 16:144] = b[..., 192:208].transpose(0, 1, 3, 2).reshape(t, nb, 128)
+    w = _q6k_values(b).reshape(t, nb, 8, 8, 8, 4).transpose(0, 1, 3, 4, 2, 5)  # [.., sub-block, group, column, e]
+    lo, hi = w & 15, w >> 4
+    out[..., 144:1168] = (lo[:, :, :, 0:4] | (lo[:, :, :, 4:8] << 4)).reshape(t, nb, 1024)
+    h = hi.reshape(t, nb, 8, 2, 4, 32)  # [.., sub-block, vector, group in vector, 4 c + e]
+    out[..., 1168:1680] = (h[..., 0, :] | (h[..., 1, :] << 2) | (h[..., 2, :] << 4) | (h[..., 3, :] << 6)).reshape(t, nb, 512)
+    return out.reshape(n, nb * 210)
+
+
+def _q6k_untile(packed: np.ndarray) -> np.ndarray:
+    """The inverse of :func:`_q6k_tile`."""
+    n, nb = packed.shape[0], packed.shape[1] // 210
+    t = n // Q4K_TILE
+    p = packed.reshape(t, nb, 1680)
+    b = np.empty((t, nb, Q4K_TILE, 210), np.uint8)
+    b[..., 208:210] = p[..., 0:16].reshape(t, nb, 8, 2)
+    b[..., 192:208] = p[..., 16:144].reshape(t, nb, 16, 8).transpose(0, 1, 3, 2)
+    q = p[..., 144:1168].reshape(t, nb, 8, 4, 32)
+    lo = np.concatenate([q & 15, q >> 4], axis=3)  # [.., sub-block, group, 4 c + e]
+    h = p[..., 1168:1680].reshape(t, nb, 8, 2, 1, 32)
+    hi = ((h >> np.array([0, 2, 4, 6], np.uint8)[:, None]) & 3).reshape(t, nb, 8, 8, 32)
+    u = (lo | (hi << 4)).reshape(t, nb, 8, 8, 8, 4).transpose(0, 1, 4, 2, 3, 5).reshape(t, nb, 8, 256)
+    b[..., 0:128], b[..., 128:192] = _q6k_from_values(u)
+    return np.ascontiguousarray(b.transpose(0, 2, 1, 3)).reshape(n, nb * 210)
+
+
+#: K-quants repacked as tiles of 8 output columns (the last rows % 8 keep the column layout)
+TILED = {"Q4_K": (_q4k_tile, _q4k_untile), "Q6_K": (_q6k_tile, _q6k_untile)}
+
+
 def repack(raw: np.ndarray, kind: str) -> np.ndarray:
     """GGUF rows [rows, bytes] uint8 -> the kernel's layout [rows, bytes] uint8 (the same bytes, each block field
     as one array per row: ``d[nb] | m[nb] | qs[nb][16]`` for Q4_1; Q4_K: tiles of 8 columns, :func:`_q4k_tile`,
     the last rows % 8 with their scale bytes re-ordered, :func:`_q4k_to_kernel`). Q6_K is returned as it is.
     A Q4_K layout is whole: slice or concatenate GGUF rows (:func:`unpack`), not packed ones."""
-    if kind == "Q4_K":
+    if kind in TILED:
         full = raw.shape[0] // Q4K_TILE * Q4K_TILE
-        return np.ascontiguousarray(np.concatenate([_q4k_tile(np.asarray(raw[:full], np.uint8)),
-                                                    _q4k_scales_mapped(raw[full:], _q4k_to_kernel)]))
+        tail = _q4k_scales_mapped(raw[full:], _q4k_to_kernel) if kind == "Q4_K" else np.array(raw[full:], np.uint8)
+        return np.ascontiguousarray(np.concatenate([TILED[kind][0](np.asarray(raw[:full], np.uint8)), tail]))
     if kind not in _FIELDS:
         return np.ascontiguousarray(raw)
     rows = raw.shape[0]
@@ -204,10 +261,11 @@ def repack(raw: np.ndarray, kind: str) -> np.ndarray:
 
 def unpack(packed: np.ndarray, kind: str) -> np.ndarray:
     """The inverse of :func:`repack`: the kernel's layout [rows, bytes] uint8 -> GGUF rows [rows, bytes] uint8."""
-    if kind == "Q4_K":
+    if kind in TILED:
         full = packed.shape[0] // Q4K_TILE * Q4K_TILE
-        return np.ascontiguousarray(np.concatenate([_q4k_untile(np.asarray(packed[:full], np.uint8)),
-                                                    _q4k_scales_mapped(packed[full:], _q4k_from_kernel)]))
+        tail = (_q4k_scales_mapped(packed[full:], _q4k_from_kernel) if kind == "Q4_K"
+                else np.array(packed[full:], np.uint8))
+        return np.ascontiguousarray(np.concatenate([TILED[kind][1](np.asarray(packed[:full], np.uint8)), tail]))
     if kind not in _FIELDS:
         return np.ascontiguousarray(packed)
     rows, nbytes = packed.shape[0], GGUF_BLOCKS[kind][2]
@@ -587,7 +645,7 @@ def concat(parts: list[QuantLinear]) -> QuantLinear | None:
     biases = None
     if any(p.bias is not None for p in parts):
         biases = torch.cat([p.bias if p.bias is not None else torch.zeros(p.out_features) for p in parts])
-    if parts[0].kind == "Q4_K":  # tiles of 8 columns: concatenate the file's rows and repack them
+    if parts[0].kind in TILED:  # tiles of 8 columns: concatenate the file's rows and repack them
         return QuantLinear(torch.from_numpy(np.concatenate([p.gguf_raw() for p in parts])), parts[0].kind,
                            parts[0].in_features, biases, parts[0].weight_precision)
     return QuantLinear(torch.cat([p.packed for p in parts]), parts[0].kind, parts[0].in_features, biases,
@@ -597,7 +655,7 @@ def concat(parts: list[QuantLinear]) -> QuantLinear | None:
 # Whole models ------------------------------------------------------------------------------------
 
 #: Bump when the cached low-bit file's layout changes (older files are rebuilt).
-CACHE_FORMAT = 4  # 3: Q4_K scale bytes in the kernel's order (repack); 4: Q4_K tiles of 8 columns
+CACHE_FORMAT = 4  # 3: Q4_K scale bytes in the kernel's order (repack); 4: Q4_K and Q6_K tiles of 8 columns
 
 
 def _linear_names(model: torch.nn.Module) -> list[str]:
@@ -753,7 +811,7 @@ def weight_digest(model: torch.nn.Module) -> str:
             rows, kind, bias = module.packed, module.kind, module.bias
         elif fused is not None and hasattr(fused, "packed"):  # q/k/v of a fused low-bit product: its rows
             rows, kind = fused.packed[module.start : module.end], fused.kind
-            if kind == "Q4_K":  # tiles of 8 columns: the file's rows, as the unfused module holds them
+            if kind in TILED:  # tiles of 8 columns: the file's rows, as the unfused module holds them
                 rows = torch.from_numpy(repack(fused.gguf_raw()[module.start : module.end], kind))
             bias = None if fused.bias is None else fused.bias[module.start : module.end]
         else:

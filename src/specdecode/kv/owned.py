@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from specdecode.kernels import ROW_BLOCK, row_product
+from specdecode.lowbit import TILED as lowbit_tiled
 from specdecode.lowbit import LOWBIT_TYPES, QuantLinear, concat as concat_lowbit, prefill_rows, variant_table
 from specdecode.kv.base import SlotRunner
 from specdecode.types import SpecDecodeError
@@ -398,7 +399,7 @@ class OwnedRunner(SlotRunner):
             self.lm_head = head
         elif isinstance(head, QuantLinear):
             bias = None if head.bias is None else head.bias[:tokens]
-            if head.kind == "Q4_K":  # tiles of 8 columns: the file's first rows, repacked
+            if head.kind in lowbit_tiled:  # tiles of 8 columns: the file's first rows, repacked
                 self.lm_head = QuantLinear(torch.from_numpy(head.gguf_raw()[:tokens]), head.kind, head.in_features,
                                            bias, head.weight_precision)
             else:
