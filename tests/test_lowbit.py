@@ -343,7 +343,7 @@ def test_q4k_tiles_round_trip_and_dequantize_as_gguf(rows, kind):
     assert packed.shape == raw.shape and np.array_equal(lowbit.unpack(packed, kind), raw)
     noise = np.random.default_rng(rows).integers(0, 256, raw.shape, dtype=np.uint8)
     assert np.array_equal(lowbit.unpack(lowbit.repack(noise, kind), kind), noise)
-    if rows >= 8:  # the tile really moves bytes: column 1's first super-block does not start at row 1's bytes
+    if rows >= 8 and kind in lowbit.TILED:  # the tile really moves bytes: column 1's first super-block does not start at row 1's bytes
         assert not np.array_equal(packed[1, :144], raw[1, :144])
     expected = gguf.dequantize(raw, gguf.GGMLQuantizationType[kind]).reshape(rows, -1)
     kernel = lowbit.load_kernel()

@@ -239,8 +239,11 @@ def _q6k_untile(packed: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(b.transpose(0, 2, 1, 3)).reshape(n, nb * 210)
 
 
+#: Q6_K tiles: written and tested, switched off (csrc/qgemm.c SD_Q6K_TILES: 0.3-0.5x the column kernel at
+#: 1-4 rows as they stand)
+Q6K_TILES = False
 #: K-quants repacked as tiles of 8 output columns (the last rows % 8 keep the column layout)
-TILED = {"Q4_K": (_q4k_tile, _q4k_untile), "Q6_K": (_q6k_tile, _q6k_untile)}
+TILED = {"Q4_K": (_q4k_tile, _q4k_untile), **({"Q6_K": (_q6k_tile, _q6k_untile)} if Q6K_TILES else {})}
 
 
 def repack(raw: np.ndarray, kind: str) -> np.ndarray:

@@ -648,6 +648,9 @@ SD_INLINE void passt(const int P, const uint8_t* wt, int64_t nb, int64_t k, cons
 // VNNI: vpdpbusd and vpmulld), the zero point through the activations' sums per 16 (32 * sum sc * bsum),
 // per super-block one float multiply-add with the 8 columns' d * dx.
 #define SD_TILE_SB6 1680
+// Q6_K tiles are switched off (0): measured 0.3-0.5x the column kernel at 1-4 rows (1.1-1.2x at 16); with
+// 1 here and lowbit.py's Q6K_TILES = True they run (and pass the tests)
+#define SD_Q6K_TILES 0
 
 typedef struct {
   __m256i sc[16];  // VNNI: int32 scale per column lane; AVX2 / AVX-512: the scale as both int16 of the lane
@@ -746,7 +749,7 @@ SD_INLINE void passt6(const int P, const uint8_t* wt, int64_t nb, int64_t k, con
 static void gemmk(int fmt, const uint8_t* w, int64_t ldw, int64_t k, const int8_t* xq, const float* xd,
                   const int16_t* bsums, int64_t rows, float* out, int64_t ldo, int64_t n0, int64_t n1, int64_t n_out) {
   const int64_t nb = k / 256;
-  const int64_t tiled = n_out / SD_TILE * SD_TILE;  // columns below: tiles (Q4_K, Q6_K)
+  const int64_t tiled = fmt == SD_Q4_K || (SD_Q6K_TILES && fmt == SD_Q6_K) ? n_out / SD_TILE * SD_TILE : 0;  // tiles
   int64_t n = n0;
   if (n < tiled) {
     // Q4_K: the activations' sums per 32 (exact in int16: at most 32 * 127), per row and super-block
@@ -794,7 +797,7 @@ static void gemmk(int fmt, const uint8_t* w, int64_t ldw, int64_t k, const int8_
 static void dequantize(int fmt, const uint8_t* w, int64_t ldw, int64_t k, float* out, int64_t n0, int64_t n1,
                        int64_t n_out) {
   const int64_t bs = kBlockSize[fmt], bytes = kBlockBytes[fmt];
-  const int64_t tiled = fmt == SD_Q4_K || fmt == SD_Q6_K ? n_out / SD_TILE * SD_TILE : 0;
+  const int64_t tiled = fmt == SD_Q4_K || (SD_Q6K_TILES && fmt == SD_Q6_K) ? n_out / SD_TILE * SD_TILE : 0;
   for (int64_t n = n0; n < n1; ++n) {
     float* o = out + (n - n0) * k;
     if (n < tiled && fmt == SD_Q6_K) {  // a Q6_K tile (see passt6)

@@ -27,7 +27,7 @@ for v in variants.split(","):
         raw = lowbit._random_raw(kind, n, k, rng)
         w_new = torch.from_numpy(lowbit.repack(raw, kind))
         old_q4k = lowbit._q4k_scales_mapped(raw, lowbit._q4k_to_kernel) if kind == "Q4_K" else None
-        w_old = torch.from_numpy(old_q4k) if kind == "Q4_K" else w_new
+        w_old = torch.from_numpy(old_q4k) if kind == "Q4_K" else torch.from_numpy(np.ascontiguousarray(raw)) if kind == "Q6_K" else w_new
         fmt = lowbit.GGUF_BLOCKS[kind][0]
         cells = []
         for m in (int(r) for r in rows.split(",")):
