@@ -229,6 +229,10 @@ static inline void scales8(int fmt, const Soa* a, int64_t b0, int cnt, __m256* d
 // unpacked weights and scales: four rows fit the registers of every variant, more spill (measured:
 // six rows of a Q4_K pass cost as much as eleven).
 #define SD_PASSK 4
+// Q6_K tiles (passt6) are switched off (0): measured 0.3-0.5x the column kernel at 1-4 rows (1.1-1.2x at 16);
+// with 1 here and lowbit.py's Q6K_TILES = True they run (and pass the tests), and Q6_K columns take a tile
+// lane's scalar float order (0.85x on their own)
+#define SD_Q6K_TILES 0
 #define SD_INLINE static inline __attribute__((always_inline))
 
 // The int32 lanes of eight blocks' dot products -> one int32 per block (lane i: block i). Integer
@@ -444,8 +448,9 @@ static inline void unpack_q6k(const uint8_t* blk, SuperBlock* sb) {
 // accumulator per row across super-blocks (and one for Q4_K's minimums), whatever P.
 SD_INLINE void passk(const int P, const int q6, const uint8_t* wn, int64_t nb, int64_t k, const int8_t* xq,
                      const float* xd, const int16_t* bsums, int64_t r0, float* out, int64_t ldo, int64_t n) {
+  __m256 acc[SD_PASSK];
   float qacc[SD_PASSK], qmacc[SD_PASSK];
-  for (int r = 0; r < P; ++r) qacc[r] = qmacc[r] = 0.0f;
+  for (int r = 0; r < P; ++r) acc[r] = _mm256_setzero_ps(), qacc[r] = qmacc[r] = 0.0f;
   const __m256i m4 = _mm256_set1_epi8(0x0F), m2 = _mm256_set1_epi8(0x03);
   for (int64_t b = 0; b < nb; ++b) {
     __m256i s0[SD_PASSK], s1[SD_PASSK], msc;
@@ -491,14 +496,18 @@ SD_INLINE void passk(const int P, const int q6, const uint8_t* wn, int64_t nb, i
       const float dx = xd[row * nb + b];
       if (q6) {  // w = d * sc * (u - 32): the zero point is an integer too (a tile lane's operations, see passt6)
         sumi = _mm256_sub_epi32(sumi, _mm256_slli_epi32(summ, 5));
+#if SD_Q6K_TILES
         qacc[r] = fmaf((float)hsum_i32(sumi), d * dx, qacc[r]);
+#else
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sumi), _mm256_set1_ps(d * dx), acc[r]);
+#endif
       } else {  // Q4_K (a column after the last tile): the integers and float operations of a tile's lane
         qacc[r] = fmaf((float)hsum_i32(sumi), d * dx, qacc[r]);
         qmacc[r] = fmaf((float)hsum_i32(summ), dmin * dx, qmacc[r]);
       }
     }
   }
-  for (int r = 0; r < P; ++r) out[(r0 + r) * ldo + n] = q6 ? qacc[r] : qacc[r] - qmacc[r];
+  for (int r = 0; r < P; ++r) out[(r0 + r) * ldo + n] = q6 ? (SD_Q6K_TILES ? qacc[r] : hsum(acc[r])) : qacc[r] - qmacc[r];
 }
 #undef SD_PAIR
 
@@ -648,9 +657,6 @@ SD_INLINE void passt(const int P, const uint8_t* wt, int64_t nb, int64_t k, cons
 // VNNI: vpdpbusd and vpmulld), the zero point through the activations' sums per 16 (32 * sum sc * bsum),
 // per super-block one float multiply-add with the 8 columns' d * dx.
 #define SD_TILE_SB6 1680
-// Q6_K tiles are switched off (0): measured 0.3-0.5x the column kernel at 1-4 rows (1.1-1.2x at 16); with
-// 1 here and lowbit.py's Q6K_TILES = True they run (and pass the tests)
-#define SD_Q6K_TILES 0
 
 typedef struct {
   __m256i sc[16];  // VNNI: int32 scale per column lane; AVX2 / AVX-512: the scale as both int16 of the lane
