@@ -658,7 +658,8 @@ def concat(parts: list[QuantLinear]) -> QuantLinear | None:
 # Whole models ------------------------------------------------------------------------------------
 
 #: Bump when the cached low-bit file's layout changes (older files are rebuilt).
-CACHE_FORMAT = 4  # 3: Q4_K scale bytes in the kernel's order (repack); 4: Q4_K and Q6_K tiles of 8 columns
+CACHE_FORMAT = 5 if Q6K_TILES else 4  # 3: Q4_K scale bytes in the kernel's order (repack); 4: Q4_K tiles of 8
+#                                       columns; 5: Q6_K tiles too
 
 
 def _linear_names(model: torch.nn.Module) -> list[str]:

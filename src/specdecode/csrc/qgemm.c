@@ -18,7 +18,9 @@
 //   act256 (for Q4_K, Q6_K): per block of 256, float d, int8 q[256], int16 bsums[16] (sums per 16)
 // Weights: each block of a column is read and unpacked once per pass of rows (32-weight formats:
 // 4 rows with AVX2, 8 with AVX-512; K-quants: 4; their accumulators stay in registers), then dotted
-// with every row of the pass. Every (row, column) is accumulated in one fixed
+// with every row of the pass. Q4_K runs as tiles of 8 output columns (repacked at load, same bytes:
+// passt), one vpdpbusd / vpmaddubsw per 4 weights of the 8 columns, 4 rows per pass with AVX2, 8 with
+// AVX-512. Every (row, column) is accumulated in one fixed
 // order that depends on nothing but that row and that column: neither on how many rows share
 // the call, nor on how the columns are split across threads. A row's result is therefore bit for
 // bit the same alone or among any rows (batch-invariant by construction), which is what keeps
