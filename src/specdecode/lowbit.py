@@ -206,8 +206,8 @@ def _q6k_from_values(u: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 def _q6k_tile(raw: np.ndarray) -> np.ndarray:
     """GGUF Q6_K rows [8 T, nb * 210] -> tiles of 8 columns (csrc/qgemm.c, the comment above ``passt6``): per
-    tile and super-block 1680 bytes = d[8] f16 | 128 int8 scales (per 16 weights, 8 columns each) | 1024
-    bytes of low nibbles as Q4_K's tiles | 512 bytes of high two bits."""
+    tile and super-block 1680 bytes = d[8] f16 | 128 int8 scales (per 16 weights, 8 columns each) | per
+    sub-block of 32: 128 bytes of low nibbles as Q4_K's tiles, 64 bytes of high two bits."""
     n, nb = raw.shape[0], raw.shape[1] // 210
     t = n // Q4K_TILE
     b = raw.reshape(t, Q4K_TILE, nb, 210).transpose(0, 2, 1, 3)  # [tile, super-block, column, byte]
@@ -216,9 +216,10 @@ def _q6k_tile(raw: np.ndarray) -> np.ndarray:
     out[..., 16:144] = b[..., 192:208].transpose(0, 1, 3, 2).reshape(t, nb, 128)
     w = _q6k_values(b).reshape(t, nb, 8, 8, 8, 4).transpose(0, 1, 3, 4, 2, 5)  # [.., sub-block, group, column, e]
     lo, hi = w & 15, w >> 4
-    out[..., 144:1168] = (lo[:, :, :, 0:4] | (lo[:, :, :, 4:8] << 4)).reshape(t, nb, 1024)
+    sub = out[..., 144:].reshape(t, nb, 8, 192)  # per sub-block: 128 bytes of low nibbles, 64 of high bits
+    sub[..., 0:128] = (lo[:, :, :, 0:4] | (lo[:, :, :, 4:8] << 4)).reshape(t, nb, 8, 128)
     h = hi.reshape(t, nb, 8, 2, 4, 32)  # [.., sub-block, vector, group in vector, 4 c + e]
-    out[..., 1168:1680] = (h[..., 0, :] | (h[..., 1, :] << 2) | (h[..., 2, :] << 4) | (h[..., 3, :] << 6)).reshape(t, nb, 512)
+    sub[..., 128:192] = (h[..., 0, :] | (h[..., 1, :] << 2) | (h[..., 2, :] << 4) | (h[..., 3, :] << 6)).reshape(t, nb, 8, 64)
     return out.reshape(n, nb * 210)
 
 
@@ -230,18 +231,18 @@ def _q6k_untile(packed: np.ndarray) -> np.ndarray:
     b = np.empty((t, nb, Q4K_TILE, 210), np.uint8)
     b[..., 208:210] = p[..., 0:16].reshape(t, nb, 8, 2)
     b[..., 192:208] = p[..., 16:144].reshape(t, nb, 16, 8).transpose(0, 1, 3, 2)
-    q = p[..., 144:1168].reshape(t, nb, 8, 4, 32)
+    sub = p[..., 144:].reshape(t, nb, 8, 192)
+    q = sub[..., 0:128].reshape(t, nb, 8, 4, 32)
     lo = np.concatenate([q & 15, q >> 4], axis=3)  # [.., sub-block, group, 4 c + e]
-    h = p[..., 1168:1680].reshape(t, nb, 8, 2, 1, 32)
+    h = sub[..., 128:192].reshape(t, nb, 8, 2, 1, 32)
     hi = ((h >> np.array([0, 2, 4, 6], np.uint8)[:, None]) & 3).reshape(t, nb, 8, 8, 32)
     u = (lo | (hi << 4)).reshape(t, nb, 8, 8, 8, 4).transpose(0, 1, 4, 2, 3, 5).reshape(t, nb, 8, 256)
     b[..., 0:128], b[..., 128:192] = _q6k_from_values(u)
     return np.ascontiguousarray(b.transpose(0, 2, 1, 3)).reshape(n, nb * 210)
 
 
-#: Q6_K tiles: written and tested, switched off (csrc/qgemm.c SD_Q6K_TILES: 0.3-0.5x the column kernel at
-#: 1-4 rows as they stand)
-Q6K_TILES = False
+#: Q6_K tiles (csrc/qgemm.c SD_Q6K_TILES, the same switch)
+Q6K_TILES = True
 #: K-quants repacked as tiles of 8 output columns (the last rows % 8 keep the column layout)
 TILED = {"Q4_K": (_q4k_tile, _q4k_untile), **({"Q6_K": (_q6k_tile, _q6k_untile)} if Q6K_TILES else {})}
 

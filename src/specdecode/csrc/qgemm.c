@@ -231,10 +231,9 @@ static inline void scales8(int fmt, const Soa* a, int64_t b0, int cnt, __m256* d
 // unpacked weights and scales: four rows fit the registers of every variant, more spill (measured:
 // six rows of a Q4_K pass cost as much as eleven).
 #define SD_PASSK 4
-// Q6_K tiles (passt6) are switched off (0): measured 0.3-0.5x the column kernel at 1-4 rows (1.1-1.2x at 16);
-// with 1 here and lowbit.py's Q6K_TILES = True they run (and pass the tests), and Q6_K columns take a tile
-// lane's scalar float order (0.85x on their own)
-#define SD_Q6K_TILES 0
+// Q6_K tiles (passt6): 1 (with lowbit.py's Q6K_TILES = True). Then Q6_K columns after the last tile take a
+// tile lane's scalar float order (0.85x on their own, at most 7 columns per weight)
+#define SD_Q6K_TILES 1
 #define SD_INLINE static inline __attribute__((always_inline))
 
 // The int32 lanes of eight blocks' dot products -> one int32 per block (lane i: block i). Integer
@@ -650,10 +649,10 @@ SD_INLINE void passt(const int P, const uint8_t* wt, int64_t nb, int64_t k, cons
 // the 8 columns 1680 bytes:
 //   [0, 16)      d of the 8 columns (float16)
 //   [16, 144)    int8 scale of 16 weights: byte 16 + 8 i + c: weights 16 i .. 16 i + 15 of column c
-//   [144, 1168)  low 4 bits, as Q4_K's tiles: sub-block j at 144 + 128 j, four vectors h, byte 4c + e:
-//                weight 32j + 4h + e of column c (low nibble), 32j + 4(h + 4) + e (high nibble)
-//   [1168, 1680) high 2 bits: sub-block j at 1168 + 64 j, two vectors v, byte 4c + e, bits 2q..2q+1:
-//                weight 32j + 4(4v + q) + e of column c
+//   [144, 1680)  sub-block j at 144 + 192 j (read in order): 128 bytes of low 4 bits, as Q4_K's tiles (four
+//                vectors h, byte 4c + e: weight 32j + 4h + e of column c in the low nibble, 32j + 4(h + 4) + e
+//                in the high one), then 64 bytes of high 2 bits (two vectors v, byte 4c + e, bits 2q..2q+1:
+//                weight 32j + 4(4v + q) + e of column c)
 // w = d * sc * (u - 32), u < 64: per (row, 16 weights) one int32 sum per column (AVX2: two vpmaddubsw
 // pairs add in int16, at most 2 * 2 * 63 * 127 = 32004, then vpmaddwd with the scale twice per lane;
 // VNNI: vpdpbusd and vpmulld), the zero point through the activations' sums per 16 (32 * sum sc * bsum),
@@ -704,7 +703,7 @@ SD_INLINE void passt6(const int P, const uint8_t* wt, int64_t nb, int64_t k, con
     __m256i sumi[SD_PASST];
     for (int r = 0; r < P; ++r) sumi[r] = _mm256_setzero_si256();
     for (int j = 0; j < 8; ++j) {
-      const uint8_t *ql = t + 144 + 128 * j, *qh = t + 1168 + 64 * j;
+      const uint8_t *ql = t + 144 + 192 * j, *qh = ql + 128;
       const __m256i h0 = _mm256_loadu_si256((const __m256i*)qh), h1 = _mm256_loadu_si256((const __m256i*)(qh + 32));
       __m256i u[8];
       for (int h = 0; h < 4; ++h) {
@@ -815,7 +814,7 @@ static void dequantize(int fmt, const uint8_t* w, int64_t ldw, int64_t k, float*
         const float d = f16(t + 2 * c);
         for (int i = 0; i < 256; ++i) {
           const int j = i / 32, g = (i % 32) / 4, e = i % 4;
-          const int lo = t[144 + 128 * j + 32 * (g % 4) + 4 * c + e], hi = t[1168 + 64 * j + 32 * (g / 4) + 4 * c + e];
+          const int lo = t[144 + 192 * j + 32 * (g % 4) + 4 * c + e], hi = t[144 + 192 * j + 128 + 32 * (g / 4) + 4 * c + e];
           const int u = ((g < 4 ? lo : lo >> 4) & 15) | (((hi >> (2 * (g % 4))) & 3) << 4);
           const float s = (float)(int8_t)t[16 + 8 * (i / 16) + c];
           o[256 * b + i] = d * s * (float)(u - 32);
