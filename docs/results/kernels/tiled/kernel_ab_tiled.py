@@ -1,9 +1,9 @@
 # A/B of the column kernel (OLD.c: a qgemm.c from before the Q4_K tiles, compiled against this qtable.h: its
 # gemmk / dequantize ignore the extra n_out argument) and the tiled one (NEW.c), interleaved call by call, one thread:
 #   python kernel_ab_tiled.py OLD.c NEW.c KINDS VARIANTS ROWS   (NK=n,k sets the weight shape)
-# OLD gets the column layout of Q4_K (scale bytes re-ordered), NEW lowbit.repack's tiles. Prints ps per
+# OLD gets the column layout (Q4_K: scale bytes re-ordered; Q6_K: the file's blocks), NEW lowbit.repack's tiles. Prints ps per
 # multiply-add (fastest of >= 30 calls each) and "DIFF" where the outputs are not bit-identical (expected for
-# Q4_K: another float order).
+# the tiled kinds: another float order).
 import ctypes, os, subprocess, sys, time
 import numpy as np
 import torch
