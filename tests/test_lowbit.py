@@ -327,3 +327,103 @@ def test_a_batch_of_long_prompts_is_prefilled_row_by_row_as_each_alone():
         alone = make_runner(model, "owned", num_slots=1)
         assert torch.equal(alone.forward(slice(0, 1), [p], last_only=True)[0, -1], both[i, -1])
         assert torch.equal(alone.k_cache[:, 0, :, : len(p)], together.k_cache[:, i, :, : len(p)])
+
+
+# Q4_K / Q6_K tiles of 8 output columns (csrc/qgemm.c passt, passt6) ------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["Q4_K", "Q6_K"])
+@pytest.mark.parametrize("rows", [1, 7, 8, 13, 24, 61])
+def test_q4k_tiles_round_trip_and_dequantize_as_gguf(rows, kind):
+    """Q4_K is repacked as tiles of 8 columns (the last rows % 8 in the column layout), the same bytes:
+    unpack inverts repack (also on arbitrary bytes) and the kernel's dequantization of every column, tiled
+    or not, equals gguf's."""
+    raw = _raw(kind, rows, 512, seed=rows)
+    packed = lowbit.repack(raw, kind)
+    assert packed.shape == raw.shape and np.array_equal(lowbit.unpack(packed, kind), raw)
+    noise = np.random.default_rng(rows).integers(0, 256, raw.shape, dtype=np.uint8)
+    assert np.array_equal(lowbit.unpack(lowbit.repack(noise, kind), kind), noise)
+    if rows >= 8 and kind in lowbit.TILED:  # the tile really moves bytes: column 1's first super-block does not start at row 1's bytes
+        assert not np.array_equal(packed[1, :144], raw[1, :144])
+    expected = gguf.dequantize(raw, gguf.GGMLQuantizationType[kind]).reshape(rows, -1)
+    kernel = lowbit.load_kernel()
+    for name in VARIANTS:
+        got = kernel.q_dequantize(torch.from_numpy(packed), lowbit.GGUF_BLOCKS[kind][0], 512, lowbit.load_variant(name))
+        np.testing.assert_array_equal(got.numpy(), expected)
+
+
+@pytest.mark.parametrize("kind", ["Q4_K", "Q6_K"])
+@pytest.mark.parametrize("cols", [8, 13, 61])
+def test_q4k_tiles_are_bit_identical_across_variants_threads_and_rows(cols, kind):
+    """Every variant and thread count gives the same bits for tiles and the tail columns, and a row's
+    result is the same alone and among 1..16 rows next to a row 1000x louder."""
+    kernel = lowbit.load_kernel()
+    if kernel is None or not VARIANTS:
+        pytest.skip("no kernel variant on this CPU")
+    module = lowbit.QuantLinear(torch.from_numpy(_raw(kind, cols, 768, seed=cols)), kind, 768)
+    x = torch.randn(16, 768, generator=torch.Generator().manual_seed(cols))
+    x[3] *= 1000.0
+    threads = torch.get_num_threads()
+    try:
+        outs = []
+        for name in VARIANTS:
+            table = lowbit.load_variant(name)
+            for n in (1, 2, 3):
+                torch.set_num_threads(n)
+                together = kernel.q_linear(x, module.packed, module.fmt, table)
+                outs.append(together)
+                for i in range(16):
+                    assert torch.equal(kernel.q_linear(x[i : i + 1].contiguous(), module.packed, module.fmt, table)[0],
+                                       together[i]), (name, n, i)
+                    assert torch.equal(kernel.q_linear(x[: i + 1].contiguous(), module.packed, module.fmt, table),
+                                       together[: i + 1]), (name, n, i)
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(o, outs[0]) for o in outs)
+
+
+@pytest.mark.parametrize("kind", ["Q4_K", "Q6_K"])
+def test_q4k_fused_parts_and_slices_keep_their_columns(kind):
+    """Concatenated Q4_K / Q6_K parts (q / k / v, gate / up) whose widths are not multiples of 8 equal the
+    parts: a column's bits do not depend on whether it sits in a tile."""
+    parts = [lowbit.QuantLinear(torch.from_numpy(_raw(kind, n, 256, seed=n)), kind, 256, torch.randn(n))
+             for n in (12, 8, 5, 16)]
+    fused = lowbit.concat(parts)
+    x = torch.randn(5, 256)
+    assert torch.equal(fused(x), torch.cat([p(x) for p in parts], dim=-1))
+    assert np.array_equal(fused.gguf_raw(), np.concatenate([p.gguf_raw() for p in parts]))
+
+
+def _q4k_llama(vocab: int = 61):
+    """tiny_llama (hidden 256) whose linear layers are random Q4_K weights (the 61-row LM head: 7 tiles and 5
+    columns after them), and the Hugging Face model of the same (dequantized) weights."""
+    model = tiny_llama(seed=0, hidden=256, vocab_size=vocab, dtype=torch.float32)
+    reference = tiny_llama(seed=0, hidden=256, vocab_size=vocab, dtype=torch.float32)
+    linears = [(n, m) for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
+    modules = {}
+    for i, (name, m) in enumerate(linears):
+        raw = _raw("Q4_K", m.out_features, m.in_features, seed=100 + i)
+        modules[name] = lowbit.QuantLinear(torch.from_numpy(raw), "Q4_K", m.in_features)
+    with torch.no_grad():
+        for name, q in modules.items():
+            reference.get_submodule(name).weight.copy_(q.dequantize())
+    lowbit.install(model, modules)
+    return model, reference
+
+
+def test_the_fused_layer_loop_runs_q4k_tiles(variant):
+    """The C++ layer loop's products (threads split whole tiles) on Q4_K tiles and a tail: logits match the
+    Hugging Face forward of the dequantized weights, and the forward is batch invariant."""
+    from specdecode.kv import make_runner
+    from specdecode.precision import check_batch_invariance
+
+    model, reference = _q4k_llama()
+    runner = make_runner(model, "owned").row(0)
+    assert runner.runner._native_stack() is not None
+    ids = [3, 7, 1, 9, 4, 4, 2, 8, 5, 6]
+    runner.forward(ids[:4], last_only=True)
+    got = torch.cat([runner.forward(ids[4:7]), runner.forward(ids[7:])]).reshape(6, -1)
+    want = reference(torch.tensor([ids])).logits[0, 4:].float()
+    assert (got - want).abs().max() < 0.05 * want.abs().max(), (got - want).abs().max()
+    report = check_batch_invariance(model, counts=(2, 5, 9, 17), context=40)
+    assert report.exact, report

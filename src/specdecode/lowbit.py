@@ -45,6 +45,9 @@ from specdecode.errors import SpecDecodeError
 from specdecode.lowbit_kernels import (  # noqa: F401 - the kernels' names, re-exported here (lowbit.kernel_status, ...)
     GGUF_BLOCKS,
     ISA_ENV,
+    Q4K_TILE,
+    Q6K_TILES,
+    TILED,
     VARIANTS,
     active_variant,
     cpu_flags,
@@ -75,7 +78,8 @@ logger = logging.getLogger(__name__)
 # Whole models ------------------------------------------------------------------------------------
 
 #: Bump when the cached low-bit file's layout changes (older files are rebuilt).
-CACHE_FORMAT = 3  # 3: Q4_K scale bytes in the kernel's order (repack)
+CACHE_FORMAT = 5 if Q6K_TILES else 4  # 3: Q4_K scale bytes in the kernel's order (repack); 4: Q4_K tiles of 8
+#                                       columns; 5: Q6_K tiles too
 
 
 def _linear_names(model: torch.nn.Module) -> list[str]:
@@ -226,6 +230,8 @@ def weight_digest(model: torch.nn.Module) -> str:
             rows, kind, bias = module.packed, module.kind, module.bias
         elif fused is not None and hasattr(fused, "packed"):  # q/k/v of a fused low-bit product: its rows
             rows, kind = fused.packed[module.start : module.end], fused.kind
+            if kind in TILED:  # tiles of 8 columns: the file's rows, as the unfused module holds them
+                rows = torch.from_numpy(repack(fused.gguf_raw()[module.start : module.end], kind))
             bias = None if fused.bias is None else fused.bias[module.start : module.end]
         else:
             continue

@@ -37,9 +37,10 @@ GGUF_BLOCKS = {"Q4_0": (0, 32, 18), "Q4_1": (1, 32, 20), "Q5_0": (2, 32, 22), "Q
                "Q4_K": (4, 256, 144), "Q6_K": (5, 256, 210)}
 
 #: Fields of a 32-weight block (byte ranges), which the kernel reads as one array per field per row
-#: (:func:`repack`: same bytes, eight blocks' scales in one load). K-quants keep their blocks; Q4_K's 12
-#: bytes of 6-bit scales and minimums are re-ordered (:func:`_q4k_to_kernel`: same bytes, decoded in a
-#: few vector instructions instead of about thirty scalar ones per block).
+#: (:func:`repack`: same bytes, eight blocks' scales in one load). Q6_K keeps its blocks. Q4_K is repacked
+#: as tiles of 8 output columns (:func:`_q4k_tile`: same bytes; one vpdpbusd multiplies 4 weights of 8
+#: columns); the last rows % 8 keep their blocks with the 12 bytes of 6-bit scales and minimums re-ordered
+#: (:func:`_q4k_to_kernel`: same bytes, decoded in a few vector instructions).
 _FIELDS = {"Q4_0": ((0, 2), (2, 18)), "Q4_1": ((0, 2), (2, 4), (4, 20)), "Q5_0": ((0, 2), (2, 6), (6, 22)),
            "Q8_0": ((0, 2), (2, 34))}
 
@@ -75,7 +76,12 @@ def _q4k_from_kernel(k: np.ndarray) -> np.ndarray:
     v[..., 8:16] = k[..., 0:8] >> 4
     for t in range(4):
         v[..., 4 * t : 4 * t + 4] |= ((k[..., 8:12] >> (2 * t)) & 3) << 4
-    q = np.empty_like(k)
+    return _q4k_from_values(v)
+
+
+def _q4k_from_values(v: np.ndarray) -> np.ndarray:
+    """The inverse of :func:`_q4k_values`: [..., 16] (8 scales, 8 minimums) -> GGUF's 12 bytes."""
+    q = np.empty(v.shape[:-1] + (12,), np.uint8)
     q[..., 0:4] = (v[..., 0:4] & 63) | ((v[..., 4:8] >> 4) << 6)
     q[..., 4:8] = (v[..., 8:12] & 63) | ((v[..., 12:16] >> 4) << 6)
     q[..., 8:12] = (v[..., 4:8] & 0xF) | ((v[..., 12:16] & 0xF) << 4)
@@ -83,17 +89,134 @@ def _q4k_from_kernel(k: np.ndarray) -> np.ndarray:
 
 
 def _q4k_scales_mapped(raw: np.ndarray, fn) -> np.ndarray:
+    if raw.shape[0] == 0:
+        return np.array(raw, dtype=np.uint8, copy=True)
     blocks = np.array(raw, dtype=np.uint8, copy=True).reshape(raw.shape[0], -1, GGUF_BLOCKS["Q4_K"][2])
     blocks[..., 4:16] = fn(blocks[..., 4:16])
     return blocks.reshape(raw.shape[0], -1)
 
 
+#: Q4_K columns repacked together (csrc/qgemm.c ``passt``): the first ``rows // 8 * 8`` weight rows (output
+#: columns) as tiles of 8, the last ``rows % 8`` in the column layout (:func:`_q4k_to_kernel` scale bytes).
+Q4K_TILE = 8
+
+
+def _q4k_tile(raw: np.ndarray) -> np.ndarray:
+    """GGUF Q4_K rows [8 T, nb * 144] -> tiles of 8 columns (csrc/qgemm.c, the comment above ``passt``): per
+    tile and super-block 1152 bytes = d[8] f16 | dmin[8] f16 | 64 bytes of low scale / minimum nibbles |
+    32 bytes of their high two bits | 8 sub-blocks of 128 bytes of weight nibbles, 4 k-values x 8 columns
+    per 32-bit group."""
+    n, nb = raw.shape[0], raw.shape[1] // 144
+    t = n // Q4K_TILE
+    b = raw.reshape(t, Q4K_TILE, nb, 144).transpose(0, 2, 1, 3)  # [tile, super-block, column, byte]
+    out = np.empty((t, nb, 1152), np.uint8)
+    out[..., 0:16] = b[..., 0:2].reshape(t, nb, 16)
+    out[..., 16:32] = b[..., 2:4].reshape(t, nb, 16)
+    v = _q4k_values(b[..., 4:16])  # [t, nb, column, 16]
+    sc = v[..., 0:8].transpose(0, 1, 3, 2).reshape(t, nb, 64)  # S[8 j + c]
+    mn = v[..., 8:16].reshape(t, nb, 8, 4, 2).transpose(0, 1, 3, 2, 4).reshape(t, nb, 64)  # M[16 p + 2 c + e]
+    out[..., 32:96] = (sc & 15) | ((mn & 15) << 4)
+    hs, hm = sc >> 4, mn >> 4
+    out[..., 96:128] = hm[..., :32] | (hm[..., 32:] << 2) | (hs[..., :32] << 4) | (hs[..., 32:] << 6)
+    qs = b[..., 16:144].reshape(t, nb, 8, 4, 32)  # [.., column, chunk of 64, byte]: low nibbles then high
+    w = np.stack([qs & 15, qs >> 4], axis=-2).reshape(t, nb, 8, 8, 8, 4)  # [.., column, sub-block, group, e]
+    w = w.transpose(0, 1, 3, 4, 2, 5)  # [.., sub-block, group of 4 k, column, e]
+    out[..., 128:] = (w[:, :, :, 0:4] | (w[:, :, :, 4:8] << 4)).reshape(t, nb, 1024)
+    return out.reshape(n, nb * 144)
+
+
+def _q4k_untile(packed: np.ndarray) -> np.ndarray:
+    """The inverse of :func:`_q4k_tile`."""
+    n, nb = packed.shape[0], packed.shape[1] // 144
+    t = n // Q4K_TILE
+    p = packed.reshape(t, nb, 1152)
+    b = np.empty((t, nb, Q4K_TILE, 144), np.uint8)
+    b[..., 0:2] = p[..., 0:16].reshape(t, nb, 8, 2)
+    b[..., 2:4] = p[..., 16:32].reshape(t, nb, 8, 2)
+    nib, h = p[..., 32:96], p[..., 96:128]
+    sc = (nib & 15) | (np.concatenate([(h >> 4) & 3, h >> 6], axis=-1) << 4)
+    mn = (nib >> 4) | (np.concatenate([h & 3, (h >> 2) & 3], axis=-1) << 4)
+    v = np.empty((t, nb, 8, 16), np.uint8)
+    v[..., 0:8] = sc.reshape(t, nb, 8, 8).transpose(0, 1, 3, 2)
+    v[..., 8:16] = mn.reshape(t, nb, 4, 8, 2).transpose(0, 1, 3, 2, 4).reshape(t, nb, 8, 8)
+    b[..., 4:16] = _q4k_from_values(v)
+    q = p[..., 128:].reshape(t, nb, 8, 4, 8, 4)  # [.., sub-block, vector, column, e]
+    w = np.concatenate([q & 15, q >> 4], axis=3)  # [.., sub-block, group, column, e]
+    w = w.transpose(0, 1, 4, 2, 3, 5).reshape(t, nb, 8, 4, 2, 32)  # [.., column, chunk, nibble, byte]
+    b[..., 16:144] = (w[..., 0, :] | (w[..., 1, :] << 4)).reshape(t, nb, 8, 128)
+    return np.ascontiguousarray(b.transpose(0, 2, 1, 3)).reshape(n, nb * 144)
+
+
+def _q6k_values(b: np.ndarray) -> np.ndarray:
+    """Q6_K blocks [..., 210] -> the 256 unsigned 6-bit values u [..., 256] (w = d * scale * (u - 32))."""
+    ql = b[..., 0:128].reshape(b.shape[:-1] + (2, 2, 32))
+    lo = np.concatenate([ql & 15, ql >> 4], axis=-2)  # [.., half of 128, 32-group, l]
+    qh = b[..., 128:192].reshape(b.shape[:-1] + (2, 1, 32))
+    hi = (qh >> np.array([0, 2, 4, 6], np.uint8)[:, None]) & 3
+    return (lo | (hi << 4)).reshape(b.shape[:-1] + (256,))
+
+
+def _q6k_from_values(u: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The inverse of :func:`_q6k_values`: u [..., 256] -> (ql [..., 128], qh [..., 64])."""
+    v = u.reshape(u.shape[:-1] + (2, 4, 32))
+    lo, hi = v & 15, v >> 4
+    ql = (lo[..., 0:2, :] | (lo[..., 2:4, :] << 4)).reshape(u.shape[:-1] + (128,))
+    qh = (hi[..., 0, :] | (hi[..., 1, :] << 2) | (hi[..., 2, :] << 4) | (hi[..., 3, :] << 6)).reshape(u.shape[:-1] + (64,))
+    return ql, qh
+
+
+def _q6k_tile(raw: np.ndarray) -> np.ndarray:
+    """GGUF Q6_K rows [8 T, nb * 210] -> tiles of 8 columns (csrc/qgemm.c, the comment above ``passt6``): per
+    tile and super-block 1680 bytes = d[8] f16 | 128 int8 scales (per 16 weights, 8 columns each) | per
+    sub-block of 32: 128 bytes of low nibbles as Q4_K's tiles, 64 bytes of high two bits."""
+    n, nb = raw.shape[0], raw.shape[1] // 210
+    t = n // Q4K_TILE
+    b = raw.reshape(t, Q4K_TILE, nb, 210).transpose(0, 2, 1, 3)  # [tile, super-block, column, byte]
+    out = np.empty((t, nb, 1680), np.uint8)
+    out[..., 0:16] = b[..., 208:210].reshape(t, nb, 16)
+    out[..., 16:144] = b[..., 192:208].transpose(0, 1, 3, 2).reshape(t, nb, 128)
+    w = _q6k_values(b).reshape(t, nb, 8, 8, 8, 4).transpose(0, 1, 3, 4, 2, 5)  # [.., sub-block, group, column, e]
+    lo, hi = w & 15, w >> 4
+    sub = out[..., 144:].reshape(t, nb, 8, 192)  # per sub-block: 128 bytes of low nibbles, 64 of high bits
+    sub[..., 0:128] = (lo[:, :, :, 0:4] | (lo[:, :, :, 4:8] << 4)).reshape(t, nb, 8, 128)
+    h = hi.reshape(t, nb, 8, 2, 4, 32)  # [.., sub-block, vector, group in vector, 4 c + e]
+    sub[..., 128:192] = (h[..., 0, :] | (h[..., 1, :] << 2) | (h[..., 2, :] << 4) | (h[..., 3, :] << 6)).reshape(t, nb, 8, 64)
+    return out.reshape(n, nb * 210)
+
+
+def _q6k_untile(packed: np.ndarray) -> np.ndarray:
+    """The inverse of :func:`_q6k_tile`."""
+    n, nb = packed.shape[0], packed.shape[1] // 210
+    t = n // Q4K_TILE
+    p = packed.reshape(t, nb, 1680)
+    b = np.empty((t, nb, Q4K_TILE, 210), np.uint8)
+    b[..., 208:210] = p[..., 0:16].reshape(t, nb, 8, 2)
+    b[..., 192:208] = p[..., 16:144].reshape(t, nb, 16, 8).transpose(0, 1, 3, 2)
+    sub = p[..., 144:].reshape(t, nb, 8, 192)
+    q = sub[..., 0:128].reshape(t, nb, 8, 4, 32)
+    lo = np.concatenate([q & 15, q >> 4], axis=3)  # [.., sub-block, group, 4 c + e]
+    h = sub[..., 128:192].reshape(t, nb, 8, 2, 1, 32)
+    hi = ((h >> np.array([0, 2, 4, 6], np.uint8)[:, None]) & 3).reshape(t, nb, 8, 8, 32)
+    u = (lo | (hi << 4)).reshape(t, nb, 8, 8, 8, 4).transpose(0, 1, 4, 2, 3, 5).reshape(t, nb, 8, 256)
+    b[..., 0:128], b[..., 128:192] = _q6k_from_values(u)
+    return np.ascontiguousarray(b.transpose(0, 2, 1, 3)).reshape(n, nb * 210)
+
+
+#: Q6_K tiles (csrc/qgemm.c SD_Q6K_TILES, the same switch)
+Q6K_TILES = True
+#: K-quants repacked as tiles of 8 output columns (the last rows % 8 keep the column layout)
+TILED = {"Q4_K": (_q4k_tile, _q4k_untile), **({"Q6_K": (_q6k_tile, _q6k_untile)} if Q6K_TILES else {})}
+
+
 def repack(raw: np.ndarray, kind: str) -> np.ndarray:
     """GGUF rows [rows, bytes] uint8 -> the kernel's layout [rows, bytes] uint8 (the same bytes, each block field
-    as one array per row: ``d[nb] | m[nb] | qs[nb][16]`` for Q4_1; Q4_K's scale bytes re-ordered, see
-    :func:`_q4k_to_kernel`). Q6_K is returned as it is."""
-    if kind == "Q4_K":
-        return _q4k_scales_mapped(raw, _q4k_to_kernel)
+    as one array per row: ``d[nb] | m[nb] | qs[nb][16]`` for Q4_1; Q4_K: tiles of 8 columns, :func:`_q4k_tile`,
+    the last rows % 8 with their scale bytes re-ordered, :func:`_q4k_to_kernel`). Q6_K is returned as it is.
+    A Q4_K layout is whole: slice or concatenate GGUF rows (:func:`unpack`), not packed ones."""
+    if kind in TILED:
+        full = raw.shape[0] // Q4K_TILE * Q4K_TILE
+        tail = _q4k_scales_mapped(raw[full:], _q4k_to_kernel) if kind == "Q4_K" else np.array(raw[full:], np.uint8)
+        return np.ascontiguousarray(np.concatenate([TILED[kind][0](np.asarray(raw[:full], np.uint8)), tail]))
     if kind not in _FIELDS:
         return np.ascontiguousarray(raw)
     rows = raw.shape[0]
@@ -103,8 +226,11 @@ def repack(raw: np.ndarray, kind: str) -> np.ndarray:
 
 def unpack(packed: np.ndarray, kind: str) -> np.ndarray:
     """The inverse of :func:`repack`: the kernel's layout [rows, bytes] uint8 -> GGUF rows [rows, bytes] uint8."""
-    if kind == "Q4_K":
-        return _q4k_scales_mapped(packed, _q4k_from_kernel)
+    if kind in TILED:
+        full = packed.shape[0] // Q4K_TILE * Q4K_TILE
+        tail = (_q4k_scales_mapped(packed[full:], _q4k_from_kernel) if kind == "Q4_K"
+                else np.array(packed[full:], np.uint8))
+        return np.ascontiguousarray(np.concatenate([TILED[kind][1](np.asarray(packed[:full], np.uint8)), tail]))
     if kind not in _FIELDS:
         return np.ascontiguousarray(packed)
     rows, nbytes = packed.shape[0], GGUF_BLOCKS[kind][2]

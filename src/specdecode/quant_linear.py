@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from specdecode.errors import SpecDecodeError
 from specdecode.kernels import row_product
-from specdecode.lowbit_kernels import GGUF_BLOCKS, fast_bf16, load_kernel, repack, unpack, variant_table
+from specdecode.lowbit_kernels import TILED, GGUF_BLOCKS, fast_bf16, load_kernel, repack, unpack, variant_table
 
 
 #: Rows above which a prompt's prefill (which need not be row-invariant: plain and speculative decoding
@@ -162,5 +162,8 @@ def concat(parts: list[QuantLinear]) -> QuantLinear | None:
     biases = None
     if any(p.bias is not None for p in parts):
         biases = torch.cat([p.bias if p.bias is not None else torch.zeros(p.out_features) for p in parts])
+    if parts[0].kind in TILED:  # tiles of 8 columns: concatenate the file's rows and repack them
+        return QuantLinear(torch.from_numpy(np.concatenate([p.gguf_raw() for p in parts])), parts[0].kind,
+                           parts[0].in_features, biases, parts[0].weight_precision)
     return QuantLinear(torch.cat([p.packed for p in parts]), parts[0].kind, parts[0].in_features, biases,
                        parts[0].weight_precision, packed=True)

@@ -59,9 +59,11 @@ void q_product(const SdTable* t, const float* x, int64_t rows, int64_t k, const 
     std::vector<float> d(rows * (k / 256));
     std::vector<int16_t> b(rows * (k / 16));
     t->quantize256(x, rows, k, q.data(), d.data(), b.data());
-    const int64_t grain = std::max<int64_t>(8, n_out / (8 * at::get_num_threads()) + 1);
-    at::parallel_for(0, n_out, grain, [&](int64_t n0, int64_t n1) {
-      t->gemmk(static_cast<int>(fmt), w, ldw, k, q.data(), d.data(), b.data(), rows, out, ldo, n0, n1);
+    // threads split whole tiles of 8 columns (Q4_K's layout, qgemm.c passt; the last one may be shorter)
+    const int64_t tiles = (n_out + 7) / 8, grain = std::max<int64_t>(1, tiles / (8 * at::get_num_threads()) + 1);
+    at::parallel_for(0, tiles, grain, [&](int64_t t0, int64_t t1) {
+      t->gemmk(static_cast<int>(fmt), w, ldw, k, q.data(), d.data(), b.data(), rows, out, ldo, 8 * t0,
+               std::min<int64_t>(n_out, 8 * t1), n_out);
     });
   }
 }
@@ -108,7 +110,7 @@ torch::Tensor q_dequantize(torch::Tensor w, int64_t fmt, int64_t k, int64_t tabl
   const uint8_t* wp = w.data_ptr<uint8_t>();
   float* op = out.data_ptr<float>();
   at::parallel_for(0, n_out, 64, [&](int64_t n0, int64_t n1) {
-    t->dequantize(static_cast<int>(fmt), wp, w.size(1), k, op + n0 * k, n0, n1);
+    t->dequantize(static_cast<int>(fmt), wp, w.size(1), k, op + n0 * k, n0, n1, n_out);
   });
   return out;
 }

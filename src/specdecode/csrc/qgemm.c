@@ -18,7 +18,9 @@
 //   act256 (for Q4_K, Q6_K): per block of 256, float d, int8 q[256], int16 bsums[16] (sums per 16)
 // Weights: each block of a column is read and unpacked once per pass of rows (32-weight formats:
 // 4 rows with AVX2, 8 with AVX-512; K-quants: 4; their accumulators stay in registers), then dotted
-// with every row of the pass. Every (row, column) is accumulated in one fixed
+// with every row of the pass. Q4_K runs as tiles of 8 output columns (repacked at load, same bytes:
+// passt), one vpdpbusd / vpmaddubsw per 4 weights of the 8 columns, 4 rows per pass with AVX2, 8 with
+// AVX-512. Every (row, column) is accumulated in one fixed
 // order that depends on nothing but that row and that column: neither on how many rows share
 // the call, nor on how the columns are split across threads. A row's result is therefore bit for
 // bit the same alone or among any rows (batch-invariant by construction), which is what keeps
@@ -229,6 +231,9 @@ static inline void scales8(int fmt, const Soa* a, int64_t b0, int cnt, __m256* d
 // unpacked weights and scales: four rows fit the registers of every variant, more spill (measured:
 // six rows of a Q4_K pass cost as much as eleven).
 #define SD_PASSK 4
+// Q6_K tiles (passt6): 1 (with lowbit.py's Q6K_TILES = True). Then Q6_K columns after the last tile take a
+// tile lane's scalar float order (0.85x on their own, at most 7 columns per weight)
+#define SD_Q6K_TILES 1
 #define SD_INLINE static inline __attribute__((always_inline))
 
 // The int32 lanes of eight blocks' dot products -> one int32 per block (lane i: block i). Integer
@@ -444,8 +449,9 @@ static inline void unpack_q6k(const uint8_t* blk, SuperBlock* sb) {
 // accumulator per row across super-blocks (and one for Q4_K's minimums), whatever P.
 SD_INLINE void passk(const int P, const int q6, const uint8_t* wn, int64_t nb, int64_t k, const int8_t* xq,
                      const float* xd, const int16_t* bsums, int64_t r0, float* out, int64_t ldo, int64_t n) {
-  __m256 acc[SD_PASSK], macc[SD_PASSK];
-  for (int r = 0; r < P; ++r) acc[r] = macc[r] = _mm256_setzero_ps();
+  __m256 acc[SD_PASSK];
+  float qacc[SD_PASSK], qmacc[SD_PASSK];
+  for (int r = 0; r < P; ++r) acc[r] = _mm256_setzero_ps(), qacc[r] = qmacc[r] = 0.0f;
   const __m256i m4 = _mm256_set1_epi8(0x0F), m2 = _mm256_set1_epi8(0x03);
   for (int64_t b = 0; b < nb; ++b) {
     __m256i s0[SD_PASSK], s1[SD_PASSK], msc;
@@ -489,23 +495,297 @@ SD_INLINE void passk(const int P, const int q6, const uint8_t* wn, int64_t nb, i
       const __m256i bs = _mm256_loadu_si256((const __m256i*)(bsums + row * (k / 16) + 16 * b));
       const __m256i summ = _mm256_madd_epi16(msc, bs);  // per pair of 16s: m * (sum of x)
       const float dx = xd[row * nb + b];
-      if (q6) {  // w = d * sc * (u - 32): the zero point is an integer too
+      if (q6) {  // w = d * sc * (u - 32): the zero point is an integer too (a tile lane's operations, see passt6)
         sumi = _mm256_sub_epi32(sumi, _mm256_slli_epi32(summ, 5));
+#if SD_Q6K_TILES
+        qacc[r] = fmaf((float)hsum_i32(sumi), d * dx, qacc[r]);
+#else
         acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sumi), _mm256_set1_ps(d * dx), acc[r]);
-      } else {
-        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sumi), _mm256_set1_ps(d * dx), acc[r]);
-        macc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(summ), _mm256_set1_ps(dmin * dx), macc[r]);
+#endif
+      } else {  // Q4_K (a column after the last tile): the integers and float operations of a tile's lane
+        qacc[r] = fmaf((float)hsum_i32(sumi), d * dx, qacc[r]);
+        qmacc[r] = fmaf((float)hsum_i32(summ), dmin * dx, qmacc[r]);
       }
     }
   }
-  for (int r = 0; r < P; ++r) out[(r0 + r) * ldo + n] = hsum(acc[r]) - hsum(macc[r]);
+  for (int r = 0; r < P; ++r) out[(r0 + r) * ldo + n] = q6 ? (SD_Q6K_TILES ? qacc[r] : hsum(acc[r])) : qacc[r] - qmacc[r];
 }
 #undef SD_PAIR
 
+// ---------------------------------------------------------------------------------------------
+// Q4_K tiles: eight output columns repacked together at load (specdecode/lowbit.py ``repack``, the same
+// 144 bytes per 256 weights per column). Columns 8t..8t+7 (t < n_out / 8) occupy rows 8t..8t+7 of the
+// weight (8 * nb * 144 contiguous bytes), super-block b of the eight at byte 1152 * b:
+//   [0, 16)     d of the 8 columns (float16)           [16, 32)   dmin of the 8 columns (float16)
+//   [32, 96)    byte i: low 4 bits of scale S[i] (low nibble) and of minimum M[i] (high nibble)
+//   [96, 128)   byte i: high 2 bits of M[i] (bits 0-1), M[32 + i] (2-3), S[i] (4-5), S[32 + i] (6-7)
+//               S[8j + c]: the scale of sub-block j of column c; M[16p + 2c + e]: the minimum of
+//               sub-block 2p + e of column c
+//   [128, 1152) sub-block j at 128 + 128 j: four 32-byte vectors h < 4, byte 4c + e: weight 32j + 4h + e
+//               of column c (low nibble), weight 32j + 4(h + 4) + e (high nibble)
+// One vpdpbusd (AVX2: vpmaddubsw) multiplies 4 consecutive weights of the 8 columns by the same 4
+// activation bytes (a broadcast load): each column's sum stays in its lane, no horizontal sums. Per
+// (row, sub-block) the 8 columns' scales apply once to the exact integer sum (VNNI: vpmulld on the
+// int32 sums; AVX2: the int16 sums, at most 8 * 2 * 15 * 127 = 30480, through vpmaddwd with the scale
+// twice per lane: the same integers); the minimums through the activations' sums per 32; per
+// super-block one float multiply-add with the 8 columns' d * dx and one with dmin * dx. The last
+// n_out % 8 columns keep the column layout above (passk), which computes the same integers and the same
+// float operations as a tile's lane: a column's bits do not depend on whether it sits in a tile (fused
+// q / k / v, a reduced LM head).
+#define SD_TILE 8
+#define SD_TILE_SB 1152
+#if defined(SD_VARIANT_AVX2)
+#define SD_PASST 4
+#else
+#define SD_PASST 8
+#endif
+
+typedef struct {
+  __m256i sc[8];  // VNNI: int32 scale per column lane; AVX2 / AVX-512: the scale as both int16 of the lane
+  __m256i mp[4];  // int16 pairs per column lane: minimums of sub-blocks 2p, 2p + 1
+  __m256 d, dmin;
+} TileScales;
+
+static inline __m256i tile_scale(__m128i eight) {  // 8 bytes (low half) -> one scale per 32-bit lane
+#if defined(SD_VARIANT_AVX512VNNI)
+  return _mm256_cvtepu8_epi32(eight);
+#else
+  return _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(eight, eight));
+#endif
+}
+
+static inline void tile_scales(const uint8_t* t, TileScales* s) {
+  s->d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)t));
+  s->dmin = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(t + 16)));
+  const __m256i n0 = _mm256_loadu_si256((const __m256i*)(t + 32)), n1 = _mm256_loadu_si256((const __m256i*)(t + 64));
+  const __m256i h = _mm256_loadu_si256((const __m256i*)(t + 96));
+  const __m256i m0f = _mm256_set1_epi8(0x0F), m30 = _mm256_set1_epi8(0x30);
+  const __m256i s0 = _mm256_or_si256(_mm256_and_si256(n0, m0f), _mm256_and_si256(h, m30));
+  const __m256i s1 = _mm256_or_si256(_mm256_and_si256(n1, m0f), _mm256_and_si256(_mm256_srli_epi16(h, 2), m30));
+  const __m256i mm0 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(n0, 4), m0f), _mm256_and_si256(_mm256_slli_epi16(h, 4), m30));
+  const __m256i mm1 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(n1, 4), m0f), _mm256_and_si256(_mm256_slli_epi16(h, 2), m30));
+  s->mp[0] = _mm256_cvtepu8_epi16(_mm256_castsi256_si128(mm0));
+  s->mp[1] = _mm256_cvtepu8_epi16(_mm256_extracti128_si256(mm0, 1));
+  s->mp[2] = _mm256_cvtepu8_epi16(_mm256_castsi256_si128(mm1));
+  s->mp[3] = _mm256_cvtepu8_epi16(_mm256_extracti128_si256(mm1, 1));
+  const __m128i q[4] = {_mm256_castsi256_si128(s0), _mm256_extracti128_si256(s0, 1), _mm256_castsi256_si128(s1),
+                        _mm256_extracti128_si256(s1, 1)};
+  for (int i = 0; i < 4; ++i) {
+    s->sc[2 * i] = tile_scale(q[i]);
+    s->sc[2 * i + 1] = tile_scale(_mm_unpackhi_epi64(q[i], q[i]));
+  }
+}
+
+static inline int32_t load_i32(const void* p) {
+  int32_t v;
+  memcpy(&v, p, 4);
+  return v;
+}
+
+// Rows r0..r0+P of one tile (8 columns at wt); xs: per row and super-block the 8 activation sums per 32
+// (int16). Columns c0..c1 of the tile are written (a tile is computed whole: a column's result is the
+// same whichever of its neighbours are written).
+SD_INLINE void passt(const int P, const uint8_t* wt, int64_t nb, int64_t k, const int8_t* xq, const float* xd,
+                     const int16_t* xs, int64_t r0, float* out, int64_t ldo, int64_t n, int c0, int c1) {
+  __m256 acc[SD_PASST], macc[SD_PASST];
+  for (int r = 0; r < P; ++r) acc[r] = macc[r] = _mm256_setzero_ps();
+  const __m256i m4 = _mm256_set1_epi8(0x0F);
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* t = wt + SD_TILE_SB * b;
+    TileScales s;
+    tile_scales(t, &s);
+    __m256i sumi[SD_PASST];
+    for (int r = 0; r < P; ++r) sumi[r] = _mm256_setzero_si256();
+    for (int j = 0; j < 8; ++j) {
+      const uint8_t* qj = t + 128 + 128 * j;
+      __m256i u[8];
+      for (int h = 0; h < 4; ++h) {
+        const __m256i v = _mm256_loadu_si256((const __m256i*)(qj + 32 * h));
+        u[h] = _mm256_and_si256(v, m4);
+        u[h + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+      }
+      for (int r = 0; r < P; ++r) {
+        const int8_t* xr = xq + (r0 + r) * k + 256 * b + 32 * j;
+#if defined(SD_VARIANT_AVX512VNNI)
+        // two chains of four (a vpdpbusd waits for its accumulator: one chain of eight would wait 8 latencies)
+        __m256i dot0 = _mm256_dpbusd_epi32(_mm256_setzero_si256(), u[0], _mm256_set1_epi32(load_i32(xr)));
+        __m256i dot1 = _mm256_dpbusd_epi32(_mm256_setzero_si256(), u[4], _mm256_set1_epi32(load_i32(xr + 16)));
+        for (int g = 1; g < 4; ++g) {
+          dot0 = _mm256_dpbusd_epi32(dot0, u[g], _mm256_set1_epi32(load_i32(xr + 4 * g)));
+          dot1 = _mm256_dpbusd_epi32(dot1, u[g + 4], _mm256_set1_epi32(load_i32(xr + 4 * g + 16)));
+        }
+        const __m256i scaled = _mm256_mullo_epi32(_mm256_add_epi32(dot0, dot1), s.sc[j]);
+#else
+        __m256i d16 = _mm256_maddubs_epi16(u[0], _mm256_set1_epi32(load_i32(xr)));
+        for (int g = 1; g < 8; ++g) d16 = _mm256_add_epi16(d16, _mm256_maddubs_epi16(u[g], _mm256_set1_epi32(load_i32(xr + 4 * g))));
+        const __m256i scaled = _mm256_madd_epi16(d16, s.sc[j]);
+#endif
+        sumi[r] = _mm256_add_epi32(sumi[r], scaled);
+      }
+    }
+    for (int r = 0; r < P; ++r) {
+      const int16_t* xr = xs + ((r0 + r) * nb + b) * 8;
+      __m256i summ = _mm256_madd_epi16(s.mp[0], _mm256_set1_epi32(load_i32(xr)));
+      for (int p = 1; p < 4; ++p) summ = _mm256_add_epi32(summ, _mm256_madd_epi16(s.mp[p], _mm256_set1_epi32(load_i32(xr + 2 * p))));
+      const __m256 dx = _mm256_set1_ps(xd[(r0 + r) * nb + b]);
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sumi[r]), _mm256_mul_ps(s.d, dx), acc[r]);
+      macc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(summ), _mm256_mul_ps(s.dmin, dx), macc[r]);
+    }
+  }
+  for (int r = 0; r < P; ++r) {
+    const __m256 o = _mm256_sub_ps(acc[r], macc[r]);
+    float* dst = out + (r0 + r) * ldo + n;
+    if (c0 == 0 && c1 == SD_TILE) {
+      _mm256_storeu_ps(dst, o);
+    } else {
+      float tmp[8];
+      _mm256_storeu_ps(tmp, o);
+      for (int c = c0; c < c1; ++c) dst[c] = tmp[c];
+    }
+  }
+}
+
+// Q6_K tiles (lowbit.py ``_q6k_tile``, the same 210 bytes per 256 weights per column): per super-block of
+// the 8 columns 1680 bytes:
+//   [0, 16)      d of the 8 columns (float16)
+//   [16, 144)    int8 scale of 16 weights: byte 16 + 8 i + c: weights 16 i .. 16 i + 15 of column c
+//   [144, 1680)  sub-block j at 144 + 192 j (read in order): 128 bytes of low 4 bits, as Q4_K's tiles (four
+//                vectors h, byte 4c + e: weight 32j + 4h + e of column c in the low nibble, 32j + 4(h + 4) + e
+//                in the high one), then 64 bytes of high 2 bits (two vectors v, byte 4c + e, bits 2q..2q+1:
+//                weight 32j + 4(4v + q) + e of column c)
+// w = d * sc * (u - 32), u < 64: per (row, 16 weights) one int32 sum per column (AVX2: two vpmaddubsw
+// pairs add in int16, at most 2 * 2 * 63 * 127 = 32004, then vpmaddwd with the scale twice per lane;
+// VNNI: vpdpbusd and vpmulld), the zero point through the activations' sums per 16 (32 * sum sc * bsum),
+// per super-block one float multiply-add with the 8 columns' d * dx.
+#define SD_TILE_SB6 1680
+
+typedef struct {
+  __m256i sc[16];  // VNNI: int32 scale per column lane; AVX2 / AVX-512: the scale as both int16 of the lane
+  __m256i mp[8];   // int16 pairs per column lane: scales of 16-weight groups 2p, 2p + 1
+  __m256 d;
+} TileScales6;
+
+static inline void tile_scales6(const uint8_t* t, TileScales6* s) {
+  s->d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)t));
+  for (int i = 0; i < 16; ++i) {
+    const __m128i c = _mm_loadl_epi64((const __m128i*)(t + 16 + 8 * i));
+#if defined(SD_VARIANT_AVX512VNNI)
+    s->sc[i] = _mm256_cvtepi8_epi32(c);
+#else
+    s->sc[i] = _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(c, c));
+#endif
+  }
+  for (int p = 0; p < 8; ++p) {
+    const __m128i q = _mm_loadu_si128((const __m128i*)(t + 16 + 16 * p));
+    s->mp[p] = _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(q, _mm_unpackhi_epi64(q, q)));
+  }
+}
+
+static inline __m256i q6_high(__m256i hv, int q) {  // bits 2q..2q+1 of every byte -> bits 4-5
+  const __m256i m30 = _mm256_set1_epi8(0x30);
+  switch (q) {
+    case 0: return _mm256_and_si256(_mm256_slli_epi16(hv, 4), m30);
+    case 1: return _mm256_and_si256(_mm256_slli_epi16(hv, 2), m30);
+    case 2: return _mm256_and_si256(hv, m30);
+    default: return _mm256_and_si256(_mm256_srli_epi16(hv, 2), m30);
+  }
+}
+
+SD_INLINE void passt6(const int P, const uint8_t* wt, int64_t nb, int64_t k, const int8_t* xq, const float* xd,
+                      const int16_t* bsums, int64_t r0, float* out, int64_t ldo, int64_t n, int c0, int c1) {
+  __m256 acc[SD_PASST];
+  for (int r = 0; r < P; ++r) acc[r] = _mm256_setzero_ps();
+  const __m256i m4 = _mm256_set1_epi8(0x0F);
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* t = wt + SD_TILE_SB6 * b;
+    TileScales6 s;
+    tile_scales6(t, &s);
+    __m256i sumi[SD_PASST];
+    for (int r = 0; r < P; ++r) sumi[r] = _mm256_setzero_si256();
+    for (int j = 0; j < 8; ++j) {
+      const uint8_t *ql = t + 144 + 192 * j, *qh = ql + 128;
+      const __m256i h0 = _mm256_loadu_si256((const __m256i*)qh), h1 = _mm256_loadu_si256((const __m256i*)(qh + 32));
+      __m256i u[8];
+      for (int h = 0; h < 4; ++h) {
+        const __m256i v = _mm256_loadu_si256((const __m256i*)(ql + 32 * h));
+        u[h] = _mm256_or_si256(_mm256_and_si256(v, m4), q6_high(h0, h));
+        u[h + 4] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), m4), q6_high(h1, h));
+      }
+      for (int r = 0; r < P; ++r) {
+        const int8_t* xr = xq + (r0 + r) * k + 256 * b + 32 * j;
+#if defined(SD_VARIANT_AVX512VNNI)
+        __m256i da = _mm256_dpbusd_epi32(_mm256_setzero_si256(), u[0], _mm256_set1_epi32(load_i32(xr)));
+        __m256i db = _mm256_dpbusd_epi32(_mm256_setzero_si256(), u[4], _mm256_set1_epi32(load_i32(xr + 16)));
+        for (int g = 1; g < 4; ++g) {
+          da = _mm256_dpbusd_epi32(da, u[g], _mm256_set1_epi32(load_i32(xr + 4 * g)));
+          db = _mm256_dpbusd_epi32(db, u[g + 4], _mm256_set1_epi32(load_i32(xr + 4 * g + 16)));
+        }
+        const __m256i scaled = _mm256_add_epi32(_mm256_mullo_epi32(da, s.sc[2 * j]), _mm256_mullo_epi32(db, s.sc[2 * j + 1]));
+#else
+        __m256i p[8];
+        for (int g = 0; g < 8; ++g) p[g] = _mm256_maddubs_epi16(u[g], _mm256_set1_epi32(load_i32(xr + 4 * g)));
+        const __m256i a = _mm256_add_epi32(_mm256_madd_epi16(_mm256_add_epi16(p[0], p[1]), s.sc[2 * j]),
+                                           _mm256_madd_epi16(_mm256_add_epi16(p[2], p[3]), s.sc[2 * j]));
+        const __m256i c = _mm256_add_epi32(_mm256_madd_epi16(_mm256_add_epi16(p[4], p[5]), s.sc[2 * j + 1]),
+                                           _mm256_madd_epi16(_mm256_add_epi16(p[6], p[7]), s.sc[2 * j + 1]));
+        const __m256i scaled = _mm256_add_epi32(a, c);
+#endif
+        sumi[r] = _mm256_add_epi32(sumi[r], scaled);
+      }
+    }
+    for (int r = 0; r < P; ++r) {
+      const int16_t* br = bsums + (r0 + r) * (k / 16) + 16 * b;
+      __m256i summ = _mm256_madd_epi16(s.mp[0], _mm256_set1_epi32(load_i32(br)));
+      for (int p = 1; p < 8; ++p) summ = _mm256_add_epi32(summ, _mm256_madd_epi16(s.mp[p], _mm256_set1_epi32(load_i32(br + 2 * p))));
+      const __m256i total = _mm256_sub_epi32(sumi[r], _mm256_slli_epi32(summ, 5));
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total), _mm256_mul_ps(s.d, _mm256_set1_ps(xd[(r0 + r) * nb + b])), acc[r]);
+    }
+  }
+  for (int r = 0; r < P; ++r) {
+    float* dst = out + (r0 + r) * ldo + n;
+    if (c0 == 0 && c1 == SD_TILE) {
+      _mm256_storeu_ps(dst, acc[r]);
+    } else {
+      float tmp[8];
+      _mm256_storeu_ps(tmp, acc[r]);
+      for (int c = c0; c < c1; ++c) dst[c] = tmp[c];
+    }
+  }
+}
+
 static void gemmk(int fmt, const uint8_t* w, int64_t ldw, int64_t k, const int8_t* xq, const float* xd,
-                  const int16_t* bsums, int64_t rows, float* out, int64_t ldo, int64_t n0, int64_t n1) {
+                  const int16_t* bsums, int64_t rows, float* out, int64_t ldo, int64_t n0, int64_t n1, int64_t n_out) {
   const int64_t nb = k / 256;
-  for (int64_t n = n0; n < n1; ++n) {
+  const int64_t tiled = fmt == SD_Q4_K || (SD_Q6K_TILES && fmt == SD_Q6_K) ? n_out / SD_TILE * SD_TILE : 0;  // tiles
+  int64_t n = n0;
+  if (n < tiled) {
+    // Q4_K: the activations' sums per 32 (exact in int16: at most 32 * 127), per row and super-block
+    int16_t* xs = NULL;
+    if (fmt == SD_Q4_K) {
+      xs = (int16_t*)malloc(sizeof(int16_t) * (size_t)(rows * nb * 8 + 1));
+      if (!xs) abort();
+      for (int64_t i = 0; i < rows * nb * 8; ++i) xs[i] = (int16_t)(bsums[2 * i] + bsums[2 * i + 1]);
+    }
+    for (; n < n1 && n < tiled; n = n / SD_TILE * SD_TILE + SD_TILE) {
+      const int64_t base = n / SD_TILE * SD_TILE;
+      const int c0 = (int)(n - base), c1 = (int)((n1 < base + SD_TILE ? n1 : base + SD_TILE) - base);
+      const uint8_t* wt = w + base * ldw;
+      for (int64_t r0 = 0; r0 < rows; r0 += SD_PASST) {
+        const int64_t p = rows - r0 < SD_PASST ? rows - r0 : SD_PASST;
+        switch (p) {
+#define SD_CASE(P) case P: if (fmt == SD_Q4_K) passt(P, wt, nb, k, xq, xd, xs, r0, out, ldo, base, c0, c1); \
+                           else passt6(P, wt, nb, k, xq, xd, bsums, r0, out, ldo, base, c0, c1); break;
+          SD_CASE(1) SD_CASE(2) SD_CASE(3) SD_CASE(4)
+#if SD_PASST > 4
+          SD_CASE(5) SD_CASE(6) SD_CASE(7) SD_CASE(8)
+#endif
+#undef SD_CASE
+        }
+      }
+    }
+    free(xs);
+  }
+  for (; n < n1; ++n) {
     const uint8_t* wn = w + n * ldw;
     for (int64_t r0 = 0; r0 < rows; r0 += SD_PASSK) {
       const int64_t p = rows - r0 < SD_PASSK ? rows - r0 : SD_PASSK;
@@ -521,10 +801,46 @@ static void gemmk(int fmt, const uint8_t* w, int64_t ldw, int64_t k, const int8_
 
 // ---------------------------------------------------------------------------------------------
 // Dequantization (tests, tools): float32 [n1 - n0, k] of columns n0..n1 (as gguf.dequantize).
-static void dequantize(int fmt, const uint8_t* w, int64_t ldw, int64_t k, float* out, int64_t n0, int64_t n1) {
+static void dequantize(int fmt, const uint8_t* w, int64_t ldw, int64_t k, float* out, int64_t n0, int64_t n1,
+                       int64_t n_out) {
   const int64_t bs = kBlockSize[fmt], bytes = kBlockBytes[fmt];
+  const int64_t tiled = fmt == SD_Q4_K || (SD_Q6K_TILES && fmt == SD_Q6_K) ? n_out / SD_TILE * SD_TILE : 0;
   for (int64_t n = n0; n < n1; ++n) {
     float* o = out + (n - n0) * k;
+    if (n < tiled && fmt == SD_Q6_K) {  // a Q6_K tile (see passt6)
+      const int c = (int)(n % SD_TILE);
+      for (int64_t b = 0; b < k / 256; ++b) {
+        const uint8_t* t = w + (n - c) * ldw + SD_TILE_SB6 * b;
+        const float d = f16(t + 2 * c);
+        for (int i = 0; i < 256; ++i) {
+          const int j = i / 32, g = (i % 32) / 4, e = i % 4;
+          const int lo = t[144 + 192 * j + 32 * (g % 4) + 4 * c + e], hi = t[144 + 192 * j + 128 + 32 * (g / 4) + 4 * c + e];
+          const int u = ((g < 4 ? lo : lo >> 4) & 15) | (((hi >> (2 * (g % 4))) & 3) << 4);
+          const float s = (float)(int8_t)t[16 + 8 * (i / 16) + c];
+          o[256 * b + i] = d * s * (float)(u - 32);
+        }
+      }
+      continue;
+    }
+    if (n < tiled) {  // a Q4_K tile (see passt): column c of the tile at rows n - c .. n - c + 7
+      const int c = (int)(n % SD_TILE);
+      for (int64_t b = 0; b < k / 256; ++b) {
+        const uint8_t* t = w + (n - c) * ldw + SD_TILE_SB * b;
+        const float d = f16(t + 2 * c), dmin = f16(t + 16 + 2 * c);
+        for (int j = 0; j < 8; ++j) {
+          const int is = 8 * j + c, im = 16 * (j / 2) + 2 * c + j % 2;
+          const int hs = (t[96 + (is & 31)] >> (is < 32 ? 4 : 6)) & 3, hm = (t[96 + (im & 31)] >> (im < 32 ? 0 : 2)) & 3;
+          const int sc = (t[32 + is] & 15) | (hs << 4), m = (t[32 + im] >> 4) | (hm << 4);
+          const float s = (float)sc;
+          for (int i = 0; i < 32; ++i) {
+            const int g = i / 4, byte = t[128 + 128 * j + 32 * (g % 4) + 4 * c + i % 4];
+            const int u = g < 4 ? byte & 15 : byte >> 4;
+            o[256 * b + 32 * j + i] = d * s * (float)u - dmin * (float)m;
+          }
+        }
+      }
+      continue;
+    }
     for (int64_t b = 0; b < k / bs; ++b) {
       const uint8_t* blk = w + n * ldw + b * bytes;  // K-quants (32-blocks: repacked, see soa())
       uint8_t u[256];

@@ -3,7 +3,7 @@
 #pragma once
 #include <stdint.h>
 
-#define SD_TABLE_VERSION 2
+#define SD_TABLE_VERSION 3
 
 typedef struct {
   int32_t version;
@@ -15,10 +15,12 @@ typedef struct {
   // (fmt, w, bytes per weight row, k, q, d, s, rows, out, ldo, n0, n1): out[r * ldo + n], n0 <= n < n1
   void (*gemm32)(int, const uint8_t*, int64_t, int64_t, const int8_t*, const float*, const float*, int64_t, float*,
                  int64_t, int64_t, int64_t);
+  // the same for K-quants, n_out: the weight's column count (Q4_K: the first n_out / 8 * 8 columns are
+  // tiles of 8; a range that cuts a tile is correct, and splits of multiples of 8 waste nothing)
   void (*gemmk)(int, const uint8_t*, int64_t, int64_t, const int8_t*, const float*, const int16_t*, int64_t, float*,
-                int64_t, int64_t, int64_t);
-  // (fmt, w, bytes per row, k, out [n1 - n0, k], n0, n1)
-  void (*dequantize)(int, const uint8_t*, int64_t, int64_t, float*, int64_t, int64_t);
+                int64_t, int64_t, int64_t, int64_t);
+  // (fmt, w, bytes per row, k, out [n1 - n0, k], n0, n1, n_out)
+  void (*dequantize)(int, const uint8_t*, int64_t, int64_t, float*, int64_t, int64_t, int64_t);
   // attention of one query row, heads h0..h1: (q [heads, d], heads, kv_heads, d, k / v cache float16
   // [kv_heads, plane, d] of this slot and layer, plane (columns per kv head), visible [kv_len] uint8 or
   // NULL (all), kv_len, scale, scratch [kv_len] float32, out [heads, d], h0, h1)

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from specdecode.kernels import ROW_BLOCK, row_product
+from specdecode.lowbit import TILED as lowbit_tiled
 from specdecode.lowbit import (
     LOWBIT_TYPES,
     QuantLinear,
@@ -407,8 +408,12 @@ class OwnedRunner(SlotRunner):
             self.lm_head = head
         elif isinstance(head, QuantLinear):
             bias = None if head.bias is None else head.bias[:tokens]
-            self.lm_head = QuantLinear(head.packed[:tokens], head.kind, head.in_features, bias, head.weight_precision,
-                                       packed=True)
+            if head.kind in lowbit_tiled:  # tiles of 8 columns: the file's first rows, repacked
+                self.lm_head = QuantLinear(torch.from_numpy(head.gguf_raw()[:tokens]), head.kind, head.in_features,
+                                           bias, head.weight_precision)
+            else:
+                self.lm_head = QuantLinear(head.packed[:tokens], head.kind, head.in_features, bias,
+                                           head.weight_precision, packed=True)
         else:
             self.lm_head = head[:tokens]
         self._vocab_rows = tokens if tokens < self.vocab_size else None
