@@ -256,7 +256,7 @@ def test_cli_layer_skip_with_each_policy_matches_plain(capsys, tiny_model_dir, p
     assert rec["matches_baseline"] is True
     assert sum(rec["draft_length_histogram"].values()) == rec["num_target_forwards"] - 1
     assert rec["mean_draft_length"] >= 0
-    assert "layer-skip self-speculation (skip 1), policy " + policy in err
+    assert "drafter layer-skip:skip_layers=1, gamma 3, policy " + policy in err
 
 
 def test_cli_layer_skip_auto_searches_once_then_uses_the_cache(capsys, tiny_model_dir, tmp_path, monkeypatch):
