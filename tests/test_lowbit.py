@@ -427,3 +427,60 @@ def test_the_fused_layer_loop_runs_q4k_tiles(variant):
     assert (got - want).abs().max() < 0.05 * want.abs().max(), (got - want).abs().max()
     report = check_batch_invariance(model, counts=(2, 5, 9, 17), context=40)
     assert report.exact, report
+
+
+def _attention_fn(name: str):
+    """Variant ``name``'s attention entry, read from its kernel table (csrc/qtable.h) through ctypes."""
+    import ctypes
+
+    fn = ctypes.CFUNCTYPE(None, *([ctypes.c_void_p] + [ctypes.c_int64] * 3 + [ctypes.c_void_p] * 2 + [ctypes.c_int64]
+                                  + [ctypes.c_void_p, ctypes.c_int64, ctypes.c_float] + [ctypes.c_void_p] * 2
+                                  + [ctypes.c_int64] * 2))
+
+    class Table(ctypes.Structure):
+        _fields_ = [("version", ctypes.c_int32), ("name", ctypes.c_char_p)] + [
+            (f, ctypes.c_void_p) for f in ("quantize32", "quantize256", "gemm32", "gemmk", "dequantize")] + [
+            ("attention", fn)]
+
+    return Table.from_address(lowbit.load_variant(name)).attention
+
+
+def _attend(name, q, k, v, visible):
+    """q [heads, d] float32, k / v [kv_heads, plane, d] float16, visible [plane] bool -> [heads, d]."""
+    heads, d = q.shape
+    kvh, plane, _ = k.shape
+    out, scratch = torch.empty(heads, d), torch.empty(plane)
+    vis = visible.to(torch.uint8).contiguous()
+    _attention_fn(name)(q.data_ptr(), heads, kvh, d, k.data_ptr(), v.data_ptr(), plane, vis.data_ptr(), plane,
+                        d ** -0.5, scratch.data_ptr(), out.data_ptr(), 0, heads)
+    return out
+
+
+@pytest.mark.parametrize("d", [64, 128, 48])
+def test_attention_is_exact_per_rank_and_the_same_on_every_variant(d):
+    """The C attention (keys scored eight at a time): within float32 rounding of a float64 softmax; identical
+    bits on every variant; a query whose visible keys sit in scattered columns (a token-tree node) gets the
+    bits of the same keys packed side by side (a chain), for visible counts around multiples of 8."""
+    if not VARIANTS:
+        pytest.skip("no kernel variant on this CPU")
+    g = torch.Generator().manual_seed(d)
+    heads, kvh, plane = 6, 2, 45
+    q = torch.randn(heads, d, generator=g) * 3
+    k = torch.randn(kvh, plane, d, generator=g).half()
+    v = torch.randn(kvh, plane, d, generator=g).half()
+    for count in (1, 7, 8, 9, 16, 23):
+        columns = torch.randperm(plane, generator=g)[:count].sort().values
+        visible = torch.zeros(plane, dtype=torch.bool)
+        visible[columns] = True
+        outs = [_attend(name, q, k, v, visible) for name in VARIANTS]
+        assert all(torch.equal(o, outs[0]) for o in outs)
+        packed = torch.zeros(plane, dtype=torch.bool)
+        packed[:count] = True
+        kp, vp = k.clone(), v.clone()
+        kp[:, :count], vp[:, :count] = k[:, columns], v[:, columns]
+        assert torch.equal(_attend(VARIANTS[0], q, kp, vp, packed), outs[0])
+        group = heads // kvh
+        kk = k[:, columns].double().repeat_interleave(group, 0)
+        vv = v[:, columns].double().repeat_interleave(group, 0)
+        ref = torch.softmax((q.double().unsqueeze(1) * d ** -0.5 * kk).sum(-1), -1).unsqueeze(1).bmm(vv).squeeze(1)
+        torch.testing.assert_close(outs[0].double(), ref, rtol=1e-5, atol=1e-5)

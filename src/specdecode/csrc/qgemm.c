@@ -898,67 +898,133 @@ static inline __m256 exp8(__m256 x) {
 
 static inline __m256 load_h8(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)); }
 
-// one query row's attention over the visible cache columns, in column order, for heads h0..h1
-static void attention(const float* q, int64_t heads, int64_t kv_heads, int64_t d, const uint16_t* kc,
-                      const uint16_t* vc, int64_t plane, const uint8_t* visible, int64_t kv_len, float scale,
-                      float* scratch, float* out, int64_t h0, int64_t h1) {
-  const int64_t group = heads / kv_heads, dv = d / 8;  // d: a multiple of 8 (checked by the caller)
+// Attention's value pass keeps this many vectors of accumulators in registers (AVX2: 16 registers, so
+// d = 128 runs in two passes over the values; AVX-512 variants: 32 registers, one pass)
+#if defined(SD_VARIANT_AVX512) || defined(SD_VARIANT_AVX512VNNI)
+#define SD_ATT_CHUNK 16
+#else
+#define SD_ATT_CHUNK 8
+#endif
+
+// The scores of eight keys from their lane-wise partial products v[0..7] (lane l of v[j]: the sum over
+// i of q[8i + l] * k_j[8i + l]): key j's score is ((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7)) of
+// v[j], a tree that does not depend on which keys share the group (a missing key is a zero vector).
+static inline __m256 scores8(const __m256 v[8]) {
+  const __m256 t0 = _mm256_hadd_ps(v[0], v[1]), t1 = _mm256_hadd_ps(v[2], v[3]);
+  const __m256 t2 = _mm256_hadd_ps(v[4], v[5]), t3 = _mm256_hadd_ps(v[6], v[7]);
+  const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);  // low lanes: (l0+l1)+(l2+l3) of keys
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+// Partial products of the query (qs: scaled, [DV] vectors in memory) with cnt <= 8 keys (kj[0..cnt)),
+// lane-wise, i in order; v[cnt..8) = 0. DV: d / 8, a constant where it is inlined.
+SD_INLINE void partial8(const float* qs, const uint16_t* const kj[8], int cnt, int64_t DV, __m256 v[8]) {
+  for (int j = 0; j < 8; ++j) v[j] = _mm256_setzero_ps();
+  if (cnt == 8) {
+    for (int64_t i = 0; i < DV; ++i) {
+      const __m256 qi = _mm256_loadu_ps(qs + 8 * i);
+      for (int j = 0; j < 8; ++j) v[j] = _mm256_fmadd_ps(qi, load_h8(kj[j] + 8 * i), v[j]);
+    }
+  } else {
+    for (int j = 0; j < cnt; ++j)
+      for (int64_t i = 0; i < DV; ++i) v[j] = _mm256_fmadd_ps(_mm256_loadu_ps(qs + 8 * i), load_h8(kj[j] + 8 * i), v[j]);
+  }
+}
+
+// One query row's attention over the visible cache columns, in column order, for heads h0..h1; DV = d / 8
+// (compiled for d = 64 and 128, the models' head sizes, and any multiple of 8). Every step's order is a
+// function of the visible keys' ranks alone, so a token-tree node (whose ancestors sit in other columns)
+// sums exactly as the same path fed as a chain, and a row's result does not depend on other rows.
+SD_INLINE void attention_d(const float* q, int64_t heads, int64_t kv_heads, const int64_t DV, const uint16_t* kc,
+                           const uint16_t* vc, int64_t plane, const uint8_t* visible, int64_t kv_len, float scale,
+                           float* scratch, float* out, int64_t h0, int64_t h1) {
+  const int64_t group = heads / kv_heads, d = 8 * DV;
+  float qs[8 * 32] __attribute__((aligned(32)));  // the scaled query (d <= 256, checked by the caller)
   for (int64_t h = h0; h < h1; ++h) {
     const float* qh = q + h * d;
     const uint16_t* kh = kc + (h / group) * plane * d;
     const uint16_t* vh = vc + (h / group) * plane * d;
-    __m256 qv[32];
-    for (int64_t i = 0; i < dv; ++i) qv[i] = _mm256_mul_ps(_mm256_loadu_ps(qh + 8 * i), _mm256_set1_ps(scale));
-    // 1. scores of the visible columns, kept in order in scratch[0, nv): a key's place in the sums below is
-    // its rank among the visible keys, so a token-tree node (whose ancestors sit in other columns) sums
-    // exactly as the same path fed as a chain
-    float m = -INFINITY;
+    for (int64_t i = 0; i < DV; ++i) _mm256_store_ps(qs + 8 * i, _mm256_mul_ps(_mm256_loadu_ps(qh + 8 * i), _mm256_set1_ps(scale)));
+    // 1. scores of the visible keys, eight at a time by rank, kept in order in scratch[0, nv)
+    __m256 mv = _mm256_set1_ps(-INFINITY), v[8];
+    const uint16_t* kj[8];
     int64_t nv = 0;
+    int cnt = 0;
     for (int64_t j = 0; j < kv_len; ++j) {
       if (visible && !visible[j]) continue;
-      const uint16_t* kj = kh + j * d;
-      __m256 a0 = _mm256_mul_ps(qv[0], load_h8(kj)), a1 = _mm256_setzero_ps();
-      for (int64_t i = 1; i < dv; ++i) {
-        if (i & 1) a1 = _mm256_fmadd_ps(qv[i], load_h8(kj + 8 * i), a1);
-        else a0 = _mm256_fmadd_ps(qv[i], load_h8(kj + 8 * i), a0);
+      kj[cnt++] = kh + j * d;
+      if (cnt == 8) {
+        partial8(qs, kj, 8, DV, v);
+        const __m256 s = scores8(v);
+        _mm256_storeu_ps(scratch + nv, s);
+        mv = _mm256_max_ps(mv, s);
+        nv += 8;
+        cnt = 0;
       }
-      const float sc = hsum(_mm256_add_ps(a0, a1));
-      scratch[nv++] = sc;
-      m = sc > m ? sc : m;
     }
+    if (cnt) {
+      partial8(qs, kj, cnt, DV, v);
+      float t[8];
+      _mm256_storeu_ps(t, scores8(v));
+      for (int i = 0; i < cnt; ++i) {
+        scratch[nv + i] = t[i];
+        mv = _mm256_max_ps(mv, _mm256_set1_ps(t[i]));
+      }
+      nv += cnt;
+    }
+    float mx[8];
+    _mm256_storeu_ps(mx, mv);
+    float m = mx[0];
+    for (int i = 1; i < 8; ++i) m = mx[i] > m ? mx[i] : m;  // a maximum: exact in any order
     // 2. probabilities (unnormalised) and their sum, lane by rank
     __m256 sum = _mm256_setzero_ps();
-    const __m256 mv = _mm256_set1_ps(m);
+    const __m256 mb = _mm256_set1_ps(m);
     int64_t i8 = 0;
     for (; i8 + 8 <= nv; i8 += 8) {
-      const __m256 p = exp8(_mm256_sub_ps(_mm256_loadu_ps(scratch + i8), mv));
+      const __m256 p = exp8(_mm256_sub_ps(_mm256_loadu_ps(scratch + i8), mb));
       _mm256_storeu_ps(scratch + i8, p);
       sum = _mm256_add_ps(sum, p);
     }
     if (i8 < nv) {
       float t[8];
-      const int cnt = (int)(nv - i8);
-      for (int i = 0; i < 8; ++i) t[i] = i < cnt ? scratch[i8 + i] : m;
-      __m256 p = exp8(_mm256_sub_ps(_mm256_loadu_ps(t), mv));
-      p = _mm256_and_ps(p, _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(cnt),
+      const int rest = (int)(nv - i8);
+      for (int i = 0; i < 8; ++i) t[i] = i < rest ? scratch[i8 + i] : m;
+      __m256 p = exp8(_mm256_sub_ps(_mm256_loadu_ps(t), mb));
+      p = _mm256_and_ps(p, _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(rest),
                                                                  _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7))));
       _mm256_storeu_ps(t, p);
-      for (int i = 0; i < cnt; ++i) scratch[i8 + i] = t[i];
+      for (int i = 0; i < rest; ++i) scratch[i8 + i] = t[i];
       sum = _mm256_add_ps(sum, p);
     }
     const float inv = 1.0f / hsum(sum);
-    // 3. the values, visible columns in order
-    __m256 acc[32];
-    for (int64_t i = 0; i < dv; ++i) acc[i] = _mm256_setzero_ps();
-    int64_t rank = 0;
-    for (int64_t j = 0; j < kv_len; ++j) {
-      if (visible && !visible[j]) continue;
-      const __m256 pj = _mm256_set1_ps(scratch[rank++]);
-      const uint16_t* vj = vh + j * d;
-      for (int64_t i = 0; i < dv; ++i) acc[i] = _mm256_fmadd_ps(pj, load_h8(vj + 8 * i), acc[i]);
+    // 3. the values, visible keys in order, SD_ATT_CHUNK vectors of the output at a time so that their
+    // accumulators stay in registers (each output lane is its own sum: the chunking changes no result)
+    for (int64_t c0 = 0; c0 < DV; c0 += SD_ATT_CHUNK) {  // output lanes c0..c0+chunk: independent sums
+      const int64_t c1 = c0 + SD_ATT_CHUNK < DV ? c0 + SD_ATT_CHUNK : DV;
+      __m256 acc[32];
+      for (int64_t i = c0; i < c1; ++i) acc[i - c0] = _mm256_setzero_ps();
+      int64_t rank = 0;
+      for (int64_t j = 0; j < kv_len; ++j) {
+        if (visible && !visible[j]) continue;
+        const __m256 pj = _mm256_set1_ps(scratch[rank++]);
+        const uint16_t* vj = vh + j * d;
+        for (int64_t i = c0; i < c1; ++i) acc[i - c0] = _mm256_fmadd_ps(pj, load_h8(vj + 8 * i), acc[i - c0]);
+      }
+      for (int64_t i = c0; i < c1; ++i)
+        _mm256_storeu_ps(out + h * d + 8 * i, _mm256_mul_ps(acc[i - c0], _mm256_set1_ps(inv)));
     }
-    for (int64_t i = 0; i < dv; ++i) _mm256_storeu_ps(out + h * d + 8 * i, _mm256_mul_ps(acc[i], _mm256_set1_ps(inv)));
   }
+}
+
+static void attention(const float* q, int64_t heads, int64_t kv_heads, int64_t d, const uint16_t* kc,
+                      const uint16_t* vc, int64_t plane, const uint8_t* visible, int64_t kv_len, float scale,
+                      float* scratch, float* out, int64_t h0, int64_t h1) {
+  if (d == 64)
+    attention_d(q, heads, kv_heads, 8, kc, vc, plane, visible, kv_len, scale, scratch, out, h0, h1);
+  else if (d == 128)
+    attention_d(q, heads, kv_heads, 16, kc, vc, plane, visible, kv_len, scale, scratch, out, h0, h1);
+  else
+    attention_d(q, heads, kv_heads, d / 8, kc, vc, plane, visible, kv_len, scale, scratch, out, h0, h1);
 }
 
 static void rmsnorm(const float* x, const float* w, int64_t n, float eps, float* out) {
