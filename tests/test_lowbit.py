@@ -268,6 +268,26 @@ def test_a_draft_with_a_reduced_vocabulary_stays_lossless():
         runner.runner.limit_vocabulary(65)
 
 
+@pytest.mark.parametrize("precision", ["int8", "int4"])
+def test_a_reduced_draft_vocabulary_scores_each_rows_own_context_tokens(precision):
+    """Past the limit, a row scores the ids its own context holds (from their dequantized output rows: the
+    full head's scores up to the 8-bit activations) and the end-of-sequence id; not the ids of the row
+    beside it."""
+    from specdecode.kv import make_runner
+
+    draft = set_weight_precision(tiny_llama(seed=0, dtype=torch.float32, scale=3.0, hidden=256), precision)
+    draft.config.eos_token_id = 63
+    full, limited = (make_runner(draft, "owned", num_slots=2) for _ in range(2))
+    limited.limit_vocabulary(40)
+    feeds = [[1, 2, 50, 3], [1, 2, 3, 4]]
+    want = full.forward(slice(0, 2), feeds, last_only=True)[:, -1]
+    got = limited.forward(slice(0, 2), feeds, last_only=True)[:, -1]
+    assert torch.equal(got[:, :40], want[:, :40])
+    torch.testing.assert_close(got[0, [50, 63]], want[0, [50, 63]], rtol=0.02, atol=0.05)
+    torch.testing.assert_close(got[1, 63], want[1, 63], rtol=0.02, atol=0.05)
+    assert torch.isinf(got[1, 50]) and torch.isinf(got[:, 40:50]).all() and torch.isinf(got[:, 51:63]).all()
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_every_variant_and_thread_count_gives_the_same_bits(kind):
     """Integer dot products inside a block and one float order per (row, output) across blocks: the AVX2,

@@ -29,10 +29,11 @@ class DraftModelConfig:
 
     Attributes:
         forward: the draft's forward backend ("auto", "hf", "owned"; see :func:`specdecode.kv.make_runner`).
-        vocab: score only the draft's first ``vocab`` token ids (its output layer's first rows; the others
-            get probability 0), None = all. Cuts the draft's step where its output layer is large (the
-            Qwen2.5 0.5B: 151,936 rows); lossless, since the target verifies every draft token. Owned
-            forward only.
+        vocab: score only the draft's first ``vocab`` token ids (its output layer's first rows) plus, per
+            row, the ids its own context holds past them and the end-of-sequence ids (the others get
+            probability 0), None = all. Cuts the draft's step where its output layer is large (the Qwen2.5
+            0.5B: 151,936 rows); lossless, since the target verifies every draft token. Owned forward only
+            (:meth:`specdecode.kv.owned.OwnedRunner.limit_vocabulary`).
     """
 
     forward: str = "auto"
