@@ -136,6 +136,7 @@ def test_reference_fallback_gives_the_same_products(monkeypatch):
 
 
 def test_a_prompt_sized_call_may_run_a_float_product():
+    torch.manual_seed(0)  # bfloat16 products where the CPU has them: a fixed draw keeps the tolerance honest
     module = lowbit.QuantLinear.from_float(torch.randn(48, 64) * 0.1, None, "Q8_0")
     big = torch.randn(lowbit.PREFILL_ROWS + 3, 64)
     torch.testing.assert_close(module(big, exact=False), module(big), rtol=0.02, atol=0.02)
