@@ -311,3 +311,22 @@ def test_the_c_plus_plus_layer_loop_equals_the_python_loop_bit_for_bit(monkeypat
             assert (a - b).abs().max() < 0.02 * b.abs().max() and torch.equal(a.argmax(-1), b.argmax(-1))
         else:
             assert torch.equal(a, b)
+
+
+def test_a_long_prompt_fed_in_pieces_gives_the_bits_of_one_piece():
+    """``prefill_chunk``: a low-bit prompt longer than the chunk runs the exact kernel piece by piece, row by
+    row: the same last logits and the same cache (the next step's logits) as fed whole, in a batch of
+    ragged rows too."""
+    from specdecode.lowbit import set_weight_precision
+
+    model = set_weight_precision(tiny_llama(seed=0, dtype=torch.float32, hidden=256), "int4")
+    whole, pieces = (make_runner(model, "owned", num_slots=2) for _ in range(2))
+    for runner in (whole, pieces):
+        runner.prefill_rows = 10_000  # the kernel for every prompt (as real models, up to 512 tokens)
+    pieces.prefill_chunk = 7
+    feeds = [[(5 * i + 3) % 60 for i in range(30)], [(7 * i + 1) % 60 for i in range(12)]]
+    want = whole.forward(slice(0, 2), feeds, last_only=True)
+    got = pieces.forward(slice(0, 2), feeds, last_only=True)
+    assert torch.equal(got, want) and [len(pieces.ids[s]) for s in (0, 1)] == [30, 12]
+    step = [[4], [9]]
+    assert torch.equal(pieces.forward(slice(0, 2), step), whole.forward(slice(0, 2), step))

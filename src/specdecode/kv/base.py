@@ -181,6 +181,9 @@ class SlotRunner:
 
     #: Cache columns past the context: a token tree's pending nodes, then the padding of short rows.
     SCRATCH_COLUMNS = 257
+    #: A ``last_only`` feed longer than this (a long prompt) is fed in pieces of this many tokens, each
+    #: row alone (None: whole). The owned low-bit forward sets it: its exact kernel beats a float product.
+    prefill_chunk: int | None = None
 
     def __init__(self, model: torch.nn.Module, num_slots: int = 1, max_context: int | None = None) -> None:
         if not isinstance(num_slots, int) or num_slots < 1:
@@ -251,6 +254,16 @@ class SlotRunner:
             ValueError: a row has a pending token tree.
         """
         slots = self._slots(rows, feeds)
+        chunk = self.prefill_chunk
+        if last_only and chunk and any(len(f) > chunk for f in feeds):  # a long prompt: in pieces, row by row
+            rest = []
+            for s, feed in zip(slots, feeds):
+                feed = list(feed)
+                while len(feed) > chunk:
+                    self.forward(slice(s, s + 1), [feed[:chunk]], last_only=True)
+                    feed = feed[chunk:]
+                rest.append(feed)
+            return self.forward(rows, rest, last_only=True)
         starts, regions = [], []
         for s, feed in zip(slots, feeds):
             if self._tree_start[s] is not None:

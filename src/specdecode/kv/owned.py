@@ -27,6 +27,7 @@ from specdecode.kernels import ROW_BLOCK, row_product
 from specdecode.lowbit import TILED as lowbit_tiled
 from specdecode.lowbit import (
     LOWBIT_TYPES,
+    PREFILL_ROWS,
     QuantLinear,
     concat as concat_lowbit,
     load_kernel,
@@ -228,9 +229,10 @@ class OwnedRunner(SlotRunner):
       (``csrc/step.cpp`` ``run_fused``): the products quantize each activation row on its own and
       accumulate it in one fixed order, and RMSNorm, RoPE, attention over a float16 key / value
       cache (visible columns in column order) and SiLU are computed row by row: invariant by
-      construction, no float64 needed. A prompt longer than ``lowbit.prefill_rows(model)`` tokens is
-      prefilled with fast float products (each row of a batch alone, so a row's prefill never
-      depends on the rows beside it).
+      construction, no float64 needed. A prompt runs the same kernel in pieces of
+      ``lowbit.prefill_rows(model)`` tokens (512; :attr:`prefill_chunk`); tiny models (tests) prefill
+      prompts over 32 tokens with fast float products instead (each row of a batch alone, so a row's
+      prefill never depends on the rows beside it).
     - Float weights run :func:`specdecode.kernels.row_product` as zero-padded blocks of exactly
       ``ROW_BLOCK`` rows (one shape, one kernel, one summation order; checked per machine by
       ``precision.check_batch_invariance``; a one-token step then costs a 16-row product), with
@@ -291,6 +293,8 @@ class OwnedRunner(SlotRunner):
         self._native = None  # the layer loop in C++ (built on first use; False: unavailable)
         #: prompt tokens above which a low-bit prefill takes the dequantized float products
         self.prefill_rows = prefill_rows(model) if lowbit else 32
+        # longer prompts in pieces through the kernel (a model whose prefill_rows are large: the kernel wins)
+        self.prefill_chunk = self.prefill_rows if lowbit and self.prefill_rows > PREFILL_ROWS else None
         for m in model.modules():
             if isinstance(m, QuantLinear):
                 m.prefill_rows = self.prefill_rows
