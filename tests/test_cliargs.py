@@ -189,7 +189,7 @@ def test_tree_nodes_default_to_one_verification_block_everywhere():
     from specdecode.proposers.tree_draft import TreeDraftConfig
     from specdecode.server.launch import build_state
     from specdecode.tune import TuneConfig
-    from specdecode.validate import DrafterOptions
+    from specdecode.spec import FLAG_DEFAULTS
 
     assert options.DEFAULT_TREE_NODES == 15 == EagleDraftConfig().num_nodes == TreeDraftConfig().num_nodes
     parser = build_parser()
@@ -197,7 +197,7 @@ def test_tree_nodes_default_to_one_verification_block_everywhere():
     assert parser.parse_args(["serve"]).tree_nodes == 15 == ServeOptions().tree_nodes
     assert parser.parse_args(["audit", "--local"]).tree_nodes == 15
     assert parser.parse_args(["tune", "--dataset", "x"]).tree_nodes == 15
-    assert TuneConfig(target="x", datasets=("x",)).tree_nodes == 15 == DrafterOptions().tree_nodes
+    assert TuneConfig(target="x", datasets=("x",)).tree_nodes == 15 == FLAG_DEFAULTS["tree_nodes"]
     assert inspect.signature(SpecDecoder.from_pretrained).parameters["tree_nodes"].default == 15
     assert inspect.signature(build_state).parameters["tree_nodes"].default == 15
     assert AuditSetup.__dataclass_fields__["tree_nodes"].default == 15

@@ -38,12 +38,6 @@ from specdecode.options import DEFAULT_TREE_NODES
 from specdecode.policy import build_policy
 from specdecode.precision import PrecisionChoice, load_target
 from specdecode.preflight import check_models
-from specdecode.proposers.factory import (  # noqa: F401 - the drafter choices, re-exported
-    LAYER_SKIP_DRAFT,
-    NGRAM_DRAFT,
-    NO_DRAFT,
-    SUFFIX_DRAFT,
-)
 from specdecode.spec import DrafterSpec
 from specdecode.types import EmptyPromptError, SamplingParams, SpecDecodeError
 from specdecode.validate import check_stops
@@ -122,7 +116,7 @@ class SpecDecoder:
     def from_pretrained(
         cls,
         target: str,
-        draft: str | DrafterSpec | None = NGRAM_DRAFT,
+        draft: str | DrafterSpec | None = "ngram",
         *,
         num_speculative_tokens: int = 5,
         ngram_min: int = 1,
