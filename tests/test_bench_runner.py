@@ -72,7 +72,7 @@ def test_generic_builder_fills_config_fields_with_their_types():
     with pytest.raises(SpecDecodeError, match="max_ngram must be .*integer"):  # read when the spec is read
         build_proposer(parse("ngram:max_ngram=many"))
     with pytest.raises(SpecDecodeError, match="must be int"):  # a field the spec reader does not know
-        build_proposer(parse("ngram:min_ngram=2,depth=x").__class__("tree-draft", options=(("top_k", "x"),)))
+        build_proposer(DrafterSpec("tree-draft", options=(("top_k", "x"),)))
     with pytest.raises(SpecDecodeError, match="names a draft model, but none was loaded"):
         build_proposer(parse("draft-model:k=2"))
 

@@ -56,6 +56,19 @@ DEFAULTS: dict[str, dict[str, str]] = {
     "eagle": {"tree": "none", "num_nodes": str(DEFAULT_TREE_NODES)},
     "tree-draft": {"kind": "dynamic", "num_nodes": str(DEFAULT_TREE_NODES)},
 }
+#: The options (config fields) of each built-in kind: torch-free copies of the proposers' config dataclasses
+#: (tests/test_spec.py keeps them equal). Any other key is refused when a spec is read.
+OPTIONS: dict[str, tuple[str, ...]] = {
+    "none": (),
+    "ngram": ("min_ngram", "max_ngram"),
+    "suffix": ("max_depth", "max_match", "max_spec_nodes", "spec_factor", "min_token_prob", "min_score",
+               "max_request_tokens", "use_global", "global_max_nodes"),
+    "layer-skip": ("skip_layers", "min_confidence", "search_budget_s", "cache_dir"),
+    "eagle": ("tree", "num_nodes", "top_k", "max_depth", "min_confidence", "head", "cache_dir"),
+    "draft-model": ("forward", "vocab"),
+    "tree-draft": ("kind", "num_nodes", "branching", "top_k", "max_depth", "sampled_candidates", "forward"),
+    "cross-vocab": ("forward",),
+}
 #: Integer fields checked (and written without leading zeros) when a spec is read.
 _INT_FIELDS = {"min_ngram", "max_ngram", "max_spec_nodes", "num_nodes", "top_k", "max_depth"}
 #: Node-budget fields: integers in 1..MAX_TREE_NODES.
@@ -254,16 +267,21 @@ class DrafterSpec:
         return self.family
 
     def check(self) -> DrafterSpec:
-        """Checks that read the disk: an eagle head path names a checkpoint. Returns self.
+        """The checks a front end runs before it loads any model: a kind of :data:`MODEL_KINDS` names its draft
+        model (``model=``), and an eagle head path names a checkpoint (this reads the disk). Returns self.
 
         Raises:
-            SpecDecodeError: ``eagle:DIR`` where DIR lacks ``config.json`` / ``model.safetensors``.
+            SpecDecodeError: a model kind without ``model=``; ``eagle:DIR`` where DIR lacks ``config.json`` /
+                ``model.safetensors``.
         """
+        if self.kind in MODEL_KINDS and not self.model:
+            raise _refuse("draft", f"{self.kind} drafts with a second model, but {str(self)!r} names none: add "
+                                   f"model=MODEL (e.g. '{self.kind}:model=qwen2.5-coder-0.5b')")
         head = self.head_path
         if head is not None:
             path = Path(head).expanduser()
             if not (path / "config.json").is_file() or not (path / "model.safetensors").is_file():
-                raise _refuse("draft", f"--draft eagle:{head}: {path} is not a draft-head checkpoint (it needs "
+                raise _refuse("draft", f"eagle:{head}: {path} is not a draft-head checkpoint (it needs "
                                        f"config.json and model.safetensors); make one with specdecode train-drafter "
                                        f"--target MODEL, or use --draft eagle for the head of the package / the cache")
         if self.fallback is not None:
@@ -312,6 +330,7 @@ def _normal(kind: str, options: Mapping[str, object], text: str) -> tuple[tuple[
     """Options checked, written one way, defaults left out, sorted by key."""
     out = {}
     for key, raw in options.items():
+        _check_known(kind, key, text)
         value = str(raw).strip()
         if key in _NODE_FIELDS:
             value = str(_check_nodes(key, value))
@@ -334,6 +353,14 @@ def _normal(kind: str, options: Mapping[str, object], text: str) -> tuple[tuple[
         if not 1 <= low <= high:
             raise _refuse("ngram", f"ngram sizes need 1 <= min_ngram <= max_ngram, got {low}, {high} in {text!r}")
     return tuple(sorted(out.items()))
+
+
+def _check_known(kind: str, key: str, text: str) -> None:
+    """Refuse a key that is no option of a built-in ``kind`` (kinds registered elsewhere: at build time)."""
+    if kind in OPTIONS and key not in OPTIONS[kind]:
+        extra = ("model", "fallback") if kind == "suffix" else ("model",) if kind in MODEL_KINDS else ()
+        valid = ", ".join(("k", *extra, *sorted(OPTIONS[kind])))
+        raise _refuse("draft", f"{kind} has no option {key!r} (in {text!r}); its options: {valid}")
 
 
 def _fallback(inner: DrafterSpec, text: str) -> DrafterSpec | None:
@@ -383,5 +410,5 @@ def _with_flags(base: DrafterSpec, s: Mapping, tree: str, text: str, written: se
     return replace(base, options=_normal(base.kind, {**flags, **own}, text))
 
 
-__all__ = ["BUILTIN_KINDS", "DEFAULTS", "FLAG_DEFAULTS", "GAMMA_KEYS", "MODEL_KINDS", "NONE", "DrafterSpec",
+__all__ = ["BUILTIN_KINDS", "DEFAULTS", "FLAG_DEFAULTS", "GAMMA_KEYS", "MODEL_KINDS", "NONE", "OPTIONS", "DrafterSpec",
            "parse_specs"]
