@@ -64,6 +64,18 @@ def test_methods_default_to_the_registry_and_expand_over_gammas():
         expand_methods(dataclasses.replace(cfg, methods=("no-such-method",)))
 
 
+@pytest.mark.parametrize("method, needle", [
+    ("ngram:k=0", r"num_speculative_tokens must be an integer in \[1, 64\]"),
+    ("ngram:k=3,foo=1", "ngram has no option 'foo'"),
+    ("draft-model:k=3", "names none: add model=MODEL .*or give --draft MODEL"),
+    ("no-such-method", "unknown method"),
+])
+def test_a_bad_method_is_refused_naming_methods(method, needle):
+    with pytest.raises(SpecDecodeError, match=needle) as err:
+        expand_methods(BenchConfig(methods=(method,), datasets=("smoke",)))
+    assert str(err.value).startswith("--methods: ") and "\n" not in str(err.value)
+
+
 def test_generic_builder_fills_config_fields_with_their_types():
     prop = build_proposer(parse("ngram:k=5,max_ngram=4,min_ngram=2"))
     assert isinstance(prop, NgramProposer) and (prop.config.min_ngram, prop.config.max_ngram) == (2, 4)

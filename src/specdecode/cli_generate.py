@@ -149,7 +149,7 @@ _FLAG_OF = {
     "repetition_penalty": "--repetition-penalty", "presence_penalty": "--presence-penalty",
     "frequency_penalty": "--frequency-penalty", "logit_bias": "--logit-bias", "min_tokens": "--min-tokens",
     "stop_token_ids": "--stop-token-id", "coupled": "--sampling-mode", "json_schema": "--json-schema",
-    "regex": "--regex",
+    "regex": "--regex", "draft": "--draft",
     # specdecode audit
     "num_samples": "-N/--num-samples", "num_tokens": "--tokens", "alpha": "--alpha", "power": "--power",
     "min_cell_mass": "--min-cell-mass", "null_simulations": "--null-simulations", "tie_margin": "--tie-margin",
