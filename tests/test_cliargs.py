@@ -201,3 +201,27 @@ def test_tree_nodes_default_to_one_verification_block_everywhere():
     assert inspect.signature(SpecDecoder.from_pretrained).parameters["tree_nodes"].default == 15
     assert inspect.signature(build_state).parameters["tree_nodes"].default == 15
     assert AuditSetup.__dataclass_fields__["tree_nodes"].default == 15
+
+
+def test_the_drafter_defaults_have_one_source():
+    """γ 5 and n-gram sizes 1..3: options.DEFAULT_* everywhere (flags, spec, engine, server, audit, library)."""
+    import inspect
+
+    from specdecode.audit.config import AuditSetup
+    from specdecode.cli import build_parser
+    from specdecode.config import EngineConfig
+    from specdecode.generator import SpecDecoder
+    from specdecode.proposers.ngram import NgramConfig
+    from specdecode.server.launch import build_state
+    from specdecode.spec import FLAG_DEFAULTS
+
+    gamma, low, high = options.DEFAULT_GAMMA, options.DEFAULT_NGRAM_MIN, options.DEFAULT_NGRAM_MAX
+    assert FLAG_DEFAULTS["num_speculative_tokens"] == gamma and (FLAG_DEFAULTS["ngram_min"], FLAG_DEFAULTS["ngram_max"]) == (low, high)
+    for command in (["generate"], ["serve"], ["audit", "--local"]):
+        args = build_parser().parse_args(command)
+        assert {k: getattr(args, k) for k in FLAG_DEFAULTS} == FLAG_DEFAULTS, command
+    assert (ServeOptions().num_speculative_tokens, ServeOptions().ngram_min, ServeOptions().ngram_max) == (gamma, low, high)
+    assert EngineConfig().num_speculative_tokens == gamma and NgramConfig() == NgramConfig(low, high)
+    assert AuditSetup.__dataclass_fields__["num_speculative_tokens"].default == gamma
+    for fn in (SpecDecoder.from_pretrained, build_state):
+        assert inspect.signature(fn).parameters["num_speculative_tokens"].default == gamma

@@ -31,7 +31,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from specdecode.errors import SpecDecodeError
-from specdecode.options import DEFAULT_TREE_NODES, TREE_KINDS
+from specdecode.options import DEFAULT_GAMMA, DEFAULT_NGRAM_MAX, DEFAULT_NGRAM_MIN, DEFAULT_TREE_NODES, TREE_KINDS
 from specdecode.validate import (
     MAX_SPECULATIVE_TOKENS,
     MAX_TREE_NODES,
@@ -51,7 +51,7 @@ GAMMA_KEYS = ("k", "gamma", "num_speculative_tokens")
 #: The defaults of the config fields a flag sets, per kind (torch-free copies of the proposers' config
 #: dataclasses; tests/test_spec.py keeps them equal). A value equal to its default is left out of a spec.
 DEFAULTS: dict[str, dict[str, str]] = {
-    "ngram": {"min_ngram": "1", "max_ngram": "3"},
+    "ngram": {"min_ngram": str(DEFAULT_NGRAM_MIN), "max_ngram": str(DEFAULT_NGRAM_MAX)},
     "suffix": {"max_spec_nodes": "16"},
     "eagle": {"tree": "none", "num_nodes": str(DEFAULT_TREE_NODES)},
     "tree-draft": {"kind": "dynamic", "num_nodes": str(DEFAULT_TREE_NODES)},
@@ -73,8 +73,9 @@ OPTIONS: dict[str, tuple[str, ...]] = {
 _INT_FIELDS = {"min_ngram", "max_ngram", "max_spec_nodes", "num_nodes", "top_k", "max_depth"}
 #: Node-budget fields: integers in 1..MAX_TREE_NODES.
 _NODE_FIELDS = {"max_spec_nodes", "num_nodes"}
-#: The flag defaults of ``specdecode generate`` / ``serve`` (cliargs.add_drafter_arguments).
-FLAG_DEFAULTS = {"draft": "ngram", "num_speculative_tokens": 5, "ngram_min": 1, "ngram_max": 3,
+#: The flag defaults of ``specdecode generate`` / ``serve`` (cliargs.add_drafter_arguments reads them from here).
+FLAG_DEFAULTS = {"draft": "ngram", "num_speculative_tokens": DEFAULT_GAMMA, "ngram_min": DEFAULT_NGRAM_MIN,
+                 "ngram_max": DEFAULT_NGRAM_MAX,
                  "skip_layers": None, "tree": "none", "tree_nodes": DEFAULT_TREE_NODES}
 
 
@@ -204,8 +205,8 @@ class DrafterSpec:
             out["num_speculative_tokens"] = self.num_speculative_tokens
         opts = dict(self.options)
         if self.kind == "ngram" and set(opts) <= {"min_ngram", "max_ngram"}:
-            return {"draft": "ngram", **out, "ngram_min": int(opts.get("min_ngram", 1)),
-                    "ngram_max": int(opts.get("max_ngram", 3))}
+            return {"draft": "ngram", **out, "ngram_min": int(opts.get("min_ngram", DEFAULT_NGRAM_MIN)),
+                    "ngram_max": int(opts.get("max_ngram", DEFAULT_NGRAM_MAX))}
         if self.kind == "layer-skip" and set(opts) <= {"skip_layers"}:
             skip = opts.get("skip_layers")
             return {"draft": "layer-skip", **out, **({"skip_layers": skip.replace("/", ",")} if skip else {})}
@@ -349,7 +350,7 @@ def _normal(kind: str, options: Mapping[str, object], text: str) -> tuple[tuple[
         if value and value != DEFAULTS.get(kind, {}).get(key):
             out[key] = value
     if kind == "ngram":
-        low, high = int(out.get("min_ngram", 1)), int(out.get("max_ngram", 3))
+        low, high = int(out.get("min_ngram", DEFAULT_NGRAM_MIN)), int(out.get("max_ngram", DEFAULT_NGRAM_MAX))
         if not 1 <= low <= high:
             raise _refuse("ngram", f"ngram sizes need 1 <= min_ngram <= max_ngram, got {low}, {high} in {text!r}")
     return tuple(sorted(out.items()))
