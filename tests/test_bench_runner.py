@@ -205,3 +205,11 @@ def test_variants_of_the_smoke_models_agree_greedily(tmp_path):
     assert blocky[1].run.engine.config.verification == "block"
     described = models.describe()
     assert described["target"]["layers"] == 2 and SMOKE_DRAFT in described["drafts"]
+
+
+def test_methods_is_a_semicolon_separated_list_of_specs():
+    from specdecode.bench import config_from_args
+    from specdecode.cli import build_parser
+
+    args = build_parser().parse_args(["bench", "--methods", "draft-model:k=3; ngram:k=4,max_ngram=4;"])
+    assert config_from_args(args).methods == ("draft-model:k=3", "ngram:k=4,max_ngram=4")

@@ -36,11 +36,11 @@ def test_generate_and_serve_take_the_same_drafter_flags():
 def test_light_copies_equal_the_library_names():
     """options.py holds, without torch, the names the parsers offer; the library's copies agree."""
     from specdecode import kernels, kv
-    from specdecode.server import app
+    from specdecode.server.state import ServerConfig
 
     assert kernels.WEIGHT_PRECISIONS is options.WEIGHT_PRECISIONS
     assert options.FORWARD_BACKENDS == kv.FORWARD_BACKENDS
-    assert options.DEFAULT_MAX_REQUEST_BYTES == app.DEFAULT_MAX_REQUEST_BYTES
+    assert options.DEFAULT_MAX_REQUEST_BYTES == ServerConfig.__dataclass_fields__["max_request_bytes"].default
     assert options.WEIGHT_CHOICES == ("auto", *options.WEIGHT_PRECISIONS)
 
 

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from specdecode.errors import SpecDecodeError
-from specdecode.spec import BUILTIN_KINDS, DEFAULTS, OPTIONS, DrafterSpec, parse_specs
+from specdecode.spec import BUILTIN_KINDS, DEFAULTS, OPTIONS, DrafterSpec
 
 MODEL = "some/draft-model"
 
@@ -62,7 +62,6 @@ def test_canonical_form_sorts_and_drops_defaults():
     assert DrafterSpec.parse("eagle:/x/y").head_path == "/x/y"
     assert DrafterSpec.parse("suffix:ngram").fallback == DrafterSpec("ngram")
     assert DrafterSpec.parse("tree-draft:model=m").tree == "dynamic" and DrafterSpec.parse("m").tree == "none"
-    assert [str(s) for s in parse_specs("draft-model:k=3; ngram:k=4;")] == ["draft-model:k=3", "ngram:k=4"]
     assert DrafterSpec.parse("echo-test:k=2,width=3", bare_model=False).kind == "echo-test"
     assert DrafterSpec.parse("echo-test").model_spec == "echo-test"  # --draft: a bare word is a model
 

@@ -290,15 +290,6 @@ class DrafterSpec:
         return self
 
 
-def parse_specs(text: str | None, *, bare_model: bool = False) -> list[DrafterSpec]:
-    """A ``;``-separated list of compact specs (``specdecode bench --methods``).
-
-    Raises:
-        SpecDecodeError: as :meth:`DrafterSpec.parse`, for the first bad one.
-    """
-    return [DrafterSpec.parse(part, bare_model=bare_model) for part in (text or "").split(";") if part.strip()]
-
-
 # ---------------------------------------------------------------------- helpers
 
 
@@ -411,5 +402,4 @@ def _with_flags(base: DrafterSpec, s: Mapping, tree: str, text: str, written: se
     return replace(base, options=_normal(base.kind, {**flags, **own}, text))
 
 
-__all__ = ["BUILTIN_KINDS", "DEFAULTS", "FLAG_DEFAULTS", "GAMMA_KEYS", "MODEL_KINDS", "NONE", "OPTIONS", "DrafterSpec",
-           "parse_specs"]
+__all__ = ["BUILTIN_KINDS", "DEFAULTS", "FLAG_DEFAULTS", "GAMMA_KEYS", "MODEL_KINDS", "NONE", "OPTIONS", "DrafterSpec"]

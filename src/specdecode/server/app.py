@@ -48,8 +48,7 @@ from specdecode.server.responses import (
     _response_base,
 )
 from specdecode.server.schemas import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
-from specdecode.server.state import ServerConfig, ServingState  # noqa: F401 - ServerConfig re-exported
-from specdecode.options import DEFAULT_MAX_REQUEST_BYTES  # noqa: F401 - largest body by default (bytes), re-exported
+from specdecode.server.state import ServingState
 
 
 async def _parse(request: Request, model_cls, state: ServingState):
