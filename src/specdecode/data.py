@@ -190,6 +190,35 @@ def dataset_categories(name: str, *, shared_dir: Path | None = None) -> list[str
     return list(dict.fromkeys(p.category for p in prompts))
 
 
+def read_prompt_text(path: str | os.PathLike, flag: str, *, stdin: bool = False) -> str:
+    """The UTF-8 text of a prompt file a flag names (``generate --prompt-file``, ``tune --prompts``), not empty.
+
+    Args:
+        path: the file; with ``stdin``, ``-`` reads standard input. flag: the flag, for the messages.
+
+    Raises:
+        SpecDecodeError: one line naming the flag: no such file, a folder, unreadable or not UTF-8, no text.
+    """
+    if stdin and str(path) == "-":
+        text = sys.stdin.read()
+        where = "standard input was empty; pipe the prompt in"
+    else:
+        file = Path(path).expanduser()
+        if file.is_dir():
+            raise SpecDecodeError(f"{flag} {str(path)!r} is a directory; give a text file"
+                                  + (" (or - for stdin)" if stdin else ""))
+        if not file.is_file():
+            raise SpecDecodeError(f"{flag}: prompt file not found (no such file): {str(path)!r}")
+        try:
+            text = file.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise SpecDecodeError(f"{flag}: cannot read prompt file {str(path)!r}: {exc}") from None
+        where = f"prompt file {str(path)!r} is empty (no prompt in it); write the prompt in it"
+    if not text.strip():
+        raise SpecDecodeError(f"{flag}: {where} (as --prompt refuses '')")
+    return text
+
+
 def load_prompts(spec: str, *, shared_dir: Path | None = None) -> list[Prompt]:
     """Prompts named by ``NAME[:CATEGORY][:N]`` (see the module docstring), in file order.
 
