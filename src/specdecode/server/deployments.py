@@ -19,7 +19,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, g
 
 from specdecode.cliargs import set_threads
 from specdecode.models import default_cache_dir
-from specdecode.server.app import APIError, _read_body, create_app
+from specdecode.server.app import create_app
+from specdecode.server.errors import APIError, read_body
 from specdecode.server.launch import load_state
 from specdecode.server.relay import asgi_request, carries_output, failed_stream_event, merge_metrics, split_events
 from specdecode.server.routing import routing_key
@@ -238,7 +239,7 @@ def ingress_deployment_class():
 class Ingress:
     """The HTTP entry: forwards each request to an engine replica and streams its answer back.
 
-    The API key and the body limit (``app._read_body``: 413 from Content-Length, or as soon as the bytes
+    The API key and the body limit (``errors.read_body``: 413 from Content-Length, or as soon as the bytes
     pass it) apply here first, with the replicas' own messages, so a refused request never takes a
     replica's slot; the replica's app checks both again.
 
@@ -304,7 +305,7 @@ class Ingress:
         from ray.serve.exceptions import BackPressureError
 
         self._check_key(request)
-        body = await _read_body(request, self.max_request_bytes)
+        body = await read_body(request, self.max_request_bytes)
         path = request.url.path
         key = routing_key(path, body, self.prefix_chars) if self.router == "prefix" else None
         headers = [*forwarded_headers(request.headers.items()), ("content-length", str(len(body)))]
