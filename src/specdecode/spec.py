@@ -19,9 +19,10 @@ The three forms, one parser each, all landing on the same spec:
 
 ``str(spec)`` is the canonical compact form (keys sorted, values equal to the proposer's defaults left
 out), so ``DrafterSpec.parse(str(spec)) == spec`` and two spellings of one drafter compare equal.
-The spec is checked when it is read (γ, n-gram sizes, tree kinds and node budgets, skip sets); a field
-of a proposer registered outside this module is checked against its config type when the engine is built
-(:mod:`specdecode.build`). No torch here: the command line reads specs before importing anything heavy.
+The spec is checked when it is read (γ, n-gram sizes, tree kinds and node budgets, skip sets, the option
+names of a built-in kind: :data:`OPTIONS`), and by :meth:`DrafterSpec.check` before any model loads (a model
+kind names its model, a head path is a checkpoint); a field of a proposer registered outside this module is
+checked against its config type when the engine is built (:mod:`specdecode.build`). No torch here: the command line reads specs before importing anything heavy.
 """
 
 from __future__ import annotations
@@ -75,8 +76,7 @@ _INT_FIELDS = {"min_ngram", "max_ngram", "max_spec_nodes", "num_nodes", "top_k",
 _NODE_FIELDS = {"max_spec_nodes", "num_nodes"}
 #: The flag defaults of ``specdecode generate`` / ``serve`` (cliargs.add_drafter_arguments reads them from here).
 FLAG_DEFAULTS = {"draft": "ngram", "num_speculative_tokens": DEFAULT_GAMMA, "ngram_min": DEFAULT_NGRAM_MIN,
-                 "ngram_max": DEFAULT_NGRAM_MAX,
-                 "skip_layers": None, "tree": "none", "tree_nodes": DEFAULT_TREE_NODES}
+                 "ngram_max": DEFAULT_NGRAM_MAX, "skip_layers": None, "tree": "none", "tree_nodes": DEFAULT_TREE_NODES}
 
 
 def _refuse(field: str | None, message: str) -> SpecDecodeError:
