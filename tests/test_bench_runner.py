@@ -64,6 +64,18 @@ def test_methods_default_to_the_registry_and_expand_over_gammas():
         expand_methods(dataclasses.replace(cfg, methods=("no-such-method",)))
 
 
+@pytest.mark.parametrize("method, needle", [
+    ("ngram:k=0", r"num_speculative_tokens must be an integer in \[1, 64\]"),
+    ("ngram:k=3,foo=1", "ngram has no option 'foo'"),
+    ("draft-model:k=3", "names none: add model=MODEL .*or give --draft MODEL"),
+    ("no-such-method", "unknown method"),
+])
+def test_a_bad_method_is_refused_naming_methods(method, needle):
+    with pytest.raises(SpecDecodeError, match=needle) as err:
+        expand_methods(BenchConfig(methods=(method,), datasets=("smoke",)))
+    assert str(err.value).startswith("--methods: ") and "\n" not in str(err.value)
+
+
 def test_generic_builder_fills_config_fields_with_their_types():
     prop = build_proposer(parse("ngram:k=5,max_ngram=4,min_ngram=2"))
     assert isinstance(prop, NgramProposer) and (prop.config.min_ngram, prop.config.max_ngram) == (2, 4)
@@ -72,7 +84,7 @@ def test_generic_builder_fills_config_fields_with_their_types():
     with pytest.raises(SpecDecodeError, match="max_ngram must be .*integer"):  # read when the spec is read
         build_proposer(parse("ngram:max_ngram=many"))
     with pytest.raises(SpecDecodeError, match="must be int"):  # a field the spec reader does not know
-        build_proposer(parse("ngram:min_ngram=2,depth=x").__class__("tree-draft", options=(("top_k", "x"),)))
+        build_proposer(DrafterSpec("tree-draft", options=(("top_k", "x"),)))
     with pytest.raises(SpecDecodeError, match="names a draft model, but none was loaded"):
         build_proposer(parse("draft-model:k=2"))
 
@@ -193,3 +205,11 @@ def test_variants_of_the_smoke_models_agree_greedily(tmp_path):
     assert blocky[1].run.engine.config.verification == "block"
     described = models.describe()
     assert described["target"]["layers"] == 2 and SMOKE_DRAFT in described["drafts"]
+
+
+def test_methods_is_a_semicolon_separated_list_of_specs():
+    from specdecode.bench import config_from_args
+    from specdecode.cli import build_parser
+
+    args = build_parser().parse_args(["bench", "--methods", "draft-model:k=3; ngram:k=4,max_ngram=4;"])
+    assert config_from_args(args).methods == ("draft-model:k=3", "ngram:k=4,max_ngram=4")

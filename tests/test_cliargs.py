@@ -36,11 +36,11 @@ def test_generate_and_serve_take_the_same_drafter_flags():
 def test_light_copies_equal_the_library_names():
     """options.py holds, without torch, the names the parsers offer; the library's copies agree."""
     from specdecode import kernels, kv
-    from specdecode.server import app
+    from specdecode.server.state import ServerConfig
 
     assert kernels.WEIGHT_PRECISIONS is options.WEIGHT_PRECISIONS
     assert options.FORWARD_BACKENDS == kv.FORWARD_BACKENDS
-    assert options.DEFAULT_MAX_REQUEST_BYTES == app.DEFAULT_MAX_REQUEST_BYTES
+    assert options.DEFAULT_MAX_REQUEST_BYTES == ServerConfig.__dataclass_fields__["max_request_bytes"].default
     assert options.WEIGHT_CHOICES == ("auto", *options.WEIGHT_PRECISIONS)
 
 
@@ -189,7 +189,7 @@ def test_tree_nodes_default_to_one_verification_block_everywhere():
     from specdecode.proposers.tree_draft import TreeDraftConfig
     from specdecode.server.launch import build_state
     from specdecode.tune import TuneConfig
-    from specdecode.validate import DrafterOptions
+    from specdecode.spec import FLAG_DEFAULTS
 
     assert options.DEFAULT_TREE_NODES == 15 == EagleDraftConfig().num_nodes == TreeDraftConfig().num_nodes
     parser = build_parser()
@@ -197,7 +197,31 @@ def test_tree_nodes_default_to_one_verification_block_everywhere():
     assert parser.parse_args(["serve"]).tree_nodes == 15 == ServeOptions().tree_nodes
     assert parser.parse_args(["audit", "--local"]).tree_nodes == 15
     assert parser.parse_args(["tune", "--dataset", "x"]).tree_nodes == 15
-    assert TuneConfig(target="x", datasets=("x",)).tree_nodes == 15 == DrafterOptions().tree_nodes
+    assert TuneConfig(target="x", datasets=("x",)).tree_nodes == 15 == FLAG_DEFAULTS["tree_nodes"]
     assert inspect.signature(SpecDecoder.from_pretrained).parameters["tree_nodes"].default == 15
     assert inspect.signature(build_state).parameters["tree_nodes"].default == 15
     assert AuditSetup.__dataclass_fields__["tree_nodes"].default == 15
+
+
+def test_the_drafter_defaults_have_one_source():
+    """γ 5 and n-gram sizes 1..3: options.DEFAULT_* everywhere (flags, spec, engine, server, audit, library)."""
+    import inspect
+
+    from specdecode.audit.config import AuditSetup
+    from specdecode.cli import build_parser
+    from specdecode.config import EngineConfig
+    from specdecode.generator import SpecDecoder
+    from specdecode.proposers.ngram import NgramConfig
+    from specdecode.server.launch import build_state
+    from specdecode.spec import FLAG_DEFAULTS
+
+    gamma, low, high = options.DEFAULT_GAMMA, options.DEFAULT_NGRAM_MIN, options.DEFAULT_NGRAM_MAX
+    assert FLAG_DEFAULTS["num_speculative_tokens"] == gamma and (FLAG_DEFAULTS["ngram_min"], FLAG_DEFAULTS["ngram_max"]) == (low, high)
+    for command in (["generate"], ["serve"], ["audit", "--local"]):
+        args = build_parser().parse_args(command)
+        assert {k: getattr(args, k) for k in FLAG_DEFAULTS} == FLAG_DEFAULTS, command
+    assert (ServeOptions().num_speculative_tokens, ServeOptions().ngram_min, ServeOptions().ngram_max) == (gamma, low, high)
+    assert EngineConfig().num_speculative_tokens == gamma and NgramConfig() == NgramConfig(low, high)
+    assert AuditSetup.__dataclass_fields__["num_speculative_tokens"].default == gamma
+    for fn in (SpecDecoder.from_pretrained, build_state):
+        assert inspect.signature(fn).parameters["num_speculative_tokens"].default == gamma

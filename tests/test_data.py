@@ -119,5 +119,22 @@ def test_missing_package_names_the_pip_command(monkeypatch):
     calls = []
     monkeypatch.setattr(data.subprocess, "run", lambda cmd, **kw: calls.append(cmd))
     with pytest.raises(SpecDecodeError, match="pip install --no-deps specdecode-absent==0.1"):
-        data._package_dir("specdecode_absent_module", "specdecode-absent==0.1")
+        data.package_dir("specdecode_absent_module", "specdecode-absent==0.1")
     assert calls and calls[0][-1] == "specdecode-absent==0.1"
+
+
+def test_a_prompt_file_is_read_one_way_for_generate_and_tune(tmp_path):
+    """``generate --prompt-file`` and ``tune --prompts`` read through ``data.read_prompt_text``: the same
+    refusals, each naming its flag."""
+    from specdecode.cli_generate import read_prompt_file
+    from specdecode.data import read_prompt_text
+    from specdecode.errors import SpecDecodeError
+    from specdecode.tune.config import read_prompts_file
+
+    (tmp_path / "p.txt").write_text("hello\n")
+    assert read_prompt_text(tmp_path / "p.txt", "--x") == read_prompt_file(str(tmp_path / "p.txt")) == "hello\n"
+    for path, needle in ((tmp_path / "missing.txt", "prompt file not found"), (tmp_path, "is a directory")):
+        for read, flag in ((read_prompt_file, "--prompt-file"), (read_prompts_file, "--prompts")):
+            with pytest.raises(SpecDecodeError, match=needle) as err:
+                read(str(path))
+            assert str(err.value).startswith(flag)

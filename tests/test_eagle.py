@@ -13,7 +13,8 @@ from specdecode.eagle import corpus, train
 from specdecode.eagle.head import EagleCheckpointError, EagleConfig, EagleHead, load_head, save_head
 from specdecode.engine import EngineConfig, SpeculativeEngine
 from specdecode.proposers.eagle import EagleDraftConfig, EagleProposer, find_head, make_eagle
-from specdecode.proposers.factory import DrafterOptions, parse_draft, proposer_factory
+from specdecode.proposers.factory import factory_from_spec
+from specdecode.spec import DrafterSpec
 from specdecode.types import SamplingParams, SpecDecodeError
 from tiny import chi2_pvalue, exact_joint, tiny_llama, tiny_qwen2
 
@@ -296,17 +297,17 @@ def test_bad_checkpoints_and_wrong_targets_are_refused(target, tmp_path):
 
 def test_the_drafter_choice_builds_through_the_factory(target, tmp_path):
     save_head(random_head(target, dtype=torch.float32), tmp_path / "h")
-    choice = parse_draft(f"eagle:{tmp_path / 'h'}")
+    choice = DrafterSpec.from_settings({"draft": f"eagle:{tmp_path / 'h'}", "tree": "dynamic", "tree_nodes": 8})
     assert choice.kind == "eagle" and choice.head_path == str(tmp_path / "h")
-    assert parse_draft("EAGLE").kind == "eagle" and parse_draft("eagle").head_path is None
-    factory = proposer_factory(choice, DrafterOptions(tree="dynamic", tree_nodes=8), target=target)
+    assert DrafterSpec.parse("EAGLE").kind == "eagle" and DrafterSpec.parse("eagle").head_path is None
+    factory = factory_from_spec(choice.check(), target=target)
     proposer = factory()
     assert isinstance(proposer, EagleProposer) and proposer.produces_trees
     assert not make_eagle(target, EagleDraftConfig(head=str(tmp_path / "h"))).produces_trees
     with pytest.raises(SpecDecodeError):
         EagleDraftConfig(tree="bushy")
     with pytest.raises(SpecDecodeError, match="fallback"):
-        proposer_factory(parse_draft("suffix:eagle"), DrafterOptions(), target=target)
+        factory_from_spec(DrafterSpec.from_settings({"draft": "suffix:eagle"}), target=target)
 
 
 @pytest.mark.slow

@@ -12,7 +12,7 @@ import json
 import jsonschema
 import pytest
 
-from specdecode.engine import EngineConfig, SpeculativeEngine
+from specdecode.engine import SpeculativeEngine
 from specdecode.grammar import StructuredOutput, compile_grammar
 from specdecode.types import SamplingParams
 from structured_suite import schema_suite
@@ -83,8 +83,7 @@ def test_greedy_structured_output_equals_constrained_plain_with_every_drafter(se
     """The requests decoded together, speculatively (every row with its own grammar), against constrained plain
     decoding of each alone (the fixture's runs)."""
     bench, target, draft, suite, prompts, plain = setup
-    engine = SpeculativeEngine(target.model, bench.build_drafter(drafter, target.model, draft),
-                               EngineConfig(num_speculative_tokens=4, max_batch_size=len(suite)))
+    engine = bench.engine_for(drafter, target, draft, 4, max_batch_size=len(suite))
     runs = _run_together(bench, engine, target, prompts, [schema for _, _, schema in suite])
     for (rid, _, _), r, p in zip(suite, runs, plain):
         assert r["invalid"] is None, (rid, r["text"], r["invalid"])
@@ -98,8 +97,7 @@ def test_greedy_structured_output_equals_constrained_plain_with_every_drafter(se
 
 def test_sampled_structured_output_validates_on_real_weights(setup):
     bench, target, draft, suite, prompts, _ = setup
-    engine = SpeculativeEngine(target.model, bench.build_drafter("draft-model", target.model, draft),
-                               EngineConfig(num_speculative_tokens=4, max_batch_size=10))
+    engine = bench.engine_for("draft-model", target, draft, 4, max_batch_size=10)
     running = []  # the ten seeded requests decoded together, each with its own grammar
     for seed, ((rid, _, schema), ids) in enumerate(zip(suite[:5], prompts)):
         for coupled in (False, True):

@@ -22,7 +22,7 @@ from specdecode.layer_search import (
     search_skip_layers,
     store,
 )
-from specdecode.skip_forward import SkipForward, _ProxyScorer, remove_last
+from specdecode.skip_forward import ProxyScorer, SkipForward, remove_last
 from specdecode.proposers import LayerSkipConfig, LayerSkipProposer
 from specdecode.types import SamplingParams
 from tiny import tiny_llama, tiny_qwen2
@@ -82,7 +82,7 @@ def test_search_proxy_scores_the_first_draft_token_exactly(target):
     """The one-pass proxy equals drafting one token from each position on a cache of the tokens before it."""
     context = [(5 * i + 3) % 64 for i in range(40)]
     skip = SkipForward(target)
-    scorer = _ProxyScorer(skip, [context], [20], max_gamma=4)
+    scorer = ProxyScorer(skip, [context], [20], max_gamma=4)
     kept = [0, 3]
     with torch.inference_mode():
         hits = 0

@@ -334,9 +334,9 @@ def test_every_front_end_loads_a_spec_as_the_same_weights(weights):
     from specdecode.bench.runner import load_any
     from specdecode.generator import SpecDecoder
     from specdecode.lowbit import QuantLinear, active_variant, weight_digest
-    from specdecode.proposers.factory import load_draft_model
+    from specdecode.build import load_draft_for
     from specdecode.server.launch import ServeOptions, load_state
-    from specdecode.validate import parse_draft
+    from specdecode.spec import DrafterSpec
 
     if weights == "int4" and active_variant() is None:
         pytest.skip("no low-bit kernel on this CPU")
@@ -360,7 +360,7 @@ def test_every_front_end_loads_a_spec_as_the_same_weights(weights):
         assert kinds == {"Q8_0"}
     # a draft in another precision than the target's: bench's draft load is generate's
     other = "int8" if weights == "int4" else "int4"
-    draft_generate = load_draft_model(parse_draft(spec), library.target, "another-spec", weights=weights,
-                                      draft_weights=other, progress=False)
+    draft_generate = load_draft_for(DrafterSpec.parse(spec), library.target, "another-spec", weights=weights,
+                                    draft_weights=other, progress=False)
     draft_bench, _ = load_any(spec, "float32", weights=other)
     assert weight_digest(draft_generate.model) == weight_digest(draft_bench.model)

@@ -141,16 +141,17 @@ def test_token_trees_with_another_tokenizer_are_refused_before_weights(capsys, t
 
 
 def test_the_factory_gives_the_same_reason_for_loaded_models():
-    """Models already loaded (the library's build_state / proposer_factory path): the same sentence."""
-    from specdecode.proposers.factory import proposer_factory
-    from specdecode.validate import DrafterOptions, parse_draft
+    """Models already loaded (the library's build_state / factory_from_spec path): the same sentence."""
+    from specdecode.proposers.factory import factory_from_spec
+    from specdecode.spec import DrafterSpec
 
     tiny, other = make_tiny_tokenizer(), other_tokenizer()
     with pytest.raises(IncompatibleTokenizerError, match="--tree static: token trees are not available across "
                                                          "vocabularies: draft 'other' has another tokenizer than the "
                                                          "target"):
-        proposer_factory(parse_draft("other"), DrafterOptions(tree="static"), target=make_tiny_model(len(tiny)),
-                         draft=make_tiny_model(len(other), seed=1), target_tokenizer=tiny, draft_tokenizer=other)
+        factory_from_spec(DrafterSpec.from_settings({"draft": "other", "tree": "static"}),
+                          target=make_tiny_model(len(tiny)), draft=make_tiny_model(len(other), seed=1),
+                          target_tokenizer=tiny, draft_tokenizer=other)
 
 
 # --------------------------------------------------------------------------- prompts, datasets, files

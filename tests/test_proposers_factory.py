@@ -1,5 +1,6 @@
-"""From a drafter choice to proposers (``specdecode.proposers.factory``): parsing, the checks that run before
-any model is loaded, the draft-model load, and a factory for every choice (each lossless through the engine)."""
+"""From a drafter spec to proposers (``specdecode.proposers.factory``, ``specdecode.build``): the ``--draft``
+words read as specs, the checks that run before any model is loaded, the draft-model load, and a factory for
+every choice (each lossless through the engine)."""
 
 from __future__ import annotations
 
@@ -21,19 +22,15 @@ from specdecode.proposers import (
     TreeDraftConfig,
     TreeDraftProposer,
 )
-from specdecode.proposers import factory as F
+from specdecode.build import load_draft_for
 from specdecode.proposers.factory import (
-    DraftChoice,
-    DrafterOptions,
-    check_drafter,
+    config_from_options,
     config_type,
-    load_draft_model,
-    parse_draft,
-    proposer_factory,
+    factory_from_spec,
     registered_factory,
     takes_draft_model,
-    tree_config,
 )
+from specdecode.spec import DrafterSpec
 from specdecode.types import SamplingParams, SpecDecodeError
 from tiny import tiny_llama
 
@@ -55,68 +52,70 @@ def no_loading(monkeypatch):
     monkeypatch.setattr("specdecode.lowbit.load_in_precision", lambda *a, **k: pytest.fail("a model was loaded"))
 
 
-# --------------------------------------------------------------------------- parsing
+# --------------------------------------------------------------------------- the --draft words
+
+
+def _spec(draft, **flags) -> DrafterSpec:
+    """The spec of ``--draft DRAFT`` and its flags (``generate`` / ``serve``'s path)."""
+    return DrafterSpec.from_settings({"draft": draft, **flags})
 
 
 @pytest.mark.parametrize("text, kind, spec", [
     (None, "none", None), ("", "none", None), ("  none ", "none", None), ("NONE", "none", None),
     ("ngram", "ngram", None), (" NGram ", "ngram", None), ("layer-skip", "layer-skip", None),
     ("Layer-Skip", "layer-skip", None), ("suffix", "suffix", None), ("suffix:ngram", "suffix", None),
-    ("HuggingFaceTB/SmolLM2-135M", "model", "HuggingFaceTB/SmolLM2-135M"), ("./My Dir", "model", "./My Dir"),
-    ("Suffix:Org/Draft", "suffix", "Org/Draft"),
+    ("HuggingFaceTB/SmolLM2-135M", "draft-model", "HuggingFaceTB/SmolLM2-135M"),
+    ("./My Dir", "draft-model", "./My Dir"), ("Suffix:Org/Draft", "suffix", "Org/Draft"),
 ])
-def test_parse_draft_reads_names_case_insensitively_and_keeps_model_specs(text, kind, spec):
-    choice = parse_draft(text)
+def test_draft_words_read_case_insensitively_and_keep_model_specs(text, kind, spec):
+    choice = DrafterSpec.parse(text)
     assert choice.kind == kind and choice.model_spec == spec
-    assert choice.text == (text or "").strip()
 
 
 def test_suffix_choices_carry_their_fallback():
-    assert parse_draft("suffix").fallback == DraftChoice("none", "none")
-    assert parse_draft("suffix:").fallback.kind == "none"
-    assert parse_draft("suffix:NGRAM").fallback == DraftChoice("NGRAM", "ngram")
-    inner = parse_draft("suffix:some/model").fallback
-    assert inner.kind == "model" and inner.text == "some/model" and inner.fallback is None
-    assert parse_draft("ngram").fallback is None
+    assert DrafterSpec.parse("suffix").fallback is None and DrafterSpec.parse("suffix:").fallback is None
+    assert DrafterSpec.parse("suffix:NGRAM").fallback == DrafterSpec("ngram")
+    inner = DrafterSpec.parse("suffix:some/model").fallback
+    assert inner.kind == "draft-model" and inner.model == "some/model" and inner.fallback is None
+    assert DrafterSpec.parse("ngram").fallback is None
 
 
 # --------------------------------------------------------------------------- checks before loading
 
 
-@pytest.mark.parametrize("draft, options, needle", [
-    ("layer-skip", DrafterOptions(skip_layers="1;2"), "comma-separated"),
-    ("ngram", DrafterOptions(skip_layers="a,b"), "comma-separated"),
-    ("some/model", DrafterOptions(tree="bushy"), "tree must be one of"),
-    ("some/model", DrafterOptions(tree="static", tree_nodes=0), "tree nodes must be"),
-    ("suffix", DrafterOptions(tree_nodes=65), "tree nodes must be"),
-    ("ngram", DrafterOptions(tree="dynamic"), "needs a draft model"),
-    ("layer-skip", DrafterOptions(tree="static"), "needs a draft model"),
-    ("suffix:ngram", DrafterOptions(tree="static"), "needs a draft model"),
-    ("none", DrafterOptions(tree="static"), "needs a draft model"),
-    ("ngram", DrafterOptions(ngram_min=3, ngram_max=2), "min_ngram <= max_ngram"),
-    ("suffix:ngram", DrafterOptions(ngram_min=0), "min_ngram <= max_ngram"),
+@pytest.mark.parametrize("draft, flags, needle", [
+    ("layer-skip", dict(skip_layers="1;2"), "comma-separated"),
+    ("some/model", dict(tree="bushy"), "tree must be one of"),
+    ("some/model", dict(tree="static", tree_nodes=0), "tree nodes"),
+    ("suffix", dict(tree_nodes=65), "tree nodes"),
+    ("ngram", dict(tree="dynamic"), "needs a draft model"),
+    ("layer-skip", dict(tree="static"), "needs a draft model"),
+    ("suffix:ngram", dict(tree="static"), "needs a draft model"),
+    ("none", dict(tree="static"), "needs a draft model"),
+    ("ngram", dict(ngram_min=3, ngram_max=2), "min_ngram <= max_ngram"),
+    ("suffix:ngram", dict(ngram_min=0), "min_ngram <= max_ngram"),
 ])
-def test_check_drafter_refuses_bad_settings_before_any_load(no_loading, draft, options, needle):
+def test_the_spec_refuses_bad_settings_before_any_load(no_loading, draft, flags, needle):
     with pytest.raises(SpecDecodeError, match=needle):
-        check_drafter(parse_draft(draft), options)
-    with pytest.raises(SpecDecodeError, match=needle):  # the factory checks the same way
-        proposer_factory(parse_draft(draft), options)
+        _spec(draft, **flags).check()
 
 
-@pytest.mark.parametrize("draft, options", [
-    ("some/model", DrafterOptions(ngram_min=3, ngram_max=2)),  # n-gram sizes matter to ngram only
-    ("suffix:some/model", DrafterOptions(tree="dynamic", tree_nodes=64)),
-    ("layer-skip", DrafterOptions(skip_layers=[3, 1])),
-    ("some/model", DrafterOptions(tree=" Static ", tree_nodes=1)),
+@pytest.mark.parametrize("draft, flags", [
+    ("some/model", dict(ngram_min=3, ngram_max=2)),  # n-gram sizes matter to ngram only
+    ("suffix:some/model", dict(tree="dynamic", tree_nodes=64)),
+    ("layer-skip", dict(skip_layers=[3, 1])),
+    ("some/model", dict(tree=" Static ", tree_nodes=1)),
 ])
-def test_check_drafter_accepts_settings_that_fit(no_loading, draft, options):
-    check_drafter(parse_draft(draft), options)
+def test_the_spec_accepts_settings_that_fit(no_loading, draft, flags):
+    _spec(draft, **flags).check()
 
 
-def test_tree_config_maps_kinds_and_none():
-    assert tree_config(None, 16) is None and tree_config("none", 16) is None and tree_config(" NONE ", 3) is None
-    assert tree_config("static", 8) == TreeDraftConfig(kind="static", num_nodes=8)
-    assert tree_config("Dynamic", 12) == TreeDraftConfig(kind="dynamic", num_nodes=12)
+def test_a_tree_spec_maps_to_the_tree_config():
+    for tree, nodes in (("static", 8), ("Dynamic", 12)):
+        spec = _spec("m", tree=tree, tree_nodes=nodes)
+        assert spec.kind == "tree-draft"
+        assert config_from_options(spec.kind, spec.options) == TreeDraftConfig(kind=tree.lower(), num_nodes=nodes)
+    assert _spec("m", tree=" NONE ").kind == "draft-model"
 
 
 # --------------------------------------------------------------------------- the registry
@@ -174,20 +173,20 @@ def _check(proposer, kind):
 
 
 CHOICES = {
-    "ngram": ("ngram", DrafterOptions(ngram_min=2, ngram_max=4)),
-    "layer-skip": ("layer-skip", DrafterOptions(skip_layers="1,2")),
-    "suffix": ("suffix", DrafterOptions(tree_nodes=8)),
-    "suffix:ngram": ("suffix:ngram", DrafterOptions()),
-    "suffix:model": ("suffix:draft/spec", DrafterOptions()),
-    "model": ("draft/spec", DrafterOptions()),
-    "model+tree": ("draft/spec", DrafterOptions(tree="static", tree_nodes=8)),
+    "ngram": ("ngram", dict(ngram_min=2, ngram_max=4)),
+    "layer-skip": ("layer-skip", dict(skip_layers="1,2")),
+    "suffix": ("suffix", dict(tree_nodes=8)),
+    "suffix:ngram": ("suffix:ngram", {}),
+    "suffix:model": ("suffix:draft/spec", {}),
+    "model": ("draft/spec", {}),
+    "model+tree": ("draft/spec", dict(tree="static", tree_nodes=8)),
 }
 
 
 @pytest.mark.parametrize("kind", list(CHOICES))
-def test_proposer_factory_builds_every_choice_and_each_is_lossless(target, draft, kind):
-    text, options = CHOICES[kind]
-    make = proposer_factory(parse_draft(text), options, target=target, draft=draft)
+def test_the_factory_builds_every_choice_and_each_is_lossless(target, draft, kind):
+    text, flags = CHOICES[kind]
+    make = factory_from_spec(_spec(text, **flags), target=target, draft=draft)
     first, second = make(), make()
     assert first is not second  # fresh proposers (the library builds one per decoder)
     _check(first, kind)
@@ -199,30 +198,30 @@ def test_proposer_factory_builds_every_choice_and_each_is_lossless(target, draft
 
 
 def test_plain_decoding_and_a_missing_draft_model(target):
-    assert proposer_factory(parse_draft("none"), DrafterOptions()) is None
-    assert proposer_factory(parse_draft(None), DrafterOptions(), target=target) is None
+    assert factory_from_spec(_spec("none")) is None
+    assert factory_from_spec(_spec(None), target=target) is None
     for text in ("some/model", "suffix:some/model"):
         with pytest.raises(SpecDecodeError, match="names a draft model, but none was loaded"):
-            proposer_factory(parse_draft(text), DrafterOptions(), target=target)
+            factory_from_spec(_spec(text), target=target)
 
 
 # --------------------------------------------------------------------------- loading the draft model
 
 
-def test_load_draft_model(tiny_model_dir, tiny_loaded, no_loading):
+def test_load_draft_for(tiny_model_dir, tiny_loaded, no_loading):
     spec = str(tiny_model_dir)
     for text in ("none", "ngram", "layer-skip", "suffix", "suffix:ngram"):
-        assert load_draft_model(parse_draft(text), tiny_loaded, spec) is None  # model-free: nothing loaded
+        assert load_draft_for(DrafterSpec.parse(text), tiny_loaded, spec) is None  # model-free: nothing loaded
     # the target's own spec in the target's precision: the target object itself
-    assert load_draft_model(parse_draft(spec), tiny_loaded, spec) is tiny_loaded
-    assert load_draft_model(parse_draft(f"suffix:{spec}"), tiny_loaded, spec) is tiny_loaded
+    assert load_draft_for(DrafterSpec.parse(spec), tiny_loaded, spec) is tiny_loaded
+    assert load_draft_for(DrafterSpec.parse(f"suffix:{spec}"), tiny_loaded, spec) is tiny_loaded
 
 
-def test_load_draft_model_loads_another_spec_or_precision(tiny_model_dir, tiny_loaded):
+def test_load_draft_for_loads_another_spec_or_precision(tiny_model_dir, tiny_loaded):
     spec = str(tiny_model_dir)
-    other = load_draft_model(parse_draft(spec), tiny_loaded, "another-target-spec", progress=False)
+    other = load_draft_for(DrafterSpec.parse(spec), tiny_loaded, "another-target-spec", progress=False)
     assert other is not tiny_loaded and other.model is not tiny_loaded.model
-    int8 = load_draft_model(parse_draft(spec), tiny_loaded, spec, draft_weights="int8", progress=False)
+    int8 = load_draft_for(DrafterSpec.parse(spec), tiny_loaded, spec, draft_weights="int8", progress=False)
     assert int8 is not tiny_loaded
     assert any(isinstance(m, LOWBIT_TYPES) for m in int8.model.modules())
     assert not any(isinstance(m, LOWBIT_TYPES) for m in tiny_loaded.model.modules())

@@ -16,15 +16,17 @@ import torch
 from specdecode.engine import EngineConfig, SpeculativeEngine
 from specdecode.kv import make_runner
 from specdecode.proposers import DraftModelProposer, NgramConfig, NgramProposer
-from specdecode.proposers.factory import DrafterOptions, parse_draft, proposer_factory
+from specdecode.proposers.factory import factory_from_spec
 from specdecode.scheduler import BatchRequest, EngineStoppedError, QueueFullError, Scheduler
+from specdecode.spec import DrafterSpec
 from specdecode.types import PromptTooLongError, SamplingParams
 from tiny import tiny_llama
 
 PROMPTS = [[1], [5, 9, 2], [3, 4, 5, 3, 4, 5, 3, 4], list(range(10, 30)), [7, 7, 7, 7], [40, 2, 40, 2, 40],
            [11, 12, 13, 11, 12, 13, 11], [60, 61]]
 
-#: Drafter choices and their options (``--draft`` / ``DrafterOptions``); "draft" names the draft model.
+#: Drafter choices and their flags (``--draft`` and the others, read by ``DrafterSpec.from_settings``); "draft"
+#: names the draft model.
 CHAIN_DRAFTERS = {
     "none": ("none", {}),
     "ngram": ("ngram", {}),
@@ -42,7 +44,7 @@ TREE_DRAFTERS = {
 def _factory(kind: str, target, draft):
     """A zero-argument proposer factory for a drafter kind, or None (plain decoding)."""
     choice, options = {**CHAIN_DRAFTERS, **TREE_DRAFTERS}[kind]
-    return proposer_factory(parse_draft(choice), DrafterOptions(**options), target=target, draft=draft)
+    return factory_from_spec(DrafterSpec.from_settings({"draft": choice, **options}), target=target, draft=draft)
 
 
 def _engine(target, factory, batch: int, gamma: int = 4) -> SpeculativeEngine:

@@ -689,7 +689,7 @@ def test_a_request_failing_inside_the_server_frees_its_rows(live, monkeypatch, s
     from specdecode.server import choices as choices_module
 
     scheduler = live.state.scheduler
-    real, calls = choices_module._Choice.feed, []
+    real, calls = choices_module.Choice.feed, []
 
     def feed(self, ev):
         calls.append(ev)
@@ -697,7 +697,7 @@ def test_a_request_failing_inside_the_server_frees_its_rows(live, monkeypatch, s
             raise RuntimeError("server bug")
         return real(self, ev)
 
-    monkeypatch.setattr(choices_module._Choice, "feed", feed)
+    monkeypatch.setattr(choices_module.Choice, "feed", feed)
     engine, aborted = scheduler.engine, []
     real_abort = engine.abort
 
@@ -716,6 +716,6 @@ def test_a_request_failing_inside_the_server_frees_its_rows(live, monkeypatch, s
     # both rows were cancelled by the server, far from their 200 tokens (not left to finish on their own)
     assert len(aborted) >= 2 and all(n < 100 for _, n in aborted), aborted
     monkeypatch.setattr(engine, "abort", real_abort)
-    monkeypatch.setattr(choices_module._Choice, "feed", real)
+    monkeypatch.setattr(choices_module.Choice, "feed", real)
     out = live.client().completions.create(model=MODEL, prompt=PROMPT, max_tokens=5, temperature=0)
     assert len(out.choices[0].token_ids) == 5

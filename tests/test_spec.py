@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from specdecode.errors import SpecDecodeError
-from specdecode.spec import DEFAULTS, DrafterSpec, parse_specs
+from specdecode.spec import BUILTIN_KINDS, DEFAULTS, OPTIONS, DrafterSpec
 
 MODEL = "some/draft-model"
 
@@ -62,7 +62,6 @@ def test_canonical_form_sorts_and_drops_defaults():
     assert DrafterSpec.parse("eagle:/x/y").head_path == "/x/y"
     assert DrafterSpec.parse("suffix:ngram").fallback == DrafterSpec("ngram")
     assert DrafterSpec.parse("tree-draft:model=m").tree == "dynamic" and DrafterSpec.parse("m").tree == "none"
-    assert [str(s) for s in parse_specs("draft-model:k=3; ngram:k=4;")] == ["draft-model:k=3", "ngram:k=4"]
     assert DrafterSpec.parse("echo-test:k=2,width=3", bare_model=False).kind == "echo-test"
     assert DrafterSpec.parse("echo-test").model_spec == "echo-test"  # --draft: a bare word is a model
 
@@ -113,6 +112,48 @@ def test_a_head_path_without_a_checkpoint_is_refused(tmp_path):
         DrafterSpec.parse(f"eagle:{tmp_path}").check()
 
 
+@pytest.mark.parametrize("text, needle", [
+    ("ngram:k=3,foo=1", "ngram has no option 'foo' (in 'ngram:k=3,foo=1'); its options: k, max_ngram, min_ngram"),
+    ("none:foo=1", "none has no option 'foo'"),
+    ("layer-skip:skip=3/5", "layer-skip has no option 'skip'.*its options: k, cache_dir, min_confidence, "),
+    ("draft-model:model=m,kind=static", "draft-model has no option 'kind'.*its options: k, model, forward, vocab"),
+    ("suffix:fallback=(ngram:depth=2)", "ngram has no option 'depth'"),
+    ("suffix:nodes=3", "suffix has no option 'nodes'.*its options: k, model, fallback, global_max_nodes"),
+    ("eagle:tree=static,kind=static", "eagle has no option 'kind'"),
+])
+def test_an_unknown_option_of_a_builtin_kind_is_refused_when_read(text, needle):
+    with pytest.raises(SpecDecodeError, match=needle.replace("(", r"\(").replace(")", r"\)")) as err:
+        DrafterSpec.parse(text)
+    assert "\n" not in str(err.value)
+    assert DrafterSpec.parse("echo-test:width=3", bare_model=False).options == (("width", "3"),)  # checked at build
+
+
+@pytest.mark.parametrize("text", ["draft-model:k=3", "tree-draft:kind=static", "cross-vocab", "suffix:fallback=(draft-model)"])
+def test_a_model_kind_without_its_model_is_refused_by_check(text):
+    spec = DrafterSpec.parse(text)
+    with pytest.raises(SpecDecodeError, match="drafts with a second model, but .* names none: add model=MODEL"):
+        spec.check()
+
+
+@pytest.mark.parametrize("draft", ["ngram:k=3,foo=1", "draft-model:k=3", "tree-draft:kind=static"])
+def test_the_spec_refuses_before_any_model_loads(monkeypatch, draft):
+    """The library, serve and generate refuse a bad spec before a model loads: with a target path that does not
+    exist (a load would fail otherwise) and every loader failing the test."""
+    from specdecode import cli
+    from specdecode.generator import SpecDecoder
+    from specdecode.server.launch import ServeOptions, check_options
+
+    for name in ("specdecode.models.load_model", "specdecode.lowbit.load_in_precision",
+                 "specdecode.precision.load_target", "specdecode.generator.load_target"):
+        monkeypatch.setattr(name, lambda *a, **k: pytest.fail("a model was loaded"))
+    bogus = "/nonexistent/target-model"
+    with pytest.raises(SpecDecodeError, match="no option 'foo'|names none"):
+        SpecDecoder.from_pretrained(bogus, draft, progress=False)
+    with pytest.raises(SpecDecodeError, match="no option 'foo'|names none"):
+        check_options(ServeOptions(target=bogus, draft=draft))
+    assert cli.main(["generate", "--target", bogus, "--draft", draft, "--prompt", "hi"]) != 0
+
+
 _keys = st.sampled_from(["min_ngram", "max_ngram"])
 
 
@@ -157,6 +198,10 @@ def test_the_defaults_copied_without_torch_equal_the_proposers_configs():
     for kind, fields in DEFAULTS.items():
         config = config_type(kind)()
         assert {k: str(getattr(config, k)) for k in fields} == fields, kind
+    for kind, options in OPTIONS.items():  # the option names: every config field, no other
+        config = config_type(kind) if kind != "none" else None
+        assert options == (tuple(f.name for f in dataclasses.fields(config)) if config else ()), kind
+    assert set(OPTIONS) == set(BUILTIN_KINDS)
 
 
 # --------------------------------------------------------------------------- one engine from one spec

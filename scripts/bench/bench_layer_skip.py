@@ -35,15 +35,15 @@ from pathlib import Path
 
 import torch
 
+from specdecode.build import build_engine
 from specdecode.data import load_prompts
-from specdecode.engine import EngineConfig, SpeculativeEngine
+from specdecode.engine import SpeculativeEngine
 from specdecode.kernels import use_small_row_matmul
 from specdecode.lowbit import set_weight_precision
 from specdecode.layer_search import SearchConfig, choose_skip_layers
 from specdecode.models import load_model
-from specdecode.policy import build_policy
-from specdecode.proposers import DraftModelProposer, LayerSkipConfig, LayerSkipProposer, NgramProposer
 from specdecode.proposers.layer_skip import parse_skip_layers
+from specdecode.spec import DrafterSpec
 from specdecode.types import SamplingParams
 
 ADVERSARIAL = (
@@ -110,26 +110,27 @@ def run(engine: SpeculativeEngine, ids: list[int], params: SamplingParams) -> di
 
 
 class Methods:
-    """Builds (method, policy) engines over one target."""
+    """Builds (method, policy) engines over one target (LoadedModels), each from a drafter spec
+    (``specdecode.build``)."""
 
     def __init__(self, args, target, draft_int8, skip_layers):
         self.args, self.target, self.draft, self.skip_layers = args, target, draft_int8, skip_layers
 
-    def proposer(self, method: str):
+    def spec(self, method: str | None) -> DrafterSpec:
+        if method is None:
+            return DrafterSpec()
         if method == "layer-skip":
-            return LayerSkipProposer(self.target, LayerSkipConfig(skip_layers=self.skip_layers,
-                                                                  min_confidence=self.args.min_confidence))
+            skip = "/".join(map(str, self.skip_layers or ()))
+            return DrafterSpec.parse(f"layer-skip:skip_layers={skip},min_confidence={self.args.min_confidence}")
         if method == "draft-model":
-            return DraftModelProposer(self.draft)
+            return DrafterSpec.parse(f"draft-model:model={self.args.draft or self.args.target}")
         if method == "ngram":
-            return NgramProposer()
+            return DrafterSpec.parse("ngram")
         raise ValueError(method)
 
     def engine(self, method: str | None, policy: str, gamma: int) -> SpeculativeEngine:
-        if method is None:
-            return SpeculativeEngine(self.target, None)
-        return SpeculativeEngine(self.target, self.proposer(method), EngineConfig(num_speculative_tokens=gamma),
-                                 policy=build_policy(policy, gamma))
+        return build_engine(self.target, self.spec(method).with_gamma(gamma), draft=self.draft,
+                            policy=policy).engine
 
     def configs(self, methods: str) -> list[tuple[str, str, int]]:
         out = []
@@ -264,8 +265,8 @@ def main(argv=None) -> int:
         use_small_row_matmul(target)
     draft = None
     if "draft-model" in args.methods + args.adversarial_methods:
-        draft = load_model(args.draft or args.target, progress=False).model
-        set_weight_precision(draft, args.draft_weights)
+        draft = load_model(args.draft or args.target, progress=False)
+        set_weight_precision(draft.model, args.draft_weights)
     print(f"loaded in {time.perf_counter() - t0:.1f} s; {machine()}", flush=True)
     categories = args.categories.split(",")
     skip_layers = parse_skip_layers(args.skip_layers)
@@ -279,7 +280,7 @@ def main(argv=None) -> int:
         print(f"skip set {list(skip_layers)} ({'cached' if search.from_cache else f'searched in {search.seconds:.0f} s'})"
               f": proxy acceptance {search.acceptance:.2f}, measured {search.tokens_per_s:.1f} vs plain "
               f"{search.plain_tokens_per_s:.1f} tok/s", flush=True)
-    methods = Methods(args, target, draft, skip_layers)
+    methods = Methods(args, loaded, draft, skip_layers)
     params = SamplingParams(max_new_tokens=args.max_new_tokens, ignore_eos=True)
     results = []
     for cat in categories:

@@ -27,30 +27,31 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
 
 from structured_suite import schema_suite  # noqa: E402
 
-from specdecode.engine import EngineConfig, SpeculativeEngine  # noqa: E402
+from specdecode.build import build_engine  # noqa: E402
+from specdecode.engine import SpeculativeEngine  # noqa: E402
 from specdecode.grammar import StructuredOutput, compile_grammar  # noqa: E402
 from specdecode.models import load_model  # noqa: E402
+from specdecode.spec import DrafterSpec  # noqa: E402
 from specdecode.types import SamplingParams  # noqa: E402
 
-DRAFTERS = ("ngram", "suffix", "layer-skip", "draft-model")
+#: The drafters, as specs (``specdecode.spec``); draft-model drafts with the int8 copy ``load_pair`` loads.
+DRAFTERS = {"ngram": "ngram", "suffix": "suffix", "layer-skip": "layer-skip:skip_layers=2/3/4,min_confidence=0.0",
+            "draft-model": "draft-model"}
 
 
-def build_drafter(name: str, target, draft):
-    from specdecode.proposers import (DraftModelProposer, LayerSkipConfig, LayerSkipProposer, NgramProposer,
-                                      SuffixProposer)
-
-    return {"ngram": lambda: NgramProposer(),
-            "suffix": lambda: SuffixProposer(),
-            "layer-skip": lambda: LayerSkipProposer(target, LayerSkipConfig(skip_layers=(2, 3, 4), min_confidence=0.0)),
-            "draft-model": lambda: DraftModelProposer(draft)}[name]()
+def engine_for(name: str, target, draft, gamma: int, max_batch_size: int = 1) -> SpeculativeEngine:
+    """The engine of drafter ``name`` ("plain": none) over the loaded target and draft, built from its spec."""
+    spec = DrafterSpec() if name == "plain" else DrafterSpec.parse(DRAFTERS[name])
+    return build_engine(target, spec, draft=draft, num_speculative_tokens=gamma, max_batch_size=max_batch_size).engine
 
 
 def load_pair(target_spec: str = "smollm2-135m"):
-    """The bf16 target and an int8 copy of the same model (from float32 weights) as the draft model."""
+    """The bf16 target and an int8 copy of the same model (from float32 weights) as the draft model (LoadedModels)."""
     from specdecode.lowbit import set_weight_precision
 
     target = load_model(target_spec, dtype=torch.bfloat16, progress=False)
-    draft = set_weight_precision(load_model(target_spec, progress=False).model, "int8")
+    draft = load_model(target_spec, progress=False)
+    set_weight_precision(draft.model, "int8")
     return target, draft
 
 
@@ -128,8 +129,7 @@ def main(argv=None) -> int:
     print(f"{len(suite)} requests, gamma {args.gamma}, max_new_tokens {args.max_new_tokens}, {env}", flush=True)
     results: dict[str, list[dict]] = {}
     for name in ["plain", *args.drafters.split(",")]:
-        proposer = None if name == "plain" else build_drafter(name, target.model, draft)
-        engine = SpeculativeEngine(target.model, proposer, EngineConfig(num_speculative_tokens=args.gamma))
+        engine = engine_for(name, target, draft, args.gamma)
         runs = []
         for (rid, _, schema), ids in zip(suite, prompts):
             r = run_one(engine, target, ids, schema, args.max_new_tokens)

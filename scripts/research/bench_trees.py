@@ -32,13 +32,11 @@ import torch
 
 from specdecode.bench.env import cpu_model, git_commit
 from specdecode.data import load_prompts
-from specdecode.engine import EngineConfig, SpeculativeEngine
+from specdecode.build import build_engine
 from specdecode.kv import make_runner
 from specdecode.kernels import use_small_row_matmul
 from specdecode.models import load_model
-from specdecode.proposers import DraftModelProposer, NgramProposer
-from specdecode.proposers.suffix import SuffixConfig, SuffixProposer
-from specdecode.proposers.tree_draft import TreeDraftConfig, TreeDraftProposer
+from specdecode.spec import DrafterSpec
 from specdecode.types import SamplingParams
 
 
@@ -57,15 +55,16 @@ def machine() -> dict:
 
 
 class Variant:
-    """A named engine; ``fresh`` rebuilds its proposer (a new global suffix tree) per workload."""
+    """A named engine built from a drafter spec (``specdecode.build``); ``fresh`` rebuilds it (a new global suffix
+    tree) per workload."""
 
-    def __init__(self, name: str, target, make_proposer, gamma: int) -> None:
-        self.name, self.target, self.make, self.gamma = name, target, make_proposer, gamma
+    def __init__(self, name: str, target, spec: str, draft=None) -> None:
+        self.name, self.target, self.spec, self.draft = name, target, DrafterSpec.parse(spec), draft
         self.fresh()
 
     def fresh(self) -> None:
-        self.proposer = self.make() if self.make else None
-        self.engine = SpeculativeEngine(self.target, self.proposer, EngineConfig(num_speculative_tokens=self.gamma))
+        self.engine = build_engine(self.target, self.spec, draft=self.draft, num_speculative_tokens=1).engine
+        self.proposer = self.engine.proposer
 
     def run(self, ids: list[int], params: SamplingParams) -> dict:
         t0 = time.perf_counter()
@@ -202,15 +201,13 @@ def main() -> None:
                                             [1, 2, 4, 8, 12, 16, 24, 32])
         log(f"verify cost: {report['verify_cost']}")
         g = args.gamma
-        variants = [Variant("plain", model, None, 1),
-                    Variant("ngram k=5", model, NgramProposer, 5),
-                    Variant(f"ngram k={g}", model, NgramProposer, g)]
+        variants = [Variant("plain", target, "none"),
+                    Variant("ngram k=5", target, "ngram:k=5"),
+                    Variant(f"ngram k={g}", target, f"ngram:k={g}")]
         for n in nodes:
-            cfg = SuffixConfig(max_spec_nodes=n)
-            variants.append(Variant(f"suffix k={g} N={n}", model, lambda cfg=cfg: SuffixProposer(cfg), g))
-        hcfg = SuffixConfig(max_spec_nodes=nodes[0], min_score=1.0)
-        variants.append(Variant(f"suffix:ngram k={g} N={nodes[0]}", model,
-                                lambda: SuffixProposer(hcfg, fallback=NgramProposer()), g))
+            variants.append(Variant(f"suffix k={g} N={n}", target, f"suffix:k={g},max_spec_nodes={n}"))
+        variants.append(Variant(f"suffix:ngram k={g} N={nodes[0]}", target,
+                                f"suffix:k={g},max_spec_nodes={nodes[0]},min_score=1.0,fallback=(ngram)"))
         workloads = {"spec-bench/summarization": f"spec-bench:summarization:{args.limit}",
                      "spec-bench/rag": f"spec-bench:rag:{args.limit}"}
         report["models"] = {"target": target.name, "source": str(target.source)}
@@ -238,12 +235,11 @@ def main() -> None:
         tok = target.tokenizer
         report["models"] = {"target": target.name, "draft": draft.name}
         d = args.gamma
-        variants = [Variant("plain", target.model, None, 1),
-                    Variant(f"chain k={d}", target.model, lambda: DraftModelProposer(draft.model), d)]
+        variants = [Variant("plain", target, "none"),
+                    Variant(f"chain k={d}", target, f"draft-model:k={d},model={args.draft}", draft)]
         for n in nodes:
-            cfg = TreeDraftConfig(kind="dynamic", num_nodes=n, top_k=4, max_depth=d)
-            variants.append(Variant(f"dynamic depth={d} N={n}", target.model,
-                                    lambda cfg=cfg: TreeDraftProposer(draft.model, cfg), d))
+            variants.append(Variant(f"dynamic depth={d} N={n}", target, f"tree-draft:k={d},model={args.draft},"
+                                    f"kind=dynamic,num_nodes={n},top_k=4,max_depth={d}", draft))
         prompts = [encode(tok, p) for p in load_prompts(f"humaneval:{args.limit}")]
         results = {"humaneval": {"dataset": f"humaneval:{args.limit}",
                                  "runs": run_workload("humaneval", variants, prompts, params, log)}}

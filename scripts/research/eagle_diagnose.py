@@ -14,12 +14,11 @@ from pathlib import Path
 
 import torch
 
+from specdecode.build import build_engine
 from specdecode.eagle import corpus
-from specdecode.eagle.head import load_head
-from specdecode.engine import EngineConfig, SpeculativeEngine
 from specdecode.lowbit import set_weight_precision
 from specdecode.models import load_model
-from specdecode.proposers.eagle import EagleProposer
+from specdecode.spec import DrafterSpec
 from specdecode.types import SamplingParams
 
 
@@ -29,9 +28,8 @@ def main() -> None:
     lm = load_model("smollm2-135m", progress=False); set_weight_precision(lm.model, "bf16")
     work = Path.home()/'.cache/specdecode/eagle/smollm2-135m'
     recs=[json.loads(l) for l in open(work/'responses.jsonl')][-12:]
-    head = load_head(work/'head')
-    prop = EagleProposer(head)
-    eng = SpeculativeEngine(lm.model, prop, EngineConfig(num_speculative_tokens=2))
+    eng = build_engine(lm, DrafterSpec.parse(f"eagle:k=2,head={work/'head'}")).engine
+    prop = eng.proposer
     # 1. features: engine capture vs HF
     r = recs[0]; ids = r['prompt_ids']
     req, _ = eng.add(ids, SamplingParams(max_new_tokens=2))

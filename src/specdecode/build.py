@@ -20,15 +20,12 @@ from dataclasses import dataclass
 
 from specdecode.engine import EngineConfig, SpeculativeEngine
 from specdecode.models import LoadedModel
+from specdecode.options import DEFAULT_GAMMA
 from specdecode.policy import build_policy
 from specdecode.proposers.base import Proposer
 from specdecode.proposers.factory import factory_from_spec, load_draft
 from specdecode.proposers.layer_skip import LayerSkipProposer
 from specdecode.spec import DrafterSpec
-
-#: γ when neither the spec nor the caller names one (``-k``'s default).
-DEFAULT_GAMMA = 5
-
 
 def load_draft_for(spec: DrafterSpec, target: LoadedModel, target_spec: str, **kwargs) -> LoadedModel | None:
     """The draft LoadedModel ``spec`` names (None for model-free drafters); see ``proposers.factory.load_draft``.
@@ -130,5 +127,5 @@ def choose_skip_layers(proposer: Proposer | None, prompts: Sequence[Sequence[int
     return result
 
 
-__all__ = ["DEFAULT_GAMMA", "Built", "assemble", "build_engine", "build_factory", "choose_skip_layers", "gamma_of",
+__all__ = ["Built", "assemble", "build_engine", "build_factory", "choose_skip_layers", "gamma_of",
            "load_draft_for"]

@@ -16,7 +16,7 @@ from specdecode.cliargs import SAMPLING_MODES, check_drafter_flags, check_thread
 from specdecode.cliargs import status as _status
 from specdecode.errors import SpecDecodeError
 from specdecode.spec import DrafterSpec
-from specdecode.data import SharedDataMissing, load_prompts
+from specdecode.data import SharedDataMissing, load_prompts, read_prompt_text
 from specdecode.validate import (  # the library's own checks, without torch
     check_engine,
     check_sampling,
@@ -149,7 +149,7 @@ _FLAG_OF = {
     "repetition_penalty": "--repetition-penalty", "presence_penalty": "--presence-penalty",
     "frequency_penalty": "--frequency-penalty", "logit_bias": "--logit-bias", "min_tokens": "--min-tokens",
     "stop_token_ids": "--stop-token-id", "coupled": "--sampling-mode", "json_schema": "--json-schema",
-    "regex": "--regex",
+    "regex": "--regex", "draft": "--draft",
     # specdecode audit
     "num_samples": "-N/--num-samples", "num_tokens": "--tokens", "alpha": "--alpha", "power": "--power",
     "min_cell_mass": "--min-cell-mass", "null_simulations": "--null-simulations", "tie_margin": "--tie-margin",
@@ -211,24 +211,8 @@ def read_jobs(args: argparse.Namespace) -> list[_Job]:
 
 
 def read_prompt_file(path: str) -> str:
-    if path == "-":
-        text = sys.stdin.read()
-        if not text.strip():
-            raise SpecDecodeError("--prompt-file -: standard input was empty; pipe the prompt in (as --prompt "
-                                  "refuses '')")
-        return text
-    file = Path(path).expanduser()
-    if file.is_dir():
-        raise SpecDecodeError(f"--prompt-file {path!r} is a directory; give a text file (or - for stdin)")
-    if not file.is_file():
-        raise SpecDecodeError(f"prompt file not found: {path!r}")
-    try:
-        text = file.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise SpecDecodeError(f"cannot read prompt file {path!r}: {exc}") from exc
-    if not text.strip():
-        raise SpecDecodeError(f"prompt file {path!r} is empty; write the prompt in it (as --prompt refuses '')")
-    return text
+    """The text of ``--prompt-file PATH`` (``-``: standard input); SpecDecodeError as ``data.read_prompt_text``."""
+    return read_prompt_text(path, "--prompt-file", stdin=True)
 
 
 def _preview(text: str, width: int = 90) -> str:

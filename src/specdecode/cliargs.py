@@ -15,7 +15,7 @@ import sys
 import time
 
 from specdecode.errors import SpecDecodeError
-from specdecode.spec import MODEL_KINDS, DrafterSpec
+from specdecode.spec import FLAG_DEFAULTS, MODEL_KINDS, DrafterSpec
 from specdecode.validate import check_threads, usable_cores  # noqa: F401 - check_threads re-exported (the CLI's)
 from specdecode.options import (
     DEFAULT_MAX_REQUEST_BYTES,
@@ -164,14 +164,15 @@ def add_drafter_arguments(group: argparse._ArgumentGroup, *, policy_default: str
     """Add --draft, -k, --ngram-min/max, --skip-layers, --policy, --tree, --tree-nodes, --verification, --dtype,
     --weights, --draft-weights and --cache-dir to ``group`` (--policy to ``policy_group`` when given: serve's
     mutually exclusive group with --adaptive / --no-adaptive)."""
-    group.add_argument("--draft", default="ngram", metavar="SPEC",
+    group.add_argument("--draft", default=FLAG_DEFAULTS["draft"], metavar="SPEC",
                        help=f"the proposer: {DRAFT_CHOICES_HELP}; a draft model with another tokenizer "
                             "drafts across vocabularies (said at start-up) (default: %(default)s)")
-    group.add_argument("-k", "--num-speculative-tokens", type=int, default=5, metavar="N",
+    group.add_argument("-k", "--num-speculative-tokens", type=int, default=FLAG_DEFAULTS["num_speculative_tokens"],
+                       metavar="N",
                        help=f"{gamma_help} (default: %(default)s)")
-    group.add_argument("--ngram-min", type=int, default=1, metavar="N",
+    group.add_argument("--ngram-min", type=int, default=FLAG_DEFAULTS["ngram_min"], metavar="N",
                        help="shortest n-gram the ngram drafter matches (default: %(default)s)")
-    group.add_argument("--ngram-max", type=int, default=3, metavar="N",
+    group.add_argument("--ngram-max", type=int, default=FLAG_DEFAULTS["ngram_max"], metavar="N",
                        help="longest n-gram the ngram drafter matches, tried first (default: %(default)s)")
     group.add_argument("--skip-layers", default=None, metavar="LIST",
                        help="with --draft layer-skip: decoder layers to skip, e.g. 3,5,7 (default: the set cached for "
@@ -182,11 +183,11 @@ def add_drafter_arguments(group: argparse._ArgumentGroup, *, policy_default: str
                                "otherwise); confidence (draft up to max(2k, 8) while the draft is sure); cost-model "
                                "(gamma maximising tokens/s measured online per batch size, 0 = plain decoding when "
                                "speculation loses) (default: %(default)s)")
-    group.add_argument("--tree", default="none", choices=TREE_KINDS,
+    group.add_argument("--tree", default=FLAG_DEFAULTS["tree"], choices=TREE_KINDS,
                        help="token trees from the draft model or head, verified in one target pass: 'static' (top-k "
                             "branching per depth) or 'dynamic' (EAGLE-2: expand the most probable nodes, keep the "
                             "best N); -k caps the depth (default: %(default)s = chains)")
-    group.add_argument("--tree-nodes", type=int, default=DEFAULT_TREE_NODES, metavar="N",
+    group.add_argument("--tree-nodes", type=int, default=FLAG_DEFAULTS["tree_nodes"], metavar="N",
                        help="node budget N of --tree and of suffix decoding, 1..64; 15 nodes and the root fill one "
                             "16-row verification block, 16 would cost two (default: %(default)s)")
     group.add_argument("--verification", default="auto", choices=VERIFICATION_METHODS,

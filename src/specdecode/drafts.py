@@ -12,7 +12,7 @@ from specdecode.tree import tree_depth
 from specdecode.types import Draft
 
 
-def _row_gamma(row: Request, gamma: int) -> int:
+def row_gamma(row: Request, gamma: int) -> int:
     """The draft length of one row this step: 0 with speculation off for it, its own gamma when it
     set one, else the policy's."""
     spec = row.speculation
@@ -21,7 +21,7 @@ def _row_gamma(row: Request, gamma: int) -> int:
     return spec.num_speculative_tokens if spec.num_speculative_tokens is not None else gamma
 
 
-def _cut_draft(row: Request, d: Draft) -> Draft:
+def cut_draft(row: Request, d: Draft) -> Draft:
     """Drop draft tokens the request could never generate (a banned token, a stop token before
     min_tokens, a token the grammar forbids) before verification: a deterministic chain ends before
     the first one. Cutting changes no output distribution there: q is a point mass, verification
@@ -46,7 +46,7 @@ def _cut_draft(row: Request, d: Draft) -> Draft:
 MAX_DRAFT_NODES = 128
 
 
-def _draft_problem(d: Draft, cap: int, vocab: int, trees: bool) -> str | None:
+def draft_problem(d: Draft, cap: int, vocab: int, trees: bool) -> str | None:
     """Why a row's draft breaks the proposer contract, or None."""
     if not isinstance(d, Draft) or not isinstance(d.token_ids, torch.Tensor):
         return f"expected a Draft with a token_ids tensor, got {type(d).__name__}"

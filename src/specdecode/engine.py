@@ -33,7 +33,7 @@ import torch
 
 from specdecode.config import EngineConfig, RequestSpeculation
 from specdecode.coupled import CoupledNoise
-from specdecode.drafts import _cut_draft, _draft_problem, _row_gamma
+from specdecode.drafts import cut_draft, draft_problem, row_gamma
 from specdecode.kv import SlotRunner, make_runner
 from specdecode.metrics import RunMetrics, StepRecord
 from specdecode.policy import FixedPolicy
@@ -258,12 +258,12 @@ class SpeculativeEngine:
     def _propose(self, rows: list[Request]) -> list[Draft]:
         gamma = self.policy.next_length(len(rows)) if self.proposer is not None else 0
         self.last_gamma = gamma
-        caps = [max(0, min(_row_gamma(row, gamma), row.remaining - 1)) for row in rows]
+        caps = [max(0, min(row_gamma(row, gamma), row.remaining - 1)) for row in rows]
         if max(caps, default=0) <= 0:
             return [Draft.empty() for _ in rows]
         drafts = self.proposer.propose([row.ctx for row in rows], caps)
         drafts = self._check_drafts(rows, drafts, caps)
-        return [_cut_draft(row, d) for row, d in zip(rows, drafts)]
+        return [cut_draft(row, d) for row, d in zip(rows, drafts)]
 
     def _verify(self, rows: list[Request], drafts: list[Draft]) -> tuple[list[VerifyResult], torch.Tensor]:
         """Score ``[last committed token, draft...]`` of every row in ONE target forward; verify."""
@@ -486,7 +486,7 @@ class SpeculativeEngine:
                                         f"{len(drafts) if hasattr(drafts, '__len__') else '?'} drafts for {len(rows)} rows")
         out = []
         for row, d, cap in zip(rows, drafts, caps):
-            problem = _draft_problem(d, cap, self.vocab_size, self.trees)
+            problem = draft_problem(d, cap, self.vocab_size, self.trees)
             if problem is not None:
                 row.finish_reason, row.error = "error", f"proposer {name!r} broke its contract: {problem}"
                 d = Draft.empty()

@@ -34,16 +34,10 @@ from specdecode.grammar import compile_grammar, structured_output
 from specdecode.kernels import WEIGHT_PRECISIONS
 from specdecode.metrics import RunMetrics
 from specdecode.models import LoadedModel
-from specdecode.options import DEFAULT_TREE_NODES
+from specdecode.options import DEFAULT_GAMMA, DEFAULT_NGRAM_MAX, DEFAULT_NGRAM_MIN, DEFAULT_TREE_NODES
 from specdecode.policy import build_policy
 from specdecode.precision import PrecisionChoice, load_target
 from specdecode.preflight import check_models
-from specdecode.proposers.factory import (  # noqa: F401 - the drafter choices, re-exported
-    LAYER_SKIP_DRAFT,
-    NGRAM_DRAFT,
-    NO_DRAFT,
-    SUFFIX_DRAFT,
-)
 from specdecode.spec import DrafterSpec
 from specdecode.types import EmptyPromptError, SamplingParams, SpecDecodeError
 from specdecode.validate import check_stops
@@ -100,7 +94,7 @@ class SpecDecoder:
         target: LoadedModel,
         proposer=None,
         *,
-        num_speculative_tokens: int = 5,
+        num_speculative_tokens: int = DEFAULT_GAMMA,
         draft: LoadedModel | None = None,
         policy="fixed",
         verification: str = "auto",
@@ -122,11 +116,11 @@ class SpecDecoder:
     def from_pretrained(
         cls,
         target: str,
-        draft: str | DrafterSpec | None = NGRAM_DRAFT,
+        draft: str | DrafterSpec | None = "ngram",
         *,
-        num_speculative_tokens: int = 5,
-        ngram_min: int = 1,
-        ngram_max: int = 3,
+        num_speculative_tokens: int = DEFAULT_GAMMA,
+        ngram_min: int = DEFAULT_NGRAM_MIN,
+        ngram_max: int = DEFAULT_NGRAM_MAX,
         dtype: torch.dtype | str = torch.float32,
         cache_dir=None,
         progress: bool = True,

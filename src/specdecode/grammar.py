@@ -21,7 +21,7 @@ keeps exactly that distribution:
    argmax of the masked logits, plain decoding's constrained argmax.
 3. **Deterministic drafts cut before verification.** Deterministic drafters (n-gram, suffix) know
    no grammar. ``valid_prefix`` reports how many leading draft tokens the masks allow, and the
-   engine ends such a chain before the first forbidden one (``engine._cut_draft``). Its q is a
+   engine ends such a chain before the first forbidden one (``engine.cut_draft``). Its q is a
    point mass on the drafted token x; verification would reject x (p~(x) = 0) and sample from
    ``norm(max(0, p~ - q)) = p~``: what the shortened chain's next position does (the bonus). Put
    otherwise, the cut draft is still a deterministic function of the context, and any such draft

@@ -64,8 +64,8 @@ import torch
 from specdecode.engine import EngineConfig, SpeculativeEngine
 from specdecode.models import default_cache_dir
 from specdecode.proposers.layer_skip import LayerSkipConfig, LayerSkipProposer
-from specdecode.search_progress import SearchProgress, _reporter
-from specdecode.skip_forward import SkipForward, _ProxyScorer
+from specdecode.search_progress import SearchProgress, progress_reporter
+from specdecode.skip_forward import ProxyScorer, SkipForward
 from specdecode.types import SamplingParams
 
 
@@ -272,7 +272,7 @@ def search_skip_layers(model: torch.nn.Module, prompts: Sequence[Sequence[int]],
         LayerSkipError: unsupported model. ValueError: no usable prompt.
     """
     config = config or SearchConfig()
-    plan = _Plan(config, _reporter(progress))
+    plan = _Plan(config, progress_reporter(progress))
     skip = SkipForward(model)
     prompts = [list(p)[-config.max_prompt_tokens:] for p in prompts if len(p)]
     if not prompts:
@@ -281,7 +281,7 @@ def search_skip_layers(model: torch.nn.Module, prompts: Sequence[Sequence[int]],
         contexts, plain_tps = _contexts(model, prompts, config.new_tokens, plan)
         prompts = prompts[: len(contexts)]
         plan.enter("timing")
-        scorer = _ProxyScorer(skip, contexts, [len(p) for p in prompts], config.max_gamma)
+        scorer = ProxyScorer(skip, contexts, [len(p) for p in prompts], config.max_gamma)
         ranked = _proxy_stage(scorer, skip.num_layers, config, plan, plain_tps)
         rows = ranked[: max(1, config.measured_candidates)]
         plain_tps = _measure_round_robin(model, prompts, rows, config, plan, plain_tps)
@@ -296,7 +296,7 @@ def search_skip_layers(model: torch.nn.Module, prompts: Sequence[Sequence[int]],
     )
 
 
-def _proxy_stage(scorer: _ProxyScorer, num_layers: int, config: SearchConfig, plan: _Plan,
+def _proxy_stage(scorer: ProxyScorer, num_layers: int, config: SearchConfig, plan: _Plan,
                  plain_tps: float) -> list[dict]:
     """Score the initial candidates, then mutations of the best, until the time the timed runs need; ranked."""
     rng = random.Random(config.seed)

@@ -18,6 +18,11 @@ CATALOG_MODELS = ("smollm2-135m", "qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b", "g
 #: Node budget of a token tree and of suffix decoding (``--tree-nodes``): 15 nodes and the root fill one 16-row
 #: block of the batch-invariant verification forward; 16 would cost two.
 DEFAULT_TREE_NODES = 15
+#: γ (``num_speculative_tokens``, ``-k``) when neither a drafter spec nor the caller names one.
+DEFAULT_GAMMA = 5
+#: Shortest and longest n-gram the ngram drafter matches (``--ngram-min`` / ``--ngram-max``, ``NgramConfig``).
+DEFAULT_NGRAM_MIN = 1
+DEFAULT_NGRAM_MAX = 3
 
 #: Precisions a model's weights can execute in (``specdecode.lowbit.set_weight_precision``).
 WEIGHT_PRECISIONS = ("fp32", "bf16", "int8", "int4")

@@ -31,7 +31,7 @@ class SearchProgress:
     message: str = ""
 
 
-def _reporter(progress: Callable[[SearchProgress], None] | bool | None) -> Callable[[SearchProgress], None]:
+def progress_reporter(progress: Callable[[SearchProgress], None] | bool | None) -> Callable[[SearchProgress], None]:
     if progress is False:
         return lambda p: None
     if progress is None or progress is True:

@@ -116,7 +116,7 @@ class _HFPrefix:
         self.num_cached = len(ids)
 
 
-class _ProxyScorer:
+class ProxyScorer:
     """First-draft-token agreement of a skip set with the full model, and the predicted speedup.
 
     For every scored position j of a context, the skipped model drafts from token

@@ -19,9 +19,10 @@ The three forms, one parser each, all landing on the same spec:
 
 ``str(spec)`` is the canonical compact form (keys sorted, values equal to the proposer's defaults left
 out), so ``DrafterSpec.parse(str(spec)) == spec`` and two spellings of one drafter compare equal.
-The spec is checked when it is read (γ, n-gram sizes, tree kinds and node budgets, skip sets); a field
-of a proposer registered outside this module is checked against its config type when the engine is built
-(:mod:`specdecode.build`). No torch here: the command line reads specs before importing anything heavy.
+The spec is checked when it is read (γ, n-gram sizes, tree kinds and node budgets, skip sets, the option
+names of a built-in kind: :data:`OPTIONS`), and by :meth:`DrafterSpec.check` before any model loads (a model
+kind names its model, a head path is a checkpoint); a field of a proposer registered outside this module is
+checked against its config type when the engine is built (:mod:`specdecode.build`). No torch here: the command line reads specs before importing anything heavy.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from specdecode.errors import SpecDecodeError
-from specdecode.options import DEFAULT_TREE_NODES, TREE_KINDS
+from specdecode.options import DEFAULT_GAMMA, DEFAULT_NGRAM_MAX, DEFAULT_NGRAM_MIN, DEFAULT_TREE_NODES, TREE_KINDS
 from specdecode.validate import (
     MAX_SPECULATIVE_TOKENS,
     MAX_TREE_NODES,
@@ -51,18 +52,31 @@ GAMMA_KEYS = ("k", "gamma", "num_speculative_tokens")
 #: The defaults of the config fields a flag sets, per kind (torch-free copies of the proposers' config
 #: dataclasses; tests/test_spec.py keeps them equal). A value equal to its default is left out of a spec.
 DEFAULTS: dict[str, dict[str, str]] = {
-    "ngram": {"min_ngram": "1", "max_ngram": "3"},
+    "ngram": {"min_ngram": str(DEFAULT_NGRAM_MIN), "max_ngram": str(DEFAULT_NGRAM_MAX)},
     "suffix": {"max_spec_nodes": "16"},
     "eagle": {"tree": "none", "num_nodes": str(DEFAULT_TREE_NODES)},
     "tree-draft": {"kind": "dynamic", "num_nodes": str(DEFAULT_TREE_NODES)},
+}
+#: The options (config fields) of each built-in kind: torch-free copies of the proposers' config dataclasses
+#: (tests/test_spec.py keeps them equal). Any other key is refused when a spec is read.
+OPTIONS: dict[str, tuple[str, ...]] = {
+    "none": (),
+    "ngram": ("min_ngram", "max_ngram"),
+    "suffix": ("max_depth", "max_match", "max_spec_nodes", "spec_factor", "min_token_prob", "min_score",
+               "max_request_tokens", "use_global", "global_max_nodes"),
+    "layer-skip": ("skip_layers", "min_confidence", "search_budget_s", "cache_dir"),
+    "eagle": ("tree", "num_nodes", "top_k", "max_depth", "min_confidence", "head", "cache_dir"),
+    "draft-model": ("forward", "vocab"),
+    "tree-draft": ("kind", "num_nodes", "branching", "top_k", "max_depth", "sampled_candidates", "forward"),
+    "cross-vocab": ("forward",),
 }
 #: Integer fields checked (and written without leading zeros) when a spec is read.
 _INT_FIELDS = {"min_ngram", "max_ngram", "max_spec_nodes", "num_nodes", "top_k", "max_depth"}
 #: Node-budget fields: integers in 1..MAX_TREE_NODES.
 _NODE_FIELDS = {"max_spec_nodes", "num_nodes"}
-#: The flag defaults of ``specdecode generate`` / ``serve`` (cliargs.add_drafter_arguments).
-FLAG_DEFAULTS = {"draft": "ngram", "num_speculative_tokens": 5, "ngram_min": 1, "ngram_max": 3,
-                 "skip_layers": None, "tree": "none", "tree_nodes": DEFAULT_TREE_NODES}
+#: The flag defaults of ``specdecode generate`` / ``serve`` (cliargs.add_drafter_arguments reads them from here).
+FLAG_DEFAULTS = {"draft": "ngram", "num_speculative_tokens": DEFAULT_GAMMA, "ngram_min": DEFAULT_NGRAM_MIN,
+                 "ngram_max": DEFAULT_NGRAM_MAX, "skip_layers": None, "tree": "none", "tree_nodes": DEFAULT_TREE_NODES}
 
 
 def _refuse(field: str | None, message: str) -> SpecDecodeError:
@@ -191,8 +205,8 @@ class DrafterSpec:
             out["num_speculative_tokens"] = self.num_speculative_tokens
         opts = dict(self.options)
         if self.kind == "ngram" and set(opts) <= {"min_ngram", "max_ngram"}:
-            return {"draft": "ngram", **out, "ngram_min": int(opts.get("min_ngram", 1)),
-                    "ngram_max": int(opts.get("max_ngram", 3))}
+            return {"draft": "ngram", **out, "ngram_min": int(opts.get("min_ngram", DEFAULT_NGRAM_MIN)),
+                    "ngram_max": int(opts.get("max_ngram", DEFAULT_NGRAM_MAX))}
         if self.kind == "layer-skip" and set(opts) <= {"skip_layers"}:
             skip = opts.get("skip_layers")
             return {"draft": "layer-skip", **out, **({"skip_layers": skip.replace("/", ",")} if skip else {})}
@@ -254,30 +268,26 @@ class DrafterSpec:
         return self.family
 
     def check(self) -> DrafterSpec:
-        """Checks that read the disk: an eagle head path names a checkpoint. Returns self.
+        """The checks a front end runs before it loads any model: a kind of :data:`MODEL_KINDS` names its draft
+        model (``model=``), and an eagle head path names a checkpoint (this reads the disk). Returns self.
 
         Raises:
-            SpecDecodeError: ``eagle:DIR`` where DIR lacks ``config.json`` / ``model.safetensors``.
+            SpecDecodeError: a model kind without ``model=``; ``eagle:DIR`` where DIR lacks ``config.json`` /
+                ``model.safetensors``.
         """
+        if self.kind in MODEL_KINDS and not self.model:
+            raise _refuse("draft", f"{self.kind} drafts with a second model, but {str(self)!r} names none: add "
+                                   f"model=MODEL (e.g. '{self.kind}:model=qwen2.5-coder-0.5b')")
         head = self.head_path
         if head is not None:
             path = Path(head).expanduser()
             if not (path / "config.json").is_file() or not (path / "model.safetensors").is_file():
-                raise _refuse("draft", f"--draft eagle:{head}: {path} is not a draft-head checkpoint (it needs "
+                raise _refuse("draft", f"eagle:{head}: {path} is not a draft-head checkpoint (it needs "
                                        f"config.json and model.safetensors); make one with specdecode train-drafter "
                                        f"--target MODEL, or use --draft eagle for the head of the package / the cache")
         if self.fallback is not None:
             self.fallback.check()
         return self
-
-
-def parse_specs(text: str | None, *, bare_model: bool = False) -> list[DrafterSpec]:
-    """A ``;``-separated list of compact specs (``specdecode bench --methods``).
-
-    Raises:
-        SpecDecodeError: as :meth:`DrafterSpec.parse`, for the first bad one.
-    """
-    return [DrafterSpec.parse(part, bare_model=bare_model) for part in (text or "").split(";") if part.strip()]
 
 
 # ---------------------------------------------------------------------- helpers
@@ -312,6 +322,7 @@ def _normal(kind: str, options: Mapping[str, object], text: str) -> tuple[tuple[
     """Options checked, written one way, defaults left out, sorted by key."""
     out = {}
     for key, raw in options.items():
+        _check_known(kind, key, text)
         value = str(raw).strip()
         if key in _NODE_FIELDS:
             value = str(_check_nodes(key, value))
@@ -330,10 +341,18 @@ def _normal(kind: str, options: Mapping[str, object], text: str) -> tuple[tuple[
         if value and value != DEFAULTS.get(kind, {}).get(key):
             out[key] = value
     if kind == "ngram":
-        low, high = int(out.get("min_ngram", 1)), int(out.get("max_ngram", 3))
+        low, high = int(out.get("min_ngram", DEFAULT_NGRAM_MIN)), int(out.get("max_ngram", DEFAULT_NGRAM_MAX))
         if not 1 <= low <= high:
             raise _refuse("ngram", f"ngram sizes need 1 <= min_ngram <= max_ngram, got {low}, {high} in {text!r}")
     return tuple(sorted(out.items()))
+
+
+def _check_known(kind: str, key: str, text: str) -> None:
+    """Refuse a key that is no option of a built-in ``kind`` (kinds registered elsewhere: at build time)."""
+    if kind in OPTIONS and key not in OPTIONS[kind]:
+        extra = ("model", "fallback") if kind == "suffix" else ("model",) if kind in MODEL_KINDS else ()
+        valid = ", ".join(("k", *extra, *sorted(OPTIONS[kind])))
+        raise _refuse("draft", f"{kind} has no option {key!r} (in {text!r}); its options: {valid}")
 
 
 def _fallback(inner: DrafterSpec, text: str) -> DrafterSpec | None:
@@ -383,5 +402,4 @@ def _with_flags(base: DrafterSpec, s: Mapping, tree: str, text: str, written: se
     return replace(base, options=_normal(base.kind, {**flags, **own}, text))
 
 
-__all__ = ["BUILTIN_KINDS", "DEFAULTS", "FLAG_DEFAULTS", "GAMMA_KEYS", "MODEL_KINDS", "NONE", "DrafterSpec",
-           "parse_specs"]
+__all__ = ["BUILTIN_KINDS", "DEFAULTS", "FLAG_DEFAULTS", "GAMMA_KEYS", "MODEL_KINDS", "NONE", "OPTIONS", "DrafterSpec"]

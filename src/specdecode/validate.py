@@ -1,7 +1,7 @@
 """The one copy of every range check that needs no model, in a module without torch.
 
 The library's own types call these (``SamplingParams``, ``EngineConfig``, ``NgramConfig``,
-``TreeDraftConfig``, ``proposers.factory.check_drafter``, ``policy.build_policy``,
+``TreeDraftConfig``, ``spec.DrafterSpec``, ``policy.build_policy``,
 ``server.launch.check_options``), and so does the command line before it imports anything heavy,
 so ``specdecode generate -k 0`` is refused at once with the library's own words. Only
 :mod:`specdecode.errors` and :mod:`specdecode.options` are imported here.
@@ -15,14 +15,11 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 
 from specdecode.errors import InvalidSamplingParams, LayerSkipError, SpecDecodeError
 from specdecode.options import (  # noqa: F401 - VERIFICATION_METHODS re-exported
-    DEFAULT_TREE_NODES,
     FORWARD_BACKENDS,
     POLICY_NAMES,
-    TREE_KINDS,
     VERIFICATION_METHODS,
     WEIGHT_CHOICES,
 )
@@ -249,89 +246,6 @@ def check_policy_name(name: str | None) -> str:
 # --------------------------------------------------------------------------- drafters
 
 
-#: Drafter choices that mean "no proposer": plain decoding.
-NO_DRAFT = ("none", "")
-#: The drafter choice of prompt-lookup (n-gram) drafting.
-NGRAM_DRAFT = "ngram"
-#: The drafter choice of self-speculation: the target with some decoder layers skipped.
-LAYER_SKIP_DRAFT = "layer-skip"
-#: The drafter choice of suffix decoding; ``suffix:ngram`` / ``suffix:MODEL`` add a fallback drafter.
-SUFFIX_DRAFT = "suffix"
-#: The drafter choice of a trained feature-level head (EAGLE-3 style): ``eagle`` (the head shipped with the
-#: package or trained by ``specdecode train-drafter`` for this target) or ``eagle:PATH`` (a checkpoint).
-EAGLE_DRAFT = "eagle"
-#: Kinds of :class:`DraftChoice`: the five above and "model" (a draft-model spec).
-DRAFT_KINDS = ("none", NGRAM_DRAFT, LAYER_SKIP_DRAFT, SUFFIX_DRAFT, EAGLE_DRAFT, "model")
-#: Token-tree kinds a draft model builds (``proposers.tree_draft.TREE_KINDS``); "none" = chains.
-_TREE_KINDS = tuple(kind for kind in TREE_KINDS if kind != "none")
-
-
-@dataclass(frozen=True)
-class DraftChoice:
-    """A ``--draft`` value, read.
-
-    Attributes:
-        text: the value as given, stripped ("" for None); a draft-model spec keeps its case.
-        kind: one of :data:`DRAFT_KINDS`.
-        fallback: with kind "suffix", the inner drafter of ``suffix:INNER`` (kind "none" when there is none).
-    """
-
-    text: str
-    kind: str
-    fallback: DraftChoice | None = None
-
-    @property
-    def head_path(self) -> str | None:
-        """With kind "eagle": the checkpoint of ``eagle:PATH`` (None: the default head for the target)."""
-        if self.kind != EAGLE_DRAFT:
-            return None
-        return self.text.partition(":")[2].strip() or None
-
-    @property
-    def model_spec(self) -> str | None:
-        """The draft-model spec this choice loads (its own or its fallback's); None when it needs no model."""
-        if self.kind == "model":
-            return self.text
-        return self.fallback.model_spec if self.fallback is not None else None
-
-
-def parse_draft(draft: str | None) -> DraftChoice:
-    """Read a drafter choice (see ``proposers.factory``); names are case-insensitive, model specs are not."""
-    text = (draft or "").strip()
-    name = text.lower()
-    if name in NO_DRAFT:
-        return DraftChoice(text, "none")
-    if name in (NGRAM_DRAFT, LAYER_SKIP_DRAFT):
-        return DraftChoice(text, name)
-    if name.partition(":")[0] == EAGLE_DRAFT:
-        return DraftChoice(text, EAGLE_DRAFT)
-    if name.partition(":")[0] == SUFFIX_DRAFT:
-        return DraftChoice(text, SUFFIX_DRAFT, parse_draft(text.partition(":")[2] or "none"))
-    return DraftChoice(text, "model")
-
-
-@dataclass(frozen=True)
-class DrafterOptions:
-    """The settings that go with a drafter choice; each is used only by the drafters it names.
-
-    Attributes:
-        ngram_min, ngram_max: smallest and largest n-gram matched by ``ngram`` (tokens).
-        tree: "static" (top-k branching per depth) or "dynamic" (EAGLE-2) token trees of a draft
-            model; None / "none" = chains.
-        tree_nodes: node budget N (1..64) of a tree, and of ``suffix``.
-        skip_layers: the decoder layers ``layer-skip`` skips ("3,5,7" or indices); None = the set
-            cached for the model, or a search on the first prompt.
-        cache_dir: where ``layer-skip`` keeps its chosen sets (None = its default).
-    """
-
-    ngram_min: int = 1
-    ngram_max: int = 3
-    tree: str | None = None
-    tree_nodes: int = DEFAULT_TREE_NODES
-    skip_layers: str | Sequence[int] | None = None
-    cache_dir: str | None = None
-
-
 def check_ngram_sizes(min_ngram: int, max_ngram: int) -> None:
     """The rule of ``proposers.ngram.NgramConfig``: 1 <= min_ngram <= max_ngram.
 
@@ -352,19 +266,6 @@ def check_tree_nodes(num_nodes: int) -> None:
     if not isinstance(num_nodes, int) or not 1 <= num_nodes <= MAX_TREE_NODES:
         raise _refuse(SpecDecodeError, "tree_nodes",
                       f"tree nodes must be an integer in [1, {MAX_TREE_NODES}], got {num_nodes!r}")
-
-
-def check_tree(tree: str | None, tree_nodes: int) -> str:
-    """The tree kind of ``tree`` ("none" for None / "none", chains), its node budget checked.
-
-    Raises:
-        SpecDecodeError: an unknown tree kind, a node budget outside 1..64.
-    """
-    kind = (tree or "none").strip().lower()
-    if kind != "none" and kind not in _TREE_KINDS:
-        raise _refuse(SpecDecodeError, "tree", f"tree must be one of none, {', '.join(_TREE_KINDS)}; got {tree!r}")
-    check_tree_nodes(tree_nodes)
-    return kind
 
 
 def parse_skip_layers(spec: str | Iterable[int] | None, num_layers: int | None = None) -> tuple[int, ...] | None:
@@ -391,38 +292,6 @@ def parse_skip_layers(spec: str | Iterable[int] | None, num_layers: int | None =
         if len(layers) >= num_layers:
             raise LayerSkipError(f"cannot skip all {num_layers} layers: keep at least one")
     return layers
-
-
-def check_drafter(choice: DraftChoice, options: DrafterOptions) -> None:
-    """Range-check a choice with its options, without loading anything (call it before slow loads).
-
-    Raises:
-        SpecDecodeError: bad skip layers, an unknown tree kind, a node budget outside 1..64, a
-            tree asked of a model-free drafter, or bad n-gram sizes (for the drafters that use them).
-    """
-    parse_skip_layers(options.skip_layers)
-    tree = check_tree(options.tree, options.tree_nodes)
-    if choice.kind == SUFFIX_DRAFT:
-        if choice.fallback is not None and choice.fallback.kind == EAGLE_DRAFT:
-            raise _refuse(SpecDecodeError, None, f"--draft {choice.text!r}: a draft head cannot be suffix decoding's "
-                                                 f"fallback (it needs the target's features of every step); use "
-                                                 f"--draft eagle or --draft suffix")
-        check_drafter(choice.fallback, options)
-        return
-    if tree != "none" and choice.kind not in ("model", EAGLE_DRAFT):
-        raise _refuse(SpecDecodeError, None, f"--tree {options.tree} needs a draft model or head (--draft MODEL, "
-                                             f"suffix:MODEL or eagle), not {choice.text!r}")
-    if choice.kind == NGRAM_DRAFT:
-        check_ngram_sizes(options.ngram_min, options.ngram_max)
-    if choice.kind == EAGLE_DRAFT and choice.head_path is not None:
-        from pathlib import Path
-
-        path = Path(choice.head_path).expanduser()
-        if not (path / "config.json").is_file() or not (path / "model.safetensors").is_file():
-            raise _refuse(SpecDecodeError, None,
-                          f"--draft {choice.text!r}: {path} is not a draft-head checkpoint (it needs config.json and "
-                          f"model.safetensors); make one with specdecode train-drafter --target MODEL, or use "
-                          f"--draft eagle for the head of the package / the cache")
 
 
 # --------------------------------------------------------------------------- threads
@@ -489,7 +358,7 @@ def check_server_limits(max_queue: int, max_request_bytes: int, default_max_toke
         raise SpecDecodeError(f"--default-max-tokens must be an integer >= 1, got {default_max_tokens!r}")
 
 
-def check_serve_options(opts) -> DraftChoice:
+def check_serve_options(opts) -> None:
     """Every check of ``specdecode serve`` that needs no model but the drafter's (``server.launch.check_options``
     adds those: ``DrafterSpec.from_settings``).
 
@@ -497,20 +366,16 @@ def check_serve_options(opts) -> DraftChoice:
         opts: a ``server.launch.ServeOptions``, or the ``argparse.Namespace`` of ``specdecode serve``
             (the same attribute names).
 
-    Returns:
-        the parsed ``--draft``.
-
     Raises:
         SpecDecodeError: a value out of range, an unknown policy / precision / forward.
     """
     check_engine(num_speculative_tokens=opts.num_speculative_tokens, max_batch_size=opts.max_batch_size,
                  forward=opts.forward, verification=getattr(opts, "verification", "auto"))
     check_policy_name(opts.policy)
-    choice = parse_draft(opts.draft)  # the drafter and its flags: specdecode.spec.DrafterSpec.from_settings
     for flag, precision in (("--weights", opts.weights), ("--draft-weights", opts.draft_weights or opts.weights)):
         if precision not in WEIGHT_CHOICES:  # "auto": the library measures and picks one
             raise SpecDecodeError(f"{flag}: unknown precision {precision!r}; choose one of {WEIGHT_CHOICES}")
-    if (opts.draft or "").strip().lower().partition(":")[0] == LAYER_SKIP_DRAFT and opts.forward == "hf":
+    if (opts.draft or "").strip().lower().partition(":")[0] == "layer-skip" and opts.forward == "hf":
         raise SpecDecodeError("--draft layer-skip drafts through the project's own Llama / Qwen2 forward; "
                               "use --forward auto or owned")
     check_server_limits(opts.max_queue, opts.max_request_bytes, opts.default_max_tokens)
@@ -525,13 +390,11 @@ def check_serve_options(opts) -> DraftChoice:
                               "out to use the target spec")
     # the count only: replicas on a cluster run elsewhere; a local server bounds it by its cores at start
     check_threads(getattr(opts, "threads", None), bound=False)
-    return choice
 
 
 __all__ = [
-    "DRAFT_KINDS", "EAGLE_DRAFT", "LAYER_SKIP_DRAFT", "MAX_BATCH_SIZE", "MAX_NEW_TOKENS_LIMIT", "MAX_SPECULATIVE_TOKENS",
-    "MAX_TREE_NODES", "MIN_REQUEST_BYTES", "NGRAM_DRAFT", "NO_DRAFT", "SUFFIX_DRAFT", "DraftChoice",
-    "DrafterOptions", "check_drafter", "check_engine", "check_gamma", "check_ngram_sizes", "check_policy_name",
-    "check_port", "check_sampling", "check_serve_options", "check_server_limits", "check_stops", "check_token_ids",
-    "check_tree", "check_tree_nodes", "parse_draft", "parse_skip_layers",
+    "MAX_BATCH_SIZE", "MAX_NEW_TOKENS_LIMIT", "MAX_SPECULATIVE_TOKENS", "MAX_TREE_NODES", "MIN_REQUEST_BYTES",
+    "check_engine", "check_gamma", "check_ngram_sizes", "check_policy_name", "check_port", "check_sampling",
+    "check_serve_options", "check_server_limits", "check_stops", "check_token_ids", "check_tree_nodes",
+    "parse_skip_layers",
 ]

@@ -12,7 +12,7 @@ import math
 from dataclasses import dataclass
 
 from specdecode.errors import SpecDecodeError
-from specdecode.options import DEFAULT_TREE_NODES
+from specdecode.options import DEFAULT_GAMMA, DEFAULT_NGRAM_MAX, DEFAULT_NGRAM_MIN, DEFAULT_TREE_NODES
 
 #: Fewest / most samples per prompt: below, no test has power; above, a typo (the law has < 1e6 cells).
 MIN_SAMPLES, MAX_SAMPLES = 50, 1_000_000
@@ -108,9 +108,9 @@ class AuditSetup:
     prompt_format: str = "ids"
     sampling_mode: str = "standard"
     draft: str = "ngram"
-    num_speculative_tokens: int = 5
-    ngram_min: int = 1
-    ngram_max: int = 3
+    num_speculative_tokens: int = DEFAULT_GAMMA
+    ngram_min: int = DEFAULT_NGRAM_MIN
+    ngram_max: int = DEFAULT_NGRAM_MAX
     skip_layers: str | None = None
     tree: str = "none"
     tree_nodes: int = DEFAULT_TREE_NODES

@@ -13,7 +13,7 @@ from tqdm import tqdm
 
 from specdecode.audit.config import AuditConfig, AuditError
 from specdecode.audit.law import STOP
-from specdecode.audit.results import AuditReport, GreedyAudit, _settings, _source_counters, machine_info
+from specdecode.audit.results import AuditReport, GreedyAudit, audit_settings, machine_info, source_counters
 from specdecode.audit.sources import AuditPrompt, Outcome, SampleSource
 from specdecode.engine import EngineConfig, SpeculativeEngine
 from specdecode.kv import make_runner
@@ -46,7 +46,7 @@ def audit_greedy(model: torch.nn.Module, prompts: Sequence[AuditPrompt], params:
         want = plain.generate(list(prompt.token_ids), greedy)
         got = source.greedy(prompt, greedy, cfg.max_new_tokens)
         results.append(_compare(model, prompt, greedy, want, got, cfg, tokenizer, forward))
-    report = AuditReport("greedy", source.name, "", _settings(greedy, cfg), results, machine=machine_info())
+    report = AuditReport("greedy", source.name, "", audit_settings(greedy, cfg), results, machine=machine_info())
     bad = [r for r in results if r.status == "DIVERGES"]
     ties = [r for r in results if r.status == "near-tie"]
     report.verdict = "FAIL" if bad else "PASS"
@@ -57,7 +57,7 @@ def audit_greedy(model: torch.nn.Module, prompts: Sequence[AuditPrompt], params:
     if not bad and not ties:
         report.reasons.append(f"every output equals plain greedy decoding ({sum(r.num_compared for r in results)} "
                               "tokens)")
-    report.extra = _source_counters(source)
+    report.extra = source_counters(source)
     report.seconds = time.perf_counter() - t0
     return report
 

@@ -156,7 +156,7 @@ def machine_info() -> dict:
             "cpus": os.cpu_count(), "load_1min": load, "python": sys.version.split()[0], "torch": torch.__version__}
 
 
-def _settings(params: SamplingParams, cfg: AuditConfig) -> dict:
+def audit_settings(params: SamplingParams, cfg: AuditConfig) -> dict:
     sampling = {k: v for k, v in dataclasses.asdict(params).items() if k not in ("seed", "max_new_tokens")}
     if sampling.get("logit_bias"):
         sampling["logit_bias"] = {str(k): v for k, v in sampling["logit_bias"].items()}
@@ -165,7 +165,7 @@ def _settings(params: SamplingParams, cfg: AuditConfig) -> dict:
     return {"sampling": sampling, "audit": audit}
 
 
-def _source_counters(source) -> dict:
+def source_counters(source) -> dict:
     drafted = getattr(source, "drafted", None)
     if drafted is None:
         return {}

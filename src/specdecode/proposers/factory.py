@@ -12,10 +12,6 @@ file, or the compact form ``ngram:k=4,max_ngram=4``). Here:
 Underneath, :func:`registered_factory` binds a registered proposer (``@register(name)``) to
 the arguments its factory takes (``model``: the draft model, or the target for self-speculative
 proposers; ``target``; ``config``): a new proposer needs no change here.
-
-The ``--draft`` word readers of :mod:`specdecode.validate` (``parse_draft``, ``DrafterOptions``,
-``check_drafter``) are re-exported, with :func:`proposer_factory` / :func:`load_draft_model`, which turn
-them into a spec (:func:`spec_of`) and build it.
 """
 
 from __future__ import annotations
@@ -31,24 +27,8 @@ from specdecode.lowbit import load_in_precision
 from specdecode.models import check_compatible
 from specdecode.models.compat import _tokenizer_difference, trees_across_vocabularies
 from specdecode.proposers.base import PROPOSERS, Proposer
-from specdecode.proposers.tree_draft import TreeDraftConfig
 from specdecode.spec import DrafterSpec
 from specdecode.types import SpecDecodeError
-# Reading a choice and checking it need no model: they live without torch (the command line uses them too).
-from specdecode.validate import (  # noqa: F401 - re-exported: the drafter choices and their checks
-    DRAFT_KINDS,
-    EAGLE_DRAFT,
-    LAYER_SKIP_DRAFT,
-    NGRAM_DRAFT,
-    NO_DRAFT,
-    SUFFIX_DRAFT,
-    DraftChoice,
-    DrafterOptions,
-    check_drafter,
-    check_tree,
-    parse_draft,
-    parse_skip_layers,
-)
 
 #: Self-speculative proposers: the ``model`` argument of their factory is the target itself, not a draft.
 SELF_SPECULATIVE: set[str] = {"layer-skip"}
@@ -114,16 +94,6 @@ def registered_factory(name: str, *, target=None, draft=None, config=None, **kwa
 
 
 # --------------------------------------------------------------------------- from a spec
-
-
-def tree_config(tree: str | None, tree_nodes: int) -> TreeDraftConfig | None:
-    """The draft-model tree config of ``tree`` ("static" / "dynamic"; None / "none" = chains, returns None).
-
-    Raises:
-        SpecDecodeError: an unknown tree kind or a node budget outside 1..64.
-    """
-    kind = check_tree(tree, tree_nodes)
-    return None if kind == "none" else TreeDraftConfig(kind=kind, num_nodes=tree_nodes)
 
 
 def config_from_options(kind: str, options: Sequence[tuple[str, str]], *, cache_dir: str | None = None):
@@ -201,11 +171,11 @@ def factory_from_spec(spec: DrafterSpec, *, target=None, draft=None, target_toke
     if spec.kind not in PROPOSERS:
         raise SpecDecodeError(f"unknown drafter {spec.kind!r}; registered proposers: {', '.join(PROPOSERS)}")
     config = config_from_options(spec.kind, spec.options, cache_dir=cache_dir)
-    if spec.kind == SUFFIX_DRAFT:
+    if spec.kind == "suffix":
         inner = None if spec.fallback is None else factory_from_spec(
             spec.fallback, target=target, draft=draft, target_tokenizer=target_tokenizer,
             draft_tokenizer=draft_tokenizer, cache_dir=cache_dir)
-        suffix = registered_factory(SUFFIX_DRAFT, config=config)
+        suffix = registered_factory("suffix", config=config)
         return lambda: suffix(fallback=inner() if inner is not None else None)
     if not takes_draft_model(spec.kind):
         return registered_factory(spec.kind, target=target, config=config)
@@ -258,38 +228,3 @@ def other_tokenizer(target, draft) -> str | None:
     if target is None or draft is None or draft is target:
         return None
     return _tokenizer_difference(target.tokenizer, draft.tokenizer)
-
-
-# --------------------------------------------------------------------------- the --draft flags (kept for callers)
-
-
-def spec_of(choice: DraftChoice, options: DrafterOptions, num_speculative_tokens: int | None = None) -> DrafterSpec:
-    """The drafter spec of a parsed ``--draft`` and its flag settings.
-
-    Raises:
-        SpecDecodeError: as :meth:`specdecode.spec.DrafterSpec.from_settings`.
-    """
-    skip = options.skip_layers
-    spec = DrafterSpec.from_settings({
-        "draft": choice.text or "none", "ngram_min": options.ngram_min, "ngram_max": options.ngram_max,
-        "skip_layers": ",".join(map(str, skip)) if skip is not None and not isinstance(skip, str) else skip,
-        "tree": options.tree or "none", "tree_nodes": options.tree_nodes,
-        "num_speculative_tokens": num_speculative_tokens or 1})
-    return spec.with_gamma(num_speculative_tokens)
-
-
-def load_draft_model(choice: DraftChoice, target, target_spec: str, **kwargs):
-    """:func:`load_draft` for a parsed ``--draft`` (the draft model it names, or None)."""
-    return load_draft(DrafterSpec.parse(choice.text), target, target_spec, **kwargs)
-
-
-def proposer_factory(choice: DraftChoice, options: DrafterOptions, *, target=None,
-                     draft=None, target_tokenizer=None, draft_tokenizer=None) -> Callable[[], Proposer] | None:
-    """:func:`factory_from_spec` for a parsed ``--draft`` and its settings (checked as by :func:`check_drafter`).
-
-    Raises:
-        SpecDecodeError: as :func:`check_drafter` and :func:`factory_from_spec`.
-    """
-    check_drafter(choice, options)
-    return factory_from_spec(spec_of(choice, options), target=target, draft=draft, target_tokenizer=target_tokenizer,
-                             draft_tokenizer=draft_tokenizer, cache_dir=options.cache_dir)

@@ -15,6 +15,7 @@ import torch
 
 from specdecode.proposers.base import ProposeContext, RowProposer, register, still_indexed
 from specdecode.types import Draft
+from specdecode.options import DEFAULT_NGRAM_MAX, DEFAULT_NGRAM_MIN
 from specdecode.validate import check_ngram_sizes
 
 
@@ -22,8 +23,8 @@ from specdecode.validate import check_ngram_sizes
 class NgramConfig:
     """Match lengths (tokens). ``min_ngram`` >= 1, ``max_ngram`` >= ``min_ngram``."""
 
-    min_ngram: int = 1
-    max_ngram: int = 3
+    min_ngram: int = DEFAULT_NGRAM_MIN
+    max_ngram: int = DEFAULT_NGRAM_MAX
 
     def __post_init__(self) -> None:
         check_ngram_sizes(self.min_ngram, self.max_ngram)

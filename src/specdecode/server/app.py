@@ -36,27 +36,26 @@ from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from specdecode import __version__
-from specdecode.server.choices import _ClientGone, _Job
-from specdecode.server.errors import APIError, _read_body, _validate
-from specdecode.server.jobs import _best, _encode_chat, _encode_prompts, _grammar, _job, _served
+from specdecode.server.choices import ClientGone, Job
+from specdecode.server.errors import APIError, read_body, validate_body
+from specdecode.server.jobs import best_choices, check_served, encode_chat, encode_prompts, make_job, request_grammar
 from specdecode.server.metrics import CONTENT_TYPE_LATEST
 from specdecode.server.responses import (
-    _chat_choice,
-    _completion_choice,
-    _counted_if_invalid,
-    _finish_reason,
-    _response_base,
+    chat_choice,
+    completion_choice,
+    counted_if_invalid,
+    finish_reason_of,
+    response_base,
 )
 from specdecode.server.schemas import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
-from specdecode.server.state import ServerConfig, ServingState  # noqa: F401 - ServerConfig re-exported
-from specdecode.options import DEFAULT_MAX_REQUEST_BYTES  # noqa: F401 - largest body by default (bytes), re-exported
+from specdecode.server.state import ServingState
 
 
 async def _parse(request: Request, model_cls, state: ServingState):
     """The request body as ``model_cls``, for the model this server serves (400 / 404 / 413 otherwise)."""
-    body = await _read_body(request, state.config.max_request_bytes)
-    parsed = await run_in_threadpool(_validate, body, model_cls)
-    _served(state, parsed.model)
+    body = await read_body(request, state.config.max_request_bytes)
+    parsed = await run_in_threadpool(validate_body, body, model_cls)
+    check_served(state, parsed.model)
     return parsed
 
 
@@ -145,54 +144,54 @@ def create_app(state: ServingState) -> FastAPI:
 
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str):
-        _served(state, model_id)
+        check_served(state, model_id)
         return (await models())["data"][0]
 
     @app.post("/v1/completions")
     async def completions(request: Request):
         endpoint = "completions"
-        with _counted_if_invalid(state, endpoint):
+        with counted_if_invalid(state, endpoint):
             body: CompletionRequest = await _parse(request, CompletionRequest, state)
-            prompts = await run_in_threadpool(_encode_prompts, state, body.prompts())
-            grammar = await run_in_threadpool(_grammar, state, body)
-            job = _job(state, endpoint, body, prompts, body.max_tokens, 16, body.logprobs, echo=body.echo,
-                       grammar=grammar)
+            prompts = await run_in_threadpool(encode_prompts, state, body.prompts())
+            grammar = await run_in_threadpool(request_grammar, state, body)
+            job = make_job(state, endpoint, body, prompts, body.max_tokens, 16, body.logprobs, echo=body.echo,
+                           grammar=grammar)
             job.submit()
-        base = _response_base(state, "cmpl", "text_completion")
+        base = response_base(state, "cmpl", "text_completion")
         if body.stream:
             return _sse(job, body, lambda c, piece, ids, start, fin: {
-                **base, "choices": [_completion_choice(state, c, piece, ids, start, fin)]}, base, None)
+                **base, "choices": [completion_choice(state, c, piece, ids, start, fin)]}, base, None)
         await _collect(job, request)
-        choices = [_completion_choice(state, c, c.tracker.text, list(c.tracker.ids), 0, _finish_reason(c), index=i,
-                                      final=True) for i, c in _best(job, body.n)]
+        choices = [completion_choice(state, c, c.tracker.text, list(c.tracker.ids), 0, finish_reason_of(c), index=i,
+                                     final=True) for i, c in best_choices(job, body.n)]
         return {**base, "choices": choices, "usage": job.usage()}
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         endpoint = "chat_completions"
-        with _counted_if_invalid(state, endpoint):
+        with counted_if_invalid(state, endpoint):
             body: ChatCompletionRequest = await _parse(request, ChatCompletionRequest, state)
-            ids = await run_in_threadpool(_encode_chat, state, body.chat_messages())
-            grammar = await run_in_threadpool(_grammar, state, body)
+            ids = await run_in_threadpool(encode_chat, state, body.chat_messages())
+            grammar = await run_in_threadpool(request_grammar, state, body)
             logprobs = (body.top_logprobs or 0) if body.logprobs else None
-            job = _job(state, endpoint, body, [ids], body.max_new_tokens, state.config.default_max_tokens, logprobs,
-                       grammar=grammar)
+            job = make_job(state, endpoint, body, [ids], body.max_new_tokens, state.config.default_max_tokens,
+                           logprobs, grammar=grammar)
             job.submit()
-        base = _response_base(state, "chatcmpl", "chat.completion.chunk")
+        base = response_base(state, "chatcmpl", "chat.completion.chunk")
         if body.stream:
             first = {**base, "choices": [{"index": c.index, "delta": {"role": "assistant", "content": ""},
                                           "logprobs": None, "finish_reason": None} for c in job.choices]}
             return _sse(job, body, lambda c, piece, ids, start, fin: {
-                **base, "choices": [_chat_choice(state, c, piece, ids, start, fin)]}, base, first)
+                **base, "choices": [chat_choice(state, c, piece, ids, start, fin)]}, base, first)
         await _collect(job, request)
-        choices = [_chat_choice(state, c, c.tracker.text, list(c.tracker.ids), 0, _finish_reason(c), final=True)
+        choices = [chat_choice(state, c, c.tracker.text, list(c.tracker.ids), 0, finish_reason_of(c), final=True)
                    for c in job.choices]
         return {**base, "object": "chat.completion", "choices": choices, "usage": job.usage()}
 
     return app
 
 
-async def _watch_disconnect(request: Request, job: _Job) -> None:
+async def _watch_disconnect(request: Request, job: Job) -> None:
     """Wait for the client to leave (the body is read, so the next ASGI message is the disconnect)."""
     while True:
         message = await request.receive()
@@ -201,7 +200,7 @@ async def _watch_disconnect(request: Request, job: _Job) -> None:
             return
 
 
-async def _collect(job: _Job, request: Request) -> None:
+async def _collect(job: Job, request: Request) -> None:
     """Run a non-streaming job to the end; cancel it as soon as the client leaves."""
     watcher = asyncio.create_task(_watch_disconnect(request, job))
     try:
@@ -209,7 +208,7 @@ async def _collect(job: _Job, request: Request) -> None:
             pass
     except BaseException as exc:
         job.close("cancelled")
-        if isinstance(exc, _ClientGone):
+        if isinstance(exc, ClientGone):
             raise APIError(499, "the client closed the request", code="client_closed") from None
         raise
     finally:
@@ -225,7 +224,7 @@ class _JobStream(StreamingResponse):
     the first chunk (when the body generator never started, so its own ``finally`` never runs), a
     failed send, or a cancelled task."""
 
-    def __init__(self, job: _Job, content) -> None:
+    def __init__(self, job: Job, content) -> None:
         super().__init__(content, media_type="text/event-stream",
                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         self.job = job
@@ -237,7 +236,7 @@ class _JobStream(StreamingResponse):
             self.job.close("cancelled")  # no-op when the stream finished and counted itself
 
 
-def _sse(job: _Job, body, chunk, base: dict, first: dict | None) -> StreamingResponse:
+def _sse(job: Job, body, chunk, base: dict, first: dict | None) -> StreamingResponse:
     """Server-sent events: one chunk per engine step per choice, then usage (if asked) and [DONE]."""
 
     async def stream():
@@ -249,7 +248,7 @@ def _sse(job: _Job, body, chunk, base: dict, first: dict | None) -> StreamingRes
                        "code": "engine_error"}
                 yield _event({"error": err})
                 continue
-            fin = _finish_reason(c) if c.done else None
+            fin = finish_reason_of(c) if c.done else None
             if piece or ids or fin or (c.first_chunk_pending and (c.echo or c.report_prompt_logprobs is not None)):
                 yield _event(chunk(c, piece, ids, start, fin))
         job.close(job.outcome())  # before the last bytes: a client that reads [DONE] sees the metrics moved

@@ -63,7 +63,7 @@ class _TextOffsets:
             self._head = self.decode(self.ids[max(0, j - self.CONTEXT) : j])
 
 
-class _Choice:
+class Choice:
     """One choice: an engine request, its text tracker and what has been sent.
 
     ``logprobs_n`` is what the engine computes (best_of needs every candidate's logprobs to rank them),
@@ -74,7 +74,7 @@ class _Choice:
     def __init__(self, index: int, prompt_ids: list[int], params: SamplingParams, stops: list[str],
                  decode, logprobs: int | None, *, report_logprobs: int | None = None,
                  speculation: RequestSpeculation | None = None, prompt_logprobs: int | None = None,
-                 echo: bool = False, include_stop: bool = False, prompt_source: _Choice | None = None) -> None:
+                 echo: bool = False, include_stop: bool = False, prompt_source: Choice | None = None) -> None:
         self.index = index
         self.prompt_ids = prompt_ids
         self.params = params
@@ -181,7 +181,7 @@ def _snapshot(ev: RowEvent) -> RunMetrics:
     return RunMetrics() if ev.metrics is None else ev.metrics.copy()
 
 
-class _ClientGone(Exception):
+class ClientGone(Exception):
     """The client of a non-streaming request disconnected."""
 
 
@@ -189,14 +189,14 @@ class _ClientGone(Exception):
 _GONE = object()
 
 
-class _Job:
+class Job:
     """The engine requests of one HTTP request (prompts x n choices) and their event queue.
 
     :meth:`close` ends its accounting once: the outcome counter, and the token counters from
     :meth:`usage`, so /metrics totals are the sums of the usage the requests report.
     """
 
-    def __init__(self, state: ServingState, endpoint: str, choices: list[_Choice], n: int = 1) -> None:
+    def __init__(self, state: ServingState, endpoint: str, choices: list[Choice], n: int = 1) -> None:
         self.state = state
         self.n = n
         self.endpoint = endpoint
@@ -220,7 +220,7 @@ class _Job:
             self.cancel()  # nothing of a refused job runs on
             raise
 
-    def _submit(self, choice: _Choice) -> None:
+    def _submit(self, choice: Choice) -> None:
         loop = asyncio.get_running_loop()
 
         def on_event(ev: RowEvent, i=choice.index) -> None:  # scheduler thread
@@ -257,16 +257,16 @@ class _Job:
     def done(self) -> bool:
         return all(c.done for c in self.choices)
 
-    async def events(self) -> AsyncIterator[tuple[_Choice, str, list[int], int]]:
+    async def events(self) -> AsyncIterator[tuple[Choice, str, list[int], int]]:
         """Yield (choice, new text, ids, first id index) until every choice has finished.
 
         Raises:
-            _ClientGone: :meth:`client_gone` was called.
+            ClientGone: :meth:`client_gone` was called.
         """
         while not self.done:
             item = await self.queue.get()
             if item is _GONE:
-                raise _ClientGone
+                raise ClientGone
             i, ev, snap = item
             choice = self.choices[i]
             if choice.done:
@@ -278,7 +278,7 @@ class _Job:
                 self.state.scheduler.cancel(choice.request)  # a stop string ended it
             yield choice, piece, ids, start
 
-    def _observe(self, choice: _Choice, ev: RowEvent) -> None:
+    def _observe(self, choice: Choice, ev: RowEvent) -> None:
         """Latency histograms, per engine event (acceptance by position is counted in :meth:`close`)."""
         m = self.state.metrics
         now = time.perf_counter()
@@ -318,7 +318,7 @@ class _Job:
 
     def usage(self, counted: list[RunMetrics] | None = None) -> dict:
         """The ``usage`` body: tokens, and the speculative counters of every choice up to the tokens it
-        returns (``counted``: the choices' :attr:`_Choice.counted`, computed here when not given)."""
+        returns (``counted``: the choices' :attr:`Choice.counted`, computed here when not given)."""
         snaps = [c.counted for c in self.choices] if counted is None else counted
         drafted = sum(s.num_drafted_tokens for s in snaps)
         accepted = sum(s.num_accepted_tokens for s in snaps)

@@ -19,7 +19,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, g
 
 from specdecode.cliargs import set_threads
 from specdecode.models import default_cache_dir
-from specdecode.server.app import APIError, _read_body, create_app
+from specdecode.server.app import create_app
+from specdecode.server.errors import APIError, read_body
 from specdecode.server.launch import load_state
 from specdecode.server.relay import asgi_request, carries_output, failed_stream_event, merge_metrics, split_events
 from specdecode.server.routing import routing_key
@@ -199,7 +200,7 @@ def forwarded_headers(headers: Iterable[tuple[str, str]]) -> list[tuple[str, str
     return [(k, v) for k, v in headers if k.lower() not in HOP_BY_HOP]
 
 
-def _first_line(exc: BaseException) -> str:
+def first_line(exc: BaseException) -> str:
     text = str(exc).strip()
     return f"{type(exc).__name__}: {text.splitlines()[0]}" if text else type(exc).__name__
 
@@ -238,7 +239,7 @@ def ingress_deployment_class():
 class Ingress:
     """The HTTP entry: forwards each request to an engine replica and streams its answer back.
 
-    The API key and the body limit (``app._read_body``: 413 from Content-Length, or as soon as the bytes
+    The API key and the body limit (``errors.read_body``: 413 from Content-Length, or as soon as the bytes
     pass it) apply here first, with the replicas' own messages, so a refused request never takes a
     replica's slot; the replica's app checks both again.
 
@@ -304,7 +305,7 @@ class Ingress:
         from ray.serve.exceptions import BackPressureError
 
         self._check_key(request)
-        body = await _read_body(request, self.max_request_bytes)
+        body = await read_body(request, self.max_request_bytes)
         path = request.url.path
         key = routing_key(path, body, self.prefix_chars) if self.router == "prefix" else None
         headers = [*forwarded_headers(request.headers.items()), ("content-length", str(len(body)))]
@@ -323,7 +324,7 @@ class Ingress:
                                type="rate_limit_error", code="queue_full", headers={"Retry-After": "1"}) from None
             except retryable as exc:
                 gen.cancel()  # whatever that replica still runs, it runs for nobody
-                last = _first_line(exc)
+                last = first_line(exc)
                 if attempt < self.retries:
                     self.retried.inc()
                     await asyncio.sleep(0.25 * (attempt + 1))
@@ -331,7 +332,7 @@ class Ingress:
                 break
             except Exception as exc:  # noqa: BLE001 - any other failure: an OpenAI-style 502, not a bare 500
                 gen.cancel()
-                raise APIError(502, f"the replica failed: {_first_line(exc)}", type="server_error",
+                raise APIError(502, f"the replica failed: {first_line(exc)}", type="server_error",
                                code="replica_error") from None
             except BaseException:  # cancelled: the client left
                 gen.cancel()
@@ -386,6 +387,6 @@ class Ingress:
                     yield message[1]
         except Exception as exc:  # noqa: BLE001 - a replica death, or anything else: the client must learn it
             self.failed.inc()
-            yield failed_stream_event(replica, type(exc).__name__ if isinstance(exc, retryable) else _first_line(exc))
+            yield failed_stream_event(replica, type(exc).__name__ if isinstance(exc, retryable) else first_line(exc))
         finally:
             gen.cancel()

@@ -83,7 +83,7 @@ def _too_large(size: int, limit: int, declared: bool) -> APIError:
                     headers={"Connection": "close"})
 
 
-async def _read_body(request: Request, limit: int) -> bytes:
+async def read_body(request: Request, limit: int) -> bytes:
     """The request body, at most ``limit`` bytes: 413 from Content-Length before reading, or as soon as
     the bytes read pass the limit (chunked uploads, or a Content-Length that lies)."""
     declared = request.headers.get("content-length")
@@ -104,7 +104,7 @@ async def _read_body(request: Request, limit: int) -> bytes:
     return b"".join(chunks)
 
 
-def _validate(body: bytes, model_cls):
+def validate_body(body: bytes, model_cls):
     """Parse and validate ``body`` as ``model_cls`` (thread pool: a big body takes milliseconds)."""
     if not body.strip():
         raise APIError(400, "the request body is empty; send a JSON object", code="invalid_json")

@@ -6,7 +6,7 @@ import functools
 
 from specdecode.engine import RequestSpeculation
 from specdecode.grammar import CompiledGrammar, StructuredOutput, compile_grammar
-from specdecode.server.choices import _Choice, _Job
+from specdecode.server.choices import Choice, Job
 from specdecode.server.errors import APIError
 from specdecode.server.schemas import ChatCompletionRequest
 from specdecode.server.state import ServingState
@@ -17,13 +17,13 @@ from specdecode.validate import check_token_ids
 # --------------------------------------------------------------------------- building jobs
 
 
-def _served(state: ServingState, model: str) -> None:
+def check_served(state: ServingState, model: str) -> None:
     if model != state.config.model_name:
         raise APIError(404, f"model '{model}' is not served here; this server serves '{state.config.model_name}' "
                             f"(see GET /v1/models)", param="model", code="model_not_found")
 
 
-def _encode_prompts(state: ServingState, prompts: list[str | list[int]]) -> list[list[int]]:
+def encode_prompts(state: ServingState, prompts: list[str | list[int]]) -> list[list[int]]:
     """Text prompts through the tokenizer, id prompts checked against the vocabulary (thread pool)."""
     out = []
     for prompt in prompts:
@@ -42,7 +42,7 @@ def _encode_prompts(state: ServingState, prompts: list[str | list[int]]) -> list
     return out
 
 
-def _encode_chat(state: ServingState, messages: list[dict]) -> list[int]:
+def encode_chat(state: ServingState, messages: list[dict]) -> list[int]:
     """Chat messages through the chat template (thread pool)."""
     try:
         return state.text.encode_chat(messages)
@@ -130,7 +130,7 @@ def _structured(body) -> StructuredOutput | None:
     return StructuredOutput.from_response_format(body.response_format)
 
 
-def _grammar(state: ServingState, body) -> CompiledGrammar | None:
+def request_grammar(state: ServingState, body) -> CompiledGrammar | None:
     """The request's structured output compiled for the target (None: plain text; thread pool, the first
     compile builds the tokenizer's llguidance copy); a 400 naming its field (response_format, guided_json,
     ...) when it is malformed or its schema or regex invalid."""
@@ -145,8 +145,8 @@ def _grammar(state: ServingState, body) -> CompiledGrammar | None:
                        code="invalid_value") from None
 
 
-def _job(state: ServingState, endpoint: str, body, prompts: list[list[int]], max_new: int | None,
-         default_max: int, logprobs: int | None, *, echo: bool = False, grammar: CompiledGrammar | None = None) -> _Job:
+def make_job(state: ServingState, endpoint: str, body, prompts: list[list[int]], max_new: int | None,
+             default_max: int, logprobs: int | None, *, echo: bool = False, grammar: CompiledGrammar | None = None) -> Job:
     """The engine requests of one HTTP request: per prompt, ``n`` choices (``best_of`` candidates on
     completions; they are ranked at the end). ``logprobs``: what the client asked to see; ``grammar``: the
     structured output every choice follows (each with its own constraint). The prompt is scored (prompt
@@ -169,7 +169,7 @@ def _job(state: ServingState, endpoint: str, body, prompts: list[list[int]], max
         for j in range(per_prompt):
             index = p * per_prompt + j
             params = _params(state, body, ids, max_new, default_max, index)
-            choice = _Choice(index, ids, params, body.stops, decode, engine_logprobs, report_logprobs=logprobs,
+            choice = Choice(index, ids, params, body.stops, decode, engine_logprobs, report_logprobs=logprobs,
                              speculation=speculation, prompt_logprobs=prompt_n, echo=echo,
                              include_stop=body.include_stop_str_in_output, prompt_source=first)
             if first is None:
@@ -177,10 +177,10 @@ def _job(state: ServingState, endpoint: str, body, prompts: list[list[int]], max
             choice.report_prompt_logprobs = body.prompt_logprobs
             choice.constraint = None if grammar is None else grammar.new_constraint()
             choices.append(choice)
-    return _Job(state, endpoint, choices, per_prompt)
+    return Job(state, endpoint, choices, per_prompt)
 
 
-def _best(job: _Job, n: int) -> list[tuple[int, _Choice]]:
+def best_choices(job: Job, n: int) -> list[tuple[int, Choice]]:
     """best_of: per prompt, the n candidates with the highest cumulative logprob (ties: the earlier one),
     renumbered 0.. in that order; every candidate still counts in usage."""
     per_prompt = job.n

@@ -27,7 +27,13 @@ from specdecode.cliargs import set_threads
 from specdecode.build import build_engine, choose_skip_layers, load_draft_for
 from specdecode.data import load_prompts
 from specdecode.models import LoadedModel, check_compatible
-from specdecode.options import DEFAULT_MAX_REQUEST_BYTES, DEFAULT_TREE_NODES
+from specdecode.options import (
+    DEFAULT_GAMMA,
+    DEFAULT_MAX_REQUEST_BYTES,
+    DEFAULT_NGRAM_MAX,
+    DEFAULT_NGRAM_MIN,
+    DEFAULT_TREE_NODES,
+)
 from specdecode.precision import load_target
 from specdecode.preflight import check_models
 from specdecode.proposers import LayerSkipProposer
@@ -56,9 +62,9 @@ class ServeOptions:
 
     target: str = "smollm2-135m"
     draft: str = "ngram"
-    num_speculative_tokens: int = 5
-    ngram_min: int = 1
-    ngram_max: int = 3
+    num_speculative_tokens: int = DEFAULT_GAMMA
+    ngram_min: int = DEFAULT_NGRAM_MIN
+    ngram_max: int = DEFAULT_NGRAM_MAX
     skip_layers: str | None = None
     tree: str = "none"
     tree_nodes: int = DEFAULT_TREE_NODES
@@ -106,13 +112,13 @@ def build_state(
     *,
     draft_model: LoadedModel | None = None,
     model_name: str | None = None,
-    num_speculative_tokens: int = 5,
+    num_speculative_tokens: int = DEFAULT_GAMMA,
     max_batch_size: int = 8,
     max_queue: int = 64,
     policy: str = "cost-model",
     forward: str = "auto",
-    ngram_min: int = 1,
-    ngram_max: int = 3,
+    ngram_min: int = DEFAULT_NGRAM_MIN,
+    ngram_max: int = DEFAULT_NGRAM_MAX,
     skip_layers: str | list[int] | None = None,
     tree: str | None = None,
     tree_nodes: int = DEFAULT_TREE_NODES,

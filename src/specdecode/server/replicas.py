@@ -63,7 +63,7 @@ from specdecode.server.deployments import (  # noqa: F401 - the names re-exporte
     STALE_AFTER,
     EngineReplica,
     MetricsHub,
-    _first_line,
+    first_line,
     ingress_deployment_class,
 )
 from specdecode.server.launch import ServeOptions, check_address, check_options
@@ -311,7 +311,7 @@ def run(opts, r: ReplicaOptions) -> int:
     except (ConnectionError, RuntimeError, ValueError) as exc:
         where = f"--ray-address {r.ray_address}: cannot connect to the Ray cluster" if not local else \
             "cannot start a local Ray cluster"
-        raise SpecDecodeError(f"{where} ({_first_line(exc)}); start one with 'ray start --head' and pass "
+        raise SpecDecodeError(f"{where} ({first_line(exc)}); start one with 'ray start --head' and pass "
                               f"--ray-address auto, or check /tmp/ray/session_latest/logs") from None
 
     def _stop(signum, frame):  # SIGTERM (docker stop, a supervisor) stops the replicas as Ctrl-C does
@@ -333,7 +333,7 @@ def run(opts, r: ReplicaOptions) -> int:
         try:
             serve.run(build_app(opts, r, ray_config=config), name=APP_NAME, route_prefix="/")
         except RuntimeError as exc:
-            raise SpecDecodeError(f"the replicas did not start ({_first_line(exc)}); their logs are above and in "
+            raise SpecDecodeError(f"the replicas did not start ({first_line(exc)}); their logs are above and in "
                                   f"/tmp/ray/session_latest/logs/serve/") from None
         say(f"serving {opts.served_model_name or opts.target!r} from {n} {plural} in {time.perf_counter() - t0:.0f} s "
             f"at http://{http['host']}:{http['port']}/v1 (api key {'on' if opts.api_key else 'off'}; Ctrl-C stops)")

@@ -8,7 +8,7 @@ from contextlib import contextmanager
 
 from starlette.requests import ClientDisconnect
 
-from specdecode.server.choices import _Choice
+from specdecode.server.choices import Choice
 from specdecode.server.errors import APIError
 from specdecode.server.state import ServingState
 from specdecode.token_bytes import TokenBytes
@@ -27,7 +27,7 @@ def _top_dict(tb: TokenBytes, top: list[tuple[int, float]]) -> dict[str, float]:
     return out
 
 
-def _completion_logprobs(state: ServingState, c: _Choice, start: int, ids: list[int],
+def _completion_logprobs(state: ServingState, c: Choice, start: int, ids: list[int],
                          with_prompt: bool = False) -> dict | None:
     """The completions ``logprobs`` object of ``ids`` (generated tokens ``start``..): tokens, their logprobs,
     the top alternatives and where each token starts in the returned text; ``with_prompt`` (echo) puts the
@@ -53,7 +53,7 @@ def _completion_logprobs(state: ServingState, c: _Choice, start: int, ids: list[
     return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
 
 
-def _chat_logprobs(state: ServingState, c: _Choice, start: int, ids: list[int]) -> dict | None:
+def _chat_logprobs(state: ServingState, c: Choice, start: int, ids: list[int]) -> dict | None:
     if c.report_logprobs is None:
         return None
     tb = state.token_bytes
@@ -70,7 +70,7 @@ def _chat_logprobs(state: ServingState, c: _Choice, start: int, ids: list[int]) 
     return {"content": content}
 
 
-def _prompt_logprobs(state: ServingState, c: _Choice) -> list | None:
+def _prompt_logprobs(state: ServingState, c: Choice) -> list | None:
     """vLLM's ``prompt_logprobs`` of a choice: None for the first prompt token, then per token {token id:
     {logprob, rank, decoded_token}} for the prompt token itself and the top ``prompt_logprobs`` alternatives."""
     n = c.report_prompt_logprobs
@@ -86,8 +86,8 @@ def _prompt_logprobs(state: ServingState, c: _Choice) -> list | None:
     return out
 
 
-def _completion_choice(state: ServingState, c: _Choice, piece: str, ids: list[int], start: int, fin,
-                       index: int | None = None, final: bool = False) -> dict:
+def completion_choice(state: ServingState, c: Choice, piece: str, ids: list[int], start: int, fin,
+                      index: int | None = None, final: bool = False) -> dict:
     """One completions choice: a stream chunk's (``piece``: its new text; the first chunk also carries the echoed
     prompt and the prompt logprobs) or, with ``final``, the whole choice."""
     first = final or c.first_chunk_pending
@@ -103,8 +103,8 @@ def _completion_choice(state: ServingState, c: _Choice, piece: str, ids: list[in
     return out
 
 
-def _chat_choice(state: ServingState, c: _Choice, piece: str, ids: list[int], start: int, fin,
-                 final: bool = False) -> dict:
+def chat_choice(state: ServingState, c: Choice, piece: str, ids: list[int], start: int, fin,
+                final: bool = False) -> dict:
     """One chat choice: a stream chunk's delta or, with ``final``, the whole message."""
     first = final or c.first_chunk_pending
     c.first_chunk_pending = False
@@ -118,14 +118,14 @@ def _chat_choice(state: ServingState, c: _Choice, piece: str, ids: list[int], st
     return out
 
 
-def _response_base(state: ServingState, id_prefix: str, obj: str) -> dict:
+def response_base(state: ServingState, id_prefix: str, obj: str) -> dict:
     """The fields every response body and stream chunk of one request starts with."""
     return {"id": f"{id_prefix}-{uuid.uuid4().hex}", "object": obj, "created": int(time.time()),
             "model": state.config.model_name}
 
 
 @contextmanager
-def _counted_if_invalid(state: ServingState, endpoint: str):
+def counted_if_invalid(state: ServingState, endpoint: str):
     """Count a request refused with an APIError as ``invalid`` (a full queue or a shutdown is counted where
     it happens), and let the error through. A client that leaves before its body was read, or while its prompt
     was being tokenized, is counted ``cancelled`` (HTTP 499: nobody reads it)."""
@@ -140,6 +140,6 @@ def _counted_if_invalid(state: ServingState, endpoint: str):
         raise APIError(499, "the client closed the request", code="client_closed") from None
 
 
-def _finish_reason(c: _Choice) -> str | None:
+def finish_reason_of(c: Choice) -> str | None:
     """OpenAI's finish_reason: "length" or "stop" (EOS or a stop string); engine-only reasons pass through."""
     return c.finish_reason

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from specdecode.engine import SpeculativeEngine
 from specdecode.generator import SpecDecoder
 from specdecode.models import LoadedModel
-from specdecode.options import DEFAULT_MAX_REQUEST_BYTES
+from specdecode.options import DEFAULT_GAMMA, DEFAULT_MAX_REQUEST_BYTES
 from specdecode.scheduler import Scheduler, StepStats
 from specdecode.server.metrics import ServerMetrics
 from specdecode.token_bytes import TokenBytes
@@ -35,7 +35,7 @@ class ServerConfig:
 
     model_name: str
     draft: str = "none"
-    num_speculative_tokens: int = 5
+    num_speculative_tokens: int = DEFAULT_GAMMA
     policy: str = "fixed"
     api_key: str | None = None
     default_max_tokens: int = 256

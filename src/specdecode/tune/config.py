@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from specdecode.data import read_prompt_text
 from specdecode.errors import SpecDecodeError
 from specdecode.options import DEFAULT_TREE_NODES
 from specdecode.options import WEIGHT_CHOICES, WEIGHT_PRECISIONS
@@ -133,12 +134,7 @@ def read_prompts_file(path: str | Path):
     from specdecode.bench.runner import BenchPrompt  # lazy: torch (the CLI checks a TuneConfig without it)
 
     file = Path(path).expanduser()
-    if not file.is_file():
-        raise SpecDecodeError(f"--prompts {path}: no such file")
-    try:
-        text = file.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise SpecDecodeError(f"--prompts {path}: cannot read it: {exc}") from None
+    text = read_prompt_text(file, "--prompts")
     items: list[tuple[str, str, str | None]] = []  # (text, category, id)
     if file.suffix.lower() in (".jsonl", ".json"):
         if file.suffix.lower() == ".json":

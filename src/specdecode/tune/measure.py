@@ -18,11 +18,11 @@ from specdecode import layer_search
 from specdecode.bench.env import environment
 from specdecode.bench.runner import (
     PROBE_REPS,
-    _quiet_transformers,
     encode_all,
     engine_runner,
     probe_context,
     probe_forward_times,
+    quiet_transformers,
     rotate,
 )
 from specdecode.bench.summary import cell, fastest_runs, first_difference, pool_metrics
@@ -94,7 +94,7 @@ def run_tune(config: TuneConfig, *, progress: bool = True, log: Callable[[str], 
     for draft in config.drafts or (None,):  # every model resolves (and a draft's tokenizer is read) before weights
         check_models(config.target, draft, cache_dir=config.cache_dir, cross_vocab=True)
 
-    _quiet_transformers()
+    quiet_transformers()
     result = TuneResult(config=config)
     result.load_start = load_average_1m()
     result.threads = set_threads(config.threads, say=status)
