@@ -194,8 +194,7 @@ def head_rows(head, ids: list[int]) -> torch.Tensor:
     ``gguf.dequantize`` (a bias is not included)."""
     if not isinstance(head, QuantLinear):
         return head[ids].float()
-    # lazy: gguf (start-up time)
-    import gguf
+    import gguf  # lazy: start-up time
     import numpy as np
 
     packed = head.packed.numpy()
@@ -456,9 +455,8 @@ class OwnedRunner(SlotRunner):
             self._extra_rows = torch.cat([self._extra_rows, head_rows(self._full_head, missing)])
         weight = self._extra_rows[torch.tensor([self._extra_index[t] for t in union])]  # [U, H]
         scores = hidden @ weight.T  # [b, q, U]
-        bias = getattr(self._full_head, "bias", None) if isinstance(self._full_head, QuantLinear) else None
-        if bias is not None:
-            scores = scores + bias[union]
+        if isinstance(self._full_head, QuantLinear) and self._full_head.bias is not None:
+            scores = scores + self._full_head.bias[union]
         member = torch.tensor([[t in w for t in union] for w in wanted]).unsqueeze(1)  # [b, 1, U]
         full[..., union] = scores.masked_fill(~member, float("-inf"))
 
