@@ -235,6 +235,13 @@ static inline void scales8(int fmt, const Soa* a, int64_t b0, int cnt, __m256* d
 // tile lane's scalar float order (0.85x on their own, at most 7 columns per weight)
 #define SD_Q6K_TILES 1
 #define SD_INLINE static inline __attribute__((always_inline))
+#define SD_TILE 8  // output columns per tile (Q4_K, Q6_K and, as lowbit_kernels.TILED32 says, 32-weight formats)
+
+static inline int32_t load_i32(const void* p) {
+  int32_t v;
+  memcpy(&v, p, 4);
+  return v;
+}
 
 // The int32 lanes of eight blocks' dot products -> one int32 per block (lane i: block i). Integer
 // sums: exact, so the order inside is free.
@@ -315,21 +322,198 @@ SD_INLINE void pass32(const int P, const int fmt, const Soa* a, int64_t nb, int6
   for (int r = 0; r < P; ++r) out[(r0 + r) * ldo + n] = hsum(acc[r]) + hsum(m[r]);
 }
 
-static void gemm32(int fmt, const uint8_t* w, int64_t ldw, int64_t k, const int8_t* xq, const float* xd,
-                   const float* xs, int64_t rows, float* out, int64_t ldo, int64_t n0, int64_t n1) {
-  const int64_t nb = k / 32;
-  int32_t* xsum = NULL;  // VNNI Q8_0: each activation block's integer sum (see group32)
-#if defined(SD_VARIANT_AVX512VNNI)
-  if (fmt == SD_Q8_0) {
-    xsum = (int32_t*)malloc(sizeof(int32_t) * (size_t)(rows * nb));
-    if (!xsum) abort();
-    for (int64_t i = 0; i < rows * nb; ++i)
-      xsum[i] = hsum_i32(_mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_set1_epi8(1),
-                                             _mm256_loadu_si256((const __m256i*)(xq + 32 * i))));
-  }
+// ---------------------------------------------------------------------------------------------
+// 32-weight formats as tiles of 8 output columns (specdecode/lowbit_tiles32.py repacks them at load, the
+// same bytes per weight). Columns 8t..8t+7 (t < n_out / 8) occupy weight rows 8t..8t+7 (8 * ldw contiguous
+// bytes); block b of the eight (32 weights of each column) sits at byte 8 * B * b, B the format's block bytes:
+//   Q4_0 (8 x 18 = 144 bytes): d[8] f16 | nibbles [128]
+//   Q4_1 (8 x 20 = 160):       d[8] f16 | m[8] f16 | nibbles [128]
+//   Q5_0 (8 x 22 = 176):       d[8] f16 | fifth bits [32] | nibbles [128]
+//   Q8_0 (8 x 34 = 272):       d[8] f16 | u [8][32], u = q + 128 (unsigned)
+// Weight vector g < 8 of a block (32 bytes) holds weights 4g..4g+3 of the 8 columns, 4 bytes per column:
+// byte 4c + e = weight 4g + e of column c. Nibbles: vector h < 4, byte 4c + e holds weight 4h + e of column
+// c (low nibble) and weight 4(h + 4) + e (high nibble), so vectors g and g + 4 come from one load. Fifth bits
+// (Q5_0): byte 4c + e, bit g = the fifth bit of weight 4g + e of column c (one shift and one and per vector).
+//
+// Why: one vpdpbusd (AVX2 / AVX-512: vpmaddubsw, vpmaddwd) of vector g with the 4 activation bytes 4g..4g+3
+// broadcast to every lane adds column c's 4 products into int32 lane c. Eight of them give the block's exact
+// integer dot product of each column in its own lane: no horizontal sums (the column kernel's reduce8), and
+// the 8 columns' float16 scales convert in one instruction. Every (row, column) then takes, per block:
+//   isum = u . x - z * sum(x)          (integers, exact; z = 8 for Q4_0, 16 for Q5_0, 128 for Q8_0's u,
+//                                       0 for Q4_1; sum(x): the activation block's integer sum, xsum)
+//   acc  = fma(float(isum), d * dx, acc)
+//   macc = fma(m, s, macc)             (Q4_1 only: its float minimum m; s = dx * sum(x), from quantize32)
+// and out = acc (Q4_1: acc + macc), blocks in order: one fixed order per (row, column).
+// Integer bounds: AVX2 / AVX-512 add vpmaddubsw results in int16: 4-bit u: 8 vectors x 2 x 15 x 127 = 30480;
+// Q5_0 (u < 32): 4 vectors x 2 x 31 x 127 = 31496, so two int16 sums per block; Q8_0's u = q + 128 < 256 would
+// overflow a vpmaddubsw pair, so those variants take |q| and move q's sign onto x (pairs <= 2 x 128 x 127)
+// and sum each vpmaddubsw in int32: sum(q x) = sum(u x) - 128 sum(x), the VNNI integers exactly. The last
+// n_out % 8 columns keep the column layout (soa()) and do a tile lane's integers and float operations
+// (tail32): a column's bits do not depend on whether it sits in a tile (fused q / k / v, a reduced LM head).
+#ifndef SD_TILED32
+#define SD_TILED32 ((1 << SD_Q4_0) | (1 << SD_Q4_1) | (1 << SD_Q5_0) | (1 << SD_Q8_0))  // lowbit_kernels.TILED32
 #endif
-  for (int64_t n = n0; n < n1; ++n) {
+
+static inline int tile32_bytes(int fmt) {  // bytes of one block of a tile (8 columns)
+  switch (fmt) {
+    case SD_Q4_0: return 144;
+    case SD_Q4_1: return 160;
+    case SD_Q5_0: return 176;
+    default: return 272;
+  }
+}
+
+static inline int zero_point32(int fmt) {  // z of isum = u . x - z * sum(x) (a tile lane's; Q8_0: on u)
+  return fmt == SD_Q4_0 ? 8 : fmt == SD_Q5_0 ? 16 : fmt == SD_Q8_0 ? 128 : 0;
+}
+
+static inline __m256i fifth_bits(__m256i hb, int g) {  // bit g of every byte -> 0x10 (16-bit shifts: see tile32)
+  const __m256i m10 = _mm256_set1_epi8(0x10);
+  switch (g) {
+    case 0: return _mm256_and_si256(_mm256_slli_epi16(hb, 4), m10);
+    case 1: return _mm256_and_si256(_mm256_slli_epi16(hb, 3), m10);
+    case 2: return _mm256_and_si256(_mm256_slli_epi16(hb, 2), m10);
+    case 3: return _mm256_and_si256(_mm256_slli_epi16(hb, 1), m10);
+    case 4: return _mm256_and_si256(hb, m10);
+    case 5: return _mm256_and_si256(_mm256_srli_epi16(hb, 1), m10);
+    case 6: return _mm256_and_si256(_mm256_srli_epi16(hb, 2), m10);
+    default: return _mm256_and_si256(_mm256_srli_epi16(hb, 3), m10);
+  }
+}
+
+// weight vector g of the tile block at t: the unsigned values u (Q8_0: u = q + 128)
+static inline __m256i tile32_vector(int fmt, const uint8_t* t, int g) {
+  if (fmt == SD_Q8_0) return _mm256_loadu_si256((const __m256i*)(t + 16 + 32 * g));
+  const uint8_t* q = t + (fmt == SD_Q4_1 ? 32 : fmt == SD_Q5_0 ? 48 : 16);
+  const __m256i v = _mm256_loadu_si256((const __m256i*)(q + 32 * (g % 4)));
+  __m256i u = _mm256_and_si256(g < 4 ? v : _mm256_srli_epi16(v, 4), _mm256_set1_epi8(0x0F));
+  if (fmt == SD_Q5_0) u = _mm256_or_si256(u, fifth_bits(_mm256_loadu_si256((const __m256i*)(t + 16)), g));
+  return u;
+}
+
+// Rows r0..r0+P of one tile (8 columns at wt); columns c0..c1 of it are written (the tile is computed whole:
+// a column's result is the same whichever of its neighbours are written). Per block the weight vectors are
+// read once and dotted with every row of the pass (vector-outer, row-inner: P independent integer chains).
+SD_INLINE void passt32(const int P, const int fmt, const uint8_t* wt, int64_t nb, int64_t k, const int8_t* xq,
+                       const float* xd, const float* xs, const int32_t* xsum, int64_t r0, float* out, int64_t ldo,
+                       int64_t n, int c0, int c1) {
+#if defined(SD_VARIANT_AVX512VNNI)
+  const int z = zero_point32(fmt);
+#else
+  const int z = fmt == SD_Q8_0 ? 0 : zero_point32(fmt);  // Q8_0: sum(q x) directly (see above)
+  const __m256i ones = _mm256_set1_epi16(1);
+#endif
+  __m256 acc[SD_PASS], macc[SD_PASS];
+  for (int r = 0; r < P; ++r) acc[r] = macc[r] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* t = wt + (int64_t)tile32_bytes(fmt) * b;
+    const int8_t* xb = xq + r0 * k + 32 * b;
+    __m256i s[SD_PASS];
+    for (int r = 0; r < P; ++r) s[r] = z ? _mm256_set1_epi32(-z * xsum[(r0 + r) * nb + b]) : _mm256_setzero_si256();
+#if defined(SD_VARIANT_AVX512VNNI)
+    for (int g = 0; g < 8; ++g) {
+      const __m256i u = tile32_vector(fmt, t, g);
+      for (int r = 0; r < P; ++r) s[r] = _mm256_dpbusd_epi32(s[r], u, _mm256_set1_epi32(load_i32(xb + r * k + 4 * g)));
+    }
+#else
+    if (fmt == SD_Q8_0) {
+      for (int g = 0; g < 8; ++g) {
+        const __m256i q = _mm256_xor_si256(tile32_vector(fmt, t, g), _mm256_set1_epi8((char)0x80)), a = _mm256_sign_epi8(q, q);
+        for (int r = 0; r < P; ++r) {
+          const __m256i x = _mm256_sign_epi8(_mm256_set1_epi32(load_i32(xb + r * k + 4 * g)), q);
+          s[r] = _mm256_add_epi32(s[r], _mm256_madd_epi16(_mm256_maddubs_epi16(a, x), ones));
+        }
+      }
+    } else {
+      const int span = fmt == SD_Q5_0 ? 4 : 8;  // vectors per int16 sum (see the bounds above)
+      __m256i s16[SD_PASS];
+      for (int r = 0; r < P; ++r) s16[r] = _mm256_setzero_si256();
+      for (int g = 0; g < 8; ++g) {
+        const __m256i u = tile32_vector(fmt, t, g);
+        for (int r = 0; r < P; ++r) {
+          const __m256i p = _mm256_maddubs_epi16(u, _mm256_set1_epi32(load_i32(xb + r * k + 4 * g)));
+          s16[r] = g % span ? _mm256_add_epi16(s16[r], p) : p;
+          if (g % span == span - 1) s[r] = _mm256_add_epi32(s[r], _mm256_madd_epi16(s16[r], ones));
+        }
+      }
+    }
+#endif
+    const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)t));
+    const __m256 mw = fmt == SD_Q4_1 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(t + 16))) : dw;
+    for (int r = 0; r < P; ++r) {
+      const int64_t i = (r0 + r) * nb + b;
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[r]), _mm256_mul_ps(dw, _mm256_set1_ps(xd[i])), acc[r]);
+      if (fmt == SD_Q4_1) macc[r] = _mm256_fmadd_ps(mw, _mm256_set1_ps(xs[i]), macc[r]);
+    }
+  }
+  for (int r = 0; r < P; ++r) {
+    const __m256 o = fmt == SD_Q4_1 ? _mm256_add_ps(acc[r], macc[r]) : acc[r];
+    float* dst = out + (r0 + r) * ldo + n;
+    if (c0 == 0 && c1 == SD_TILE) {
+      _mm256_storeu_ps(dst, o);
+    } else {
+      float tmp[8];
+      _mm256_storeu_ps(tmp, o);
+      for (int c = c0; c < c1; ++c) dst[c] = tmp[c];
+    }
+  }
+}
+
+// Column n after the last tile (column layout, soa()), every row: a tile lane's integers (any order: exact)
+// and its float operations in its order.
+static void tail32(int fmt, const Soa* a, int64_t nb, int64_t k, const int8_t* xq, const float* xd, const float* xs,
+                   const int32_t* xsum, int64_t rows, float* out, int64_t ldo, int64_t n) {
+  for (int64_t r = 0; r < rows; ++r) {
+    float acc = 0.0f, macc = 0.0f;
+    for (int64_t b = 0; b < nb; ++b) {
+      const int64_t i = r * nb + b;
+      const __m256i u = unpack32(fmt, a, b), x = _mm256_loadu_si256((const __m256i*)(xq + r * k + 32 * b));
+      const int32_t isum = fmt == SD_Q8_0 ? hsum_i32(dot_u8s8(_mm256_sign_epi8(u, u), _mm256_sign_epi8(x, u)))  // q . x
+                                          : hsum_i32(dot_u8s8(u, x)) - zero_point32(fmt) * xsum[i];
+      acc = fmaf((float)isum, f16(a->d + 2 * b) * xd[i], acc);
+      if (fmt == SD_Q4_1) macc = fmaf(f16(a->m + 2 * b), xs[i], macc);
+    }
+    out[r * ldo + n] = fmt == SD_Q4_1 ? acc + macc : acc;
+  }
+}
+
+static void gemm32(int fmt, const uint8_t* w, int64_t ldw, int64_t k, const int8_t* xq, const float* xd,
+                   const float* xs, int64_t rows, float* out, int64_t ldo, int64_t n0, int64_t n1, int64_t n_out) {
+  const int64_t nb = k / 32;
+  const int tiles = (SD_TILED32 >> fmt) & 1;
+  const int64_t tiled = tiles ? n_out / SD_TILE * SD_TILE : 0;
+  // each activation block's integer sum (the zero points of the tiles and tail32; VNNI Q8_0 columns, group32)
+  int32_t* xsum = (int32_t*)malloc(sizeof(int32_t) * (size_t)(rows * nb + 1));
+  if (!xsum) abort();
+  for (int64_t i = 0; i < rows * nb; ++i)
+    xsum[i] = hsum_i32(dot_u8s8(_mm256_set1_epi8(1), _mm256_loadu_si256((const __m256i*)(xq + 32 * i))));
+  int64_t n = n0;
+  for (; n < n1 && n < tiled; n = n / SD_TILE * SD_TILE + SD_TILE) {
+    const int64_t base = n / SD_TILE * SD_TILE;
+    const int c0 = (int)(n - base), c1 = (int)((n1 < base + SD_TILE ? n1 : base + SD_TILE) - base);
+    for (int64_t r0 = 0; r0 < rows; r0 += SD_PASS) {
+      const int64_t p = rows - r0 < SD_PASS ? rows - r0 : SD_PASS;
+      switch (fmt * 16 + p) {
+#define SD_CASE(F, P) case F * 16 + P: passt32(P, F, w + base * ldw, nb, k, xq, xd, xs, xsum, r0, out, ldo, base, c0, c1); break;
+#define SD_ROWS(F) SD_CASE(F, 1) SD_CASE(F, 2) SD_CASE(F, 3) SD_CASE(F, 4) SD_MORE(F)
+#if SD_PASS > 4
+#define SD_MORE(F) SD_CASE(F, 5) SD_CASE(F, 6) SD_CASE(F, 7) SD_CASE(F, 8)
+#else
+#define SD_MORE(F)
+#endif
+        SD_ROWS(SD_Q4_0) SD_ROWS(SD_Q4_1) SD_ROWS(SD_Q5_0) SD_ROWS(SD_Q8_0)
+#undef SD_MORE
+#undef SD_ROWS
+#undef SD_CASE
+      }
+    }
+  }
+  for (; n < n1; ++n) {
     const Soa a = soa(fmt, w + n * ldw, nb);
+    if (tiles) {
+      tail32(fmt, &a, nb, k, xq, xd, xs, xsum, rows, out, ldo, n);
+      continue;
+    }
     for (int64_t r0 = 0; r0 < rows; r0 += SD_PASS) {
       const int64_t p = rows - r0 < SD_PASS ? rows - r0 : SD_PASS;
       switch (fmt * 16 + p) {
@@ -532,7 +716,6 @@ SD_INLINE void passk(const int P, const int q6, const uint8_t* wn, int64_t nb, i
 // n_out % 8 columns keep the column layout above (passk), which computes the same integers and the same
 // float operations as a tile's lane: a column's bits do not depend on whether it sits in a tile (fused
 // q / k / v, a reduced LM head).
-#define SD_TILE 8
 #define SD_TILE_SB 1152
 #if defined(SD_VARIANT_AVX2)
 #define SD_PASST 4
@@ -574,12 +757,6 @@ static inline void tile_scales(const uint8_t* t, TileScales* s) {
     s->sc[2 * i] = tile_scale(q[i]);
     s->sc[2 * i + 1] = tile_scale(_mm_unpackhi_epi64(q[i], q[i]));
   }
-}
-
-static inline int32_t load_i32(const void* p) {
-  int32_t v;
-  memcpy(&v, p, 4);
-  return v;
 }
 
 // Rows r0..r0+P of one tile (8 columns at wt); xs: per row and super-block the 8 activation sums per 32
@@ -818,6 +995,21 @@ static void dequantize(int fmt, const uint8_t* w, int64_t ldw, int64_t k, float*
           const int u = ((g < 4 ? lo : lo >> 4) & 15) | (((hi >> (2 * (g % 4))) & 3) << 4);
           const float s = (float)(int8_t)t[16 + 8 * (i / 16) + c];
           o[256 * b + i] = d * s * (float)(u - 32);
+        }
+      }
+      continue;
+    }
+    if (bs == 32 && ((SD_TILED32 >> fmt) & 1) && n < n_out / SD_TILE * SD_TILE) {  // a 32-weight tile (see passt32)
+      const int c = (int)(n % SD_TILE);
+      for (int64_t b = 0; b < k / 32; ++b) {
+        const uint8_t* t = w + (n - c) * ldw + (int64_t)tile32_bytes(fmt) * b;
+        const float d = f16(t + 2 * c), m = fmt == SD_Q4_1 ? f16(t + 16 + 2 * c) : 0.0f;
+        const uint8_t* q = t + (fmt == SD_Q4_1 ? 32 : fmt == SD_Q5_0 ? 48 : 16);
+        for (int i = 0; i < 32; ++i) {
+          const int g = i / 4, e = i % 4;
+          int u = fmt == SD_Q8_0 ? q[32 * g + 4 * c + e] : (q[32 * (g % 4) + 4 * c + e] >> (g < 4 ? 0 : 4)) & 15;
+          if (fmt == SD_Q5_0) u |= ((t[16 + 4 * c + e] >> g) & 1) << 4;
+          o[32 * b + i] = fmt == SD_Q4_1 ? d * (float)u + m : d * (float)(u - zero_point32(fmt));
         }
       }
       continue;
