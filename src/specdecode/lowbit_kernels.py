@@ -206,7 +206,7 @@ def _q6k_untile(packed: np.ndarray) -> np.ndarray:
 
 #: Q6_K tiles (csrc/qgemm.c SD_Q6K_TILES, the same switch)
 Q6K_TILES = True
-#: 32-weight formats run as tiles of 8 columns (csrc/qgemm.c SD_TILED32, the same set; :mod:`lowbit_tiles32`)
+#: The 32-weight formats, all run as tiles of 8 columns (csrc/qgemm.c passt32 / gemm32; :mod:`lowbit_tiles32`)
 TILED32 = ("Q4_0", "Q4_1", "Q5_0", "Q8_0")
 #: Formats repacked as tiles of 8 output columns (the last rows % 8 keep the column layout): name ->
 #: (tile [8 T, bytes] -> [8 T, bytes], its inverse)
