@@ -233,8 +233,9 @@ static inline int32_t load_i32(const void* p) {
 //
 // Why: one vpdpbusd (AVX2 / AVX-512: vpmaddubsw, vpmaddwd) of vector g with the 4 activation bytes 4g..4g+3
 // broadcast to every lane adds column c's 4 products into int32 lane c. Eight of them give the block's exact
-// integer dot product of each column in its own lane: no horizontal sums (the column kernel before them: one per 8 blocks and row), and
-// the 8 columns' float16 scales convert in one instruction. Every (row, column) then takes, per block:
+// integer dot product of each column in its own lane: no horizontal sums (the column kernel this replaced
+// needed one per 8 blocks and row: 1.5-3x slower), and the 8 columns' float16 scales convert in one
+// instruction. Every (row, column) then takes, per block:
 //   isum = u . x - z * sum(x)          (integers, exact; z = 8 for Q4_0, 16 for Q5_0, 128 for Q8_0's u,
 //                                       0 for Q4_1; sum(x): the activation block's integer sum, xsum)
 //   acc  = fma(float(isum), d * dx, acc)
@@ -246,6 +247,7 @@ static inline int32_t load_i32(const void* p) {
 // and sum each vpmaddubsw in int32: sum(q x) = sum(u x) - 128 sum(x), the VNNI integers exactly. The last
 // n_out % 8 columns keep the column layout (soa()) and do a tile lane's integers and float operations
 // (tail32): a column's bits do not depend on whether it sits in a tile (fused q / k / v, a reduced LM head).
+
 // Rows per pass of the tiles (at most SD_PASS), per variant and format, measured at 8 and 16 rows
 // (docs/results/kernels/tiled32/report.txt): VNNI 8 rows (4: 1.03-1.14x slower); AVX-512 8 for Q5_0 (4:
 // 1.08x slower), 4 for the others (8: 1.02-1.2x slower, register spills); AVX2 4 (16 registers). The pass
