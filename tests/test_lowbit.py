@@ -84,7 +84,7 @@ def test_kernel_equals_a_float64_reference(variant, kind):
     kernel, table = lowbit.load_kernel(), lowbit.variant_table()
     assert kernel.q_variant(table) == variant
     cols = _cols(kind)
-    module = lowbit.QuantLinear(torch.from_numpy(_raw(kind, 40, cols, seed=1)), kind, cols)
+    module = lowbit.QuantLinear(torch.from_numpy(_raw(kind, 43, cols, seed=1)), kind, cols)  # 5 tiles and 3 columns
     weight = module.dequantize().double()
     assert torch.equal(kernel.q_dequantize(module.packed, module.fmt, cols, table), weight.float())
     gen = torch.Generator().manual_seed(0)
@@ -505,3 +505,76 @@ def test_attention_is_exact_per_rank_and_the_same_on_every_variant(d):
         vv = v[:, columns].double().repeat_interleave(group, 0)
         ref = torch.softmax((q.double().unsqueeze(1) * d ** -0.5 * kk).sum(-1), -1).unsqueeze(1).bmm(vv).squeeze(1)
         torch.testing.assert_close(outs[0].double(), ref, rtol=1e-5, atol=1e-5)
+
+
+# Q4_0 / Q4_1 / Q5_0 / Q8_0 tiles of 8 output columns (csrc/qgemm.c passt32, lowbit_tiles32) --------------------------
+
+TILED32 = list(lowbit_kernels.TILED32)
+
+
+@pytest.mark.parametrize("kind", TILED32)
+@pytest.mark.parametrize("rows", [1, 7, 8, 13, 24, 61])
+def test_tiles32_round_trip_and_dequantize_as_gguf(rows, kind):
+    """32-weight formats as tiles of 8 columns (the last rows % 8 in the column layout), the same bytes: unpack
+    inverts repack (also on arbitrary bytes), and the kernel's dequantization of every column, tiled or not,
+    equals gguf's, at row lengths that are and are not multiples of 256."""
+    kernel = lowbit.load_kernel()
+    for k in (32, 96, 576, 896):
+        raw = _raw(kind, rows, k, seed=rows + k)
+        packed = lowbit.repack(raw, kind)
+        assert packed.shape == raw.shape and np.array_equal(lowbit.unpack(packed, kind), raw)
+        noise = np.random.default_rng(rows).integers(0, 256, raw.shape, dtype=np.uint8)
+        assert np.array_equal(lowbit.unpack(lowbit.repack(noise, kind), kind), noise)
+        if rows >= 8:  # the tile really moves bytes
+            assert not np.array_equal(packed[1], lowbit_kernels._columns(raw[1:2], kind)[0])
+        expected = gguf.dequantize(raw, gguf.GGMLQuantizationType[kind]).reshape(rows, -1)
+        for name in VARIANTS:
+            got = kernel.q_dequantize(torch.from_numpy(packed), lowbit.GGUF_BLOCKS[kind][0], k, lowbit.load_variant(name))
+            np.testing.assert_array_equal(got.numpy(), expected)
+
+
+@pytest.mark.parametrize("kind", TILED32)
+@pytest.mark.parametrize("cols", [1, 8, 13, 61])
+def test_tiles32_are_bit_identical_across_variants_threads_and_rows(cols, kind):
+    """Every variant and 1-3 threads give the same bits for tiles and the tail columns, a row's result is the
+    same alone and among 1..16 rows next to a row 1000x louder, and it is the float64 product of the
+    dequantized weights and the quantized activations within float32 accumulation error."""
+    kernel = lowbit.load_kernel()
+    if kernel is None or not VARIANTS:
+        pytest.skip("no kernel variant on this CPU")
+    k = 896 if cols == 13 else 576
+    module = lowbit.QuantLinear(torch.from_numpy(_raw(kind, cols, k, seed=cols)), kind, k)
+    x = torch.randn(16, k, generator=torch.Generator().manual_seed(cols))
+    x[3] *= 1000.0
+    threads = torch.get_num_threads()
+    try:
+        outs = []
+        for name in VARIANTS:
+            table = lowbit.load_variant(name)
+            for n in (1, 2, 3):
+                torch.set_num_threads(n)
+                together = kernel.q_linear(x, module.packed, module.fmt, table)
+                outs.append(together)
+                for i in range(16):
+                    assert torch.equal(kernel.q_linear(x[i : i + 1].contiguous(), module.packed, module.fmt, table)[0],
+                                       together[i]), (name, n, i)
+                    assert torch.equal(kernel.q_linear(x[: i + 1].contiguous(), module.packed, module.fmt, table),
+                                       together[: i + 1]), (name, n, i)
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(o, outs[0]) for o in outs)
+    table = lowbit.load_variant(VARIANTS[0])
+    xq, weight = _kernel_activations(kernel, table, x, kind), module.dequantize().double()
+    scale = (xq.abs() @ weight.abs().T).clamp_min(1e-30)
+    assert (((outs[0].double() - xq @ weight.T).abs() / scale).max() < (1e-6 if kind == "Q8_0" else 1e-5))
+
+
+@pytest.mark.parametrize("kind", TILED32)
+def test_tiles32_fused_parts_and_slices_keep_their_columns(kind):
+    """Concatenated parts (q / k / v) whose widths are not multiples of 8 equal the parts bit for bit."""
+    parts = [lowbit.QuantLinear(torch.from_numpy(_raw(kind, n, 96, seed=n)), kind, 96, torch.randn(n))
+             for n in (12, 8, 5, 16, 3)]
+    fused = lowbit.concat(parts)
+    x = torch.randn(5, 96)
+    assert torch.equal(fused(x), torch.cat([p(x) for p in parts], dim=-1))
+    assert np.array_equal(fused.gguf_raw(), np.concatenate([p.gguf_raw() for p in parts]))

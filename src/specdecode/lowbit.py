@@ -48,6 +48,7 @@ from specdecode.lowbit_kernels import (  # noqa: F401 - the kernels' names, re-e
     Q4K_TILE,
     Q6K_TILES,
     TILED,
+    TILED32,
     VARIANTS,
     active_variant,
     cpu_flags,
@@ -78,8 +79,8 @@ logger = logging.getLogger(__name__)
 # Whole models ------------------------------------------------------------------------------------
 
 #: Bump when the cached low-bit file's layout changes (older files are rebuilt).
-CACHE_FORMAT = 5 if Q6K_TILES else 4  # 3: Q4_K scale bytes in the kernel's order (repack); 4: Q4_K tiles of 8
-#                                       columns; 5: Q6_K tiles too
+CACHE_FORMAT = 6 if TILED32 else 5 if Q6K_TILES else 4  # 3: Q4_K scale bytes in the kernel's order (repack); 4: Q4_K
+#     tiles of 8 columns; 5: Q6_K tiles too; 6: Q4_0 / Q4_1 / Q5_0 / Q8_0 tiles too (lowbit_tiles32)
 
 
 def _linear_names(model: torch.nn.Module) -> list[str]:

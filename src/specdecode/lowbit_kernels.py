@@ -15,11 +15,13 @@ import sys
 import tempfile
 import threading
 import time
+from functools import partial
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from specdecode import lowbit_tiles32 as tiles32
 from specdecode.errors import SpecDecodeError
 
 
@@ -36,11 +38,11 @@ _kernel_note = "not loaded yet"
 GGUF_BLOCKS = {"Q4_0": (0, 32, 18), "Q4_1": (1, 32, 20), "Q5_0": (2, 32, 22), "Q8_0": (3, 32, 34),
                "Q4_K": (4, 256, 144), "Q6_K": (5, 256, 210)}
 
-#: Fields of a 32-weight block (byte ranges), which the kernel reads as one array per field per row
-#: (:func:`repack`: same bytes, eight blocks' scales in one load). Q6_K keeps its blocks. Q4_K is repacked
-#: as tiles of 8 output columns (:func:`_q4k_tile`: same bytes; one vpdpbusd multiplies 4 weights of 8
-#: columns); the last rows % 8 keep their blocks with the 12 bytes of 6-bit scales and minimums re-ordered
-#: (:func:`_q4k_to_kernel`: same bytes, decoded in a few vector instructions).
+#: The column layout of a 32-weight block format (the last rows % 8 of its tiles, :mod:`lowbit_tiles32`): the
+#: fields' byte ranges, each read as one array per row (:func:`_columns`: same bytes, eight blocks' scales in
+#: one load). Q6_K's column layout is its blocks. Q4_K and Q6_K are repacked as tiles of 8 output columns
+#: (:func:`_q4k_tile`: same bytes; one vpdpbusd multiplies 4 weights of 8 columns); Q4_K's last rows % 8 keep
+#: their blocks with the 12 bytes of 6-bit scales and minimums re-ordered (:func:`_q4k_to_kernel`).
 _FIELDS = {"Q4_0": ((0, 2), (2, 18)), "Q4_1": ((0, 2), (2, 4), (4, 20)), "Q5_0": ((0, 2), (2, 6), (6, 22)),
            "Q8_0": ((0, 2), (2, 34))}
 
@@ -204,35 +206,32 @@ def _q6k_untile(packed: np.ndarray) -> np.ndarray:
 
 #: Q6_K tiles (csrc/qgemm.c SD_Q6K_TILES, the same switch)
 Q6K_TILES = True
-#: K-quants repacked as tiles of 8 output columns (the last rows % 8 keep the column layout)
-TILED = {"Q4_K": (_q4k_tile, _q4k_untile), **({"Q6_K": (_q6k_tile, _q6k_untile)} if Q6K_TILES else {})}
+#: The 32-weight formats, all run as tiles of 8 columns (csrc/qgemm.c passt32 / gemm32; :mod:`lowbit_tiles32`)
+TILED32 = ("Q4_0", "Q4_1", "Q5_0", "Q8_0")
+#: Formats repacked as tiles of 8 output columns (the last rows % 8 keep the column layout): name ->
+#: (tile [8 T, bytes] -> [8 T, bytes], its inverse)
+TILED = {"Q4_K": (_q4k_tile, _q4k_untile), **({"Q6_K": (_q6k_tile, _q6k_untile)} if Q6K_TILES else {}),
+         **{kind: (partial(tiles32.tile, kind=kind), partial(tiles32.untile, kind=kind)) for kind in TILED32}}
 
 
-def repack(raw: np.ndarray, kind: str) -> np.ndarray:
-    """GGUF rows [rows, bytes] uint8 -> the kernel's layout [rows, bytes] uint8 (the same bytes, each block field
-    as one array per row: ``d[nb] | m[nb] | qs[nb][16]`` for Q4_1; Q4_K: tiles of 8 columns, :func:`_q4k_tile`,
-    the last rows % 8 with their scale bytes re-ordered, :func:`_q4k_to_kernel`). Q6_K is returned as it is.
-    A Q4_K layout is whole: slice or concatenate GGUF rows (:func:`unpack`), not packed ones."""
-    if kind in TILED:
-        full = raw.shape[0] // Q4K_TILE * Q4K_TILE
-        tail = _q4k_scales_mapped(raw[full:], _q4k_to_kernel) if kind == "Q4_K" else np.array(raw[full:], np.uint8)
-        return np.ascontiguousarray(np.concatenate([TILED[kind][0](np.asarray(raw[:full], np.uint8)), tail]))
-    if kind not in _FIELDS:
-        return np.ascontiguousarray(raw)
+def _columns(raw: np.ndarray, kind: str) -> np.ndarray:
+    """GGUF rows [rows, bytes] uint8 -> the column layout [rows, bytes] uint8 (each 32-weight block field as one
+    array per row: ``d[nb] | m[nb] | qs[nb][16]`` for Q4_1; Q4_K: scale bytes re-ordered; Q6_K as stored)."""
+    if kind == "Q4_K":
+        return _q4k_scales_mapped(raw, _q4k_to_kernel)
+    if kind not in _FIELDS or raw.shape[0] == 0:
+        return np.array(raw, np.uint8)
     rows = raw.shape[0]
     blocks = raw.reshape(rows, -1, GGUF_BLOCKS[kind][2])
     return np.ascontiguousarray(np.concatenate([blocks[..., a:b].reshape(rows, -1) for a, b in _FIELDS[kind]], axis=1))
 
 
-def unpack(packed: np.ndarray, kind: str) -> np.ndarray:
-    """The inverse of :func:`repack`: the kernel's layout [rows, bytes] uint8 -> GGUF rows [rows, bytes] uint8."""
-    if kind in TILED:
-        full = packed.shape[0] // Q4K_TILE * Q4K_TILE
-        tail = (_q4k_scales_mapped(packed[full:], _q4k_from_kernel) if kind == "Q4_K"
-                else np.array(packed[full:], np.uint8))
-        return np.ascontiguousarray(np.concatenate([TILED[kind][1](np.asarray(packed[:full], np.uint8)), tail]))
-    if kind not in _FIELDS:
-        return np.ascontiguousarray(packed)
+def _uncolumns(packed: np.ndarray, kind: str) -> np.ndarray:
+    """The inverse of :func:`_columns`."""
+    if kind == "Q4_K":
+        return _q4k_scales_mapped(packed, _q4k_from_kernel)
+    if kind not in _FIELDS or packed.shape[0] == 0:
+        return np.array(packed, np.uint8)
     rows, nbytes = packed.shape[0], GGUF_BLOCKS[kind][2]
     nb = packed.shape[1] // nbytes
     out = np.empty((rows, nb, nbytes), np.uint8)
@@ -241,6 +240,26 @@ def unpack(packed: np.ndarray, kind: str) -> np.ndarray:
         out[..., a:b] = packed[:, at : at + nb * (b - a)].reshape(rows, nb, b - a)
         at += nb * (b - a)
     return out.reshape(rows, -1)
+
+
+def repack(raw: np.ndarray, kind: str) -> np.ndarray:
+    """GGUF rows [rows, bytes] uint8 -> the kernel's layout [rows, bytes] uint8, the same bytes: the formats in
+    :data:`TILED` as tiles of 8 columns, the last rows % 8 (and other formats) in the column layout
+    (:func:`_columns`). A tiled layout is whole: slice or concatenate GGUF rows (:func:`unpack`), not packed ones."""
+    raw = np.asarray(raw, np.uint8)
+    if kind not in TILED:
+        return np.ascontiguousarray(_columns(raw, kind))
+    full = raw.shape[0] // Q4K_TILE * Q4K_TILE
+    return np.ascontiguousarray(np.concatenate([TILED[kind][0](raw[:full]), _columns(raw[full:], kind)]))
+
+
+def unpack(packed: np.ndarray, kind: str) -> np.ndarray:
+    """The inverse of :func:`repack`: the kernel's layout [rows, bytes] uint8 -> GGUF rows [rows, bytes] uint8."""
+    packed = np.asarray(packed, np.uint8)
+    if kind not in TILED:
+        return np.ascontiguousarray(_uncolumns(packed, kind))
+    full = packed.shape[0] // Q4K_TILE * Q4K_TILE
+    return np.ascontiguousarray(np.concatenate([TILED[kind][1](packed[:full]), _uncolumns(packed[full:], kind)]))
 
 
 #: Instruction-set variants of the kernel, fastest first where the CPU runs several: name ->

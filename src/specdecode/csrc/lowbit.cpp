@@ -48,19 +48,19 @@ const SdTable* sd_table_at(int64_t address) { return table_of(address); }
 void q_product(const SdTable* t, const float* x, int64_t rows, int64_t k, const uint8_t* w, int64_t n_out,
                int64_t ldw, int64_t fmt, float* out, int64_t ldo) {
   std::vector<int8_t> q(rows * k);
+  // threads split whole tiles of 8 columns (qgemm.c passt32 / passt / passt6; the last one may be shorter)
+  const int64_t tiles = (n_out + 7) / 8, grain = std::max<int64_t>(1, tiles / (8 * at::get_num_threads()) + 1);
   if (kBlockSize[fmt] == 32) {
     std::vector<float> d(rows * (k / 32)), s(rows * (k / 32));
     t->quantize32(x, rows, k, q.data(), d.data(), s.data());
-    const int64_t grain = std::max<int64_t>(8, n_out / (8 * at::get_num_threads()) + 1);
-    at::parallel_for(0, n_out, grain, [&](int64_t n0, int64_t n1) {
-      t->gemm32(static_cast<int>(fmt), w, ldw, k, q.data(), d.data(), s.data(), rows, out, ldo, n0, n1);
+    at::parallel_for(0, tiles, grain, [&](int64_t t0, int64_t t1) {
+      t->gemm32(static_cast<int>(fmt), w, ldw, k, q.data(), d.data(), s.data(), rows, out, ldo, 8 * t0,
+                std::min<int64_t>(n_out, 8 * t1), n_out);
     });
   } else {
     std::vector<float> d(rows * (k / 256));
     std::vector<int16_t> b(rows * (k / 16));
     t->quantize256(x, rows, k, q.data(), d.data(), b.data());
-    // threads split whole tiles of 8 columns (Q4_K's layout, qgemm.c passt; the last one may be shorter)
-    const int64_t tiles = (n_out + 7) / 8, grain = std::max<int64_t>(1, tiles / (8 * at::get_num_threads()) + 1);
     at::parallel_for(0, tiles, grain, [&](int64_t t0, int64_t t1) {
       t->gemmk(static_cast<int>(fmt), w, ldw, k, q.data(), d.data(), b.data(), rows, out, ldo, 8 * t0,
                std::min<int64_t>(n_out, 8 * t1), n_out);

@@ -7,7 +7,7 @@
 // specdecode/lowbit_kernels.py (gcc, seconds) and called through the table sd_table() returns.
 //   SD_VARIANT_AVX2        AVX2 + FMA + F16C (the floor)
 //   SD_VARIANT_AVX512      the same code with AVX-512 F/BW/VL enabled (EVEX encodings, 32 registers;
-//                          Q5_0's fifth bits as a byte mask)
+//                          a Q5_0 tail column's fifth bits as a byte mask)
 //   SD_VARIANT_AVX512VNNI  AVX-512 VNNI on 256-bit vectors: vpdpbusd / vpdpwssd replace the
 //                          vpmaddubsw + vpmaddwd pairs (Q8_0: one vpdpbusd on q + 128)
 // Every variant computes the same integers and the same float operations in the same order: their
@@ -16,11 +16,12 @@
 // Activations: per row, quantized alone (llama.cpp's Q8_0 / Q8_K layouts, our code):
 //   act32  (for Q4_0, Q4_1, Q5_0, Q8_0): per block of 32, float d, int8 q[32], float s = d * sum(q)
 //   act256 (for Q4_K, Q6_K): per block of 256, float d, int8 q[256], int16 bsums[16] (sums per 16)
-// Weights: each block of a column is read and unpacked once per pass of rows (32-weight formats:
-// 4 rows with AVX2, 8 with AVX-512; K-quants: 4; their accumulators stay in registers), then dotted
-// with every row of the pass. Q4_K runs as tiles of 8 output columns (repacked at load, same bytes:
-// passt), one vpdpbusd / vpmaddubsw per 4 weights of the 8 columns, 4 rows per pass with AVX2, 8 with
-// AVX-512. Every (row, column) is accumulated in one fixed
+// Weights: every format runs as tiles of 8 output columns (repacked at load, the same bytes per weight:
+// passt32 for Q4_0 / Q4_1 / Q5_0 / Q8_0, passt for Q4_K, passt6 for Q6_K): one vpdpbusd (vpmaddubsw) per 4
+// weights of the 8 columns, each column's integer sum in its own lane, no horizontal sums. A tile's block
+// is read and unpacked once per pass of rows (4 or 8 rows, their accumulators in registers) and dotted with
+// every row of the pass. The last n_out % 8 columns keep a column layout and do a tile lane's exact
+// operations (tail32, passk). Every (row, column) is accumulated in one fixed
 // order that depends on nothing but that row and that column: neither on how many rows share
 // the call, nor on how the columns are split across threads. A row's result is therefore bit for
 // bit the same alone or among any rows (batch-invariant by construction), which is what keeps
@@ -151,16 +152,12 @@ static void quantize256(const float* x, int64_t rows, int64_t k, int8_t* q, floa
 }
 
 // ---------------------------------------------------------------------------------------------
-// Weights: 32-element block formats (Q4_0, Q4_1, Q5_0, Q8_0) against act32.
-// A row's blocks are repacked at load (specdecode/lowbit_kernels.py, same bytes) as arrays instead of
-// structures, so eight blocks' float16 scales convert in one instruction:
+// Weights: 32-element block formats (Q4_0, Q4_1, Q5_0, Q8_0) against act32: tiles of 8 columns (passt32
+// below). The last n_out % 8 columns keep a column layout (tail32): a row's blocks repacked at load
+// (specdecode/lowbit_kernels.py ``_columns``, same bytes) as one array per block field:
 //   Q4_0: d[nb] f16 | qs[nb][16]          Q4_1: d[nb] | m[nb] | qs[nb][16]
 //   Q5_0: d[nb] | qh[nb] u32 | qs[nb][16]  Q8_0: d[nb] | qs[nb][32]
-// A block unpacks to 32 bytes u (unsigned; Q8_0: signed) with w = dw * u + mw (Q8_0: w = dw * q).
-// Per row and group of eight blocks: the int32 sums u . x of the eight blocks in one vector (exact),
-// acc += float(sums) * (dw * dx) and m += mw * s (s: the activation block's scaled sum), lane i
-// holding block i of every group.
-
+// A block unpacks to 32 bytes u (unsigned; Q8_0: signed q) with w = d * (u - z) (Q4_1: w = d * u + m).
 
 static const int kBlockBytes[6] = {18, 20, 22, 34, 144, 210};
 static const int kBlockSize[6] = {32, 32, 32, 32, 256, 256};
@@ -198,30 +195,8 @@ static inline __m256i unpack32(int fmt, const Soa* a, int64_t b) {
   }
 }
 
-// eight float16 at p (cnt < 8: the first cnt, zeros after) -> float32; cnt is a constant where it is inlined
-static inline __m256 load_f16x8(const uint8_t* p, int cnt) {
-  if (cnt == 8) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p));
-  if (cnt == 4) return _mm256_cvtph_ps(_mm_loadl_epi64((const __m128i*)p));
-  uint16_t t[8] = {0};
-  for (int i = 0; i < cnt; ++i) memcpy(t + i, p + 2 * i, 2);
-  return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)t));
-}
-
-
-// the scale and zero-point terms of blocks b0..b0+cnt: w = dw * u + mw
-static inline void scales8(int fmt, const Soa* a, int64_t b0, int cnt, __m256* dw, __m256* mw) {
-  *dw = load_f16x8(a->d + 2 * b0, cnt);
-  switch (fmt) {
-    case SD_Q4_0: *mw = _mm256_mul_ps(*dw, _mm256_set1_ps(-8.0f)); break;
-    case SD_Q4_1: *mw = load_f16x8(a->m + 2 * b0, cnt); break;
-    case SD_Q5_0: *mw = _mm256_mul_ps(*dw, _mm256_set1_ps(-16.0f)); break;
-    default: *mw = _mm256_setzero_ps(); break;
-  }
-}
-
-// Rows per pass: every row keeps its accumulators in registers (16 vector registers on AVX2, 32 with
-// AVX-512). The pass size changes nothing in a row's arithmetic: each row has its own two float
-// accumulators (products, zero-point terms), used the same way in any pass.
+// The most rows of one pass of the 32-weight tiles (array sizes; SD_PASS32 picks per format): every row
+// keeps its accumulators in registers, 16 vector registers on AVX2, 32 with AVX-512.
 #if defined(SD_VARIANT_AVX2)
 #define SD_PASS 4
 #else
@@ -235,105 +210,203 @@ static inline void scales8(int fmt, const Soa* a, int64_t b0, int cnt, __m256* d
 // tile lane's scalar float order (0.85x on their own, at most 7 columns per weight)
 #define SD_Q6K_TILES 1
 #define SD_INLINE static inline __attribute__((always_inline))
+#define SD_TILE 8  // output columns per tile (Q4_K, Q6_K and, as lowbit_kernels.TILED32 says, 32-weight formats)
 
-// The int32 lanes of eight blocks' dot products -> one int32 per block (lane i: block i). Integer
-// sums: exact, so the order inside is free.
-static inline __m256i reduce8(const __m256i d[8]) {
-  const __m256i q0 = _mm256_hadd_epi32(_mm256_hadd_epi32(d[0], d[1]), _mm256_hadd_epi32(d[2], d[3]));
-  const __m256i q1 = _mm256_hadd_epi32(_mm256_hadd_epi32(d[4], d[5]), _mm256_hadd_epi32(d[6], d[7]));
-  return _mm256_add_epi32(_mm256_permute2x128_si256(q0, q1, 0x20), _mm256_permute2x128_si256(q0, q1, 0x31));
+static inline int32_t load_i32(const void* p) {
+  int32_t v;
+  memcpy(&v, p, 4);
+  return v;
 }
 
-// Rows r0..r0+P of one column of 32-weight blocks, in groups of eight blocks: each block of the group
-// is unpacked in registers once and dotted with every row of the pass; per row the eight blocks'
-// integer sums become one vector (lane i: block i), and one multiply-add per group applies the
-// scales: acc += float(sum_i) * (dw_i * dx_i). Per row two float accumulators (products, zero-point
-// terms), whatever P; a group past the end of the row has its missing blocks as zeros.
-SD_INLINE void group32(const int P, const int fmt, const int cnt, const Soa* a, int64_t nb, int64_t k,
-                       const int8_t* xq, const float* xd, const float* xs, const int32_t* xsum, int64_t r0,
-                       int64_t b0, __m256* acc, __m256* m) {
-  // Q8_0's signed weights: AVX2 / AVX-512 take |q| and move the sign onto x (vpmaddubsw multiplies unsigned by
-  // signed); VNNI multiplies u = q + 128 (one xor per block) and takes 128 * sum(x) off the block's integer sum
-  // (xsum): the same exact integers, so every variant gives the same bits
+// ---------------------------------------------------------------------------------------------
+// 32-weight formats as tiles of 8 output columns (specdecode/lowbit_tiles32.py repacks them at load, the
+// same bytes per weight). Columns 8t..8t+7 (t < n_out / 8) occupy weight rows 8t..8t+7 (8 * ldw contiguous
+// bytes); block b of the eight (32 weights of each column) sits at byte 8 * B * b, B the format's block bytes:
+//   Q4_0 (8 x 18 = 144 bytes): d[8] f16 | nibbles [128]
+//   Q4_1 (8 x 20 = 160):       d[8] f16 | m[8] f16 | nibbles [128]
+//   Q5_0 (8 x 22 = 176):       d[8] f16 | fifth bits [32] | nibbles [128]
+//   Q8_0 (8 x 34 = 272):       d[8] f16 | u [8][32], u = q + 128 (unsigned)
+// Weight vector g < 8 of a block (32 bytes) holds weights 4g..4g+3 of the 8 columns, 4 bytes per column:
+// byte 4c + e = weight 4g + e of column c. Nibbles: vector h < 4, byte 4c + e holds weight 4h + e of column
+// c (low nibble) and weight 4(h + 4) + e (high nibble), so vectors g and g + 4 come from one load. Fifth bits
+// (Q5_0): byte 4c + e, bit g = the fifth bit of weight 4g + e of column c (one shift and one and per vector).
+//
+// Why: one vpdpbusd (AVX2 / AVX-512: vpmaddubsw, vpmaddwd) of vector g with the 4 activation bytes 4g..4g+3
+// broadcast to every lane adds column c's 4 products into int32 lane c. Eight of them give the block's exact
+// integer dot product of each column in its own lane: no horizontal sums (the column kernel this replaced
+// needed one per 8 blocks and row: 1.5-3x slower), and the 8 columns' float16 scales convert in one
+// instruction. Every (row, column) then takes, per block:
+//   isum = u . x - z * sum(x)          (integers, exact; z = 8 for Q4_0, 16 for Q5_0, 128 for Q8_0's u,
+//                                       0 for Q4_1; sum(x): the activation block's integer sum, xsum)
+//   acc  = fma(float(isum), d * dx, acc)
+//   macc = fma(m, s, macc)             (Q4_1 only: its float minimum m; s = dx * sum(x), from quantize32)
+// and out = acc (Q4_1: acc + macc), blocks in order: one fixed order per (row, column).
+// Integer bounds: AVX2 / AVX-512 add vpmaddubsw results in int16: 4-bit u: 8 vectors x 2 x 15 x 127 = 30480;
+// Q5_0 (u < 32): 4 vectors x 2 x 31 x 127 = 31496, so two int16 sums per block; Q8_0's u = q + 128 < 256 would
+// overflow a vpmaddubsw pair, so those variants take |q| and move q's sign onto x (pairs <= 2 x 128 x 127)
+// and sum each vpmaddubsw in int32: sum(q x) = sum(u x) - 128 sum(x), the VNNI integers exactly. The last
+// n_out % 8 columns keep the column layout (soa()) and do a tile lane's integers and float operations
+// (tail32): a column's bits do not depend on whether it sits in a tile (fused q / k / v, a reduced LM head).
+
+// Rows per pass of the tiles (at most SD_PASS), per variant and format, measured at 8 and 16 rows
+// (docs/results/kernels/tiled32/report.txt): VNNI 8 rows (4: 1.03-1.14x slower); AVX-512 8 for Q5_0 (4:
+// 1.08x slower), 4 for the others (8: 1.02-1.2x slower, register spills); AVX2 4 (16 registers). The pass
+// size changes nothing in a row's arithmetic.
+#ifndef SD_PASS32
 #if defined(SD_VARIANT_AVX512VNNI)
-  const int q8 = 0, q8u = fmt == SD_Q8_0;
+#define SD_PASS32(fmt) 8
+#elif defined(SD_VARIANT_AVX512)
+#define SD_PASS32(fmt) ((fmt) == SD_Q5_0 ? 8 : 4)
 #else
-  const int q8 = fmt == SD_Q8_0, q8u = 0;
+#define SD_PASS32(fmt) 4
 #endif
-  __m256 dw, mw;
-  scales8(fmt, a, b0, cnt, &dw, &mw);
-  const __m256i keep = _mm256_cmpgt_epi32(_mm256_set1_epi32(cnt), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-  __m256i raw[8], u[8];
-  for (int i = 0; i < 8; ++i) {
-    raw[i] = i < cnt ? unpack32(fmt, a, b0 + i) : _mm256_setzero_si256();
-    u[i] = q8 ? _mm256_sign_epi8(raw[i], raw[i]) : q8u ? _mm256_xor_si256(raw[i], _mm256_set1_epi8((char)0x80)) : raw[i];
+#endif
+
+static inline int tile32_bytes(int fmt) {  // bytes of one block of a tile (8 columns)
+  switch (fmt) {
+    case SD_Q4_0: return 144;
+    case SD_Q4_1: return 160;
+    case SD_Q5_0: return 176;
+    default: return 272;
+  }
+}
+
+static inline int zero_point32(int fmt) {  // z of isum = u . x - z * sum(x) (a tile lane's; Q8_0: on u)
+  return fmt == SD_Q4_0 ? 8 : fmt == SD_Q5_0 ? 16 : fmt == SD_Q8_0 ? 128 : 0;
+}
+
+// bit g of every byte -> 0x10 (a 16-bit shift moves bit g of both its bytes to bit 4; the mask drops the rest)
+static inline __m256i fifth_bits(__m256i hb, int g) {
+  const __m256i m10 = _mm256_set1_epi8(0x10);
+  switch (g) {
+    case 0: return _mm256_and_si256(_mm256_slli_epi16(hb, 4), m10);
+    case 1: return _mm256_and_si256(_mm256_slli_epi16(hb, 3), m10);
+    case 2: return _mm256_and_si256(_mm256_slli_epi16(hb, 2), m10);
+    case 3: return _mm256_and_si256(_mm256_slli_epi16(hb, 1), m10);
+    case 4: return _mm256_and_si256(hb, m10);
+    case 5: return _mm256_and_si256(_mm256_srli_epi16(hb, 1), m10);
+    case 6: return _mm256_and_si256(_mm256_srli_epi16(hb, 2), m10);
+    default: return _mm256_and_si256(_mm256_srli_epi16(hb, 3), m10);
+  }
+}
+
+// weight vector g of the tile block at t: the unsigned values u (Q8_0: u = q + 128)
+static inline __m256i tile32_vector(int fmt, const uint8_t* t, int g) {
+  if (fmt == SD_Q8_0) return _mm256_loadu_si256((const __m256i*)(t + 16 + 32 * g));
+  const uint8_t* q = t + (fmt == SD_Q4_1 ? 32 : fmt == SD_Q5_0 ? 48 : 16);
+  const __m256i v = _mm256_loadu_si256((const __m256i*)(q + 32 * (g % 4)));
+  __m256i u = _mm256_and_si256(g < 4 ? v : _mm256_srli_epi16(v, 4), _mm256_set1_epi8(0x0F));
+  if (fmt == SD_Q5_0) u = _mm256_or_si256(u, fifth_bits(_mm256_loadu_si256((const __m256i*)(t + 16)), g));
+  return u;
+}
+
+// Rows r0..r0+P of one tile (8 columns at wt); columns c0..c1 of it are written (the tile is computed whole:
+// a column's result is the same whichever of its neighbours are written). Per block the weight vectors are
+// read once and dotted with every row of the pass (vector-outer, row-inner: P independent integer chains).
+SD_INLINE void passt32(const int P, const int fmt, const uint8_t* wt, int64_t nb, int64_t k, const int8_t* xq,
+                       const float* xd, const float* xs, const int32_t* xsum, int64_t r0, float* out, int64_t ldo,
+                       int64_t n, int c0, int c1) {
+#if defined(SD_VARIANT_AVX512VNNI)
+  const int z = zero_point32(fmt);
+#else
+  const int z = fmt == SD_Q8_0 ? 0 : zero_point32(fmt);  // Q8_0: sum(q x) directly (see above)
+  const __m256i ones = _mm256_set1_epi16(1);
+#endif
+  __m256 acc[SD_PASS], macc[SD_PASS];
+  for (int r = 0; r < P; ++r) acc[r] = macc[r] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* t = wt + (int64_t)tile32_bytes(fmt) * b;
+    const int8_t* xb = xq + r0 * k + 32 * b;
+    __m256i s[SD_PASS];
+    for (int r = 0; r < P; ++r) s[r] = z ? _mm256_set1_epi32(-z * xsum[(r0 + r) * nb + b]) : _mm256_setzero_si256();
+#if defined(SD_VARIANT_AVX512VNNI)
+#pragma GCC unroll 8  // g must be a constant in tile32_vector (shift counts, the nibble half)
+    for (int g = 0; g < 8; ++g) {
+      const __m256i u = tile32_vector(fmt, t, g);
+      for (int r = 0; r < P; ++r) s[r] = _mm256_dpbusd_epi32(s[r], u, _mm256_set1_epi32(load_i32(xb + r * k + 4 * g)));
+    }
+#else
+    if (fmt == SD_Q8_0) {
+#pragma GCC unroll 8  // g must be a constant in tile32_vector (shift counts, the nibble half)
+      for (int g = 0; g < 8; ++g) {
+        const __m256i q = _mm256_xor_si256(tile32_vector(fmt, t, g), _mm256_set1_epi8((char)0x80)), a = _mm256_sign_epi8(q, q);
+        for (int r = 0; r < P; ++r) {
+          const __m256i x = _mm256_sign_epi8(_mm256_set1_epi32(load_i32(xb + r * k + 4 * g)), q);
+          s[r] = _mm256_add_epi32(s[r], _mm256_madd_epi16(_mm256_maddubs_epi16(a, x), ones));
+        }
+      }
+    } else {
+      const int span = fmt == SD_Q5_0 ? 4 : 8;  // vectors per int16 sum (see the bounds above)
+      __m256i s16[SD_PASS];
+      for (int r = 0; r < P; ++r) s16[r] = _mm256_setzero_si256();  // (set at g = 0; this quiets gcc)
+#pragma GCC unroll 8  // g must be a constant in tile32_vector (shift counts, the nibble half)
+      for (int g = 0; g < 8; ++g) {
+        const __m256i u = tile32_vector(fmt, t, g);
+        for (int r = 0; r < P; ++r) {
+          const __m256i p = _mm256_maddubs_epi16(u, _mm256_set1_epi32(load_i32(xb + r * k + 4 * g)));
+          s16[r] = g % span ? _mm256_add_epi16(s16[r], p) : p;
+          if (g % span == span - 1) s[r] = _mm256_add_epi32(s[r], _mm256_madd_epi16(s16[r], ones));
+        }
+      }
+    }
+#endif
+    const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)t));
+    const __m256 mw = fmt == SD_Q4_1 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(t + 16))) : dw;
+    for (int r = 0; r < P; ++r) {
+      const int64_t i = (r0 + r) * nb + b;
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[r]), _mm256_mul_ps(dw, _mm256_set1_ps(xd[i])), acc[r]);
+      if (fmt == SD_Q4_1) macc[r] = _mm256_fmadd_ps(mw, _mm256_set1_ps(xs[i]), macc[r]);
+    }
   }
   for (int r = 0; r < P; ++r) {
-    const int8_t* xr = xq + (r0 + r) * k + 32 * b0;
-    __m256i d[8];
-    for (int i = 0; i < 8; ++i) {
-      __m256i xv = i < cnt ? _mm256_loadu_si256((const __m256i*)(xr + 32 * i)) : _mm256_setzero_si256();
-      if (q8) xv = _mm256_sign_epi8(xv, raw[i]);
-      d[i] = dot_u8s8(u[i], xv);
+    const __m256 o = fmt == SD_Q4_1 ? _mm256_add_ps(acc[r], macc[r]) : acc[r];
+    float* dst = out + (r0 + r) * ldo + n;
+    if (c0 == 0 && c1 == SD_TILE) {
+      _mm256_storeu_ps(dst, o);
+    } else {
+      float tmp[8];
+      _mm256_storeu_ps(tmp, o);
+      for (int c = c0; c < c1; ++c) dst[c] = tmp[c];
     }
-    const __m256 dx = cnt == 8 ? _mm256_loadu_ps(xd + (r0 + r) * nb + b0) : _mm256_maskload_ps(xd + (r0 + r) * nb + b0, keep);
-    const __m256 sx = cnt == 8 ? _mm256_loadu_ps(xs + (r0 + r) * nb + b0) : _mm256_maskload_ps(xs + (r0 + r) * nb + b0, keep);
-    __m256i sums = reduce8(d);
-    if (q8u) {
-      const int32_t* xr_sum = xsum + (r0 + r) * nb + b0;
-      const __m256i xsv = cnt == 8 ? _mm256_loadu_si256((const __m256i*)xr_sum) : _mm256_maskload_epi32(xr_sum, keep);
-      sums = _mm256_sub_epi32(sums, _mm256_slli_epi32(xsv, 7));
-    }
-    acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_mul_ps(dw, dx), acc[r]);
-    m[r] = _mm256_fmadd_ps(mw, sx, m[r]);
   }
 }
 
-SD_INLINE void pass32(const int P, const int fmt, const Soa* a, int64_t nb, int64_t k, const int8_t* xq,
-                      const float* xd, const float* xs, const int32_t* xsum, int64_t r0, float* out, int64_t ldo,
-                      int64_t n) {
-  __m256 acc[SD_PASS], m[SD_PASS];
-  for (int r = 0; r < P; ++r) acc[r] = m[r] = _mm256_setzero_ps();
-  int64_t b0 = 0;
-  for (; b0 + 8 <= nb; b0 += 8) group32(P, fmt, 8, a, nb, k, xq, xd, xs, xsum, r0, b0, acc, m);
-  // the last nb % 8 blocks: passes of up to 4 rows take them as groups of 4, 2 and 1 (sizes known when
-  // compiled: no work for missing blocks); longer passes as one group of nb % 8 (the three extra copies of
-  // group32 cost a pass of 8 rows its registers: measured 0.85x)
-  if (P > 4) {
-    if (b0 < nb) group32(P, fmt, (int)(nb - b0), a, nb, k, xq, xd, xs, xsum, r0, b0, acc, m);
-  } else {
-  if (nb - b0 >= 4) {
-    group32(P, fmt, 4, a, nb, k, xq, xd, xs, xsum, r0, b0, acc, m);
-    b0 += 4;
+// Column n after the last tile (column layout, soa()), every row: a tile lane's integers (any order: exact)
+// and its float operations in its order.
+static void tail32(int fmt, const Soa* a, int64_t nb, int64_t k, const int8_t* xq, const float* xd, const float* xs,
+                   const int32_t* xsum, int64_t rows, float* out, int64_t ldo, int64_t n) {
+  for (int64_t r = 0; r < rows; ++r) {
+    float acc = 0.0f, macc = 0.0f;
+    for (int64_t b = 0; b < nb; ++b) {
+      const int64_t i = r * nb + b;
+      const __m256i u = unpack32(fmt, a, b), x = _mm256_loadu_si256((const __m256i*)(xq + r * k + 32 * b));
+      const int32_t isum = fmt == SD_Q8_0 ? hsum_i32(dot_u8s8(_mm256_sign_epi8(u, u), _mm256_sign_epi8(x, u)))  // q . x
+                                          : hsum_i32(dot_u8s8(u, x)) - zero_point32(fmt) * xsum[i];
+      acc = fmaf((float)isum, f16(a->d + 2 * b) * xd[i], acc);
+      if (fmt == SD_Q4_1) macc = fmaf(f16(a->m + 2 * b), xs[i], macc);
+    }
+    out[r * ldo + n] = fmt == SD_Q4_1 ? acc + macc : acc;
   }
-  if (nb - b0 >= 2) {
-    group32(P, fmt, 2, a, nb, k, xq, xd, xs, xsum, r0, b0, acc, m);
-    b0 += 2;
-  }
-  if (nb - b0 >= 1) group32(P, fmt, 1, a, nb, k, xq, xd, xs, xsum, r0, b0, acc, m);
-  }
-  for (int r = 0; r < P; ++r) out[(r0 + r) * ldo + n] = hsum(acc[r]) + hsum(m[r]);
 }
 
 static void gemm32(int fmt, const uint8_t* w, int64_t ldw, int64_t k, const int8_t* xq, const float* xd,
-                   const float* xs, int64_t rows, float* out, int64_t ldo, int64_t n0, int64_t n1) {
+                   const float* xs, int64_t rows, float* out, int64_t ldo, int64_t n0, int64_t n1, int64_t n_out) {
   const int64_t nb = k / 32;
-  int32_t* xsum = NULL;  // VNNI Q8_0: each activation block's integer sum (see group32)
-#if defined(SD_VARIANT_AVX512VNNI)
-  if (fmt == SD_Q8_0) {
-    xsum = (int32_t*)malloc(sizeof(int32_t) * (size_t)(rows * nb));
-    if (!xsum) abort();
-    for (int64_t i = 0; i < rows * nb; ++i)
-      xsum[i] = hsum_i32(_mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_set1_epi8(1),
-                                             _mm256_loadu_si256((const __m256i*)(xq + 32 * i))));
-  }
-#endif
-  for (int64_t n = n0; n < n1; ++n) {
-    const Soa a = soa(fmt, w + n * ldw, nb);
-    for (int64_t r0 = 0; r0 < rows; r0 += SD_PASS) {
-      const int64_t p = rows - r0 < SD_PASS ? rows - r0 : SD_PASS;
+  const int64_t tiled = n_out / SD_TILE * SD_TILE;
+  // each activation block's integer sum (the integer zero points, passt32 / tail32)
+  int32_t* xsum = (int32_t*)malloc(sizeof(int32_t) * (size_t)(rows * nb + 1));
+  if (!xsum) abort();
+  for (int64_t i = 0; i < rows * nb; ++i)
+    xsum[i] = hsum_i32(dot_u8s8(_mm256_set1_epi8(1), _mm256_loadu_si256((const __m256i*)(xq + 32 * i))));
+  int64_t n = n0;
+  for (; n < n1 && n < tiled; n = n / SD_TILE * SD_TILE + SD_TILE) {
+    const int64_t base = n / SD_TILE * SD_TILE;
+    const int c0 = (int)(n - base), c1 = (int)((n1 < base + SD_TILE ? n1 : base + SD_TILE) - base);
+    const int pass = SD_PASS32(fmt);
+    for (int64_t r0 = 0; r0 < rows; r0 += pass) {
+      const int64_t p = rows - r0 < pass ? rows - r0 : pass;
       switch (fmt * 16 + p) {
-#define SD_CASE(F, P) case F * 16 + P: pass32(P, F, &a, nb, k, xq, xd, xs, xsum, r0, out, ldo, n); break;
+#define SD_CASE(F, P) case F * 16 + P: passt32(P, F, w + base * ldw, nb, k, xq, xd, xs, xsum, r0, out, ldo, base, c0, c1); break;
 #define SD_ROWS(F) SD_CASE(F, 1) SD_CASE(F, 2) SD_CASE(F, 3) SD_CASE(F, 4) SD_MORE(F)
 #if SD_PASS > 4
 #define SD_MORE(F) SD_CASE(F, 5) SD_CASE(F, 6) SD_CASE(F, 7) SD_CASE(F, 8)
@@ -346,6 +419,10 @@ static void gemm32(int fmt, const uint8_t* w, int64_t ldw, int64_t k, const int8
 #undef SD_CASE
       }
     }
+  }
+  for (; n < n1; ++n) {
+    const Soa a = soa(fmt, w + n * ldw, nb);
+    tail32(fmt, &a, nb, k, xq, xd, xs, xsum, rows, out, ldo, n);
   }
   free(xsum);
 }
@@ -532,7 +609,6 @@ SD_INLINE void passk(const int P, const int q6, const uint8_t* wn, int64_t nb, i
 // n_out % 8 columns keep the column layout above (passk), which computes the same integers and the same
 // float operations as a tile's lane: a column's bits do not depend on whether it sits in a tile (fused
 // q / k / v, a reduced LM head).
-#define SD_TILE 8
 #define SD_TILE_SB 1152
 #if defined(SD_VARIANT_AVX2)
 #define SD_PASST 4
@@ -574,12 +650,6 @@ static inline void tile_scales(const uint8_t* t, TileScales* s) {
     s->sc[2 * i] = tile_scale(q[i]);
     s->sc[2 * i + 1] = tile_scale(_mm_unpackhi_epi64(q[i], q[i]));
   }
-}
-
-static inline int32_t load_i32(const void* p) {
-  int32_t v;
-  memcpy(&v, p, 4);
-  return v;
 }
 
 // Rows r0..r0+P of one tile (8 columns at wt); xs: per row and super-block the 8 activation sums per 32
@@ -822,6 +892,21 @@ static void dequantize(int fmt, const uint8_t* w, int64_t ldw, int64_t k, float*
       }
       continue;
     }
+    if (bs == 32 && n < n_out / SD_TILE * SD_TILE) {  // a 32-weight tile (see passt32)
+      const int c = (int)(n % SD_TILE);
+      for (int64_t b = 0; b < k / 32; ++b) {
+        const uint8_t* t = w + (n - c) * ldw + (int64_t)tile32_bytes(fmt) * b;
+        const float d = f16(t + 2 * c), m = fmt == SD_Q4_1 ? f16(t + 16 + 2 * c) : 0.0f;
+        const uint8_t* q = t + (fmt == SD_Q4_1 ? 32 : fmt == SD_Q5_0 ? 48 : 16);
+        for (int i = 0; i < 32; ++i) {
+          const int g = i / 4, e = i % 4;
+          int u = fmt == SD_Q8_0 ? q[32 * g + 4 * c + e] : (q[32 * (g % 4) + 4 * c + e] >> (g < 4 ? 0 : 4)) & 15;
+          if (fmt == SD_Q5_0) u |= ((t[16 + 4 * c + e] >> g) & 1) << 4;
+          o[32 * b + i] = fmt == SD_Q4_1 ? d * (float)u + m : d * (float)(u - zero_point32(fmt));
+        }
+      }
+      continue;
+    }
     if (n < tiled) {  // a Q4_K tile (see passt): column c of the tile at rows n - c .. n - c + 7
       const int c = (int)(n % SD_TILE);
       for (int64_t b = 0; b < k / 256; ++b) {
@@ -846,11 +931,11 @@ static void dequantize(int fmt, const uint8_t* w, int64_t ldw, int64_t k, float*
       uint8_t u[256];
       if (bs == 32) {
         const Soa a = soa(fmt, w + n * ldw, k / 32);
-        __m256 dw, mw;
-        scales8(fmt, &a, b, 1, &dw, &mw);
         _mm256_storeu_si256((__m256i*)u, unpack32(fmt, &a, b));
-        const float d = _mm256_cvtss_f32(dw), m = _mm256_cvtss_f32(mw);
-        for (int i = 0; i < 32; ++i) o[32 * b + i] = fmt == SD_Q8_0 ? d * (float)(int8_t)u[i] : d * u[i] + m;
+        const float d = f16(a.d + 2 * b), m = fmt == SD_Q4_1 ? f16(a.m + 2 * b) : 0.0f;
+        for (int i = 0; i < 32; ++i)
+          o[32 * b + i] = fmt == SD_Q8_0 ? d * (float)(int8_t)u[i]
+                          : fmt == SD_Q4_1 ? d * (float)u[i] + m : d * (float)(u[i] - zero_point32(fmt));
       } else {
         SuperBlock sb;
         int16_t sc[8][16], m16[16];

@@ -3,7 +3,7 @@
 #pragma once
 #include <stdint.h>
 
-#define SD_TABLE_VERSION 3
+#define SD_TABLE_VERSION 4
 
 typedef struct {
   int32_t version;
@@ -12,11 +12,11 @@ typedef struct {
   void (*quantize32)(const float*, int64_t, int64_t, int8_t*, float*, float*);
   // x [rows, k] float32 -> int8 q [rows, k], d [rows, k/256], bsums int16 [rows, k/16]
   void (*quantize256)(const float*, int64_t, int64_t, int8_t*, float*, int16_t*);
-  // (fmt, w, bytes per weight row, k, q, d, s, rows, out, ldo, n0, n1): out[r * ldo + n], n0 <= n < n1
+  // (fmt, w, bytes per weight row, k, q, d, s, rows, out, ldo, n0, n1, n_out): out[r * ldo + n], n0 <= n < n1;
+  // n_out: the weight's column count (the first n_out / 8 * 8 columns are tiles of 8, as for gemmk)
   void (*gemm32)(int, const uint8_t*, int64_t, int64_t, const int8_t*, const float*, const float*, int64_t, float*,
-                 int64_t, int64_t, int64_t);
-  // the same for K-quants, n_out: the weight's column count (Q4_K: the first n_out / 8 * 8 columns are
-  // tiles of 8; a range that cuts a tile is correct, and splits of multiples of 8 waste nothing)
+                 int64_t, int64_t, int64_t, int64_t);
+  // the same for K-quants (Q4_K, Q6_K: the first n_out / 8 * 8 columns are tiles of 8; a range that cuts a tile is correct, and splits of multiples of 8 waste nothing)
   void (*gemmk)(int, const uint8_t*, int64_t, int64_t, const int8_t*, const float*, const int16_t*, int64_t, float*,
                 int64_t, int64_t, int64_t, int64_t);
   // (fmt, w, bytes per row, k, out [n1 - n0, k], n0, n1, n_out)
