@@ -137,3 +137,23 @@ def test_an_unbound_proposer_and_rows_without_room_are_handled(target, draft):
     assert [d.num_tokens for d in bound.propose([ctx], [0])] == [0]  # nothing asked: nothing drafted
     assert bound.nbytes == 0  # the draft cache is allocated lazily
     assert bound.propose([ctx], [2])[0].num_tokens == 2 and bound.nbytes > 0
+
+
+@pytest.mark.parametrize(("vocab", "forward", "limit"), [(None, "owned", 32768), (0, "owned", None),
+                                                        (1000, "owned", 1000), (None, "hf", None)])
+def test_a_large_draft_vocabulary_is_limited_by_default_where_the_forward_can(vocab, forward, limit):
+    """``vocab`` unset: a draft whose vocabulary holds more than 2 x 32,768 ids scores the first 32,768 (plus
+    each row's context ids) where its forward can limit it (owned), every id elsewhere; 0: every id."""
+    from specdecode.lowbit import set_weight_precision
+
+    big = set_weight_precision(tiny_llama(vocab_size=70_000, seed=0, layers=1, hidden=32, dtype=torch.float32),
+                               "int8")
+    proposer = DraftModelProposer(big, DraftModelConfig(forward=forward, vocab=vocab))
+    out = _engine(big, proposer, 3).generate([3, 1, 4], _greedy(6))
+    assert len(out.token_ids) == 6
+    assert getattr(proposer.runner, "_vocab_rows", None) == limit
+
+
+def test_a_negative_draft_vocabulary_is_refused():
+    with pytest.raises(SpecDecodeError, match="vocab must be a token count"):
+        DraftModelConfig(vocab=-1)

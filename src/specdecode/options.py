@@ -23,6 +23,9 @@ DEFAULT_GAMMA = 5
 #: Shortest and longest n-gram the ngram drafter matches (``--ngram-min`` / ``--ngram-max``, ``NgramConfig``).
 DEFAULT_NGRAM_MIN = 1
 DEFAULT_NGRAM_MAX = 3
+#: A draft model's vocabulary by default when its own holds more than twice as many ids and its forward can
+#: limit it (``DraftModelConfig.vocab``): its first 32,768 ids plus each row's context ids.
+AUTO_DRAFT_VOCAB = 32768
 
 #: Precisions a model's weights can execute in (``specdecode.lowbit.set_weight_precision``).
 WEIGHT_PRECISIONS = ("fp32", "bf16", "int8", "int4")
@@ -54,5 +57,5 @@ SAMPLING_MODES = {"auto": None, "standard": False, "coupled": True}
 #: Largest request body the server reads, bytes (the server's ``--max-request-bytes`` default).
 DEFAULT_MAX_REQUEST_BYTES = 1 << 20
 
-__all__ = ["CATALOG_MODELS", "DEFAULT_MAX_REQUEST_BYTES", "DEFAULT_TARGET", "DEFAULT_TREE_NODES", "DTYPES", "FORWARD_BACKENDS", "POLICY_NAMES",
+__all__ = ["AUTO_DRAFT_VOCAB", "CATALOG_MODELS", "DEFAULT_MAX_REQUEST_BYTES", "DEFAULT_TARGET", "DEFAULT_TREE_NODES", "DTYPES", "FORWARD_BACKENDS", "POLICY_NAMES",
            "SAMPLING_MODES", "TREE_KINDS", "VERIFICATION_METHODS", "WEIGHT_CHOICES", "WEIGHT_PRECISIONS"]

@@ -184,6 +184,8 @@ class SlotRunner:
     #: A ``last_only`` feed longer than this (a long prompt) is fed in pieces of this many tokens, each
     #: row alone (None: whole). The owned low-bit forward sets it: its exact kernel beats a float product.
     prefill_chunk: int | None = None
+    #: Whether :meth:`limit_vocabulary` works here (the owned forward).
+    limits_vocabulary = False
 
     def __init__(self, model: torch.nn.Module, num_slots: int = 1, max_context: int | None = None) -> None:
         if not isinstance(num_slots, int) or num_slots < 1:

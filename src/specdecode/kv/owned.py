@@ -304,8 +304,8 @@ class OwnedRunner(SlotRunner):
         self._full_head = self.lm_head
         self._rope_table: tuple[torch.Tensor, torch.Tensor] | None = None  # cos, sin [positions, d] float32
 
-    #: This forward can run a subset of the layers (layer-skip drafting).
-    skips_layers = True
+    #: This forward can run a subset of the layers (layer-skip drafting) and limit its vocabulary (a draft's).
+    skips_layers = limits_vocabulary = True
 
     @property
     def vocab_size(self) -> int:

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specdecode.kv import make_runner
+from specdecode.options import AUTO_DRAFT_VOCAB
 from specdecode.sampling import logits_to_probs
 from specdecode.types import Draft, SamplingParams, SpecDecodeError, VerifyResult
 
@@ -182,8 +183,11 @@ class DraftModelSlots(Proposer):
         from_ctx = min(getattr(self, "max_context", target.max_context), target.max_context)
         # a draft needs no batch invariance (its tokens are verified by the target): its fast numerics
         self.runner = make_runner(self.model, self.forward, num_slots, from_ctx, batch_invariant=False)
-        vocab = getattr(getattr(self, "config", None), "vocab", None)
-        if vocab is not None:
+        vocab = getattr(getattr(self, "config", None), "vocab", 0)  # DraftModelConfig.vocab (0: every id)
+        if vocab is None:  # automatic: a large vocabulary, where the forward can limit it
+            big = self.runner.limits_vocabulary and self.runner.vocab_size > 2 * AUTO_DRAFT_VOCAB
+            vocab = AUTO_DRAFT_VOCAB if big else 0
+        if vocab:
             self.runner.limit_vocabulary(vocab)
         self.max_context = self.runner.max_context
 
