@@ -17,12 +17,14 @@ from specdecode.lowbit_kernels import TILED, GGUF_BLOCKS, fast_bf16, load_kernel
 #: prefill alike) dequantizes the weight and runs one many-row float product instead of the kernel.
 PREFILL_ROWS = 32
 
-#: The same for models whose low-bit weights exceed :data:`LARGE_MODEL_BYTES`: dequantizing them costs
-#: seconds (measured, 2 cores: the Qwen 1.5B prefilled 150 tokens in 1.7 s with the kernel against 3.9 s
-#: with the float product, 400 tokens in 5.2 s against 6.4 s; SmolLM2's 92 MB dequantize in milliseconds,
-#: and its bfloat16 product prefills 128-1,000 tokens 1.2-1.6x faster than the kernel, 2026-12-04).
+#: The same for models whose low-bit weights exceed :data:`LARGE_MODEL_BYTES` (every real model): the
+#: kernel's exact products (longer prompts in pieces of this many rows) beat dequantizing and one float
+#: product. Measured 2026-12-04, 2 cores, quiet: the Qwen 1.5B prefilled 150 tokens in 1.7 s against 3.9 s,
+#: 1,000 in 7.1 s against 16.1 s; SmolLM2-135M on the 32-weight tiles: 128 tokens 1,059-1,104 tokens/s
+#: against 385-388 (bfloat16 product), 400: 914-953 against 658-706, 1,000: 622-652 against 606-614.
+#: Tiny test models keep :data:`PREFILL_ROWS`.
 PREFILL_ROWS_LARGE = 512
-LARGE_MODEL_BYTES = 256 * 2**20
+LARGE_MODEL_BYTES = 16 * 2**20
 
 
 def prefill_rows(model: torch.nn.Module) -> int:
