@@ -310,6 +310,7 @@ def test_every_variant_and_thread_count_gives_the_same_bits(kind):
     finally:
         torch.set_num_threads(threads)
     assert all(torch.equal(o, outs[0]) for o in outs)
+    return outs[0]
 
 
 @pytest.mark.parametrize("precision", ["int4", pytest.param("int8", marks=pytest.mark.slow)])
@@ -384,23 +385,7 @@ def test_q4k_tiles_are_bit_identical_across_variants_threads_and_rows(cols, kind
     module = lowbit.QuantLinear(torch.from_numpy(_raw(kind, cols, 768, seed=cols)), kind, 768)
     x = torch.randn(16, 768, generator=torch.Generator().manual_seed(cols))
     x[3] *= 1000.0
-    threads = torch.get_num_threads()
-    try:
-        outs = []
-        for name in VARIANTS:
-            table = lowbit.load_variant(name)
-            for n in (1, 2, 3):
-                torch.set_num_threads(n)
-                together = kernel.q_linear(x, module.packed, module.fmt, table)
-                outs.append(together)
-                for i in range(16):
-                    assert torch.equal(kernel.q_linear(x[i : i + 1].contiguous(), module.packed, module.fmt, table)[0],
-                                       together[i]), (name, n, i)
-                    assert torch.equal(kernel.q_linear(x[: i + 1].contiguous(), module.packed, module.fmt, table),
-                                       together[: i + 1]), (name, n, i)
-    finally:
-        torch.set_num_threads(threads)
-    assert all(torch.equal(o, outs[0]) for o in outs)
+    _assert_same_bits_everywhere(kernel, module, x)
 
 
 @pytest.mark.parametrize("kind", ["Q4_K", "Q6_K"])
@@ -448,6 +433,29 @@ def test_the_fused_layer_loop_runs_q4k_tiles(variant):
     assert (got - want).abs().max() < 0.05 * want.abs().max(), (got - want).abs().max()
     report = check_batch_invariance(model, counts=(2, 5, 9, 17), context=40)
     assert report.exact, report
+
+
+def _assert_same_bits_everywhere(kernel, module, x):
+    """Every variant x 1-3 threads gives the same [16, out] result, and each row of it alone and every prefix of
+    rows give the same bits as the 16 rows together. Returns that result."""
+    threads = torch.get_num_threads()
+    try:
+        outs = []
+        for name in VARIANTS:
+            table = lowbit.load_variant(name)
+            for n in (1, 2, 3):
+                torch.set_num_threads(n)
+                together = kernel.q_linear(x, module.packed, module.fmt, table)
+                outs.append(together)
+                for i in range(16):
+                    assert torch.equal(kernel.q_linear(x[i : i + 1].contiguous(), module.packed, module.fmt, table)[0],
+                                       together[i]), (name, n, i)
+                    assert torch.equal(kernel.q_linear(x[: i + 1].contiguous(), module.packed, module.fmt, table),
+                                       together[: i + 1]), (name, n, i)
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(o, outs[0]) for o in outs)
+    return outs[0]
 
 
 def _attention_fn(name: str):
@@ -546,27 +554,11 @@ def test_tiles32_are_bit_identical_across_variants_threads_and_rows(cols, kind):
     module = lowbit.QuantLinear(torch.from_numpy(_raw(kind, cols, k, seed=cols)), kind, k)
     x = torch.randn(16, k, generator=torch.Generator().manual_seed(cols))
     x[3] *= 1000.0
-    threads = torch.get_num_threads()
-    try:
-        outs = []
-        for name in VARIANTS:
-            table = lowbit.load_variant(name)
-            for n in (1, 2, 3):
-                torch.set_num_threads(n)
-                together = kernel.q_linear(x, module.packed, module.fmt, table)
-                outs.append(together)
-                for i in range(16):
-                    assert torch.equal(kernel.q_linear(x[i : i + 1].contiguous(), module.packed, module.fmt, table)[0],
-                                       together[i]), (name, n, i)
-                    assert torch.equal(kernel.q_linear(x[: i + 1].contiguous(), module.packed, module.fmt, table),
-                                       together[: i + 1]), (name, n, i)
-    finally:
-        torch.set_num_threads(threads)
-    assert all(torch.equal(o, outs[0]) for o in outs)
+    out = _assert_same_bits_everywhere(kernel, module, x)
     table = lowbit.load_variant(VARIANTS[0])
     xq, weight = _kernel_activations(kernel, table, x, kind), module.dequantize().double()
     scale = (xq.abs() @ weight.abs().T).clamp_min(1e-30)
-    assert (((outs[0].double() - xq @ weight.T).abs() / scale).max() < (1e-6 if kind == "Q8_0" else 1e-5))
+    assert (((out.double() - xq @ weight.T).abs() / scale).max() < (1e-6 if kind == "Q8_0" else 1e-5))
 
 
 @pytest.mark.parametrize("kind", TILED32)

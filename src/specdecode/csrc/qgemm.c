@@ -212,6 +212,17 @@ static inline __m256i unpack32(int fmt, const Soa* a, int64_t b) {
 #define SD_INLINE static inline __attribute__((always_inline))
 #define SD_TILE 8  // output columns per tile (Q4_K, Q6_K and, as lowbit_kernels.TILED32 says, 32-weight formats)
 
+// A tile's eight results (lane c: column c) -> dst[c0..c1) (a range that cuts the tile writes only its part)
+SD_INLINE void store_tile(float* dst, __m256 o, int c0, int c1) {
+  if (c0 == 0 && c1 == SD_TILE) {
+    _mm256_storeu_ps(dst, o);
+  } else {
+    float tmp[8];
+    _mm256_storeu_ps(tmp, o);
+    for (int c = c0; c < c1; ++c) dst[c] = tmp[c];
+  }
+}
+
 static inline int32_t load_i32(const void* p) {
   int32_t v;
   memcpy(&v, p, 4);
@@ -360,14 +371,7 @@ SD_INLINE void passt32(const int P, const int fmt, const uint8_t* wt, int64_t nb
   }
   for (int r = 0; r < P; ++r) {
     const __m256 o = fmt == SD_Q4_1 ? _mm256_add_ps(acc[r], macc[r]) : acc[r];
-    float* dst = out + (r0 + r) * ldo + n;
-    if (c0 == 0 && c1 == SD_TILE) {
-      _mm256_storeu_ps(dst, o);
-    } else {
-      float tmp[8];
-      _mm256_storeu_ps(tmp, o);
-      for (int c = c0; c < c1; ++c) dst[c] = tmp[c];
-    }
+    store_tile(out + (r0 + r) * ldo + n, o, c0, c1);
   }
 }
 
@@ -704,14 +708,7 @@ SD_INLINE void passt(const int P, const uint8_t* wt, int64_t nb, int64_t k, cons
   }
   for (int r = 0; r < P; ++r) {
     const __m256 o = _mm256_sub_ps(acc[r], macc[r]);
-    float* dst = out + (r0 + r) * ldo + n;
-    if (c0 == 0 && c1 == SD_TILE) {
-      _mm256_storeu_ps(dst, o);
-    } else {
-      float tmp[8];
-      _mm256_storeu_ps(tmp, o);
-      for (int c = c0; c < c1; ++c) dst[c] = tmp[c];
-    }
+    store_tile(out + (r0 + r) * ldo + n, o, c0, c1);
   }
 }
 
@@ -811,16 +808,7 @@ SD_INLINE void passt6(const int P, const uint8_t* wt, int64_t nb, int64_t k, con
       acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total), _mm256_mul_ps(s.d, _mm256_set1_ps(xd[(r0 + r) * nb + b])), acc[r]);
     }
   }
-  for (int r = 0; r < P; ++r) {
-    float* dst = out + (r0 + r) * ldo + n;
-    if (c0 == 0 && c1 == SD_TILE) {
-      _mm256_storeu_ps(dst, acc[r]);
-    } else {
-      float tmp[8];
-      _mm256_storeu_ps(tmp, acc[r]);
-      for (int c = c0; c < c1; ++c) dst[c] = tmp[c];
-    }
-  }
+  for (int r = 0; r < P; ++r) store_tile(out + (r0 + r) * ldo + n, acc[r], c0, c1);
 }
 
 static void gemmk(int fmt, const uint8_t* w, int64_t ldw, int64_t k, const int8_t* xq, const float* xd,
