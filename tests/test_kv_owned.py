@@ -330,3 +330,22 @@ def test_a_long_prompt_fed_in_pieces_gives_the_bits_of_one_piece():
     assert torch.equal(got, want) and [len(pieces.ids[s]) for s in (0, 1)] == [30, 12]
     step = [[4], [9]]
     assert torch.equal(pieces.forward(slice(0, 2), step), whole.forward(slice(0, 2), step))
+
+
+def test_pieces_at_the_real_setting_and_all_or_nothing():
+    """``prefill_chunk`` equal to ``prefill_rows`` (what real models run): a batch of a long row, one an exact
+    multiple of the chunk and an empty one gives the bits of the rows fed alone; a feed past the context
+    raises and leaves no row with the pieces it got."""
+    from specdecode.types import PromptTooLongError
+
+    model = set_weight_precision(tiny_llama(seed=0, dtype=torch.float32, hidden=256, max_positions=64), "int4")
+    alone, pieces = make_runner(model, "owned", num_slots=3), make_runner(model, "owned", num_slots=3)
+    alone.prefill_rows, alone.prefill_chunk = 10_000, None
+    pieces.prefill_rows = pieces.prefill_chunk = 7
+    feeds = [[(5 * i + 3) % 60 for i in range(30)], [(7 * i + 1) % 60 for i in range(14)], []]
+    got = pieces.forward(slice(0, 3), feeds, last_only=True)
+    for i in (0, 1):
+        assert torch.equal(got[i], alone.forward(slice(i, i + 1), [feeds[i]], last_only=True)[0])
+    with pytest.raises(PromptTooLongError):
+        pieces.forward(slice(0, 2), [[1] * 20, [2] * 60], last_only=True)
+    assert [len(pieces.ids[s]) for s in range(3)] == [30, 14, 0]

@@ -149,8 +149,8 @@ def test_a_large_draft_vocabulary_is_limited_by_default_where_the_forward_can(vo
     big = set_weight_precision(tiny_llama(vocab_size=70_000, seed=0, layers=1, hidden=32, dtype=torch.float32),
                                "int8")
     proposer = DraftModelProposer(big, DraftModelConfig(forward=forward, vocab=vocab))
-    out = _engine(big, proposer, 3).generate([3, 1, 4], _greedy(6))
-    assert len(out.token_ids) == 6
+    out = _engine(big, proposer, 3).generate([3, 1, 40_000, 4], _greedy(6))
+    assert out.token_ids == SpeculativeEngine(big, None).generate([3, 1, 40_000, 4], _greedy(6)).token_ids
     assert getattr(proposer.runner, "_vocab_rows", None) == limit
 
 

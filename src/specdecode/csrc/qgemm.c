@@ -421,6 +421,7 @@ static void gemm32(int fmt, const uint8_t* w, int64_t ldw, int64_t k, const int8
 #undef SD_MORE
 #undef SD_ROWS
 #undef SD_CASE
+        default: abort();  // a pass above SD_PASS (an SD_PASS32 override): never leave outputs unwritten
       }
     }
   }

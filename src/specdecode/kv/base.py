@@ -245,7 +245,8 @@ class SlotRunner:
             rows: a contiguous slice of slots, one per feed.
             feeds: per row n_i >= 0 new token ids (at least one row with n_i >= 1; a row with
                 n_i = 0 only pads).
-            last_only: only each row's last fed position (prefill, drafting).
+            last_only: only each row's last fed position (prefill, drafting). A feed longer than
+                :attr:`prefill_chunk` runs in pieces of that many tokens (same results; all or nothing).
 
         Returns:
             [b, q, V] float32 logits, q = max n_i (positions past n_i are padding); [b, 1, V] with
@@ -258,14 +259,20 @@ class SlotRunner:
         slots = self._slots(rows, feeds)
         chunk = self.prefill_chunk
         if last_only and chunk and any(len(f) > chunk for f in feeds):  # a long prompt: in pieces, row by row
-            rest = []
-            for s, feed in zip(slots, feeds):
-                feed = list(feed)
-                while len(feed) > chunk:
-                    self.forward(slice(s, s + 1), [feed[:chunk]], last_only=True)
-                    feed = feed[chunk:]
-                rest.append(feed)
-            return self.forward(rows, rest, last_only=True)
+            before = [len(self.ids[s]) for s in slots]
+            try:
+                rest = []
+                for s, feed in zip(slots, feeds):
+                    feed = list(feed)
+                    while len(feed) > chunk:
+                        self.forward(slice(s, s + 1), [feed[:chunk]], last_only=True)
+                        feed = feed[chunk:]
+                    rest.append(feed)
+                return self.forward(rows, rest, last_only=True)
+            except Exception:  # all or nothing, as one forward: no row keeps the pieces it got
+                for s, n in zip(slots, before):
+                    del self.ids[s][n:]
+                raise
         starts, regions = [], []
         for s, feed in zip(slots, feeds):
             if self._tree_start[s] is not None:

@@ -32,10 +32,10 @@ from specdecode.lowbit import (
     concat as concat_lowbit,
     load_kernel,
     prefill_rows,
-    unpack,
     variant_table,
 )
 from specdecode.kv.base import SlotRunner
+from specdecode.kv.draft_vocab import ContextVocabulary, eos_ids
 from specdecode.types import SpecDecodeError
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
@@ -179,39 +179,6 @@ def _mm(weight, x: torch.Tensor, kernel: str | None = None, exact: bool = True, 
     return (weight @ x.T).T
 
 
-def _eos_ids(model: torch.nn.Module) -> set[int]:
-    """The end-of-sequence ids of a Hugging Face model's config and generation config."""
-    ids: set[int] = set()
-    for cfg in (model.config, getattr(model, "generation_config", None)):
-        eos = getattr(cfg, "eos_token_id", None)
-        ids.update(int(t) for t in ([] if eos is None else eos if isinstance(eos, (list, tuple)) else [eos]))
-    return ids
-
-
-def head_rows(head, ids: list[int]) -> torch.Tensor:
-    """Output rows ``ids`` of an output layer as float32 [len(ids), hidden]: a float weight's rows, or a
-    ``QuantLinear``'s blocks for those rows (a tile of 8 unpacked at a time) dequantized like
-    ``gguf.dequantize`` (a bias is not included)."""
-    if not isinstance(head, QuantLinear):
-        return head[ids].float()
-    import gguf  # lazy: start-up time
-    import numpy as np
-
-    packed = head.packed.numpy()
-    tiled = head.kind in lowbit_tiled
-    whole = head.out_features // 8 * 8 if tiled else head.out_features
-    raws = []
-    for t in ids:
-        if tiled and t < whole:  # its tile of 8, unpacked
-            raws.append(unpack(packed[t // 8 * 8 : t // 8 * 8 + 8], head.kind)[t % 8])
-        elif tiled:  # the last columns (fewer than 8) keep a column layout
-            raws.append(unpack(packed[whole:], head.kind)[t - whole])
-        else:
-            raws.append(unpack(packed[t : t + 1], head.kind)[0])
-    values = gguf.quants.dequantize(np.stack(raws), gguf.GGMLQuantizationType[head.kind])
-    return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).reshape(len(ids), -1)
-
-
 class OwnedRunner(SlotRunner):
     """Batched incremental forward of a Llama / Qwen2 model over a slot KV cache.
 
@@ -298,9 +265,7 @@ class OwnedRunner(SlotRunner):
             if isinstance(m, QuantLinear):
                 m.prefill_rows = self.prefill_rows
         self._vocab_rows: int | None = None  # limit_vocabulary
-        self._extra_index: dict[int, int] = {}  # context ids past the limit -> their row in _extra_rows
-        self._extra_rows = torch.empty(0)
-        self._always_scored: set[int] = set()
+        self._context_vocab: ContextVocabulary | None = None
         self._full_head = self.lm_head
         self._rope_table: tuple[torch.Tensor, torch.Tensor] | None = None  # cos, sin [positions, d] float32
 
@@ -430,38 +395,9 @@ class OwnedRunner(SlotRunner):
             return logits
         full = logits.new_full((b, x.shape[1], self.vocab_size), float("-inf"))
         full[..., : self._vocab_rows] = logits
-        self._score_context_tokens(full, hidden.view(b, x.shape[1], -1), range(rows.start or 0, (rows.start or 0) + b),
-                                   ids.tolist())
+        self._context_vocab.score(full, hidden.view(b, x.shape[1], -1), range(rows.start or 0, (rows.start or 0) + b),
+                                  self.ids.__getitem__, ids.tolist())
         return full
-
-    def _score_context_tokens(self, full: torch.Tensor, hidden: torch.Tensor, slots: range,
-                              feeds: list[list[int]]) -> None:
-        """A limited vocabulary's other half: row i also scores the ids at or past the limit that its slot's
-        context (cached tokens and this forward's feed) holds (a prompt's identifiers, which drafts copy)
-        and the end-of-sequence ids, from their dequantized output rows (float32). full [b, q, V] (written
-        in place), hidden [b, q, H] float32."""
-        limit = self._vocab_rows
-        wanted = [{t for t in (*self.ids[s], *feed) if t >= limit} | self._always_scored
-                  for s, feed in zip(slots, feeds)]
-        union = sorted(set().union(*wanted))
-        if not union:
-            return
-        missing = [t for t in union if t not in self._extra_index]
-        if len(self._extra_index) + len(missing) > self.MAX_CONTEXT_ROWS:  # a long-lived server: start over
-            self._extra_index, self._extra_rows, missing = {}, self._extra_rows[:0], union
-        if missing:
-            base = len(self._extra_index)
-            self._extra_index.update((t, base + i) for i, t in enumerate(missing))
-            self._extra_rows = torch.cat([self._extra_rows, head_rows(self._full_head, missing)])
-        weight = self._extra_rows[torch.tensor([self._extra_index[t] for t in union])]  # [U, H]
-        scores = hidden @ weight.T  # [b, q, U]
-        if isinstance(self._full_head, QuantLinear) and self._full_head.bias is not None:
-            scores = scores + self._full_head.bias[union]
-        member = torch.tensor([[t in w for t in union] for w in wanted]).unsqueeze(1)  # [b, 1, U]
-        full[..., union] = scores.masked_fill(~member, float("-inf"))
-
-    #: Dequantized output rows kept for context tokens past a vocabulary limit (then the cache starts over).
-    MAX_CONTEXT_ROWS = 8192
 
     def limit_vocabulary(self, tokens: int) -> None:
         """Score only token ids below ``tokens`` plus, per row, the ids its own context holds and the
@@ -492,8 +428,8 @@ class OwnedRunner(SlotRunner):
         else:
             self.lm_head = head[:tokens]
         self._vocab_rows = tokens if tokens < self.vocab_size else None
-        self._extra_index, self._extra_rows = {}, torch.empty(0, self.embed.shape[1])
-        self._always_scored = {t for t in _eos_ids(self.model) if tokens <= t < self.vocab_size}
+        self._context_vocab = ContextVocabulary(head, tokens, {t for t in eos_ids(self.model)
+                                                              if tokens <= t < self.vocab_size})
 
     def _prefill_rows_alone(self, rows, ids, positions, columns, mask, layers, last):
         """A low-bit batch's prompts prefilled one row at a time, each with its own token count: a long
