@@ -330,3 +330,18 @@ def test_draft_vocabulary_keeps_the_special_tokens_and_the_most_frequent():
     tokens = torch.tensor([1, 2, 3])
     vocab = corpus.draft_vocabulary(labels, tokens, 3, 16, always=[0])
     assert vocab == [0, 5, 7]
+
+
+def test_a_head_trained_in_another_precision_is_warned_about_once(capsys):
+    """tune builds a proposer per candidate: the precision warning is one line per head and precision."""
+    from types import SimpleNamespace
+
+    from specdecode.proposers.eagle import _warn_precision
+
+    head = SimpleNamespace(config=SimpleNamespace(training={"weights": "torch.bfloat16"}))
+    model = SimpleNamespace(config=SimpleNamespace(specdecode_weights="int4"))
+    for _ in range(3):
+        _warn_precision(head, model)
+    _warn_precision(head, SimpleNamespace(config=SimpleNamespace(specdecode_weights="bf16")))  # trained so
+    err = capsys.readouterr().err
+    assert err.count("trained on the target in bf16, and the target runs in int4") == 1 and err.count("\n") == 1

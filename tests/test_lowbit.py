@@ -577,3 +577,11 @@ def test_tiles32_fused_parts_and_slices_keep_their_columns(kind):
     x = torch.randn(5, 96)
     assert torch.equal(fused(x), torch.cat([p(x) for p in parts], dim=-1))
     assert np.array_equal(fused.gguf_raw(), np.concatenate([p.gguf_raw() for p in parts]))
+
+
+def test_the_richest_variant_is_kept_unless_another_is_clearly_faster():
+    """Chosen by measuring, with a margin: a noisy measurement does not flip the choice run to run."""
+    pick = lowbit_kernels._pick_variant
+    assert pick({"avx512vnni": 1.05, "avx512": 1.0, "avx2": 0.97}) == "avx512vnni"
+    assert pick({"avx512vnni": 1.3, "avx512": 1.0, "avx2": 1.1}) == "avx512"
+    assert pick({"avx2": 1.0}) == "avx2"

@@ -71,7 +71,7 @@ OPTIONS: dict[str, tuple[str, ...]] = {
     "cross-vocab": ("forward",),
 }
 #: Integer fields checked (and written without leading zeros) when a spec is read.
-_INT_FIELDS = {"min_ngram", "max_ngram", "max_spec_nodes", "num_nodes", "top_k", "max_depth"}
+_INT_FIELDS = {"min_ngram", "max_ngram", "max_spec_nodes", "num_nodes", "top_k", "max_depth", "vocab"}
 #: Node-budget fields: integers in 1..MAX_TREE_NODES.
 _NODE_FIELDS = {"max_spec_nodes", "num_nodes"}
 #: The flag defaults of ``specdecode generate`` / ``serve`` (cliargs.add_drafter_arguments reads them from here).

@@ -157,14 +157,18 @@ def make_eagle(target: torch.nn.Module, config: EagleDraftConfig | None = None) 
     return EagleProposer(heads[key], config)
 
 
+_WARNED: set[tuple[int, str]] = set()
+
+
 def _warn_precision(head, model: torch.nn.Module) -> None:
     """One line on stderr when the head was trained on the target in another precision: its features then
     differ from those it learned (the shipped SmolLM2 head, trained on bf16, accepted 4.4% of its drafts
     under int8), which costs acceptance, never exactness."""
     trained = (getattr(head.config, "training", None) or {}).get("weights")
     running = getattr(getattr(model, "config", None), "specdecode_weights", None)
-    if trained and running and str(trained).removeprefix("torch.").replace("bfloat16", "bf16").replace(
-            "float32", "fp32") != running:
+    trained = trained and str(trained).removeprefix("torch.").replace("bfloat16", "bf16").replace("float32", "fp32")
+    if trained and running and trained != running and (id(head), running) not in _WARNED:
+        _WARNED.add((id(head), running))  # once per head and precision (tune builds many proposers)
         print(f"specdecode: warning: this EAGLE head was trained on the target in {trained}, and the target runs "
               f"in {running}: expect lower acceptance (train one for it: specdecode train-drafter --weights "
               f"{running})", file=sys.stderr, flush=True)
