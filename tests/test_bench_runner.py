@@ -213,3 +213,23 @@ def test_methods_is_a_semicolon_separated_list_of_specs():
 
     args = build_parser().parse_args(["bench", "--methods", "draft-model:k=3; ngram:k=4,max_ngram=4;"])
     assert config_from_args(args).methods == ("draft-model:k=3", "ngram:k=4,max_ngram=4")
+
+
+def test_without_a_terminal_progress_is_a_plain_line_every_30_seconds(tmp_path, monkeypatch, capsys):
+    """In a log or CI (stderr not a terminal) the bar draws nothing: a plain line says runs done and time left."""
+    from types import SimpleNamespace
+
+    from specdecode.bench import runner
+    from specdecode.bench.config import quick_config
+    from specdecode.bench.records import RecordStore
+
+    clock = iter(range(0, 10_000, 31))  # each reading 31 s after the last
+    monkeypatch.setattr(runner.time, "monotonic", lambda: next(clock))
+    result = SimpleNamespace(token_ids=[1], wall_s=0.1, finish_reason="length", metrics={}, engine_stats=None)
+    variant = SimpleNamespace(key="plain", run=lambda ids, seed: result, info=lambda: {})
+    prompts = [SimpleNamespace(key=f"p{i}", dataset="d", category="c") for i in range(3)]
+    todo = [(p, variant, 0) for p in prompts]
+    runner._run_matrix(todo, prompts, [variant], {p.key: ([1, 2], False) for p in prompts},
+                       quick_config(repeats=1), RecordStore(tmp_path, "x"), progress=True)
+    err = capsys.readouterr().err
+    assert "specdecode bench: 1/3 runs" in err and "s left (p1 plain)" in err

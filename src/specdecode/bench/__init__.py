@@ -26,7 +26,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     """The ``specdecode bench`` flags. Unset flags (None) take the preset's value."""
     presets = p.add_mutually_exclusive_group()  # --quick --smoke: one preset or the other
     presets.add_argument("--quick", action="store_const", dest="preset", const="quick",
-                         help="preset: a few minutes on SmolLM2-135M (n-gram, gamma 2 and 4, 2 prompts of 3 "
+                         help="preset: 10-15 minutes on 2 cores, SmolLM2-135M (n-gram, gamma 2 and 4, 2 prompts of 3 "
                               "Spec-Bench categories, 48 new tokens, 2 repeats)")
     presets.add_argument("--smoke", action="store_const", dest="preset", const="smoke",
                          help="preset: seconds on tiny random models built in code (what CI runs)")

@@ -140,7 +140,7 @@ class BenchConfig:
 
 
 def quick_config(**overrides) -> BenchConfig:
-    """A few minutes on SmolLM2-135M: n-gram at gamma 2 / 4, 2 prompts of 3 Spec-Bench categories, 48 tokens,
+    """10-15 minutes on 2 cores, SmolLM2-135M: n-gram at gamma 2 / 4, 2 prompts of 3 Spec-Bench categories, 48 tokens,
     each run twice (the faster counts)."""
     base = dict(target="smollm2-135m", methods=("ngram",), datasets=("spec-bench:summarization",
                 "spec-bench:coding", "spec-bench:math_reasoning"), limit=2, max_new_tokens=48, gamma=4,

@@ -467,8 +467,14 @@ def _run_matrix(todo, prompts, variants, encoded, config: BenchConfig, store: Re
     with Progress(*columns, console=Console(stderr=True), disable=not progress, transient=False) as bar:
         task = bar.add_task("bench", total=total, completed=total - len(todo))
         failed: set[str] = set()
-        for prompt, variant, rep in todo:
+        plain = progress and not bar.console.is_terminal  # a log or CI: a plain line every 30 s instead of the bar
+        start = last = time.monotonic()
+        for done, (prompt, variant, rep) in enumerate(todo):
             bar.update(task, description=f"{prompt.key} {variant.key}"[:60])
+            if plain and time.monotonic() - last >= 30:
+                last, spent = time.monotonic(), time.monotonic() - start
+                bar.console.print(f"specdecode bench: {total - len(todo) + done}/{total} runs, {spent:.0f} s, about "
+                                  f"{spent / max(done, 1) * (len(todo) - done):.0f} s left ({prompt.key} {variant.key})")
             if variant.key in failed:
                 bar.advance(task)
                 continue
