@@ -301,3 +301,14 @@ def test_the_command_line_reads_a_compact_draft_as_the_spec_does(draft, skip_ok,
         else:
             with pytest.raises(SpecDecodeError):
                 check(**flags)
+
+
+@pytest.mark.parametrize(("word", "kind"), [("ngam", "ngram"), ("sufix", "suffix"), ("eagel", "eagle")])
+def test_a_misspelt_drafter_is_named_before_any_model_loads(word, kind):
+    with pytest.raises(SpecDecodeError, match=f"did you mean the drafter '{kind}'"):
+        DrafterSpec.parse(word)
+
+
+@pytest.mark.parametrize("word", ["qwen2.5-coder-0.5b", "smollm2-135m", "HuggingFaceTB/SmolLM2-135M", "smoke:tiny"])
+def test_model_words_stay_draft_models(word):
+    assert DrafterSpec.parse(word).model == word

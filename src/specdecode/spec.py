@@ -32,7 +32,14 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from specdecode.errors import SpecDecodeError
-from specdecode.options import DEFAULT_GAMMA, DEFAULT_NGRAM_MAX, DEFAULT_NGRAM_MIN, DEFAULT_TREE_NODES, TREE_KINDS
+from specdecode.options import (
+    CATALOG_MODELS,
+    DEFAULT_GAMMA,
+    DEFAULT_NGRAM_MAX,
+    DEFAULT_NGRAM_MIN,
+    DEFAULT_TREE_NODES,
+    TREE_KINDS,
+)
 from specdecode.validate import (
     MAX_SPECULATIVE_TOKENS,
     MAX_TREE_NODES,
@@ -77,6 +84,19 @@ _NODE_FIELDS = {"max_spec_nodes", "num_nodes"}
 #: The flag defaults of ``specdecode generate`` / ``serve`` (cliargs.add_drafter_arguments reads them from here).
 FLAG_DEFAULTS = {"draft": "ngram", "num_speculative_tokens": DEFAULT_GAMMA, "ngram_min": DEFAULT_NGRAM_MIN,
                  "ngram_max": DEFAULT_NGRAM_MAX, "skip_layers": None, "tree": "none", "tree_nodes": DEFAULT_TREE_NODES}
+
+
+def _check_not_a_misspelt_kind(word: str) -> None:
+    """A bare ``--draft`` word that is no path, hub id or catalog model but a drafter kind's near miss
+    (``ngam``) is refused with the kind named, before any model loads."""
+    import difflib  # lazy: start-up time (only for bare words)
+
+    if "/" in word or "." in word or ":" in word or word in CATALOG_MODELS or Path(word).exists():
+        return
+    near = difflib.get_close_matches(word.lower(), BUILTIN_KINDS, n=1, cutoff=0.75)
+    if near:
+        raise _refuse("draft", f"no drafter or model {word!r}: did you mean the drafter {near[0]!r}? (drafters: "
+                               f"{', '.join(BUILTIN_KINDS)}; a draft model is a catalog name, a path or a hub id)")
 
 
 def _refuse(field: str | None, message: str) -> SpecDecodeError:
@@ -134,6 +154,7 @@ class DrafterSpec:
                 return cls("eagle", options=_normal("eagle", {"head": rest.strip()}, text))
             return cls("suffix", fallback=_fallback(cls.parse(rest), text))
         if kind not in BUILTIN_KINDS and bare_model and "=" not in rest:
+            _check_not_a_misspelt_kind(text)
             return cls("draft-model", model=text)  # a model spec (it may hold ':' of its own: smoke:tiny)
         gamma, model, fallback, options, seen = None, None, None, {}, set()
         for item in _split(rest, text):
