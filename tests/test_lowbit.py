@@ -585,3 +585,26 @@ def test_the_richest_variant_is_kept_unless_another_is_clearly_faster():
     assert pick({"avx512vnni": 1.05, "avx512": 1.0, "avx2": 0.97}) == "avx512vnni"
     assert pick({"avx512vnni": 1.3, "avx512": 1.0, "avx2": 1.1}) == "avx512"
     assert pick({"avx2": 1.0}) == "avx2"
+
+
+def test_sampled_output_with_a_reduced_draft_vocabulary_follows_the_targets_exact_law():
+    """A draft scoring only ids 0-2 of 5 (plus its row's context ids, which grow as tokens are sampled): q = 0
+    elsewhere, and the first three sampled tokens still follow the target's exact joint; negative control:
+    the same samples against the draft's law fail."""
+    from specdecode.proposers.draft_model import DraftModelConfig
+
+    vocab = 5
+    tgt = set_weight_precision(tiny_llama(vocab_size=vocab, seed=3, layers=1, hidden=32, scale=4.0,
+                                          dtype=torch.float32), "int8")
+    drf = set_weight_precision(tiny_llama(vocab_size=vocab, seed=4, layers=1, hidden=32, scale=4.0,
+                                          dtype=torch.float32), "int8")
+    prompt = [1, 2]
+    engine = SpeculativeEngine(tgt, DraftModelProposer(drf, DraftModelConfig(vocab=3)),
+                               EngineConfig(num_speculative_tokens=2))
+    counts = np.zeros(vocab**3)
+    for s in range(2000):
+        out = engine.generate(prompt, SamplingParams(temperature=1.0, max_new_tokens=3, seed=s))
+        counts[np.ravel_multi_index(out.token_ids, (vocab,) * 3)] += 1
+    assert engine.proposer.runner._vocab_rows == 3
+    assert chi2_pvalue(counts, exact_joint(tgt, prompt, 3, backend="owned")) > 1e-3
+    assert chi2_pvalue(counts, exact_joint(drf, prompt, 3, backend="owned")) < 1e-6
