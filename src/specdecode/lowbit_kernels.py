@@ -28,7 +28,7 @@ from specdecode.errors import SpecDecodeError
 logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).with_name("csrc")
-_SOURCES = [_CSRC / name for name in ("lowbit.cpp", "step.cpp")]
+_SOURCES = [_CSRC / name for name in ("extension.cpp", "lowbit.cpp", "step.cpp")]  # the first includes the others
 _QGEMM = _CSRC / "qgemm.c"
 _HEADER = _CSRC / "qtable.h"  # the table layout both sides share
 _lock = threading.Lock()
@@ -301,33 +301,63 @@ def _cache_base(cache_dir=None) -> Path:
 
 
 _variants: dict[str, tuple[ctypes.CDLL, int]] = {}
-_variant_lock = threading.Lock()
+_variant_locks = {name: threading.Lock() for name in VARIANTS}
 
 
 def load_variant(name: str, cache_dir=None) -> int:
-    """The address of variant ``name``'s kernel table (compiled with gcc on first use, cached; one
-    compilation at a time in this process, each into its own temporary file, then an atomic rename).
+    """The address of variant ``name``'s kernel table (compiled with gcc on first use, cached; each variant
+    compiled once in this process, different variants side by side, each into its own temporary file, then
+    an atomic rename).
 
     Raises:
         SpecDecodeError: unknown variant, a CPU without its instructions, or no compiler.
     """
     if name not in VARIANTS:
         raise SpecDecodeError(f"unknown kernel variant {name!r}; choose one of {', '.join(VARIANTS)} or reference")
-    with _variant_lock:
+    with _variant_locks[name]:
         if name not in _variants:
             _variants[name] = _compile_variant(name, cache_dir)
     return _variants[name][1]
+
+
+def _variant_path(name: str, cache_dir=None) -> Path:
+    digest = hashlib.sha256(_QGEMM.read_bytes() + _HEADER.read_bytes() + " ".join(VARIANTS[name][1]).encode()).hexdigest()[:12]
+    return _cache_base(cache_dir) / "kernels" / f"qgemm-{name}-{digest}.so"
+
+
+def _wanted_variants() -> list[str]:
+    """The variants this process will load: the forced one, else every one this CPU runs (they are measured)."""
+    forced = os.environ.get(ISA_ENV, "").strip().lower()
+    if forced:
+        return [forced] if forced in supported_variants() else []
+    return supported_variants()
+
+
+def _compile_variants_in_background(cache_dir=None) -> dict[str, threading.Thread]:
+    """Start compiling the wanted variants not compiled yet, each on its own thread (gcc runs while the torch
+    extension builds: the first run waits for the slower of the two, not their sum); their errors surface
+    when :func:`load_variant` is called. Returns the threads started, by variant."""
+    started = {}
+    for name in _wanted_variants():
+        if name in _variants or _variant_path(name, cache_dir).is_file():
+            continue
+
+        def build(name=name):
+            try:
+                load_variant(name, cache_dir)
+            except SpecDecodeError:
+                pass  # load_variant raises it again in the caller's thread
+        started[name] = threading.Thread(target=build, name=f"specdecode-compile-{name}", daemon=True)
+        started[name].start()
+    return started
 
 
 def _compile_variant(name: str, cache_dir=None) -> tuple[ctypes.CDLL, int]:
     if name not in supported_variants():
         raise SpecDecodeError(f"this CPU cannot run the {name} kernel (it runs: {', '.join(supported_variants()) or 'none'})")
     _, flags, macro = VARIANTS[name]
-    digest = hashlib.sha256(_QGEMM.read_bytes() + _HEADER.read_bytes() + " ".join(flags).encode()).hexdigest()[:12]
-    out = _cache_base(cache_dir) / "kernels" / f"qgemm-{name}-{digest}.so"
+    out = _variant_path(name, cache_dir)
     if not out.is_file():
-        print(f"specdecode: compiling the {name} low-bit kernel into {out.parent} (once per machine and version, "
-              "seconds)", file=sys.stderr, flush=True)
         out.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp")
         os.close(fd)
@@ -466,10 +496,13 @@ def load_kernel(cache_dir: str | Path | None = None):
             build.mkdir(parents=True, exist_ok=True)
             name = f"specdecode_lowbit_{digest}"
             fresh = not any(build.glob(f"{name}*.so"))
-            if fresh:  # the first use on this machine (or of this source): say why it pauses
-                print(f"specdecode: compiling the low-bit products' thread split and the C++ layer loop into {build} "
-                      "(once per machine and version, about a minute)", file=sys.stderr, flush=True)
             start = time.perf_counter()
+            variants = _compile_variants_in_background(cache_dir)
+            if fresh or variants:  # the first use on this machine (or of this source): say why it pauses
+                what = ["the low-bit products' thread split and the C++ layer loop"] if fresh else []
+                what += [f"the {', '.join(variants)} kernel{'s' if len(variants) > 1 else ''}"] if variants else []
+                print(f"specdecode: compiling {' and '.join(what)} into {build.parent} (once per machine and "
+                      f"version, {'about 30 s' if fresh else 'seconds'})", file=sys.stderr, flush=True)
 
             # Our own lock first: the OS drops it when its holder dies, so while we hold it no build of ours
             # runs, and torch's lock file (which a build killed mid-way leaves behind, and which torch
@@ -481,11 +514,13 @@ def load_kernel(cache_dir: str | Path | None = None):
                     print(f"specdecode: removing {stale}, left by a build that was interrupted", file=sys.stderr,
                           flush=True)
                     stale.unlink(missing_ok=True)
-                _kernel = load(name, [str(s) for s in _SOURCES], extra_cflags=["-O3", "-fopenmp"],
+                _kernel = load(name, [str(_SOURCES[0])], extra_cflags=["-O3", "-fopenmp"],
                                extra_include_paths=[str(_CSRC)],
                                extra_ldflags=["-fopenmp"], build_directory=str(build), verbose=False)
+            for thread in variants.values():  # wait for them here: the line below then says the whole pause
+                thread.join()
             took = time.perf_counter() - start
-            if fresh:
+            if fresh or variants:
                 print(f"specdecode: compiled in {took:.0f} s", file=sys.stderr, flush=True)
             _kernel_note = f"kernel extension {'compiled' if fresh else 'loaded'} in {took:.1f} s (variant not chosen yet)"
         except Exception as exc:  # noqa: BLE001 - no compiler / headers / ninja: the reference runs
