@@ -29,6 +29,15 @@ def test_the_report_gives_ratios_and_the_byte_limit():
     assert "avx2 fma f16c sse4_2" in text and "aes" not in text.split("SIMD flags:")[1].split("\n")[0]
 
 
+def test_the_byte_limit_uses_the_bandwidth_read_beside_the_row():
+    """Each row's byte limit divides by the bandwidth measured just before its timings (the VM drifts
+    between hours), not by the run's first figure."""
+    result = _result(peer=False)
+    result["models"][0]["bandwidth_bytes_s"] = 10e9  # 100 MB / 10 GB/s = 10 ms: the whole 10 ms step
+    text = verifytable.render(result)
+    assert "100% of the byte limit" in text and "at 10.0 GB/s, read just before these timings" in text
+
+
 def test_without_llama_cpp_the_report_does_not_claim_it():
     text = verifytable.render(_result(peer=False))
     assert "llama" not in text

@@ -382,10 +382,12 @@ def test_q4k_tiles_round_trip_and_dequantize_as_gguf(rows, kind):
 
 
 @pytest.mark.parametrize("kind", ["Q4_K", "Q6_K"])
-@pytest.mark.parametrize("cols", [8, 13, 61])
+@pytest.mark.parametrize("cols", [8, 13, 32, 61])
 def test_q4k_tiles_are_bit_identical_across_variants_threads_and_rows(cols, kind):
     """Every variant and thread count gives the same bits for tiles and the tail columns, and a row's
-    result is the same alone and among 1..16 rows next to a row 1000x louder."""
+    result is the same alone and among 1..16 rows next to a row 1000x louder (VNNI runs whole tiles two at a
+    time on 512-bit vectors, the odd one and the other variants one at a time: 32 columns are 2 pairs on one
+    thread, a pair per thread on two; 61 leaves an odd tile and 5 tail columns)."""
     kernel = lowbit.load_kernel()
     if kernel is None or not VARIANTS:
         pytest.skip("no kernel variant on this CPU")

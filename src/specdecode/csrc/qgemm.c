@@ -812,6 +812,128 @@ SD_INLINE void passt6(const int P, const uint8_t* wt, int64_t nb, int64_t k, con
   for (int r = 0; r < P; ++r) store_tile(out + (r0 + r) * ldo + n, acc[r], c0, c1);
 }
 
+#if defined(SD_VARIANT_AVX512VNNI)
+// Two tiles at once on 512-bit vectors (VNNI): lanes 0-7 = tile A's 8 columns, lanes 8-15 = tile B's. Every
+// lane runs the instructions of passt / passt6 above on the same integers and floats, in the same order (a
+// 512-bit vpdpbusd / vpmulld / vcvtdq2ps / vfmadd is the 256-bit one on each half), so a column's bits are
+// the same whether its tile runs alone or in a pair. What changes is the work per weight: one broadcast of 4
+// activation bytes now feeds 16 columns, halving the loads and the instructions per multiply-add (measured:
+// docs/results/kernels/pair512/report.txt).
+#ifndef SD_PASSZ
+#define SD_PASSZ 8
+#endif
+#ifndef SD_PAIR_TILES  // 0: tiles one at a time (the A/B benchmark, docs/results/kernels/pair512)
+#define SD_PAIR_TILES 1
+#endif
+static inline __m512i join_i(__m256i lo, __m256i hi) { return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1); }
+static inline __m512 join_f(__m256 lo, __m256 hi) {
+  return _mm512_castsi512_ps(join_i(_mm256_castps_si256(lo), _mm256_castps_si256(hi)));
+}
+static inline __m512i load_pair(const uint8_t* a, const uint8_t* b) {
+  return join_i(_mm256_loadu_si256((const __m256i*)a), _mm256_loadu_si256((const __m256i*)b));
+}
+SD_INLINE void store_pair(float* dst, __m512 o) { _mm512_storeu_ps(dst, o); }  // tiles A, B adjacent in dst
+
+// Q4_K, tiles A = wa and B = wa + 8 ldw (columns n .. n + 15, both whole)
+SD_INLINE void passt_pair(const int P, const uint8_t* wa, const uint8_t* wb, int64_t nb, int64_t k, const int8_t* xq,
+                          const float* xd, const int16_t* xs, int64_t r0, float* out, int64_t ldo, int64_t n) {
+  __m512 acc[SD_PASSZ], macc[SD_PASSZ];
+  for (int r = 0; r < P; ++r) acc[r] = macc[r] = _mm512_setzero_ps();
+  const __m512i m4 = _mm512_set1_epi8(0x0F);
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t *ta = wa + SD_TILE_SB * b, *tb = wb + SD_TILE_SB * b;
+    TileScales sa, sb;
+    tile_scales(ta, &sa);
+    tile_scales(tb, &sb);
+    __m512i sc[8], mp[4];
+    for (int j = 0; j < 8; ++j) sc[j] = join_i(sa.sc[j], sb.sc[j]);
+    for (int q = 0; q < 4; ++q) mp[q] = join_i(sa.mp[q], sb.mp[q]);
+    const __m512 d = join_f(sa.d, sb.d), dmin = join_f(sa.dmin, sb.dmin);
+    __m512i sumi[SD_PASSZ];
+    for (int r = 0; r < P; ++r) sumi[r] = _mm512_setzero_si512();
+    for (int j = 0; j < 8; ++j) {
+      __m512i u[8];
+      for (int h = 0; h < 4; ++h) {
+        const __m512i v = load_pair(ta + 128 + 128 * j + 32 * h, tb + 128 + 128 * j + 32 * h);
+        u[h] = _mm512_and_si512(v, m4);
+        u[h + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+      }
+      for (int r = 0; r < P; ++r) {
+        const int8_t* xr = xq + (r0 + r) * k + 256 * b + 32 * j;
+        __m512i dot0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u[0], _mm512_set1_epi32(load_i32(xr)));
+        __m512i dot1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u[4], _mm512_set1_epi32(load_i32(xr + 16)));
+        for (int g = 1; g < 4; ++g) {
+          dot0 = _mm512_dpbusd_epi32(dot0, u[g], _mm512_set1_epi32(load_i32(xr + 4 * g)));
+          dot1 = _mm512_dpbusd_epi32(dot1, u[g + 4], _mm512_set1_epi32(load_i32(xr + 4 * g + 16)));
+        }
+        sumi[r] = _mm512_add_epi32(sumi[r], _mm512_mullo_epi32(_mm512_add_epi32(dot0, dot1), sc[j]));
+      }
+    }
+    for (int r = 0; r < P; ++r) {
+      const int16_t* xr = xs + ((r0 + r) * nb + b) * 8;
+      __m512i summ = _mm512_madd_epi16(mp[0], _mm512_set1_epi32(load_i32(xr)));
+      for (int q = 1; q < 4; ++q) summ = _mm512_add_epi32(summ, _mm512_madd_epi16(mp[q], _mm512_set1_epi32(load_i32(xr + 2 * q))));
+      const __m512 dx = _mm512_set1_ps(xd[(r0 + r) * nb + b]);
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sumi[r]), _mm512_mul_ps(d, dx), acc[r]);
+      macc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(summ), _mm512_mul_ps(dmin, dx), macc[r]);
+    }
+  }
+  for (int r = 0; r < P; ++r) store_pair(out + (r0 + r) * ldo + n, _mm512_sub_ps(acc[r], macc[r]));
+}
+
+// Q6_K, tiles A and B as passt_pair
+SD_INLINE void passt6_pair(const int P, const uint8_t* wa, const uint8_t* wb, int64_t nb, int64_t k, const int8_t* xq,
+                           const float* xd, const int16_t* bsums, int64_t r0, float* out, int64_t ldo, int64_t n) {
+  __m512 acc[SD_PASSZ];
+  for (int r = 0; r < P; ++r) acc[r] = _mm512_setzero_ps();
+  const __m512i m4 = _mm512_set1_epi8(0x0F), m30 = _mm512_set1_epi8(0x30);
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t *ta = wa + SD_TILE_SB6 * b, *tb = wb + SD_TILE_SB6 * b;
+    TileScales6 sa, sb;
+    tile_scales6(ta, &sa);
+    tile_scales6(tb, &sb);
+    __m512i sc[16], mp[8];
+    for (int i = 0; i < 16; ++i) sc[i] = join_i(sa.sc[i], sb.sc[i]);
+    for (int q = 0; q < 8; ++q) mp[q] = join_i(sa.mp[q], sb.mp[q]);
+    const __m512 d = join_f(sa.d, sb.d);
+    __m512i sumi[SD_PASSZ];
+    for (int r = 0; r < P; ++r) sumi[r] = _mm512_setzero_si512();
+    for (int j = 0; j < 8; ++j) {
+      const int64_t o = 144 + 192 * j;
+      const __m512i h0 = load_pair(ta + o + 128, tb + o + 128), h1 = load_pair(ta + o + 160, tb + o + 160);
+      __m512i u[8];
+      for (int h = 0; h < 4; ++h) {
+        const __m512i v = load_pair(ta + o + 32 * h, tb + o + 32 * h);
+        // q6_high on 512 bits: bits 2h..2h+1 of every byte -> bits 4-5
+        const __m512i hi0 = h == 0 ? _mm512_slli_epi16(h0, 4) : h == 1 ? _mm512_slli_epi16(h0, 2) : h == 2 ? h0 : _mm512_srli_epi16(h0, 2);
+        const __m512i hi1 = h == 0 ? _mm512_slli_epi16(h1, 4) : h == 1 ? _mm512_slli_epi16(h1, 2) : h == 2 ? h1 : _mm512_srli_epi16(h1, 2);
+        u[h] = _mm512_or_si512(_mm512_and_si512(v, m4), _mm512_and_si512(hi0, m30));
+        u[h + 4] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(v, 4), m4), _mm512_and_si512(hi1, m30));
+      }
+      for (int r = 0; r < P; ++r) {
+        const int8_t* xr = xq + (r0 + r) * k + 256 * b + 32 * j;
+        __m512i da = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u[0], _mm512_set1_epi32(load_i32(xr)));
+        __m512i db = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u[4], _mm512_set1_epi32(load_i32(xr + 16)));
+        for (int g = 1; g < 4; ++g) {
+          da = _mm512_dpbusd_epi32(da, u[g], _mm512_set1_epi32(load_i32(xr + 4 * g)));
+          db = _mm512_dpbusd_epi32(db, u[g + 4], _mm512_set1_epi32(load_i32(xr + 4 * g + 16)));
+        }
+        const __m512i scaled = _mm512_add_epi32(_mm512_mullo_epi32(da, sc[2 * j]), _mm512_mullo_epi32(db, sc[2 * j + 1]));
+        sumi[r] = _mm512_add_epi32(sumi[r], scaled);
+      }
+    }
+    for (int r = 0; r < P; ++r) {
+      const int16_t* br = bsums + (r0 + r) * (k / 16) + 16 * b;
+      __m512i summ = _mm512_madd_epi16(mp[0], _mm512_set1_epi32(load_i32(br)));
+      for (int q = 1; q < 8; ++q) summ = _mm512_add_epi32(summ, _mm512_madd_epi16(mp[q], _mm512_set1_epi32(load_i32(br + 2 * q))));
+      const __m512i total = _mm512_sub_epi32(sumi[r], _mm512_slli_epi32(summ, 5));
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(total), _mm512_mul_ps(d, _mm512_set1_ps(xd[(r0 + r) * nb + b])), acc[r]);
+    }
+  }
+  for (int r = 0; r < P; ++r) store_pair(out + (r0 + r) * ldo + n, acc[r]);
+}
+#endif
+
 static void gemmk(int fmt, const uint8_t* w, int64_t ldw, int64_t k, const int8_t* xq, const float* xd,
                   const int16_t* bsums, int64_t rows, float* out, int64_t ldo, int64_t n0, int64_t n1, int64_t n_out) {
   const int64_t nb = k / 256;
@@ -825,6 +947,26 @@ static void gemmk(int fmt, const uint8_t* w, int64_t ldw, int64_t k, const int8_
       if (!xs) abort();
       for (int64_t i = 0; i < rows * nb * 8; ++i) xs[i] = (int16_t)(bsums[2 * i] + bsums[2 * i + 1]);
     }
+#if defined(SD_VARIANT_AVX512VNNI)
+    // whole tiles two at a time (passt_pair, passt6_pair); an odd one runs alone below
+    // Q6_K pairs from 2 rows: at one row they measured slower (the 24 joined scale vectors of a pair spill)
+    const int pairs = SD_PAIR_TILES && (fmt == SD_Q4_K || rows >= 2);
+    for (; pairs && n % SD_TILE == 0 && n + 2 * SD_TILE <= n1 && n + 2 * SD_TILE <= tiled; n += 2 * SD_TILE) {
+      const uint8_t *wa = w + n * ldw, *wb = wa + SD_TILE * ldw;
+      for (int64_t r0 = 0; r0 < rows; r0 += SD_PASSZ) {
+        const int64_t p = rows - r0 < SD_PASSZ ? rows - r0 : SD_PASSZ;
+        switch (p) {
+#define SD_CASE(P) case P: if (fmt == SD_Q4_K) passt_pair(P, wa, wb, nb, k, xq, xd, xs, r0, out, ldo, n); \
+                           else passt6_pair(P, wa, wb, nb, k, xq, xd, bsums, r0, out, ldo, n); break;
+          SD_CASE(1) SD_CASE(2) SD_CASE(3) SD_CASE(4)
+#if SD_PASSZ > 4
+          SD_CASE(5) SD_CASE(6) SD_CASE(7) SD_CASE(8)
+#endif
+#undef SD_CASE
+        }
+      }
+    }
+#endif
     for (; n < n1 && n < tiled; n = n / SD_TILE * SD_TILE + SD_TILE) {
       const int64_t base = n / SD_TILE * SD_TILE;
       const int c0 = (int)(n - base), c1 = (int)((n1 < base + SD_TILE ? n1 : base + SD_TILE) - base);
