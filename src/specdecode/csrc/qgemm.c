@@ -375,6 +375,80 @@ SD_INLINE void passt32(const int P, const int fmt, const uint8_t* wt, int64_t nb
   }
 }
 
+#if defined(SD_VARIANT_AVX512VNNI)
+// Two tiles at once on 512-bit vectors (VNNI): lanes 0-7 = tile A's 8 columns, lanes 8-15 = tile B's. Every
+// lane runs the instructions of passt / passt6 above on the same integers and floats, in the same order (a
+// 512-bit vpdpbusd / vpmulld / vcvtdq2ps / vfmadd is the 256-bit one on each half), so a column's bits are
+// the same whether its tile runs alone or in a pair. What changes is the work per weight: one broadcast of 4
+// activation bytes now feeds 16 columns, halving the loads and the instructions per multiply-add (measured:
+// docs/results/kernels/pair512/).
+#ifndef SD_PASSZ
+#define SD_PASSZ 8
+#endif
+#ifndef SD_PAIR_TILES  // 0: tiles one at a time (the A/B benchmark, docs/results/kernels/pair512)
+#define SD_PAIR_TILES 1
+#endif
+// The fewest rows that run pairs, per format (Q4_0 Q4_1 Q5_0 Q8_0 Q4_K Q6_K); a variable the A/B benchmark sets.
+// Pairs win wherever the weights come from the caches (1.03-1.4x at 1-64 rows), but a real model streams them
+// from memory, and two tiles read side by side (two streams 8 weight rows apart) then read at about half the
+// speed of one (prefetching both did not help): on the Qwen 1.5B, the 0.5B and SmolLM2 (2 threads, 256 tokens
+// of context) pairs cost 1.1-1.5x at 1-4 rows and win from 8 rows for the K-quants (1.15-1.2x), from 16 for
+// the 32-weight formats (1.0-1.2x), and in a prefill's pieces of 512 rows. (Next: a layout that interleaves
+// a pair's blocks, so a pair is one stream.)
+int sd_pair_min_rows[6] = {16, 16, 16, 16, 8, 8};
+static inline __m512i join_i(__m256i lo, __m256i hi) { return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1); }
+static inline __m512 join_f(__m256 lo, __m256 hi) {
+  return _mm512_castsi512_ps(join_i(_mm256_castps_si256(lo), _mm256_castps_si256(hi)));
+}
+static inline __m512i load_pair(const uint8_t* a, const uint8_t* b) {
+  return join_i(_mm256_loadu_si256((const __m256i*)a), _mm256_loadu_si256((const __m256i*)b));
+}
+SD_INLINE void store_pair(float* dst, __m512 o) { _mm512_storeu_ps(dst, o); }  // tiles A, B adjacent in dst
+
+// weight vector g of two tile blocks (tile A's in lanes 0-7, tile B's in 8-15), as tile32_vector
+static inline __m512i tile32_vector_pair(int fmt, const uint8_t* ta, const uint8_t* tb, int g) {
+  if (fmt == SD_Q8_0) return load_pair(ta + 16 + 32 * g, tb + 16 + 32 * g);
+  const int o = fmt == SD_Q4_1 ? 32 : fmt == SD_Q5_0 ? 48 : 16;
+  const __m512i v = load_pair(ta + o + 32 * (g % 4), tb + o + 32 * (g % 4));
+  __m512i u = _mm512_and_si512(g < 4 ? v : _mm512_srli_epi16(v, 4), _mm512_set1_epi8(0x0F));
+  if (fmt == SD_Q5_0) {  // fifth_bits on 512 bits: bit g of every byte -> 0x10
+    const __m512i hb = load_pair(ta + 16, tb + 16);
+    const __m512i m = g < 4 ? _mm512_slli_epi16(hb, 4 - g) : g == 4 ? hb : _mm512_srli_epi16(hb, g - 4);
+    u = _mm512_or_si512(u, _mm512_and_si512(m, _mm512_set1_epi8(0x10)));
+  }
+  return u;
+}
+
+// passt32 for whole tiles A = wa and B = wa + 8 ldw (columns n .. n + 15), each lane as passt32's
+SD_INLINE void passt32_pair(const int P, const int fmt, const uint8_t* wa, const uint8_t* wb, int64_t nb, int64_t k,
+                            const int8_t* xq, const float* xd, const float* xs, const int32_t* xsum, int64_t r0,
+                            float* out, int64_t ldo, int64_t n) {
+  const int z = zero_point32(fmt);
+  __m512 acc[SD_PASSZ], macc[SD_PASSZ];
+  for (int r = 0; r < P; ++r) acc[r] = macc[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t *ta = wa + (int64_t)tile32_bytes(fmt) * b, *tb = wb + (int64_t)tile32_bytes(fmt) * b;
+    const int8_t* xb = xq + r0 * k + 32 * b;
+    __m512i s[SD_PASSZ];
+    for (int r = 0; r < P; ++r) s[r] = z ? _mm512_set1_epi32(-z * xsum[(r0 + r) * nb + b]) : _mm512_setzero_si512();
+#pragma GCC unroll 8  // g must be a constant in tile32_vector_pair
+    for (int g = 0; g < 8; ++g) {
+      const __m512i u = tile32_vector_pair(fmt, ta, tb, g);
+      for (int r = 0; r < P; ++r) s[r] = _mm512_dpbusd_epi32(s[r], u, _mm512_set1_epi32(load_i32(xb + r * k + 4 * g)));
+    }
+    const __m512 dw = join_f(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)ta)), _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)tb)));
+    const __m512 mw = fmt == SD_Q4_1 ? join_f(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(ta + 16))),
+                                              _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(tb + 16)))) : dw;
+    for (int r = 0; r < P; ++r) {
+      const int64_t i = (r0 + r) * nb + b;
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[r]), _mm512_mul_ps(dw, _mm512_set1_ps(xd[i])), acc[r]);
+      if (fmt == SD_Q4_1) macc[r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(xs[i]), macc[r]);
+    }
+  }
+  for (int r = 0; r < P; ++r) store_pair(out + (r0 + r) * ldo + n, fmt == SD_Q4_1 ? _mm512_add_ps(acc[r], macc[r]) : acc[r]);
+}
+#endif
+
 // Column n after the last tile (column layout, soa()), every row: a tile lane's integers (any order: exact)
 // and its float operations in its order.
 static void tail32(int fmt, const Soa* a, int64_t nb, int64_t k, const int8_t* xq, const float* xd, const float* xs,
@@ -403,6 +477,23 @@ static void gemm32(int fmt, const uint8_t* w, int64_t ldw, int64_t k, const int8
   for (int64_t i = 0; i < rows * nb; ++i)
     xsum[i] = hsum_i32(dot_u8s8(_mm256_set1_epi8(1), _mm256_loadu_si256((const __m256i*)(xq + 32 * i))));
   int64_t n = n0;
+#if defined(SD_VARIANT_AVX512VNNI)
+  // whole tiles two at a time (passt32_pair); an odd one runs alone below
+  for (; SD_PAIR_TILES && rows >= sd_pair_min_rows[fmt] && n % SD_TILE == 0 && n + 2 * SD_TILE <= n1 && n + 2 * SD_TILE <= tiled;
+       n += 2 * SD_TILE) {
+    for (int64_t r0 = 0; r0 < rows; r0 += SD_PASSZ) {
+      const int64_t p = rows - r0 < SD_PASSZ ? rows - r0 : SD_PASSZ;
+      switch (fmt * 16 + p) {
+#define SD_CASE(F, P) case F * 16 + P: passt32_pair(P, F, w + n * ldw, w + (n + SD_TILE) * ldw, nb, k, xq, xd, xs, xsum, r0, out, ldo, n); break;
+#define SD_ROWS(F) SD_CASE(F, 1) SD_CASE(F, 2) SD_CASE(F, 3) SD_CASE(F, 4) SD_CASE(F, 5) SD_CASE(F, 6) SD_CASE(F, 7) SD_CASE(F, 8)
+        SD_ROWS(SD_Q4_0) SD_ROWS(SD_Q4_1) SD_ROWS(SD_Q5_0) SD_ROWS(SD_Q8_0)
+#undef SD_ROWS
+#undef SD_CASE
+        default: abort();
+      }
+    }
+  }
+#endif
   for (; n < n1 && n < tiled; n = n / SD_TILE * SD_TILE + SD_TILE) {
     const int64_t base = n / SD_TILE * SD_TILE;
     const int c0 = (int)(n - base), c1 = (int)((n1 < base + SD_TILE ? n1 : base + SD_TILE) - base);
@@ -813,27 +904,6 @@ SD_INLINE void passt6(const int P, const uint8_t* wt, int64_t nb, int64_t k, con
 }
 
 #if defined(SD_VARIANT_AVX512VNNI)
-// Two tiles at once on 512-bit vectors (VNNI): lanes 0-7 = tile A's 8 columns, lanes 8-15 = tile B's. Every
-// lane runs the instructions of passt / passt6 above on the same integers and floats, in the same order (a
-// 512-bit vpdpbusd / vpmulld / vcvtdq2ps / vfmadd is the 256-bit one on each half), so a column's bits are
-// the same whether its tile runs alone or in a pair. What changes is the work per weight: one broadcast of 4
-// activation bytes now feeds 16 columns, halving the loads and the instructions per multiply-add (measured:
-// docs/results/kernels/pair512/report.txt).
-#ifndef SD_PASSZ
-#define SD_PASSZ 8
-#endif
-#ifndef SD_PAIR_TILES  // 0: tiles one at a time (the A/B benchmark, docs/results/kernels/pair512)
-#define SD_PAIR_TILES 1
-#endif
-static inline __m512i join_i(__m256i lo, __m256i hi) { return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1); }
-static inline __m512 join_f(__m256 lo, __m256 hi) {
-  return _mm512_castsi512_ps(join_i(_mm256_castps_si256(lo), _mm256_castps_si256(hi)));
-}
-static inline __m512i load_pair(const uint8_t* a, const uint8_t* b) {
-  return join_i(_mm256_loadu_si256((const __m256i*)a), _mm256_loadu_si256((const __m256i*)b));
-}
-SD_INLINE void store_pair(float* dst, __m512 o) { _mm512_storeu_ps(dst, o); }  // tiles A, B adjacent in dst
-
 // Q4_K, tiles A = wa and B = wa + 8 ldw (columns n .. n + 15, both whole)
 SD_INLINE void passt_pair(const int P, const uint8_t* wa, const uint8_t* wb, int64_t nb, int64_t k, const int8_t* xq,
                           const float* xd, const int16_t* xs, int64_t r0, float* out, int64_t ldo, int64_t n) {
@@ -949,8 +1019,7 @@ static void gemmk(int fmt, const uint8_t* w, int64_t ldw, int64_t k, const int8_
     }
 #if defined(SD_VARIANT_AVX512VNNI)
     // whole tiles two at a time (passt_pair, passt6_pair); an odd one runs alone below
-    // Q6_K pairs from 2 rows: at one row they measured slower (the 24 joined scale vectors of a pair spill)
-    const int pairs = SD_PAIR_TILES && (fmt == SD_Q4_K || rows >= 2);
+    const int pairs = SD_PAIR_TILES && rows >= sd_pair_min_rows[fmt];
     for (; pairs && n % SD_TILE == 0 && n + 2 * SD_TILE <= n1 && n + 2 * SD_TILE <= tiled; n += 2 * SD_TILE) {
       const uint8_t *wa = w + n * ldw, *wb = wa + SD_TILE * ldw;
       for (int64_t r0 = 0; r0 < rows; r0 += SD_PASSZ) {
