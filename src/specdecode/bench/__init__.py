@@ -99,7 +99,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="precision of draft models' weights (int8 / int4 as --weights: fewer bytes per draft step; "
                         "the HF peer uses the same draft objects) (default: the target's, as in generate / serve)")
     p.add_argument("--threads", type=int, metavar="N",
-                   help="torch threads, 1..the cores this process may use (default: torch's)")
+                   help="torch threads, 1..the cores this process may use; every engine of the run gets this count (default: "
+                        "torch's, every core: unlike generate / serve, which take the cores other processes leave idle, a "
+                        "benchmark keeps one count run to run)")
     p.add_argument("--remeasure-bandwidth", action="store_true", default=None,
                    help="measure the memory read bandwidth of the report's roofline table again (it is measured "
                         "once per machine and thread count and cached under the specdecode cache's machine/)")
