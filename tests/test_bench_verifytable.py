@@ -36,6 +36,9 @@ def test_the_byte_limit_uses_the_bandwidth_read_beside_the_row():
     result["models"][0]["bandwidth_bytes_s"] = 10e9  # 100 MB / 10 GB/s = 10 ms: the whole 10 ms step
     text = verifytable.render(result)
     assert "100% of the byte limit" in text and "at 10.0 GB/s, read just before these timings" in text
+    assert "above 100%" not in text
+    result["models"][0]["bandwidth_bytes_s"] = 5e9  # 20 ms of bytes in a 10 ms step: the sum read slowly
+    assert "200% of the byte limit" in verifytable.render(result) and "above 100%" in verifytable.render(result)
 
 
 def test_without_llama_cpp_the_report_does_not_claim_it():

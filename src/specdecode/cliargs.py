@@ -167,9 +167,10 @@ def add_drafter_arguments(group: argparse._ArgumentGroup, *, policy_default: str
     group.add_argument("--draft", default=FLAG_DEFAULTS["draft"], metavar="SPEC",
                        help=f"the proposer: {DRAFT_CHOICES_HELP}; a draft model with another tokenizer "
                             "drafts across vocabularies (said at start-up) (default: %(default)s)")
-    group.add_argument("-k", "--num-speculative-tokens", type=int, default=FLAG_DEFAULTS["num_speculative_tokens"],
-                       metavar="N",
-                       help=f"{gamma_help} (default: %(default)s)")
+    group.add_argument("-k", "--num-speculative-tokens", "--gamma", type=int,
+                       default=FLAG_DEFAULTS["num_speculative_tokens"], metavar="N",
+                       help=f"{gamma_help}; --gamma is the same flag (the status line and bench say gamma) "
+                            "(default: %(default)s)")
     group.add_argument("--ngram-min", type=int, default=FLAG_DEFAULTS["ngram_min"], metavar="N",
                        help="shortest n-gram the ngram drafter matches (default: %(default)s)")
     group.add_argument("--ngram-max", type=int, default=FLAG_DEFAULTS["ngram_max"], metavar="N",

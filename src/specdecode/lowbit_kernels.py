@@ -301,6 +301,7 @@ def _cache_base(cache_dir=None) -> Path:
 
 
 _variants: dict[str, tuple[ctypes.CDLL, int]] = {}
+_variant_errors: dict[str, SpecDecodeError] = {}  # variants whose background compile failed
 _variant_locks = {name: threading.Lock() for name in VARIANTS}
 
 
@@ -315,6 +316,8 @@ def load_variant(name: str, cache_dir=None) -> int:
     if name not in VARIANTS:
         raise SpecDecodeError(f"unknown kernel variant {name!r}; choose one of {', '.join(VARIANTS)} or reference")
     with _variant_locks[name]:
+        if name in _variant_errors:  # a compile that failed on a background thread: said once, not retried
+            raise _variant_errors[name]
         if name not in _variants:
             _variants[name] = _compile_variant(name, cache_dir)
     return _variants[name][1]
@@ -343,21 +346,29 @@ def _compile_variants_in_background(cache_dir=None) -> dict[str, threading.Threa
             continue
 
         def build(name=name):
-            try:
-                load_variant(name, cache_dir)
-            except SpecDecodeError:
-                pass  # load_variant raises it again in the caller's thread
+            with _variant_locks[name]:
+                if name in _variants or name in _variant_errors:
+                    return
+                try:
+                    _variants[name] = _compile_variant(name, cache_dir, quiet=True)
+                except Exception as exc:  # noqa: BLE001 - kept for load_variant to raise in the caller's thread
+                    _variant_errors[name] = exc if isinstance(exc, SpecDecodeError) else SpecDecodeError(
+                        f"could not compile or load the {name} kernel: {type(exc).__name__}: {exc}")
         started[name] = threading.Thread(target=build, name=f"specdecode-compile-{name}", daemon=True)
         started[name].start()
     return started
 
 
-def _compile_variant(name: str, cache_dir=None) -> tuple[ctypes.CDLL, int]:
+def _compile_variant(name: str, cache_dir=None, quiet: bool = False) -> tuple[ctypes.CDLL, int]:
+    """Compile (unless cached) and load variant ``name``; ``quiet``: the caller has said so on screen."""
     if name not in supported_variants():
         raise SpecDecodeError(f"this CPU cannot run the {name} kernel (it runs: {', '.join(supported_variants()) or 'none'})")
     _, flags, macro = VARIANTS[name]
     out = _variant_path(name, cache_dir)
     if not out.is_file():
+        if not quiet:
+            print(f"specdecode: compiling the {name} low-bit kernel into {out.parent} (once per machine and version, "
+                  "seconds)", file=sys.stderr, flush=True)
         out.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp")
         os.close(fd)
@@ -424,7 +435,10 @@ def active_variant() -> str | None:
     if kernel is None:
         return None
     if forced:
-        load_variant(forced)
+        try:
+            load_variant(forced)
+        except SpecDecodeError as exc:
+            raise SpecDecodeError(f"{ISA_ENV}={forced}: {exc}") from exc
         _kernel_note = f"{forced} kernel (forced by {ISA_ENV})"
         return forced
     if _chosen is None:
@@ -489,6 +503,7 @@ def load_kernel(cache_dir: str | Path | None = None):
         where = f"{Path(__file__).resolve().parent}|{sys.prefix}".encode()
         digest = hashlib.sha256(b"".join(s.read_bytes() for s in (*_SOURCES, _HEADER)) + where).hexdigest()[:12]
         build = _cache_base(cache_dir) / "kernels" / f"lowbit-{torch.__version__.split('+')[0]}-{digest}"
+        variants: dict[str, threading.Thread] = {}
         try:
             # lazy: torch's C++ extension tools (slow to import), only when the extension is built
             from torch.utils.cpp_extension import load
@@ -497,12 +512,12 @@ def load_kernel(cache_dir: str | Path | None = None):
             name = f"specdecode_lowbit_{digest}"
             fresh = not any(build.glob(f"{name}*.so"))
             start = time.perf_counter()
-            variants = _compile_variants_in_background(cache_dir)
+            variants = _compile_variants_in_background(cache_dir)  # joined below, or in the handler on failure
             if fresh or variants:  # the first use on this machine (or of this source): say why it pauses
                 what = ["the low-bit products' thread split and the C++ layer loop"] if fresh else []
                 what += [f"the {', '.join(variants)} kernel{'s' if len(variants) > 1 else ''}"] if variants else []
                 print(f"specdecode: compiling {' and '.join(what)} into {build.parent} (once per machine and "
-                      f"version, {'about 30 s' if fresh else 'seconds'})", file=sys.stderr, flush=True)
+                      f"version, {'about 30 s on 2 cores' if fresh else 'seconds'})", file=sys.stderr, flush=True)
 
             # Our own lock first: the OS drops it when its holder dies, so while we hold it no build of ours
             # runs, and torch's lock file (which a build killed mid-way leaves behind, and which torch
@@ -524,6 +539,8 @@ def load_kernel(cache_dir: str | Path | None = None):
                 print(f"specdecode: compiled in {took:.0f} s", file=sys.stderr, flush=True)
             _kernel_note = f"kernel extension {'compiled' if fresh else 'loaded'} in {took:.1f} s (variant not chosen yet)"
         except Exception as exc:  # noqa: BLE001 - no compiler / headers / ninja: the reference runs
+            for thread in variants.values():  # no gcc left running, no half-written file
+                thread.join()
             _kernel = False
             first = next((line for line in str(exc).splitlines() if line.strip()), "")
             _kernel_note = f"torch reference (the kernel extension did not build: {type(exc).__name__}: {first[:200]})"

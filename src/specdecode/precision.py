@@ -39,7 +39,8 @@ import torch
 from specdecode.bench.env import cpu_flags, cpu_model
 from specdecode.errors import SpecDecodeError
 from specdecode.kernels import WEIGHT_PRECISIONS
-from specdecode.lowbit import active_variant, kernel_status, load_in_precision, quantize_loaded, set_weight_precision
+from specdecode.lowbit import (ISA_ENV, active_variant, kernel_status, load_in_precision, quantize_loaded,
+                               set_weight_precision)
 from specdecode.precision_measures import (  # noqa: F401 - the measures' names, re-exported here
     CATALOG_QUALITY,
     MAX_PERPLEXITY_CHANGE,
@@ -391,7 +392,8 @@ def _gguf_blocks_choice(spec: str, cache_dir, progress: bool, status, forward: s
         if not quality_gate(q)[0]:  # the file as llama.cpp runs it, below our gate for a precision we pick
             figures += (" (below the quality gate of a precision we choose ourselves: --weights bf16 or fp32 run "
                         "the float copy, slower)")
-    reason = (f"int4: the GGUF file's own blocks (the fewest bytes a step reads), {variant} kernel with 8-bit "
+    forced = f" (forced by {ISA_ENV})" if os.environ.get(ISA_ENV, "").strip() else ""
+    reason = (f"int4: the GGUF file's own blocks (the fewest bytes a step reads), {variant} kernel{forced} with 8-bit "
               f"activations per row, as llama.cpp runs the file{figures}; speculation stays exact by construction "
               "(row-independent products and attention)")
     return loaded, PrecisionChoice("int4", True, reason)

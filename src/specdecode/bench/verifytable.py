@@ -20,6 +20,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from specdecode.bench.env import environment
+from specdecode.bench.roofline import READ_BYTES
 from specdecode.cliargs import set_threads
 from specdecode.errors import SpecDecodeError
 from specdecode.paths import check_output_dir
@@ -133,8 +134,8 @@ def run_table(models: Sequence[str], output: Path, *, ks: Sequence[int] = KS, de
             say(f"{spec}: depth {depth}: loading our forward")
             ours = OurForward(spec, depth)
             step_bytes = weight_bytes_per_step(ours.loaded.model)
-            # the byte limit from a bandwidth measured now, beside the timings it divides (this VM's bandwidth
-            # drifts 30-50% between hours: a cached figure from another hour misstates the fraction)
+            # the byte limit from a bandwidth measured now, beside the timings it divides (this VM's sum of 512 MiB
+            # read 31-47 GB/s on one afternoon: a cached figure from another hour misstates the fraction)
             row = {"model": spec, "gguf": str(gguf), "depth": depth, "step_bytes": step_bytes, "ours_s": {},
                    "llama_s": {}, "bandwidth_bytes_s": measure_read_bandwidth(threads=threads, remeasure=True)}
             for k in ks:  # interleaved: ours, then llama.cpp, for each k
@@ -162,7 +163,8 @@ def render(result: dict) -> str:
         "# Verification cost: T(k) / T(1)" + (", ours beside llama.cpp (same GGUF file)" if peer else ", ours"),
         "",
         f"{env['cpu_model']}, {result['threads']} thread{'s' if result['threads'] != 1 else ''}; SIMD flags: {flags}",
-        f"Kernel: {result['kernel']}; read bandwidth (a sum of 512 MiB) {result['bandwidth_bytes_s'] / 1e9:.1f} GB/s; "
+        f"Kernel: {result['kernel']}; read bandwidth at the start (a sum of {READ_BYTES / 2**20:g} MiB) "
+        f"{result['bandwidth_bytes_s'] / 1e9:.1f} GB/s; "
         f"load average at start {result['load_at_start'][0]:.2f}, at end {result['load_at_end'][0]:.2f}; "
         f"fastest of {result['repeats']} per figure"
         + (", ours and llama-bench interleaved k by k" if peer else "") + f"; {env['date']}",
@@ -187,7 +189,9 @@ def render(result: dict) -> str:
                                                                 for k in ks) + " |"]
         lines += ["", f"Plain decoding: ours {1 / ours[1]:.1f} tok/s (one forward of 1 token), "
                       f"{100 * limit / ours[1]:.0f}% of the byte limit ({row['step_bytes'] / 1e6:.0f} MB a step, "
-                      f"{1e3 * limit:.1f} ms at {bandwidth / 1e9:.1f} GB/s, read just before these timings)"
+                      f"{1e3 * limit:.1f} ms at {bandwidth / 1e9:.1f} GB/s, read just before these timings"
+                      + ("; above 100%: the step read its weights faster than the sum did, so this bandwidth figure "
+                         "is low, not the step impossible" if limit > ours[1] else "") + ")"
                   + (f"; llama.cpp {1 / row['llama_decode_s']:.1f} tok/s (llama-bench tg32)" if row.get("llama_decode_s")
                      else "") + ".", ""]
     return "\n".join(lines)

@@ -314,6 +314,7 @@ static inline __m256i tile32_vector(int fmt, const uint8_t* t, int g) {
 // Rows r0..r0+P of one tile (8 columns at wt); columns c0..c1 of it are written (the tile is computed whole:
 // a column's result is the same whichever of its neighbours are written). Per block the weight vectors are
 // read once and dotted with every row of the pass (vector-outer, row-inner: P independent integer chains).
+// (VNNI: keep in step with passt32_pair, which runs two tiles of this in 512-bit vectors)
 SD_INLINE void passt32(const int P, const int fmt, const uint8_t* wt, int64_t nb, int64_t k, const int8_t* xq,
                        const float* xd, const float* xs, const int32_t* xsum, int64_t r0, float* out, int64_t ldo,
                        int64_t n, int c0, int c1) {
@@ -377,25 +378,30 @@ SD_INLINE void passt32(const int P, const int fmt, const uint8_t* wt, int64_t nb
 
 #if defined(SD_VARIANT_AVX512VNNI)
 // Two tiles at once on 512-bit vectors (VNNI): lanes 0-7 = tile A's 8 columns, lanes 8-15 = tile B's. Every
-// lane runs the instructions of passt / passt6 above on the same integers and floats, in the same order (a
-// 512-bit vpdpbusd / vpmulld / vcvtdq2ps / vfmadd is the 256-bit one on each half), so a column's bits are
-// the same whether its tile runs alone or in a pair. What changes is the work per weight: one broadcast of 4
-// activation bytes now feeds 16 columns, halving the loads and the instructions per multiply-add (measured:
-// docs/results/kernels/pair512/).
+// lane runs the instructions of the VNNI branch of passt32 (above) / passt / passt6 (below) on the same
+// integers and floats, in the same order (a 512-bit vpdpbusd / vpmulld / vcvtdq2ps / vfmadd is the 256-bit one
+// on each half), so a column's bits are the same whether its tile runs alone or in a pair: an edit to one of
+// those kernels needs the same edit to its _pair twin (tests/test_lowbit.py compares them on VNNI machines).
+// What changes is the work per weight: one broadcast of 4 activation bytes feeds 16 columns, halving the
+// loads and the instructions per multiply-add (docs/results/kernels/pair512/).
 #ifndef SD_PASSZ
 #define SD_PASSZ 8
 #endif
-#ifndef SD_PAIR_TILES  // 0: tiles one at a time (the A/B benchmark, docs/results/kernels/pair512)
+#ifndef SD_PAIR_TILES  // 0: tiles one at a time (the A/B builds, docs/results/kernels/pair512)
 #define SD_PAIR_TILES 1
 #endif
-// The fewest rows that run pairs, per format (Q4_0 Q4_1 Q5_0 Q8_0 Q4_K Q6_K); a variable the A/B benchmark sets.
-// Pairs win wherever the weights come from the caches (1.03-1.4x at 1-64 rows), but a real model streams them
-// from memory, and two tiles read side by side (two streams 8 weight rows apart) then read at about half the
-// speed of one (prefetching both did not help): on the Qwen 1.5B, the 0.5B and SmolLM2 (2 threads, 256 tokens
-// of context) pairs cost 1.1-1.5x at 1-4 rows and win from 8 rows for the K-quants (1.15-1.2x), from 16 for
-// the 32-weight formats (1.0-1.2x), and in a prefill's pieces of 512 rows. (Next: a layout that interleaves
-// a pair's blocks, so a pair is one stream.)
+// The fewest rows that run pairs, per format (Q4_0 Q4_1 Q5_0 Q8_0 Q4_K Q6_K). Pairs win wherever the weights
+// come from the caches (1.03-1.4x at 1-64 rows), but a real model streams them from memory, and two tiles read
+// side by side (two streams 8 weight rows apart) then read at about half the speed of one: on the Qwen 1.5B,
+// the 0.5B and SmolLM2 (2 threads, 256 tokens of context) pairs cost 1.1-1.5x at 1-4 rows and win from 8 rows
+// for the K-quants (1.09-1.18x), from 16 for the 32-weight formats (1.0-1.2x), and in a prefill's pieces of
+// 512 rows (pair512/model_ab.txt; what was tried to stream pairs at full speed: pair512/README.md).
+// -DSD_PAIR_AB makes it a variable that pair512/ab_model.py sets in a running forward.
+#ifdef SD_PAIR_AB
 int sd_pair_min_rows[6] = {16, 16, 16, 16, 8, 8};
+#else
+static const int sd_pair_min_rows[6] = {16, 16, 16, 16, 8, 8};
+#endif
 static inline __m512i join_i(__m256i lo, __m256i hi) { return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1); }
 static inline __m512 join_f(__m256 lo, __m256 hi) {
   return _mm512_castsi512_ps(join_i(_mm256_castps_si256(lo), _mm256_castps_si256(hi)));
@@ -751,6 +757,7 @@ static inline void tile_scales(const uint8_t* t, TileScales* s) {
 // Rows r0..r0+P of one tile (8 columns at wt); xs: per row and super-block the 8 activation sums per 32
 // (int16). Columns c0..c1 of the tile are written (a tile is computed whole: a column's result is the
 // same whichever of its neighbours are written).
+// (VNNI: keep in step with passt_pair, which runs two tiles of this in 512-bit vectors)
 SD_INLINE void passt(const int P, const uint8_t* wt, int64_t nb, int64_t k, const int8_t* xq, const float* xd,
                      const int16_t* xs, int64_t r0, float* out, int64_t ldo, int64_t n, int c0, int c1) {
   __m256 acc[SD_PASST], macc[SD_PASST];
@@ -850,6 +857,7 @@ static inline __m256i q6_high(__m256i hv, int q) {  // bits 2q..2q+1 of every by
   }
 }
 
+// (VNNI: keep in step with passt6_pair, which runs two tiles of this in 512-bit vectors)
 SD_INLINE void passt6(const int P, const uint8_t* wt, int64_t nb, int64_t k, const int8_t* xq, const float* xd,
                       const int16_t* bsums, int64_t r0, float* out, int64_t ldo, int64_t n, int c0, int c1) {
   __m256 acc[SD_PASST];
@@ -1032,6 +1040,7 @@ static void gemmk(int fmt, const uint8_t* w, int64_t ldw, int64_t k, const int8_
           SD_CASE(5) SD_CASE(6) SD_CASE(7) SD_CASE(8)
 #endif
 #undef SD_CASE
+          default: abort();  // a pass above 8 rows (an SD_PASSZ override): never leave outputs unwritten
         }
       }
     }

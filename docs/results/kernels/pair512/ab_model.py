@@ -3,6 +3,8 @@
 import sys, time, ctypes, torch
 from specdecode import lowbit_kernels as lk
 from specdecode.bench.verifytable import OurForward
+for _, flags, _ in lk.VARIANTS.values():  # sd_pair_min_rows as a variable (csrc/qgemm.c SD_PAIR_AB; its own cache file)
+    flags.append("-DSD_PAIR_AB")
 torch.set_num_threads(2)
 f = OurForward(sys.argv[1], 256)
 lib = lk._variants[lk.active_variant()][0]
