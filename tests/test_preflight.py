@@ -200,6 +200,13 @@ def test_bad_names_and_files_fail_before_any_load(capsys, tiny_model_dir, no_wei
     assert "loading target" not in err
 
 
+def test_a_missing_path_says_whether_it_is_the_target_or_the_draft(tiny_model_dir):
+    with pytest.raises(ModelLoadError, match="^the draft model: no such file or directory: './missing/draft'"):
+        P.check_models(str(tiny_model_dir), "./missing/draft")
+    with pytest.raises(ModelLoadError, match="^the target model: no such file or directory: './missing/target'"):
+        P.check_models("./missing/target", str(tiny_model_dir))
+
+
 def test_missing_target_path_fails_before_the_draft_is_read(monkeypatch, tiny_model_dir):
     monkeypatch.setattr(P, "inspect_model", lambda *a, **k: pytest.fail("nothing is read before every path exists"))
     with pytest.raises(ModelLoadError, match="no such file or directory"):

@@ -98,10 +98,13 @@ def check_models(target: str, draft: str | None = None, *, cache_dir: str | Path
             trees are asked (``models.trees_across_vocabularies``: the real reason).
     """
     specs = [target] if draft is None or draft == target else [target, draft]
-    for spec in specs:  # every path error, and a hub id that cannot be had, before any slower read
-        if M.resolve_spec(spec).kind == "hub":
-            with M.hub_access(spec):
-                pass
+    for role, spec in zip(("target", "draft"), specs):  # every path error, and a hub id that cannot be had, first
+        try:
+            if M.resolve_spec(spec).kind == "hub":
+                with M.hub_access(spec):
+                    pass
+        except ModelLoadError as exc:  # say which model: a target and a draft can both be paths
+            raise ModelLoadError(f"the {role} model: {exc}") from exc
     infos = [inspect_model(spec, cache_dir=cache_dir) for spec in specs]
     if len(infos) == 2 and None not in infos:
         other_vocab = M._tokenizer_difference(infos[0].vocab, infos[1].vocab)
