@@ -53,6 +53,33 @@ def test_compare_baseline_matches_greedily(capsys, tiny_model_dir):
     assert rec["baseline"]["tokens_per_s"] > 0 and rec["speedup"] > 0
 
 
+@pytest.mark.parametrize(("extra", "runs"), [([], 2), (["--draft", "suffix"], 1), (["--temperature", "0.8"], 1),
+                                             (["--temperature", "0.8", "--seed", "3"], 2)])
+def test_compare_baseline_times_the_faster_of_two_interleaved_runs(capsys, tiny_model_dir, monkeypatch, extra, runs):
+    """Greedy or seeded: baseline, speculative, baseline, speculative, the faster of each kept; once each where a
+    repeat would not be the same run (unseeded sampling; suffix decoding drafting from its own first answer)."""
+    from specdecode.generator import SpecDecoder
+
+    calls = []
+    real = SpecDecoder.generate
+
+    def counting(self, *args, **kwargs):
+        out = real(self, *args, **kwargs)
+        if kwargs.get("max_new_tokens") != 2:  # not the warm-up
+            calls.append(("spec" if self.proposer is not None else "plain", out.metrics.wall_time_s))
+        return out
+
+    monkeypatch.setattr(SpecDecoder, "generate", counting)
+    code, out, err = _run(capsys, "generate", "--target", str(tiny_model_dir), "--prompt",
+                          "the cat and the dog and the cat and the dog", "--max-new-tokens", "12", "--ignore-eos",
+                          "--compare-baseline", "--json", *extra)
+    assert code == 0, err
+    assert [c[0] for c in calls] == ["plain", "spec"] * runs
+    (rec,) = _json_lines(out)
+    assert rec["baseline"]["wall_time_s"] == min(t for who, t in calls if who == "plain")
+    assert rec["wall_time_s"] == min(t for who, t in calls if who == "spec")
+
+
 def test_generate_streams_text_then_metrics(capsys, tiny_model_dir):
     code, out, err = _run(capsys, "generate", "--target", str(tiny_model_dir), "--prompt", "the cat and the dog",
                           "--max-new-tokens", "25", "--ignore-eos", "--compare-baseline")
@@ -103,12 +130,13 @@ def test_several_prompts_print_an_aggregate(capsys, tiny_model_dir):
 
 
 @pytest.mark.shared_data
-def test_default_prompt_is_the_first_spec_bench_summarization_question():
+def test_default_prompts_are_the_first_five_spec_bench_extraction_questions():
     args = cli.build_parser().parse_args(["generate"])
-    (job,) = cli.read_jobs(args)
+    jobs = cli.read_jobs(args)
     assert args.target == "smollm2-135m" and args.draft == "ngram"
-    assert job.id == "spec-bench/241" and job.category == "summarization" and job.chat_default
-    assert job.text.startswith("Summarize:")
+    assert [j.id for j in jobs] == [f"spec-bench/{i}" for i in range(131, 136)]
+    assert all(j.category == "extraction" and j.chat_default for j in jobs)
+    assert jobs[0].text.startswith("Evaluate the following movie reviews")
 
 
 @pytest.mark.parametrize(

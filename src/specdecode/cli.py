@@ -181,7 +181,9 @@ def _add_generate(commands) -> None:
     output.add_argument("--compare-baseline", action="store_true",
                         help="also run plain decoding of the same target (same engine, same process, before the "
                              "speculative run of each prompt) and report its tokens/s, the speedup, and whether "
-                             "the outputs match (they must, greedily)")
+                             "the outputs match (they must, greedily). Greedy or seeded runs go twice each, "
+                             "interleaved, and the faster of each is timed (a short run varies by 10-20%%; "
+                             "not with suffix decoding, whose global tree would remember the first answer)")
     output.add_argument("--json", action="store_true",
                         help="print one JSON object per prompt on stdout (text, token_ids, counts, rates, times, "
                              "finish_reason, prompt_id; with --compare-baseline also baseline, speedup, "

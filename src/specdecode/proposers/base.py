@@ -112,6 +112,9 @@ class Proposer:
 
     #: True when drafts may be token trees (the engine then verifies with the tree verifier).
     produces_trees: bool = False
+    #: True when drafts may depend on earlier requests' outputs (suffix decoding's global tree): a repeat of a
+    #: prompt then drafts from its own earlier answer, so timings of repeats are not those of a first run.
+    remembers_requests: bool = False
     #: True when :meth:`observe` must run after every verification, also when nothing was drafted
     #: (a feature-level head reads the target's hidden states of every committed token).
     observes_every_step: bool = False
