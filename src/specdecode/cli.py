@@ -88,7 +88,8 @@ def build_parser() -> argparse.ArgumentParser:
             "  tune       measure which drafter, gamma and policy is fastest for your prompts; writes a --config file\n"
             "  audit      is an endpoint (or this engine) lossless? its samples against the target's exact law\n\n"
             "Run 'specdecode generate' with no flags for a demo on SmolLM2-135M-Instruct with the\n"
-            "n-gram (prompt lookup) drafter. 'specdecode COMMAND --help' explains each command."
+            "n-gram (prompt lookup) drafter on five Spec-Bench extraction prompts. 'specdecode COMMAND --help'\n"
+            "explains each command."
         ),
     )
     parser.add_argument("--version", action="version", version=f"specdecode {__version__}")
@@ -148,7 +149,7 @@ def _add_generate(commands) -> None:
                              f"Default when no prompt flag is given: {DEFAULT_DATASET}")
     prompts.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
                          help="apply the target tokenizer's chat template to each prompt (one user message). "
-                              "Default: on for chat prompt sets (and the built-in prompt) when the tokenizer has a "
+                              "Default: on for chat prompt sets (and the default prompts) when the tokenizer has a "
                               "template; off for HumanEval completion prompts and for --prompt / --prompt-file")
 
     sampling = p.add_argument_group("sampling")

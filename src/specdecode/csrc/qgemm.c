@@ -332,10 +332,22 @@ SD_INLINE void passt32(const int P, const int fmt, const uint8_t* wt, int64_t nb
     __m256i s[SD_PASS];
     for (int r = 0; r < P; ++r) s[r] = z ? _mm256_set1_epi32(-z * xsum[(r0 + r) * nb + b]) : _mm256_setzero_si256();
 #if defined(SD_VARIANT_AVX512VNNI)
+    // A vpdpbusd waits for its accumulator (several cycles) while two can start per cycle: with fewer than 8 rows,
+    // one chain of 8 per row leaves the units idle, so each row's 8 products run as 2 or 4 independent chains
+    // (vector g in chain g % chains), summed at the end: integer sums, the same int32 in any order, so the same bits.
+    const int chains = P <= 2 ? 4 : P <= 4 ? 2 : 1;
+    __m256i c[SD_PASS][4];
+    for (int r = 0; r < P; ++r)
+      for (int j = 0; j < chains; ++j) c[r][j] = j ? _mm256_setzero_si256() : s[r];
 #pragma GCC unroll 8  // g must be a constant in tile32_vector (shift counts, the nibble half)
     for (int g = 0; g < 8; ++g) {
       const __m256i u = tile32_vector(fmt, t, g);
-      for (int r = 0; r < P; ++r) s[r] = _mm256_dpbusd_epi32(s[r], u, _mm256_set1_epi32(load_i32(xb + r * k + 4 * g)));
+      for (int r = 0; r < P; ++r)
+        c[r][g % chains] = _mm256_dpbusd_epi32(c[r][g % chains], u, _mm256_set1_epi32(load_i32(xb + r * k + 4 * g)));
+    }
+    for (int r = 0; r < P; ++r) {
+      s[r] = c[r][0];
+      for (int j = 1; j < chains; ++j) s[r] = _mm256_add_epi32(s[r], c[r][j]);
     }
 #else
     if (fmt == SD_Q8_0) {
