@@ -54,10 +54,12 @@ def test_compare_baseline_matches_greedily(capsys, tiny_model_dir):
 
 
 @pytest.mark.parametrize(("extra", "runs"), [([], 2), (["--draft", "suffix"], 1), (["--temperature", "0.8"], 1),
-                                             (["--temperature", "0.8", "--seed", "3"], 2)])
+                                             (["--temperature", "0.8", "--seed", "3"], 2),
+                                             (["--policy", "heuristic"], 1)])
 def test_compare_baseline_times_the_faster_of_two_interleaved_runs(capsys, tiny_model_dir, monkeypatch, extra, runs):
     """Greedy or seeded: baseline, speculative, baseline, speculative, the faster of each kept; once each where a
-    repeat would not be the same run (unseeded sampling; suffix decoding drafting from its own first answer)."""
+    repeat would not be the same run (unseeded sampling; suffix decoding drafting from its own first answer; an
+    adaptive policy starting from what the first run taught it)."""
     from specdecode.generator import SpecDecoder
 
     calls = []

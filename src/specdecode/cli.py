@@ -184,7 +184,8 @@ def _add_generate(commands) -> None:
                              "speculative run of each prompt) and report its tokens/s, the speedup, and whether "
                              "the outputs match (they must, greedily). Greedy or seeded runs go twice each, "
                              "interleaved, and the faster of each is timed (a short run varies by 10-20%%; "
-                             "not with suffix decoding, whose global tree would remember the first answer)")
+                             "not with suffix decoding, whose global tree would remember the first answer, nor with an "
+                             "adaptive --policy, which would start the repeat from what the first run taught it)")
     output.add_argument("--json", action="store_true",
                         help="print one JSON object per prompt on stdout (text, token_ids, counts, rates, times, "
                              "finish_reason, prompt_id; with --compare-baseline also baseline, speedup, "

@@ -249,7 +249,8 @@ def _encode_job(args, decoder, job: _Job) -> tuple[_Job, bool, list[int]]:
 
 def _run_job(args, decoder, baseline, job: _Job, chat: bool, prompt_ids: list[int], index: int, total: int) -> dict:
     """Baseline first (when asked), then the speculative run (streamed unless --json); with a baseline and a
-    repeatable run (greedy, or a --seed; a drafter without memory of earlier requests), each once more,
+    repeatable run (greedy, or a --seed; a drafter and a draft-length policy without memory of earlier requests),
+    each once more,
     interleaved, keeping the faster; print; return the record."""
     kwargs = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                   top_p=args.top_p, seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos,
@@ -262,10 +263,12 @@ def _run_job(args, decoder, baseline, job: _Job, chat: bool, prompt_ids: list[in
     on_text = None if args.json else _write_stdout
     out = decoder.generate(prompt_ids, on_text=on_text, **kwargs)
     if (base_out is not None and (args.temperature == 0 or args.seed is not None)
-            and not getattr(decoder.proposer, "remembers_requests", False)):
+            and not getattr(decoder.proposer, "remembers_requests", False)
+            and not getattr(decoder.policy, "remembers_requests", True)):
         # a second run of each, interleaved, and the faster one timed: a run of well under a second on a
         # shared machine varies by 10-20% (repeats of a deterministic run produce the same tokens; not with a
-        # drafter that remembers earlier answers, which would draft this one from its first run)
+        # drafter that remembers earlier answers, which would draft this one from its first run, nor with an
+        # adaptive draft-length policy, which would start it from what the first run taught it)
         base_out = min(base_out, baseline.generate(prompt_ids, **kwargs), key=lambda o: o.metrics.wall_time_s)
         out = min(out, decoder.generate(prompt_ids, **kwargs), key=lambda o: o.metrics.wall_time_s)
     record = _record(job, chat, out, base_out)

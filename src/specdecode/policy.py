@@ -65,6 +65,9 @@ class DraftLengthPolicy:
 
     #: None, or ``probs [V] float32 -> bool`` consulted by model-based drafters after each token.
     should_continue: Callable[[torch.Tensor], bool] | None = None
+    #: True when the state carries from one request to the next (the adaptive policies): a repeat of a prompt
+    #: then starts from what the first run learned, so its timing is not that of a first run.
+    remembers_requests: bool = True
 
     def next_length(self, batch_size: int = 1) -> int:
         raise NotImplementedError
@@ -86,6 +89,8 @@ class FixedPolicy(DraftLengthPolicy):
     Raises:
         SpecDecodeError: gamma outside [1, 64].
     """
+
+    remembers_requests = False
 
     def __init__(self, num_speculative_tokens: int) -> None:
         self.num_speculative_tokens = _check_gamma("num_speculative_tokens", num_speculative_tokens)
