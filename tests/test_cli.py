@@ -53,33 +53,82 @@ def test_compare_baseline_matches_greedily(capsys, tiny_model_dir):
     assert rec["baseline"]["tokens_per_s"] > 0 and rec["speedup"] > 0
 
 
-@pytest.mark.parametrize(("extra", "runs"), [([], 2), (["--draft", "suffix"], 1), (["--temperature", "0.8"], 1),
-                                             (["--temperature", "0.8", "--seed", "3"], 2),
+@pytest.mark.parametrize(("extra", "runs"), [([], 2), (["--draft", "suffix"], 1),
+                                             (["--draft", "suffix:use_global=false"], 2),
+                                             (["--temperature", "0.8"], 1), (["--temperature", "0.8", "--seed", "3"], 2),
                                              (["--policy", "heuristic"], 1)])
 def test_compare_baseline_times_the_faster_of_two_interleaved_runs(capsys, tiny_model_dir, monkeypatch, extra, runs):
-    """Greedy or seeded: baseline, speculative, baseline, speculative, the faster of each kept; once each where a
-    repeat would not be the same run (unseeded sampling; suffix decoding drafting from its own first answer; an
-    adaptive policy starting from what the first run taught it)."""
+    """Greedy or seeded: baseline, speculative, baseline, speculative, the faster of each kept (here the second
+    baseline and the first speculative run, by scripted wall times); once each where a repeat would not be the
+    same run (unseeded sampling; suffix decoding's global tree drafting from the first answer; an adaptive policy
+    starting from what the first run taught it)."""
     from specdecode.generator import SpecDecoder
 
     calls = []
     real = SpecDecoder.generate
+    scripted = {"plain": [2.0, 1.0], "spec": [1.0, 2.0]}  # seconds of wall time, run 1 and run 2
 
-    def counting(self, *args, **kwargs):
+    def scripted_times(self, *args, **kwargs):
         out = real(self, *args, **kwargs)
-        if kwargs.get("max_new_tokens") != 2:  # not the warm-up
-            calls.append(("spec" if self.proposer is not None else "plain", out.metrics.wall_time_s))
+        if kwargs.get("max_new_tokens") == 2:  # the warm-up
+            return out
+        who = "spec" if self.proposer is not None else "plain"
+        wall = scripted[who][sum(c[0] == who for c in calls)]
+        calls.append((who, out.token_ids))
+        out.metrics.wall_time_s = wall
         return out
 
-    monkeypatch.setattr(SpecDecoder, "generate", counting)
+    monkeypatch.setattr(SpecDecoder, "generate", scripted_times)
     code, out, err = _run(capsys, "generate", "--target", str(tiny_model_dir), "--prompt",
                           "the cat and the dog and the cat and the dog", "--max-new-tokens", "12", "--ignore-eos",
                           "--compare-baseline", "--json", *extra)
     assert code == 0, err
     assert [c[0] for c in calls] == ["plain", "spec"] * runs
     (rec,) = _json_lines(out)
-    assert rec["baseline"]["wall_time_s"] == min(t for who, t in calls if who == "plain")
-    assert rec["wall_time_s"] == min(t for who, t in calls if who == "spec")
+    assert rec["timed_runs"] == runs
+    assert rec["baseline"]["wall_time_s"] == (1.0 if runs == 2 else 2.0) and rec["wall_time_s"] == 1.0
+    assert rec["speedup"] == pytest.approx(rec["baseline"]["wall_time_s"] / 1.0)
+    if "--temperature" not in extra or "--seed" in extra:  # a repeatable run: every run commits the same tokens
+        assert rec["matches_baseline"] and all(ids == calls[0][1] for _, ids in calls)
+
+
+@pytest.mark.parametrize("width", [80, 160])
+def test_the_prompt_table_keeps_every_figure_whole_on_an_80_column_terminal(monkeypatch, capsys, width):
+    import io
+
+    from rich.console import Console
+
+    from specdecode import cli_generate
+
+    rec = {"prompt_id": "spec-bench/131", "num_generated_tokens": 128, "num_drafted_tokens": 128,
+           "num_accepted_tokens": 97, "acceptance_rate": 0.758, "mean_accepted_length": 4.23,
+           "num_target_forwards": 31, "tokens_per_s": 357.7, "baseline": {"tokens_per_s": 184.7}, "speedup": 1.94,
+           "matches_baseline": True}
+    buf = io.StringIO()
+    monkeypatch.setattr(cli_generate, "_console", lambda: Console(file=buf, width=width, highlight=False))
+    cli_generate._print_aggregate([rec, rec], True)
+    text = buf.getvalue()
+    assert max(len(line) for line in text.splitlines()) <= width
+    for cell in ("spec-bench/131", "75.8%", "4.23", "357.7", "184.7", "1.94x", "yes", "2/2", "base tok/s", "match"):
+        assert cell in text, (cell, text)
+    assert ("drafted" in text) == (width >= 110)
+
+
+def test_every_proposer_says_whether_it_remembers_requests(tiny_model_dir):
+    """A repeat is timed only where nothing carries from one request to the next: suffix decoding with its
+    global tree (or a fallback that remembers) and layer skipping (its searched set) say they remember."""
+    from specdecode.proposers import GlobalSuffixTree, NgramProposer, SuffixConfig, SuffixProposer
+    from specdecode.proposers.base import DraftModelSlots, Proposer, RowProposer
+    from specdecode.proposers.layer_skip import LayerSkipProposer
+
+    assert Proposer.remembers_requests  # unknown proposers: assume they do
+    assert not RowProposer.remembers_requests and not DraftModelSlots.remembers_requests
+    assert not NgramProposer.remembers_requests and LayerSkipProposer.remembers_requests
+    assert SuffixProposer().remembers_requests
+    assert not SuffixProposer(SuffixConfig(use_global=False)).remembers_requests
+    assert not SuffixProposer(SuffixConfig(use_global=False), fallback=NgramProposer()).remembers_requests
+    remembering = SuffixProposer(SuffixConfig(use_global=True), global_tree=GlobalSuffixTree(SuffixConfig().max_depth, 1000))
+    assert SuffixProposer(SuffixConfig(use_global=False), fallback=remembering).remembers_requests
 
 
 def test_generate_streams_text_then_metrics(capsys, tiny_model_dir):

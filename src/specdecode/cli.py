@@ -114,9 +114,9 @@ def _add_generate(commands) -> None:
             "Generate text with speculative decoding, streaming it as tokens are committed, then print\n"
             "the metrics: tokens, drafted, accepted, acceptance rate, tau (tokens per target forward),\n"
             "acceptance by draft position, target forwards, time split and tokens/s.\n\n"
-            f"With no prompt flag it uses the first Spec-Bench summarization question with the chat\n"
-            f"template (a news article to summarize: prompt lookup finds text to copy), on --target\n"
-            f"(default {DEFAULT_TARGET}, SmolLM2-135M-Instruct, converted from GGUF on first use, ~1 min)."
+            f"With no prompt flag it uses Spec-Bench's first five extraction questions with the chat\n"
+            f"template (facts to pull out of a text in the prompt: prompt lookup finds text to copy), on\n"
+            f"--target (default {DEFAULT_TARGET}, SmolLM2-135M-Instruct, converted from GGUF on first use)."
         ),
         epilog=(
             "examples:\n"
@@ -149,7 +149,7 @@ def _add_generate(commands) -> None:
                              f"Default when no prompt flag is given: {DEFAULT_DATASET}")
     prompts.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
                          help="apply the target tokenizer's chat template to each prompt (one user message). "
-                              "Default: on for chat prompt sets (and the default prompts) when the tokenizer has a "
+                              "Default: on for chat prompt sets (and the prompts used without a prompt flag) when the tokenizer has a "
                               "template; off for HumanEval completion prompts and for --prompt / --prompt-file")
 
     sampling = p.add_argument_group("sampling")

@@ -249,9 +249,7 @@ def _encode_job(args, decoder, job: _Job) -> tuple[_Job, bool, list[int]]:
 
 def _run_job(args, decoder, baseline, job: _Job, chat: bool, prompt_ids: list[int], index: int, total: int) -> dict:
     """Baseline first (when asked), then the speculative run (streamed unless --json); with a baseline and a
-    repeatable run (greedy, or a --seed; a drafter and a draft-length policy without memory of earlier requests),
-    each once more,
-    interleaved, keeping the faster; print; return the record."""
+    repeatable run (:func:`_repeatable`) each once more, interleaved, keeping the faster; print; return the record."""
     kwargs = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                   top_p=args.top_p, seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos,
                   json_schema=args.json_schema_text, regex=args.regex, **sampling_kwargs(args))
@@ -262,16 +260,18 @@ def _run_job(args, decoder, baseline, job: _Job, chat: bool, prompt_ids: list[in
     base_out = baseline.generate(prompt_ids, **kwargs) if baseline is not None else None
     on_text = None if args.json else _write_stdout
     out = decoder.generate(prompt_ids, on_text=on_text, **kwargs)
-    if (base_out is not None and (args.temperature == 0 or args.seed is not None)
-            and not getattr(decoder.proposer, "remembers_requests", False)
-            and not getattr(decoder.policy, "remembers_requests", True)):
+    runs = [(base_out, out)]
+    if base_out is not None and _repeatable(args, decoder):
         # a second run of each, interleaved, and the faster one timed: a run of well under a second on a
-        # shared machine varies by 10-20% (repeats of a deterministic run produce the same tokens; not with a
-        # drafter that remembers earlier answers, which would draft this one from its first run, nor with an
-        # adaptive draft-length policy, which would start it from what the first run taught it)
-        base_out = min(base_out, baseline.generate(prompt_ids, **kwargs), key=lambda o: o.metrics.wall_time_s)
-        out = min(out, decoder.generate(prompt_ids, **kwargs), key=lambda o: o.metrics.wall_time_s)
+        # shared machine varies by 10-20% (a deterministic run repeats its tokens; all four must agree)
+        runs.append((baseline.generate(prompt_ids, **kwargs), decoder.generate(prompt_ids, **kwargs)))
+        base_out = min((b for b, _ in runs), key=lambda o: o.metrics.wall_time_s)
+        out = min((o for _, o in runs), key=lambda o: o.metrics.wall_time_s)
     record = _record(job, chat, out, base_out)
+    if base_out is not None:
+        record["timed_runs"] = len(runs)  # of each decoder; the faster one's figures are reported
+        # every run of either decoder must commit the same tokens: a repeat that differs is a defect to show
+        record["matches_baseline"] = all(o.token_ids == out.token_ids for pair in runs for o in pair)
     record["sampled"] = args.temperature > 0
     record["weights"] = None if decoder.precision is None else decoder.precision.precision
     if base_out is not None and not record["matches_baseline"] and not record["sampled"]:
@@ -282,6 +282,16 @@ def _run_job(args, decoder, baseline, job: _Job, chat: bool, prompt_ids: list[in
         _write_stdout("\n")
         _print_summary(record)
     return record
+
+
+def _repeatable(args, decoder) -> bool:
+    """Whether a second run of a prompt is the same run as its first: greedy or seeded, and neither the drafter
+    nor the draft-length policy carries anything from one request to the next (suffix decoding's global tree
+    or an adaptive policy's estimates would start the repeat from what the first run left)."""
+    proposer = decoder.proposer
+    return ((args.temperature == 0 or args.seed is not None)
+            and (proposer is None or not proposer.remembers_requests)
+            and not decoder.policy.remembers_requests)
 
 
 def _write_stdout(piece: str) -> None:
@@ -384,19 +394,24 @@ def _print_aggregate(records: list[dict], with_baseline: bool) -> None:
     """One table row per prompt and a median row."""
     from rich.table import Table  # lazy: rich only when printing
 
-    table = Table(title=f"{len(records)} prompts", title_justify="left")
+    from rich import box
+
+    console = _console()
+    table = Table(title=f"{len(records)} prompts", title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
     columns = ["prompt", "tokens", "drafted", "accepted", "accept", "tau", "fwd", "tok/s"]
     if with_baseline:
         columns += ["base tok/s", "speedup", "match"]
-    for c in columns:
-        table.add_column(c, justify="left" if c == "prompt" else "right", no_wrap=c != "prompt",
-                         overflow="fold")
+    # a narrow terminal (80 columns) keeps every figure whole: the counts each prompt's lines above already gave
+    # (drafted, accepted, forwards) leave the table before any cell is cut
+    shown = [c for c in columns if console.width >= 110 or c not in ("drafted", "accepted", "fwd")]
+    for c in shown:
+        table.add_column(c, justify="left" if c == "prompt" else "right", no_wrap=True)
 
     def row(name, tokens, drafted, accepted, rate, tau, fwd, tps, base=None, speedup=None, match=None):
         cells = [name, str(tokens), str(drafted), str(accepted), f"{rate:.1%}", f"{tau:.2f}", str(fwd), f"{tps:.1f}"]
         if with_baseline:
             cells += [f"{base:.1f}", "-" if speedup is None else f"{speedup:.2f}x", match]
-        table.add_row(*cells)
+        table.add_row(*(cell for c, cell in zip(columns, cells) if c in shown))
 
     for r in records:
         row(r["prompt_id"], r["num_generated_tokens"], r["num_drafted_tokens"], r["num_accepted_tokens"],
@@ -414,5 +429,5 @@ def _print_aggregate(records: list[dict], with_baseline: bool) -> None:
         med("acceptance_rate"), med("mean_accepted_length"), med("num_target_forwards"), med("tokens_per_s"),
         *((med("tokens_per_s", "baseline"), med("speedup"),
            f"{sum(r['matches_baseline'] for r in records)}/{len(records)}") if with_baseline else ()))
-    _console().print(table)
+    console.print(table)
 

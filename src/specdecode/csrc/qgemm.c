@@ -391,7 +391,8 @@ SD_INLINE void passt32(const int P, const int fmt, const uint8_t* wt, int64_t nb
 #if defined(SD_VARIANT_AVX512VNNI)
 // Two tiles at once on 512-bit vectors (VNNI): lanes 0-7 = tile A's 8 columns, lanes 8-15 = tile B's. Every
 // lane runs the instructions of the VNNI branch of passt32 (above) / passt / passt6 (below) on the same
-// integers and floats, in the same order (a 512-bit vpdpbusd / vpmulld / vcvtdq2ps / vfmadd is the 256-bit one
+// integers and floats, in the same order (integer sums may associate differently, e.g. passt32's chains of
+// short passes: they are exact, so the int32 is the same) (a 512-bit vpdpbusd / vpmulld / vcvtdq2ps / vfmadd is the 256-bit one
 // on each half), so a column's bits are the same whether its tile runs alone or in a pair: an edit to one of
 // those kernels needs the same edit to its _pair twin (tests/test_lowbit.py compares them on VNNI machines).
 // What changes is the work per weight: one broadcast of 4 activation bytes feeds 16 columns, halving the

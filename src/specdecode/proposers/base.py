@@ -112,9 +112,10 @@ class Proposer:
 
     #: True when drafts may be token trees (the engine then verifies with the tree verifier).
     produces_trees: bool = False
-    #: True when drafts may depend on earlier requests' outputs (suffix decoding's global tree): a repeat of a
-    #: prompt then drafts from its own earlier answer, so timings of repeats are not those of a first run.
-    remembers_requests: bool = False
+    #: True when drafts may depend on earlier requests (suffix decoding's global tree of earlier outputs, a
+    #: layer-skip set searched on an earlier prompt): a repeat of a prompt is then not the same run as its first,
+    #: so its timing is not a first run's. True unless a proposer declares that nothing carries over.
+    remembers_requests: bool = True
     #: True when :meth:`observe` must run after every verification, also when nothing was drafted
     #: (a feature-level head reads the target's hidden states of every committed token).
     observes_every_step: bool = False
@@ -164,6 +165,8 @@ class Proposer:
 class RowProposer(Proposer):
     """A proposer whose work is per row: ``propose_row(ctx, k) -> Draft [1, N]``; rows loop here."""
 
+    remembers_requests = False  # a row's draft reads its own context only (subclasses with memory say so)
+
     def propose(self, batch: Sequence[ProposeContext], max_tokens: Sequence[int]) -> list[Draft]:
         return [self.propose_row(ctx, k) if k > 0 else Draft.empty() for ctx, k in zip(batch, max_tokens)]
 
@@ -177,6 +180,8 @@ class DraftModelSlots(Proposer):
     Subclasses set ``self.model`` and ``self.forward`` (a ``kv`` backend name); :meth:`bind` builds the
     runner with the engine's number of slots and the shorter of both contexts.
     """
+
+    remembers_requests = False  # a request starts and ends with its slot cleared (start / finish)
 
     model: torch.nn.Module
     forward: str = "auto"

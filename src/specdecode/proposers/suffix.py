@@ -344,7 +344,7 @@ class SuffixProposer(Proposer):
         self.global_tree = global_tree if self.config.use_global else None
         self.fallback = fallback
         self.stats = SuffixStats()
-        self.remembers_requests = self.global_tree is not None or bool(fallback and fallback.remembers_requests)
+        self.remembers_requests = self.global_tree is not None or (fallback is not None and fallback.remembers_requests)
 
     # Request lifecycle -------------------------------------------------------------
 
