@@ -15,7 +15,7 @@ for kind in sys.argv[4].split(",") if len(sys.argv) > 4 else ("Q4_1", "Q5_0", "Q
         k = ks[kind]
         raw = lk._random_raw(kind, n, k, rng); w = torch.from_numpy(lk.repack(raw, kind)); fmt = lk.GGUF_BLOCKS[kind][0]
         res = []
-        for rows in (1, 2, 3, 4, 5, 6, 8):
+        for rows in ([int(r) for r in sys.argv[5].split(",")] if len(sys.argv) > 5 else (1, 2, 3, 4, 5, 6, 8)):
             x = torch.randn(rows, k); reps = max(2, int(1e8 / w.numel())); best = [1e9, 1e9]; outs = [None, None]
             for _ in range(7):
                 for i, tab in enumerate(tabs):
