@@ -190,6 +190,31 @@ def test_default_prompts_are_the_first_five_spec_bench_extraction_questions():
     assert jobs[0].text.startswith("Evaluate the following movie reviews")
 
 
+def test_without_shared_data_the_default_prompt_falls_back_to_humaneval_and_says_so(monkeypatch):
+    from specdecode import cli_generate
+    from specdecode.data import SharedDataMissing
+
+    real = cli_generate.load_prompts
+
+    def no_shared(spec):
+        if spec.startswith("spec-bench"):
+            raise SharedDataMissing("../shared/data is not beside the project")
+        return real(spec)
+
+    monkeypatch.setattr(cli_generate, "load_prompts", no_shared)
+    notes = []
+    jobs = cli.read_jobs(cli.build_parser().parse_args(["generate"]), say=notes.append)
+    assert [j.id for j in jobs] == ["HumanEval/0"]
+    assert "using humaneval:1 instead" in notes[0]
+    assert "no prompt given" in notes[1] and "HumanEval/0" in notes[1] and "extraction" not in notes[1]
+
+
+def test_a_bad_flag_without_a_prompt_flag_is_one_error_line_before_any_notice(capsys):
+    code, out, err = _run(capsys, "generate", "--target", "/nonexistent/model/dir")
+    assert code != 0 and "no such file or directory" in err
+    assert "no prompt given" not in err  # the default prompts are named only once the flags pass
+
+
 @pytest.mark.parametrize(
     ("argv", "needle"),
     [

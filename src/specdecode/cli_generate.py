@@ -52,12 +52,15 @@ def cmd_generate(args: argparse.Namespace) -> int:
     check_drafter_flags(args)  # contradictions first: they need not even torch
     _check_generate_args(args)  # nor do the range checks
     check_threads(args.threads)
-    jobs = read_jobs(args)  # a bad dataset or prompt file: refused before torch is imported
+    notes: list[str] = []  # the default prompts' notice: said after the checks, so a bad flag stays one line
+    jobs = read_jobs(args, say=notes.append)  # a bad dataset or prompt file: refused before torch is imported
     from specdecode.build import choose_skip_layers  # lazy, as every import of torch here: --help answers at once
     from specdecode.generator import SpecDecoder  # lazy: torch and the model stack load only when the command runs
 
     set_threads(args.threads, say=_status)
     _preflight(args, jobs)
+    for note in notes:
+        _status(note)
     spec = DrafterSpec.from_settings(vars(args))
     _status(f"loading target {args.target!r}" + (f" and draft model {spec.model_spec!r}" if spec.model_spec else ""))
     t0 = time.perf_counter()
@@ -182,8 +185,10 @@ def _preflight(args: argparse.Namespace, jobs: list[_Job]) -> None:
     check_prompts(target, [(job.id, job.text, c) for job, c in zip(jobs, chat)], args.max_new_tokens)
 
 
-def read_jobs(args: argparse.Namespace) -> list[_Job]:
-
+def read_jobs(args: argparse.Namespace, say=None) -> list[_Job]:
+    """The prompts to run: ``--prompt``, ``--prompt-file``, ``--dataset`` or the default prompts, which ``say``
+    (default: the status line) names. Raises SpecDecodeError: an empty prompt or set, an unreadable file."""
+    say = say or _status
     if args.prompt is not None:
         if not args.prompt.strip():
             raise SpecDecodeError("the prompt is empty: give some text with --prompt (or use --dataset)")
@@ -197,16 +202,16 @@ def read_jobs(args: argparse.Namespace) -> list[_Job]:
         if args.dataset is not None:
             raise
         spec = FALLBACK_DATASET  # ships in a registry package, so the default runs anywhere
-        _status(f"{err}; using {spec} instead")
+        say(f"{err}; using {spec} instead")
         prompts = load_prompts(spec)
     if not prompts:
         raise SpecDecodeError(f"the prompt set {spec!r} is empty")
     if args.dataset is None:
         p = prompts[0]
         ids = ", ".join(q.id for q in prompts)
-        _status(f"no prompt given: using the default prompts, {p.dataset} {p.category} questions {ids} "
-                f"(facts to pull out of a text in the prompt, where prompt lookup pays off); the first: "
-                f"{_preview(p.turns[0])}")
+        what = f"{p.dataset} {p.category} questions {ids}" if p.category else f"{p.dataset} {ids}"
+        why = " (facts to pull out of a text in the prompt, where prompt lookup pays off)" if spec == DEFAULT_DATASET else ""
+        say(f"no prompt given: using the default prompts, {what}{why}; the first: {_preview(p.turns[0])}")
     return [
         _Job(f"{p.dataset}/{p.id}" if "/" not in p.id else p.id, p.turns[0], chat_default=not p.is_completion,
              dataset=p.dataset, category=p.category)
