@@ -414,17 +414,18 @@ def test_q4k_tiles_round_trip_and_dequantize_as_gguf(rows, kind):
 
 
 @pytest.mark.parametrize("kind", ["Q4_K", "Q6_K"])
-@pytest.mark.parametrize("cols", [8, 13, 32, 61])
-def test_q4k_tiles_are_bit_identical_across_variants_threads_and_rows(cols, kind):
+@pytest.mark.parametrize("cols,k", [(8, 768), (13, 768), (32, 768), (61, 768), (32, 4352), (61, 8448)])
+def test_q4k_tiles_are_bit_identical_across_variants_threads_and_rows(cols, k, kind):
     """Every variant and thread count gives the same bits for tiles and the tail columns, and a row's
     result is the same alone and among 1..16 rows next to a row 1000x louder (VNNI runs whole tiles two at a
     time on 512-bit vectors, the odd one and the other variants one at a time: 32 columns are 2 pairs on one
-    thread, a pair per thread on two; 61 leaves an odd tile and 5 tail columns)."""
+    thread, a pair per thread on two; 61 leaves an odd tile and 5 tail columns; from 8 rows on short rows, from
+    3 rows at 17 super-blocks per row and from 2 at 33)."""
     kernel = lowbit.load_kernel()
     if kernel is None or not VARIANTS:
         pytest.skip("no kernel variant on this CPU")
-    module = lowbit.QuantLinear(torch.from_numpy(_raw(kind, cols, 768, seed=cols)), kind, 768)
-    x = torch.randn(16, 768, generator=torch.Generator().manual_seed(cols))
+    module = lowbit.QuantLinear(torch.from_numpy(_raw(kind, cols, k, seed=cols)), kind, k)
+    x = torch.randn(16, k, generator=torch.Generator().manual_seed(cols))
     x[3] *= 1000.0
     _assert_same_bits_everywhere(kernel, module, x)
 
@@ -503,9 +504,9 @@ def _attention_fn(name: str):
     """Variant ``name``'s attention entry, read from its kernel table (csrc/qtable.h) through ctypes."""
     import ctypes
 
-    fn = ctypes.CFUNCTYPE(None, *([ctypes.c_void_p] + [ctypes.c_int64] * 3 + [ctypes.c_void_p] * 2 + [ctypes.c_int64]
-                                  + [ctypes.c_void_p, ctypes.c_int64, ctypes.c_float] + [ctypes.c_void_p] * 2
-                                  + [ctypes.c_int64] * 2))
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    fn = ctypes.CFUNCTYPE(None, ptr, i64, i64, i64, i64, ptr, ptr, i64, ptr, i64, ctypes.c_float, ptr, i64, ptr, ptr,
+                          i64)
 
     class Table(ctypes.Structure):
         _fields_ = [("version", ctypes.c_int32), ("name", ctypes.c_char_p)] + [
@@ -515,15 +516,26 @@ def _attention_fn(name: str):
     return Table.from_address(lowbit.load_variant(name)).attention
 
 
-def _attend(name, q, k, v, visible):
-    """q [heads, d] float32, k / v [kv_heads, plane, d] float16, visible [plane] bool -> [heads, d]."""
-    heads, d = q.shape
+def _attend_queries(name, q, k, v, visible, queries):
+    """q [rows, heads, d] float32, k / v [kv_heads, plane, d] float16, visible [rows, plane] bool; queries: the
+    (row, head) pairs of one call -> out [rows, heads, d] (NaN where no query wrote)."""
+    rows, heads, d = q.shape
     kvh, plane, _ = k.shape
-    out, scratch = torch.empty(heads, d), torch.empty(plane)
+    out = torch.full((rows, heads, d), float("nan"))
     vis = visible.to(torch.uint8).contiguous()
-    _attention_fn(name)(q.data_ptr(), heads, kvh, d, k.data_ptr(), v.data_ptr(), plane, vis.data_ptr(), plane,
-                        d ** -0.5, scratch.data_ptr(), out.data_ptr(), 0, heads)
+    r = torch.tensor([a for a, _ in queries], dtype=torch.int32)
+    h = torch.tensor([b for _, b in queries], dtype=torch.int32)
+    q = q.contiguous()
+    _attention_fn(name)(q.data_ptr(), heads * d, heads, kvh, d, k.data_ptr(), v.data_ptr(), plane, vis.data_ptr(),
+                        plane, d ** -0.5, out.data_ptr(), heads * d, r.data_ptr(), h.data_ptr(), len(queries))
     return out
+
+
+def _attend(name, q, k, v, visible):
+    """q [heads, d] float32, k / v [kv_heads, plane, d] float16, visible [plane] bool -> [heads, d], one call per head."""
+    heads = q.shape[0]
+    outs = [_attend_queries(name, q.unsqueeze(0), k, v, visible.unsqueeze(0), [(0, h)])[0, h] for h in range(heads)]
+    return torch.stack(outs)
 
 
 @pytest.mark.parametrize("d", [64, 128, 48])
@@ -554,6 +566,74 @@ def test_attention_is_exact_per_rank_and_the_same_on_every_variant(d):
         vv = v[:, columns].double().repeat_interleave(group, 0)
         ref = torch.softmax((q.double().unsqueeze(1) * d ** -0.5 * kk).sum(-1), -1).unsqueeze(1).bmm(vv).squeeze(1)
         torch.testing.assert_close(outs[0].double(), ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_attention_of_many_queries_in_one_call_gives_each_query_its_bits_alone(d):
+    """A verification's rows and a GQA group's heads in one call share the float16 conversion of the keys and
+    values all of them see; each query keeps the bits it gets alone: chains of 1-9 rows over 0-70 cached
+    columns (shared prefixes around multiples of 8 and of the 32-key chunk), token-tree masks (rows that see
+    scattered columns), queries of two kv heads and in any order, on every variant."""
+    if not VARIANTS:
+        pytest.skip("no kernel variant on this CPU")
+    g = torch.Generator().manual_seed(d + 1)
+    heads, kvh, plane = 6, 2, 80
+    k = torch.randn(kvh, plane, d, generator=g).half()
+    v = torch.randn(kvh, plane, d, generator=g).half()
+    cases = []
+    for cached in (0, 5, 8, 31, 32, 33, 70):
+        for rows in (1, 4, 9):
+            if cached + rows > plane:
+                continue
+            chain = torch.zeros(rows, plane, dtype=torch.bool)
+            for r in range(rows):
+                chain[r, : cached + r + 1] = True
+            cases.append(chain)
+    tree = torch.zeros(5, plane, dtype=torch.bool)  # root, two children of the root, a child of each
+    tree[:, :40] = True
+    for r, ancestors in enumerate([[0], [0, 1], [0, 2], [0, 1, 3], [0, 2, 4]]):
+        tree[r, [40 + a for a in ancestors]] = True
+    cases.append(tree)
+    hole = torch.ones(3, plane, dtype=torch.bool)  # a column no row sees in the middle of the cache
+    hole[:, 17] = False
+    cases.append(hole)
+    for visible in cases:
+        rows = visible.shape[0]
+        q = torch.randn(rows, heads, d, generator=g) * 3
+        alone = torch.stack([torch.stack([_attend_queries(VARIANTS[0], q, k, v, visible, [(r, h)])[r, h]
+                                          for h in range(heads)]) for r in range(rows)])
+        every = [(r, h) for h in range(heads) for r in range(rows)]
+        perm = torch.randperm(len(every), generator=g).tolist()
+        for name in VARIANTS:
+            together = _attend_queries(name, q, k, v, visible, every)  # runs by kv head, rows and heads inside
+            assert torch.equal(together, alone), (name, rows)
+            shuffled = _attend_queries(name, q, k, v, visible, [every[i] for i in perm])
+            assert torch.equal(shuffled, alone), (name, rows)
+        some = every[1::3]
+        part = _attend_queries(VARIANTS[-1], q, k, v, visible, some)
+        for r, h in some:
+            assert torch.equal(part[r, h], alone[r, h])
+
+
+def test_attention_in_batches_of_queries_over_a_long_cache_and_a_prompt():
+    """A call splits its queries into batches (16 rows' worth, fewer when the context is long: 63 queries at
+    6,000 columns: 42 queries): a prompt's 20 causal rows and a long cache's 16 rows keep every query's bits
+    alone."""
+    if not VARIANTS:
+        pytest.skip("no kernel variant on this CPU")
+    g = torch.Generator().manual_seed(7)
+    heads, kvh, d = 6, 2, 64
+    for plane, cached, rows in ((6000, 5984, 16), (40, 0, 20)):
+        k = torch.randn(kvh, plane, d, generator=g).half()
+        v = torch.randn(kvh, plane, d, generator=g).half()
+        visible = torch.zeros(rows, plane, dtype=torch.bool)
+        for r in range(rows):
+            visible[r, : cached + r + 1] = True
+        q = torch.randn(rows, heads, d, generator=g)
+        every = [(r, h) for h in range(heads) for r in range(rows)]
+        together = _attend_queries(VARIANTS[0], q, k, v, visible, every)
+        for r, h in every[:: 7]:
+            assert torch.equal(together[r, h], _attend_queries(VARIANTS[0], q, k, v, visible, [(r, h)])[r, h])
 
 
 # Q4_0 / Q4_1 / Q5_0 / Q8_0 tiles of 8 output columns (csrc/qgemm.c passt32, lowbit_tiles32) --------------------------

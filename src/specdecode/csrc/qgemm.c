@@ -415,6 +415,13 @@ int sd_pair_min_rows[6] = {16, 16, 16, 16, 8, 8};
 #else
 static const int sd_pair_min_rows[6] = {16, 16, 16, 16, 8, 8};
 #endif
+// The fewest rows that run K-quant pairs at nb super-blocks per row (streamed weights, 2 threads, Q4_K / Q6_K, pairs
+// over single tiles: 8,960 inputs 1.1-1.3x at 2 rows, 1.4-1.5x at 4; 4,864: 0.94-1.0x at 2, 1.3x at 3-4; 3,072:
+// 0.65x at 2, 1.0-1.2x at 4, 1.35x at 6; docs/results/kernels/longk/)
+static inline int pair_rows_long(int64_t nb, int fallback) {
+  const int most = nb >= 32 ? 2 : nb >= 16 ? 3 : nb >= 12 ? 6 : fallback;
+  return most < fallback ? most : fallback;
+}
 static inline __m512i join_i(__m256i lo, __m256i hi) { return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1); }
 static inline __m512 join_f(__m256 lo, __m256 hi) {
   return _mm512_castsi512_ps(join_i(_mm256_castps_si256(lo), _mm256_castps_si256(hi)));
@@ -1040,7 +1047,10 @@ static void gemmk(int fmt, const uint8_t* w, int64_t ldw, int64_t k, const int8_
     }
 #if defined(SD_VARIANT_AVX512VNNI)
     // whole tiles two at a time (passt_pair, passt6_pair); an odd one runs alone below
-    const int pairs = SD_PAIR_TILES && rows >= sd_pair_min_rows[fmt];
+    // long rows take pairs from fewer rows (pair_rows_long): one tile at a time, 2-7 rows' activations (36 KB at
+    // 8,960 inputs and 4 rows) leave L1 while each tile's weights stream past, and their multiply-adds ran at
+    // 1.1-1.4x the rate of one row (short rows: 2x); a pair reads each activation for 16 columns
+    const int pairs = SD_PAIR_TILES && rows >= pair_rows_long(nb, sd_pair_min_rows[fmt]);
     for (; pairs && n % SD_TILE == 0 && n + 2 * SD_TILE <= n1 && n + 2 * SD_TILE <= tiled; n += 2 * SD_TILE) {
       const uint8_t *wa = w + n * ldw, *wb = wa + SD_TILE * ldw;
       for (int64_t r0 = 0; r0 < rows; r0 += SD_PASSZ) {
@@ -1238,33 +1248,88 @@ SD_INLINE void partial8(const float* qs, const uint16_t* const kj[8], int cnt, i
   }
 }
 
-// One query row's attention over the visible cache columns, in column order, for heads h0..h1; DV = d / 8
-// (compiled for d = 64 and 128, the models' head sizes, and any multiple of 8). Every step's order is a
-// function of the visible keys' ranks alone, so a token-tree node (whose ancestors sit in other columns)
-// sums exactly as the same path fed as a chain, and a row's result does not depend on other rows.
-SD_INLINE void attention_d(const float* q, int64_t heads, int64_t kv_heads, const int64_t DV, const uint16_t* kc,
-                           const uint16_t* vc, int64_t plane, const uint8_t* visible, int64_t kv_len, float scale,
-                           float* scratch, float* out, int64_t h0, int64_t h1) {
+// partial8 of 8 keys already converted to float32 (kb: key j at kb + 8 * DV * j): the same products in the
+// same order (a float16 -> float32 conversion is exact, so a key reads the same floats either way)
+SD_INLINE void partial8_f32(const float* qs, const float* kb, int64_t DV, __m256 v[8]) {
+  for (int j = 0; j < 8; ++j) v[j] = _mm256_setzero_ps();
+  for (int64_t i = 0; i < DV; ++i) {
+    const __m256 qi = _mm256_loadu_ps(qs + 8 * i);
+    for (int j = 0; j < 8; ++j) v[j] = _mm256_fmadd_ps(qi, _mm256_loadu_ps(kb + 8 * DV * j + 8 * i), v[j]);
+  }
+}
+
+// Keys / values converted to float32 at a time (a multiple of 8): 8 KB at d = 64, inside L1
+#define SD_ATT_KEYS 32
+
+// Attention of nq queries that read one kv head: query i is head hs[i] of row rows[i] (q + rows[i] * ldq +
+// hs[i] * d; its visible columns visible + rows[i] * kv_len, or every column < kv_len when visible is NULL;
+// its result out + rows[i] * ldo + hs[i] * d). The keys and values every query sees (the columns before the
+// first one some query does not see: a verification's cached context) are converted from float16 once and
+// read by every query (the heads of a GQA group, the rows of a verification), instead of once per query;
+// each query's arithmetic is that of a query alone: its scores of eight keys by rank (keys scored eight at a
+// time, the tree of scores8), its softmax, its value sums in column order, so a row's result does not depend
+// on the other rows or on which queries share the call. A token-tree node (whose ancestors sit in scattered
+// columns) sums exactly as the same path fed as a chain. work: nq * (2 d + kv_len + 8) + SD_ATT_KEYS * d floats.
+SD_INLINE void attention_d(const float* q, int64_t ldq, int64_t heads, int64_t kv_heads, const int64_t DV,
+                           const uint16_t* kc, const uint16_t* vc, int64_t plane, const uint8_t* visible,
+                           int64_t kv_len, float scale, float* out, int64_t ldo, const int32_t* rows,
+                           const int32_t* hs, int64_t nq, float* work) {
   const int64_t group = heads / kv_heads, d = 8 * DV;
-  float qs[8 * 32] __attribute__((aligned(32)));  // the scaled query (d <= 256, checked by the caller)
-  for (int64_t h = h0; h < h1; ++h) {
-    const float* qh = q + h * d;
-    const uint16_t* kh = kc + (h / group) * plane * d;
-    const uint16_t* vh = vc + (h / group) * plane * d;
-    for (int64_t i = 0; i < DV; ++i) _mm256_store_ps(qs + 8 * i, _mm256_mul_ps(_mm256_loadu_ps(qh + 8 * i), _mm256_set1_ps(scale)));
-    // 1. scores of the visible keys, eight at a time by rank, kept in order in scratch[0, nv)
-    __m256 mv = _mm256_set1_ps(-INFINITY), v[8];
+  const int64_t g = hs[0] / group;
+  const uint16_t* kh = kc + g * plane * d;
+  const uint16_t* vh = vc + g * plane * d;
+  float* qsb = work;                  // [nq][d] scaled queries
+  float* accb = qsb + nq * d;         // [nq][d] value sums
+  float* mvb = accb + nq * d;         // [nq][8] running maxima (lanes)
+  float* pbase = mvb + nq * 8;        // [nq][kv_len] scores, then probabilities, by rank
+  float* kb = pbase + nq * kv_len;    // [SD_ATT_KEYS][d] converted keys / values
+  int64_t c = kv_len;                 // columns [0, c) are visible to every query
+  for (int64_t i = 0; i < nq; ++i) {
+    const float* qh = q + rows[i] * ldq + hs[i] * d;
+    for (int64_t v = 0; v < DV; ++v)
+      _mm256_storeu_ps(qsb + i * d + 8 * v, _mm256_mul_ps(_mm256_loadu_ps(qh + 8 * v), _mm256_set1_ps(scale)));
+    _mm256_storeu_ps(mvb + 8 * i, _mm256_set1_ps(-INFINITY));
+    if (visible && (i == 0 || rows[i] != rows[i - 1])) {
+      const uint8_t* vis = visible + rows[i] * kv_len;
+      int64_t j = 0;
+      while (j < c && vis[j]) ++j;
+      c = j;
+    }
+  }
+  const int64_t c8 = c / 8 * 8;
+  // 1. scores of the shared keys: eight at a time by rank (rank = column below c), every query per chunk
+  for (int64_t j0 = 0; j0 < c8; j0 += SD_ATT_KEYS) {
+    const int64_t cnt = c8 - j0 < SD_ATT_KEYS ? c8 - j0 : SD_ATT_KEYS;
+    for (int64_t j = 0; j < cnt; ++j)
+      for (int64_t v = 0; v < DV; ++v) _mm256_storeu_ps(kb + j * d + 8 * v, load_h8(kh + (j0 + j) * d + 8 * v));
+    for (int64_t i = 0; i < nq; ++i) {
+      __m256 mv = _mm256_loadu_ps(mvb + 8 * i), v[8];
+      for (int64_t m = 0; m < cnt; m += 8) {
+        partial8_f32(qsb + i * d, kb + m * d, DV, v);
+        const __m256 sc = scores8(v);
+        _mm256_storeu_ps(pbase + i * kv_len + j0 + m, sc);
+        mv = _mm256_max_ps(mv, sc);
+      }
+      _mm256_storeu_ps(mvb + 8 * i, mv);
+    }
+  }
+  // 2. each query's other visible keys (ranks from c8 on), its maximum, probabilities and their sum
+  for (int64_t i = 0; i < nq; ++i) {
+    const float* qs = qsb + i * d;
+    float* scratch = pbase + i * kv_len;
+    const uint8_t* vis = visible ? visible + rows[i] * kv_len : NULL;
+    __m256 mv = _mm256_loadu_ps(mvb + 8 * i), v[8];
     const uint16_t* kj[8];
-    int64_t nv = 0;
+    int64_t nv = c8;
     int cnt = 0;
-    for (int64_t j = 0; j < kv_len; ++j) {
-      if (visible && !visible[j]) continue;
+    for (int64_t j = c8; j < kv_len; ++j) {
+      if (vis && !vis[j]) continue;
       kj[cnt++] = kh + j * d;
       if (cnt == 8) {
         partial8(qs, kj, 8, DV, v);
-        const __m256 s = scores8(v);
-        _mm256_storeu_ps(scratch + nv, s);
-        mv = _mm256_max_ps(mv, s);
+        const __m256 sc = scores8(v);
+        _mm256_storeu_ps(scratch + nv, sc);
+        mv = _mm256_max_ps(mv, sc);
         nv += 8;
         cnt = 0;
       }
@@ -1273,17 +1338,16 @@ SD_INLINE void attention_d(const float* q, int64_t heads, int64_t kv_heads, cons
       partial8(qs, kj, cnt, DV, v);
       float t[8];
       _mm256_storeu_ps(t, scores8(v));
-      for (int i = 0; i < cnt; ++i) {
-        scratch[nv + i] = t[i];
-        mv = _mm256_max_ps(mv, _mm256_set1_ps(t[i]));
+      for (int k = 0; k < cnt; ++k) {
+        scratch[nv + k] = t[k];
+        mv = _mm256_max_ps(mv, _mm256_set1_ps(t[k]));
       }
       nv += cnt;
     }
     float mx[8];
     _mm256_storeu_ps(mx, mv);
     float m = mx[0];
-    for (int i = 1; i < 8; ++i) m = mx[i] > m ? mx[i] : m;  // a maximum: exact in any order
-    // 2. probabilities (unnormalised) and their sum, lane by rank
+    for (int k = 1; k < 8; ++k) m = mx[k] > m ? mx[k] : m;  // a maximum: exact in any order
     __m256 sum = _mm256_setzero_ps();
     const __m256 mb = _mm256_set1_ps(m);
     int64_t i8 = 0;
@@ -1295,43 +1359,87 @@ SD_INLINE void attention_d(const float* q, int64_t heads, int64_t kv_heads, cons
     if (i8 < nv) {
       float t[8];
       const int rest = (int)(nv - i8);
-      for (int i = 0; i < 8; ++i) t[i] = i < rest ? scratch[i8 + i] : m;
+      for (int k = 0; k < 8; ++k) t[k] = k < rest ? scratch[i8 + k] : m;
       __m256 p = exp8(_mm256_sub_ps(_mm256_loadu_ps(t), mb));
       p = _mm256_and_ps(p, _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(rest),
                                                                  _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7))));
       _mm256_storeu_ps(t, p);
-      for (int i = 0; i < rest; ++i) scratch[i8 + i] = t[i];
+      for (int k = 0; k < rest; ++k) scratch[i8 + k] = t[k];
       sum = _mm256_add_ps(sum, p);
     }
-    const float inv = 1.0f / hsum(sum);
-    // 3. the values, visible keys in order, SD_ATT_CHUNK vectors of the output at a time so that their
-    // accumulators stay in registers (each output lane is its own sum: the chunking changes no result)
-    for (int64_t c0 = 0; c0 < DV; c0 += SD_ATT_CHUNK) {  // output lanes c0..c0+chunk: independent sums
+    mvb[8 * i] = 1.0f / hsum(sum);  // the maxima are spent: keep 1 / sum here
+    for (int64_t v8 = 0; v8 < DV; ++v8) _mm256_storeu_ps(accb + i * d + 8 * v8, _mm256_setzero_ps());
+  }
+  // 3. the values of the shared columns in order, converted once per chunk; each output lane is its own sum
+  // (SD_ATT_CHUNK vectors of it in registers at a time: the chunking changes no result)
+  for (int64_t j0 = 0; j0 < c; j0 += SD_ATT_KEYS) {
+    const int64_t cnt = c - j0 < SD_ATT_KEYS ? c - j0 : SD_ATT_KEYS;
+    for (int64_t j = 0; j < cnt; ++j)
+      for (int64_t v = 0; v < DV; ++v) _mm256_storeu_ps(kb + j * d + 8 * v, load_h8(vh + (j0 + j) * d + 8 * v));
+    for (int64_t i = 0; i < nq; ++i) {
+      const float* p = pbase + i * kv_len + j0;
+      for (int64_t c0 = 0; c0 < DV; c0 += SD_ATT_CHUNK) {
+        const int64_t c1 = c0 + SD_ATT_CHUNK < DV ? c0 + SD_ATT_CHUNK : DV;
+        __m256 acc[32];
+        for (int64_t v = c0; v < c1; ++v) acc[v - c0] = _mm256_loadu_ps(accb + i * d + 8 * v);
+        for (int64_t j = 0; j < cnt; ++j) {
+          const __m256 pj = _mm256_set1_ps(p[j]);
+          for (int64_t v = c0; v < c1; ++v) acc[v - c0] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(kb + j * d + 8 * v), acc[v - c0]);
+        }
+        for (int64_t v = c0; v < c1; ++v) _mm256_storeu_ps(accb + i * d + 8 * v, acc[v - c0]);
+      }
+    }
+  }
+  // 4. each query's other visible values (ranks from c on), then the scale by 1 / sum
+  for (int64_t i = 0; i < nq; ++i) {
+    const float* scratch = pbase + i * kv_len;
+    const uint8_t* vis = visible ? visible + rows[i] * kv_len : NULL;
+    const __m256 inv = _mm256_set1_ps(mvb[8 * i]);
+    float* o = out + rows[i] * ldo + hs[i] * d;
+    for (int64_t c0 = 0; c0 < DV; c0 += SD_ATT_CHUNK) {
       const int64_t c1 = c0 + SD_ATT_CHUNK < DV ? c0 + SD_ATT_CHUNK : DV;
       __m256 acc[32];
-      for (int64_t i = c0; i < c1; ++i) acc[i - c0] = _mm256_setzero_ps();
-      int64_t rank = 0;
-      for (int64_t j = 0; j < kv_len; ++j) {
-        if (visible && !visible[j]) continue;
+      for (int64_t v = c0; v < c1; ++v) acc[v - c0] = _mm256_loadu_ps(accb + i * d + 8 * v);
+      int64_t rank = c;
+      for (int64_t j = c; j < kv_len; ++j) {
+        if (vis && !vis[j]) continue;
         const __m256 pj = _mm256_set1_ps(scratch[rank++]);
         const uint16_t* vj = vh + j * d;
-        for (int64_t i = c0; i < c1; ++i) acc[i - c0] = _mm256_fmadd_ps(pj, load_h8(vj + 8 * i), acc[i - c0]);
+        for (int64_t v = c0; v < c1; ++v) acc[v - c0] = _mm256_fmadd_ps(pj, load_h8(vj + 8 * v), acc[v - c0]);
       }
-      for (int64_t i = c0; i < c1; ++i)
-        _mm256_storeu_ps(out + h * d + 8 * i, _mm256_mul_ps(acc[i - c0], _mm256_set1_ps(inv)));
+      for (int64_t v = c0; v < c1; ++v) _mm256_storeu_ps(o + 8 * v, _mm256_mul_ps(acc[v - c0], inv));
     }
   }
 }
 
-static void attention(const float* q, int64_t heads, int64_t kv_heads, int64_t d, const uint16_t* kc,
+// Queries per attention_d call at most by memory: their scores stay within about 1 MB (L2) whatever the context
+static inline int64_t att_batch(int64_t d, int64_t kv_len) {
+  const int64_t per = 2 * d + kv_len + 8, most = ((int64_t)1 << 18) / per;
+  return most < 1 ? 1 : most;
+}
+
+// (q, ldq, heads, kv_heads, d, kc, vc, plane, visible, kv_len, scale, out, ldo, rows, hs, nq): the queries
+// (rows[i], hs[i]) in runs that share a kv head, each run as attention_d in batches of att_batch (qtable.h)
+static void attention(const float* q, int64_t ldq, int64_t heads, int64_t kv_heads, int64_t d, const uint16_t* kc,
                       const uint16_t* vc, int64_t plane, const uint8_t* visible, int64_t kv_len, float scale,
-                      float* scratch, float* out, int64_t h0, int64_t h1) {
-  if (d == 64)
-    attention_d(q, heads, kv_heads, 8, kc, vc, plane, visible, kv_len, scale, scratch, out, h0, h1);
-  else if (d == 128)
-    attention_d(q, heads, kv_heads, 16, kc, vc, plane, visible, kv_len, scale, scratch, out, h0, h1);
-  else
-    attention_d(q, heads, kv_heads, d / 8, kc, vc, plane, visible, kv_len, scale, scratch, out, h0, h1);
+                      float* out, int64_t ldo, const int32_t* rows, const int32_t* hs, int64_t nq) {
+  // at most 16 rows' queries of a kv head at once: a prompt's rows (causal) share all but their last few keys
+  const int64_t group = heads / kv_heads, most = att_batch(d, kv_len) < 16 * group ? att_batch(d, kv_len) : 16 * group;
+  const int64_t batch = nq < most ? nq : most;
+  float* work = (float*)malloc(sizeof(float) * (size_t)(batch * (2 * d + kv_len + 8) + SD_ATT_KEYS * d + 8));
+  if (!work) abort();
+  for (int64_t i0 = 0; i0 < nq;) {
+    int64_t i1 = i0 + 1;
+    while (i1 < nq && i1 - i0 < batch && hs[i1] / group == hs[i0] / group) ++i1;
+    if (d == 64)
+      attention_d(q, ldq, heads, kv_heads, 8, kc, vc, plane, visible, kv_len, scale, out, ldo, rows + i0, hs + i0, i1 - i0, work);
+    else if (d == 128)
+      attention_d(q, ldq, heads, kv_heads, 16, kc, vc, plane, visible, kv_len, scale, out, ldo, rows + i0, hs + i0, i1 - i0, work);
+    else
+      attention_d(q, ldq, heads, kv_heads, d / 8, kc, vc, plane, visible, kv_len, scale, out, ldo, rows + i0, hs + i0, i1 - i0, work);
+    i0 = i1;
+  }
+  free(work);
 }
 
 static void rmsnorm(const float* x, const float* w, int64_t n, float eps, float* out) {

@@ -3,7 +3,7 @@
 #pragma once
 #include <stdint.h>
 
-#define SD_TABLE_VERSION 4
+#define SD_TABLE_VERSION 5
 
 typedef struct {
   int32_t version;
@@ -21,11 +21,13 @@ typedef struct {
                 int64_t, int64_t, int64_t, int64_t);
   // (fmt, w, bytes per row, k, out [n1 - n0, k], n0, n1, n_out)
   void (*dequantize)(int, const uint8_t*, int64_t, int64_t, float*, int64_t, int64_t, int64_t);
-  // attention of one query row, heads h0..h1: (q [heads, d], heads, kv_heads, d, k / v cache float16
-  // [kv_heads, plane, d] of this slot and layer, plane (columns per kv head), visible [kv_len] uint8 or
-  // NULL (all), kv_len, scale, scratch [kv_len] float32, out [heads, d], h0, h1)
-  void (*attention)(const float*, int64_t, int64_t, int64_t, const uint16_t*, const uint16_t*, int64_t,
-                    const uint8_t*, int64_t, float, float*, float*, int64_t, int64_t);
+  // attention of nq queries: query i is head hs[i] of row rows[i]: (q [rows, ldq] float32 (a row's heads at
+  // q + row * ldq, [heads, d]), heads, kv_heads, d, k / v cache float16 [kv_heads, plane, d] of this slot and
+  // layer, plane (columns per kv head), visible [rows, kv_len] uint8 or NULL (every column < kv_len), kv_len,
+  // scale, out [rows, ldo] float32 (a row's heads at out + row * ldo), ldo, rows int32 [nq], hs int32 [nq], nq);
+  // queries that share a kv head share the float16 conversion of the keys and values all of them see
+  void (*attention)(const float*, int64_t, int64_t, int64_t, int64_t, const uint16_t*, const uint16_t*, int64_t,
+                    const uint8_t*, int64_t, float, float*, int64_t, const int32_t*, const int32_t*, int64_t);
   // out [n] = w * x * rsqrt(mean(x^2) + eps)  (one row)
   void (*rmsnorm)(const float*, const float*, int64_t, float, float*);
   // out [n] = silu(g) * u

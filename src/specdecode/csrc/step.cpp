@@ -235,6 +235,7 @@ class LayerStack {
     TORCH_CHECK(k_cache.scalar_type() == torch::kHalf && v_cache.scalar_type() == torch::kHalf &&
                 k_cache.is_contiguous() && v_cache.is_contiguous(), "the fused forward takes a contiguous float16 cache");
     TORCH_CHECK(d_ % 8 == 0 && d_ <= 256, "head_dim must be a multiple of 8, at most 256");
+    TORCH_CHECK(kvh_ >= 1 && h_ % kvh_ == 0, "heads (", h_, ") must be a multiple of kv_heads (", kvh_, ")");
     const int64_t b = columns.size(0), q = columns.size(1), n = b * q;
     const int64_t h = h_, kvh = kvh_, d = d_, hidden = x_in.size(1);
     const int64_t slots = k_cache.size(1), plane = k_cache.size(3);
@@ -260,6 +261,14 @@ class LayerStack {
     for (const auto& l : layers_) inter = std::max<int64_t>(inter, product_width(l.gate_up) / 2);
     std::vector<float> hbuf(n * hidden), qkv(n * qkv_w), att(n * h * d), tmp(n * hidden), gu(n * 2 * inter),
         act(n * inter);
+    std::vector<int32_t> q_rows, q_heads;  // attention's queries, ordered by (slot, kv head, row, head)
+    for (int64_t s = 0; s < b; ++s)
+      for (int64_t g = 0; g < kvh; ++g)
+        for (int64_t r = s * q; r < (s + 1) * q; ++r)
+          for (int64_t hh = g * (h / kvh); hh < (g + 1) * (h / kvh); ++hh) {
+            q_rows.push_back(static_cast<int32_t>(r));
+            q_heads.push_back(static_cast<int32_t>(hh));
+          }
     std::vector<torch::Tensor> kept;
     auto keep = [&](int64_t after) {
       for (int64_t c : capture)
@@ -289,13 +298,16 @@ class LayerStack {
         }
       }
       const float scale = 1.0f / std::sqrt(static_cast<float>(d));
+      // the queries in (slot, kv head, row, head) order: a thread's share runs in pieces that read one slot's
+      // cache, and the queries of one kv head in a piece convert its shared keys and values once
       at::parallel_for(0, n * h, 1, [&](int64_t i0, int64_t i1) {
-        std::vector<float> scratch(kv_len);
-        for (int64_t i = i0; i < i1; ++i) {
-          const int64_t r = i / h, head = i % h, slot = row0 + r / q;
-          t->attention(qkv.data() + r * qkv_w, h, kvh, d, kl + slot * slot_stride, vl + slot * slot_stride, plane,
-                       vis ? vis + r * kv_len : nullptr, kv_len, scale, scratch.data(), att.data() + r * h * d, head,
-                       head + 1);
+        for (int64_t i = i0; i < i1;) {
+          const int64_t slot = row0 + q_rows[i] / q;
+          int64_t j = i + 1;
+          while (j < i1 && row0 + q_rows[j] / q == slot) ++j;
+          t->attention(qkv.data(), qkv_w, h, kvh, d, kl + slot * slot_stride, vl + slot * slot_stride, plane, vis,
+                       kv_len, scale, att.data(), h * d, q_rows.data() + i, q_heads.data() + i, j - i);
+          i = j;
         }
       });
       fused_product(L.o, t, att.data(), n, tmp.data(), hidden);
