@@ -88,7 +88,7 @@ def test_kernel_equals_a_float64_reference(variant, kind):
     weight = module.dequantize().double()
     assert torch.equal(kernel.q_dequantize(module.packed, module.fmt, cols, table), weight.float())
     gen = torch.Generator().manual_seed(0)
-    for rows in (1, 2, 3, 5, 8, 16, 19):
+    for rows in (1, 2, 3, 5, 8, 16, 19, 37):
         x = torch.randn(rows, cols, generator=gen)
         xq = _kernel_activations(kernel, table, x, kind)
         step = x.abs().max() / 127
@@ -413,6 +413,35 @@ def test_q4k_tiles_round_trip_and_dequantize_as_gguf(rows, kind):
         np.testing.assert_array_equal(got.numpy(), expected)
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_many_rows_give_each_row_its_own_bits_in_every_variant(kind):
+    """A prompt's pieces and long verifications: the amx variant runs whole groups of 16 rows on AMX tiles and
+    the rest in VNNI passes. Every variant and thread count gives the same bits for 53 rows (3 groups and 5
+    rows; 3 tile pairs; 33 blocks of 32 or 9 super-blocks per row: a short last round of tile products), and
+    each row equals its own one-row product."""
+    kernel = lowbit.load_kernel()
+    if kernel is None or not VARIANTS:
+        pytest.skip("no kernel variant on this CPU")
+    k = 2304 if lowbit.GGUF_BLOCKS[kind][1] == 256 else 1056
+    module = lowbit.QuantLinear(torch.from_numpy(_raw(kind, 48, k, seed=5)), kind, k)
+    x = torch.randn(53, k, generator=torch.Generator().manual_seed(5))
+    x[3] *= 1000.0
+    threads = torch.get_num_threads()
+    try:
+        outs = []
+        for name in VARIANTS:
+            table = lowbit.load_variant(name)
+            for n in (1, 2):
+                torch.set_num_threads(n)
+                outs.append(kernel.q_linear(x, module.packed, module.fmt, table))
+            for i in range(x.shape[0]):
+                assert torch.equal(kernel.q_linear(x[i : i + 1].contiguous(), module.packed, module.fmt, table)[0],
+                                   outs[-1][i]), (name, i)
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(o, outs[0]) for o in outs)
+
+
 @pytest.mark.parametrize("kind", ["Q4_K", "Q6_K"])
 @pytest.mark.parametrize("cols,k", [(8, 768), (13, 768), (32, 768), (61, 768), (32, 4352), (61, 8448)])
 def test_q4k_tiles_are_bit_identical_across_variants_threads_and_rows(cols, k, kind):
@@ -700,6 +729,7 @@ def test_the_richest_variant_is_kept_unless_another_is_clearly_faster():
     assert pick({"avx512vnni": 1.05, "avx512": 1.0, "avx2": 0.97}) == "avx512vnni"
     assert pick({"avx512vnni": 1.3, "avx512": 1.0, "avx2": 1.1}) == "avx512"
     assert pick({"avx2": 1.0}) == "avx2"
+    assert pick({"amx": 1.02, "avx512vnni": 1.0, "avx512": 1.1, "avx2": 1.3}) == "amx"  # the same few-row code
 
 
 def test_sampled_output_with_a_reduced_draft_vocabulary_follows_the_targets_exact_law():

@@ -265,6 +265,9 @@ def unpack(packed: np.ndarray, kind: str) -> np.ndarray:
 #: Instruction-set variants of the kernel, fastest first where the CPU runs several: name ->
 #: (the /proc/cpuinfo flags it needs, gcc flags, the macro csrc/qgemm.c reads).
 VARIANTS = {
+    "amx": (("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "amx_tile", "amx_int8"),
+            ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mamx-tile",
+             "-mamx-int8"], "SD_VARIANT_AMX"),
     "avx512vnni": (("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni"),
                    ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni"],
                    "SD_VARIANT_AVX512VNNI"),
@@ -462,7 +465,7 @@ def active_variant() -> str | None:
 
 
 def _pick_variant(timed: dict[str, float]) -> str:
-    """The richest variant (``VARIANTS`` order: VNNI, AVX-512, AVX2) unless another measured clearly faster
+    """The richest variant (``VARIANTS`` order: AMX, VNNI, AVX-512, AVX2) unless another measured clearly faster
     (by more than :data:`VARIANT_MARGIN`): on a noisy machine the choice then stays the same run to run."""
     richest = next(iter(timed))
     best = min(timed, key=timed.get)

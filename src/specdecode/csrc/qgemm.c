@@ -10,6 +10,8 @@
 //                          a Q5_0 tail column's fifth bits as a byte mask)
 //   SD_VARIANT_AVX512VNNI  AVX-512 VNNI on 256-bit vectors: vpdpbusd / vpdpwssd replace the
 //                          vpmaddubsw + vpmaddwd pairs (Q8_0: one vpdpbusd on q + 128)
+//   SD_VARIANT_AMX         the VNNI variant, plus AMX-INT8 tile products for whole groups of 16 rows
+//                          (amx_pass32, amx_passk: the same integers, then the VNNI float operations)
 // Every variant computes the same integers and the same float operations in the same order: their
 // results are identical bit for bit (tests/test_lowbit.py).
 //
@@ -36,7 +38,11 @@
 
 enum { SD_Q4_0 = 0, SD_Q4_1 = 1, SD_Q5_0 = 2, SD_Q8_0 = 3, SD_Q4_K = 4, SD_Q6_K = 5 };
 
-#if defined(SD_VARIANT_AVX512VNNI)
+#if defined(SD_VARIANT_AMX)  // the VNNI variant plus AMX-INT8 tiles for groups of 16 rows (amx_pass32, amx_passk)
+#define SD_VARIANT_AVX512VNNI
+#define SD_AMX 1
+#define SD_NAME "amx"
+#elif defined(SD_VARIANT_AVX512VNNI)
 #define SD_NAME "avx512vnni"
 #elif defined(SD_VARIANT_AVX512)
 #define SD_NAME "avx512"
@@ -475,6 +481,115 @@ SD_INLINE void passt32_pair(const int P, const int fmt, const uint8_t* wa, const
 }
 #endif
 
+#if defined(SD_AMX)
+// ---------------------------------------------------------------------------------------------
+// AMX-INT8 (Intel Xeon Sapphire Rapids and later; the "amx" variant: the VNNI code plus this). A tile
+// dot product (tdpbsud: signed activations x unsigned weights) computes, for 16 activation rows and 16
+// columns at once, the exact int32 sums that 8 vpdpbusd per row compute in passt32_pair / passt_pair /
+// passt6_pair: the unpacked weights of a tile pair, stored as the pair's vectors g (byte 4c + e = weight
+// 4g + e of column c, 64 bytes), are exactly a B tile (K / 4 rows of 64 bytes), and 16 rows' activations
+// with stride k are an A tile. The integers are the same (exact sums), and every float operation after
+// them is the pair kernel's, in its order: a column's bits do not change (tests/test_lowbit.py compares
+// the amx variant with avx512vnni bit for bit). Where it pays: many rows (a prompt's prefill pieces, 16+
+// verification rows): the weights of a pair are unpacked once per call into an L1 / L2 workspace and every
+// group of 16 rows reads them from there; per 16 rows and 32 weights one tile instruction replaces 128
+// vpdpbusd. Rows left after the last whole group of 16 run the VNNI passes.
+#include <sys/syscall.h>
+#include <unistd.h>
+#define SD_AMX_ROWS 16
+typedef struct {
+  uint8_t palette, start;
+  uint8_t reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+} AmxConfig;
+
+static int amx_state;  // 0: not asked yet, 1: the kernel lets this process use the tile registers, -1: refused
+// Linux hands out the tile state only on request (arch_prctl ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA); the
+// permission is per process. Refused (an old kernel, a hypervisor): the VNNI passes run everything.
+static int amx_ready(void) {
+  int s = __atomic_load_n(&amx_state, __ATOMIC_ACQUIRE);
+  if (s == 0) {
+    s = syscall(SYS_arch_prctl, 0x1023, 18) == 0 ? 1 : -1;
+    __atomic_store_n(&amx_state, s, __ATOMIC_RELEASE);
+  }
+  return s > 0;
+}
+// Tiles 0-3: C (16 rows x 16 int32); 4-5: A (16 rows x kbytes activations); 6-7: B (kbytes / 4 rows x 64 bytes).
+static void amx_configure(int kbytes) {
+  AmxConfig c;
+  memset(&c, 0, sizeof c);
+  c.palette = 1;
+  for (int t = 0; t < 4; ++t) c.rows[t] = 16, c.colsb[t] = 64;
+  for (int t = 4; t < 6; ++t) c.rows[t] = 16, c.colsb[t] = (uint16_t)kbytes;
+  for (int t = 6; t < 8; ++t) c.rows[t] = (uint8_t)(kbytes / 4), c.colsb[t] = 64;
+  _tile_loadconfig(&c);
+}
+// Four products C_i = A_i . B_i (tiles 0-3), each from zero, stored to c + 256 i (int32 [16][16] each):
+// a[i] 16 activation rows (stride lda bytes), b[i] the B tile (rows of 64 bytes).
+SD_INLINE void amx_four(const int8_t* const a[4], int64_t lda, const uint8_t* const b[4], int32_t* c) {
+  _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+  _tile_loadd(4, a[0], lda); _tile_loadd(6, b[0], 64); _tile_dpbsud(0, 4, 6);
+  _tile_loadd(5, a[1], lda); _tile_loadd(7, b[1], 64); _tile_dpbsud(1, 5, 7);
+  _tile_loadd(4, a[2], lda); _tile_loadd(6, b[2], 64); _tile_dpbsud(2, 4, 6);
+  _tile_loadd(5, a[3], lda); _tile_loadd(7, b[3], 64); _tile_dpbsud(3, 5, 7);
+  _tile_stored(0, c, 64); _tile_stored(1, c + 256, 64); _tile_stored(2, c + 512, 64); _tile_stored(3, c + 768, 64);
+}
+static void* amx_alloc(size_t bytes) {  // 64-byte aligned workspace
+  void* p = aligned_alloc(64, (bytes + 63) / 64 * 64);
+  if (!p) abort();
+  return p;
+}
+
+// 32-weight formats: per block of the pair, workspace = its 8 weight vectors (512 bytes: the B tile), dw, mw
+#define SD_AMX_B32 640
+static void amx_unpack32(int fmt, const uint8_t* wa, const uint8_t* wb, int64_t nb, uint8_t* ws) {
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t *ta = wa + (int64_t)tile32_bytes(fmt) * b, *tb = wb + (int64_t)tile32_bytes(fmt) * b;
+    uint8_t* o = ws + SD_AMX_B32 * b;
+#pragma GCC unroll 8
+    for (int g = 0; g < 8; ++g) _mm512_store_si512((__m512i*)(o + 64 * g), tile32_vector_pair(fmt, ta, tb, g));
+    const __m512 dw = join_f(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)ta)), _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)tb)));
+    const __m512 mw = fmt == SD_Q4_1 ? join_f(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(ta + 16))),
+                                              _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(tb + 16)))) : dw;
+    _mm512_store_ps((float*)(o + 512), dw);
+    _mm512_store_ps((float*)(o + 576), mw);
+  }
+}
+// Rows r0 .. r0 + 16 of the pair unpacked at ws (columns n .. n + 15): passt32_pair's operations per lane
+static void amx_pass32(int fmt, const uint8_t* ws, int64_t nb, int64_t k, const int8_t* xq, const float* xd,
+                       const float* xs, const int32_t* xsum, int64_t r0, float* out, int64_t ldo, int64_t n) {
+  const int z = zero_point32(fmt);
+  __m512 acc[SD_AMX_ROWS], macc[SD_AMX_ROWS];
+  for (int r = 0; r < SD_AMX_ROWS; ++r) acc[r] = macc[r] = _mm512_setzero_ps();
+  int32_t c[4 * 256] __attribute__((aligned(64)));
+  for (int64_t b0 = 0; b0 < nb; b0 += 4) {
+    const int m = nb - b0 < 4 ? (int)(nb - b0) : 4;
+    const int8_t* a[4];
+    const uint8_t* bt[4];
+    for (int i = 0; i < 4; ++i) {  // a short last round repeats its last block (results unused)
+      const int64_t b = b0 + (i < m ? i : m - 1);
+      a[i] = xq + r0 * k + 32 * b;
+      bt[i] = ws + SD_AMX_B32 * b;
+    }
+    amx_four(a, k, bt, c);
+    for (int i = 0; i < m; ++i) {
+      const int64_t b = b0 + i;
+      const __m512 dw = _mm512_load_ps((const float*)(ws + SD_AMX_B32 * b + 512));
+      const __m512 mw = _mm512_load_ps((const float*)(ws + SD_AMX_B32 * b + 576));
+      for (int r = 0; r < SD_AMX_ROWS; ++r) {
+        const int64_t x = (r0 + r) * nb + b;
+        const __m512i s = _mm512_add_epi32(_mm512_load_si512((const __m512i*)(c + 256 * i + 16 * r)), _mm512_set1_epi32(-z * xsum[x]));
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(dw, _mm512_set1_ps(xd[x])), acc[r]);
+        if (fmt == SD_Q4_1) macc[r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(xs[x]), macc[r]);
+      }
+    }
+  }
+  for (int r = 0; r < SD_AMX_ROWS; ++r)
+    store_pair(out + (r0 + r) * ldo + n, fmt == SD_Q4_1 ? _mm512_add_ps(acc[r], macc[r]) : acc[r]);
+}
+#endif
+
 // Column n after the last tile (column layout, soa()), every row: a tile lane's integers (any order: exact)
 // and its float operations in its order.
 static void tail32(int fmt, const Soa* a, int64_t nb, int64_t k, const int8_t* xq, const float* xd, const float* xs,
@@ -505,9 +620,22 @@ static void gemm32(int fmt, const uint8_t* w, int64_t ldw, int64_t k, const int8
   int64_t n = n0;
 #if defined(SD_VARIANT_AVX512VNNI)
   // whole tiles two at a time (passt32_pair); an odd one runs alone below
+#if defined(SD_AMX)
+  const int64_t amx_rows = rows >= SD_AMX_ROWS && n1 - n >= 2 * SD_TILE && amx_ready() ? rows / SD_AMX_ROWS * SD_AMX_ROWS : 0;
+  uint8_t* ws = amx_rows ? (uint8_t*)amx_alloc((size_t)(SD_AMX_B32 * nb)) : NULL;
+  if (amx_rows) amx_configure(32);
+#else
+  const int64_t amx_rows = 0;
+#endif
   for (; SD_PAIR_TILES && rows >= sd_pair_min_rows[fmt] && n % SD_TILE == 0 && n + 2 * SD_TILE <= n1 && n + 2 * SD_TILE <= tiled;
        n += 2 * SD_TILE) {
-    for (int64_t r0 = 0; r0 < rows; r0 += SD_PASSZ) {
+#if defined(SD_AMX)
+    if (amx_rows) {
+      amx_unpack32(fmt, w + n * ldw, w + (n + SD_TILE) * ldw, nb, ws);
+      for (int64_t r0 = 0; r0 < amx_rows; r0 += SD_AMX_ROWS) amx_pass32(fmt, ws, nb, k, xq, xd, xs, xsum, r0, out, ldo, n);
+    }
+#endif
+    for (int64_t r0 = amx_rows; r0 < rows; r0 += SD_PASSZ) {
       const int64_t p = rows - r0 < SD_PASSZ ? rows - r0 : SD_PASSZ;
       switch (fmt * 16 + p) {
 #define SD_CASE(F, P) case F * 16 + P: passt32_pair(P, F, w + n * ldw, w + (n + SD_TILE) * ldw, nb, k, xq, xd, xs, xsum, r0, out, ldo, n); break;
@@ -519,6 +647,10 @@ static void gemm32(int fmt, const uint8_t* w, int64_t ldw, int64_t k, const int8
       }
     }
   }
+#if defined(SD_AMX)
+  if (amx_rows) _tile_release();
+  free(ws);
+#endif
 #endif
   for (; n < n1 && n < tiled; n = n / SD_TILE * SD_TILE + SD_TILE) {
     const int64_t base = n / SD_TILE * SD_TILE;
@@ -1032,6 +1164,139 @@ SD_INLINE void passt6_pair(const int P, const uint8_t* wa, const uint8_t* wb, in
 }
 #endif
 
+#if defined(SD_AMX)
+// K-quants on AMX. The sub-block scales go into the weights: per weight W = sc * u (Q4_K: sc < 64, u < 16, so
+// 0 <= W < 1024) or W = sc * (u - 32) (Q6_K: |W| <= 4096), which a tile cannot hold in one byte, so W is split
+// into two bytes, W = 256 hi + lo (Q4_K, unsigned) or 128 hi + lo (Q6_K, lo < 128, hi signed), and one super-
+// block's integer is sum(x * lo) + 256 (128) * sum(x * hi): two accumulating tile products over all 256 weights
+// (K = 64 per tile). That integer is exactly passt_pair's sumi (sum over sub-blocks of sc times the sub-block's
+// u . x) and passt6_pair's total (sumi - 32 * sum sc * bsum): the same int32, then the same float operations.
+// Per super-block of the pair, workspace: lo [4 B tiles of 16 x 64 bytes] | hi [the same] | Q4_K: mp[4], d, dmin.
+#define SD_AMX_BK4 8576  // lo 4096 | hi 4096 | mp[4] 256 | d 64 | dmin 64
+#define SD_AMX_BK6 8256  // lo 4096 | hi 4096 | d 64
+// u (bytes) times the 32-bit lane's scale s (|s| < 2^15), split: *lo = low bits, *hi = the rest (see above)
+SD_INLINE void scaled_bytes(__m512i u, __m512i s, int q6, __m512i* lo, __m512i* hi) {
+  const __m512i s16 = _mm512_or_si512(_mm512_and_si512(s, _mm512_set1_epi32(0xFFFF)), _mm512_slli_epi32(s, 16)), m8 = _mm512_set1_epi16(0xFF);
+  __m512i e = _mm512_and_si512(u, m8), o = _mm512_srli_epi16(u, 8);
+  if (q6) e = _mm512_sub_epi16(e, _mm512_set1_epi16(32)), o = _mm512_sub_epi16(o, _mm512_set1_epi16(32));
+  e = _mm512_mullo_epi16(e, s16);
+  o = _mm512_mullo_epi16(o, s16);
+  if (q6) {
+    const __m512i m7 = _mm512_set1_epi16(0x7F);
+    *lo = _mm512_or_si512(_mm512_and_si512(e, m7), _mm512_slli_epi16(_mm512_and_si512(o, m7), 8));
+    *hi = _mm512_or_si512(_mm512_and_si512(_mm512_srai_epi16(e, 7), m8), _mm512_slli_epi16(_mm512_srai_epi16(o, 7), 8));
+  } else {
+    *lo = _mm512_or_si512(_mm512_and_si512(e, m8), _mm512_slli_epi16(o, 8));
+    *hi = _mm512_or_si512(_mm512_srli_epi16(e, 8), _mm512_andnot_si512(m8, o));
+  }
+}
+static void amx_unpackk(int fmt, const uint8_t* wa, const uint8_t* wb, int64_t nb, uint8_t* ws) {
+  const __m512i m4 = _mm512_set1_epi8(0x0F), m30 = _mm512_set1_epi8(0x30);
+  for (int64_t b = 0; b < nb; ++b) {
+    if (fmt == SD_Q4_K) {
+      const uint8_t *ta = wa + SD_TILE_SB * b, *tb = wb + SD_TILE_SB * b;
+      uint8_t* o = ws + SD_AMX_BK4 * b;
+      TileScales sa, sb;
+      tile_scales(ta, &sa);
+      tile_scales(tb, &sb);
+      for (int j = 0; j < 8; ++j) {
+        const __m512i sc = join_i(sa.sc[j], sb.sc[j]);
+        for (int h = 0; h < 4; ++h) {  // passt_pair's u[h], u[h + 4]: B rows 8j + h, 8j + h + 4
+          const __m512i v = load_pair(ta + 128 + 128 * j + 32 * h, tb + 128 + 128 * j + 32 * h);
+          __m512i lo, hi;
+          scaled_bytes(_mm512_and_si512(v, m4), sc, 0, &lo, &hi);
+          _mm512_store_si512((__m512i*)(o + 512 * j + 64 * h), lo);
+          _mm512_store_si512((__m512i*)(o + 4096 + 512 * j + 64 * h), hi);
+          scaled_bytes(_mm512_and_si512(_mm512_srli_epi16(v, 4), m4), sc, 0, &lo, &hi);
+          _mm512_store_si512((__m512i*)(o + 512 * j + 64 * (h + 4)), lo);
+          _mm512_store_si512((__m512i*)(o + 4096 + 512 * j + 64 * (h + 4)), hi);
+        }
+      }
+      for (int q = 0; q < 4; ++q) _mm512_store_si512((__m512i*)(o + 8192 + 64 * q), join_i(sa.mp[q], sb.mp[q]));
+      _mm512_store_ps((float*)(o + 8448), join_f(sa.d, sb.d));
+      _mm512_store_ps((float*)(o + 8512), join_f(sa.dmin, sb.dmin));
+    } else {
+      const uint8_t *ta = wa + SD_TILE_SB6 * b, *tb = wb + SD_TILE_SB6 * b;
+      uint8_t* o = ws + SD_AMX_BK6 * b;
+      TileScales6 sa, sb;
+      tile_scales6(ta, &sa);
+      tile_scales6(tb, &sb);
+      for (int j = 0; j < 8; ++j) {
+        const int64_t t = 144 + 192 * j;
+        const __m512i h0 = load_pair(ta + t + 128, tb + t + 128), h1 = load_pair(ta + t + 160, tb + t + 160);
+        const __m512i s0 = join_i(sa.sc[2 * j], sb.sc[2 * j]), s1 = join_i(sa.sc[2 * j + 1], sb.sc[2 * j + 1]);
+        for (int h = 0; h < 4; ++h) {  // passt6_pair's u[h] (weights 4h.., scale 2j), u[h + 4] (scale 2j + 1)
+          const __m512i v = load_pair(ta + t + 32 * h, tb + t + 32 * h);
+          const __m512i hi0 = h == 0 ? _mm512_slli_epi16(h0, 4) : h == 1 ? _mm512_slli_epi16(h0, 2) : h == 2 ? h0 : _mm512_srli_epi16(h0, 2);
+          const __m512i hi1 = h == 0 ? _mm512_slli_epi16(h1, 4) : h == 1 ? _mm512_slli_epi16(h1, 2) : h == 2 ? h1 : _mm512_srli_epi16(h1, 2);
+          __m512i lo, hi;
+          scaled_bytes(_mm512_or_si512(_mm512_and_si512(v, m4), _mm512_and_si512(hi0, m30)), s0, 1, &lo, &hi);
+          _mm512_store_si512((__m512i*)(o + 512 * j + 64 * h), lo);
+          _mm512_store_si512((__m512i*)(o + 4096 + 512 * j + 64 * h), hi);
+          scaled_bytes(_mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(v, 4), m4), _mm512_and_si512(hi1, m30)), s1, 1, &lo, &hi);
+          _mm512_store_si512((__m512i*)(o + 512 * j + 64 * (h + 4)), lo);
+          _mm512_store_si512((__m512i*)(o + 4096 + 512 * j + 64 * (h + 4)), hi);
+        }
+      }
+      _mm512_store_ps((float*)(o + 8192), join_f(sa.d, sb.d));
+    }
+  }
+}
+
+// Rows r0 .. r0 + 16 of the K-quant pair unpacked at ws (columns n .. n + 15), per super-block four tile
+// accumulators: lo and hi of the even and of the odd 64-weight chunks (chains of two products each)
+static void amx_passk(int fmt, const uint8_t* ws, int64_t nb, int64_t k, const int8_t* xq, const float* xd,
+                      const int16_t* xs, int64_t r0, float* out, int64_t ldo, int64_t n) {
+  __m512 acc[SD_AMX_ROWS], macc[SD_AMX_ROWS];
+  for (int r = 0; r < SD_AMX_ROWS; ++r) acc[r] = macc[r] = _mm512_setzero_ps();
+  int32_t c[4 * 256] __attribute__((aligned(64)));
+  const int q6 = fmt == SD_Q6_K;
+  for (int64_t b = 0; b < nb; ++b) {
+    const int8_t* x0 = xq + r0 * k + 256 * b;
+    const uint8_t* o = ws + (q6 ? SD_AMX_BK6 : SD_AMX_BK4) * b;
+    _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+#define SD_CHUNKS(DP)                                                                                      \
+  _tile_loadd(4, x0, k);       _tile_loadd(6, o, 64);        DP(0, 4, 6); _tile_loadd(7, o + 4096, 64); DP(2, 4, 7); \
+  _tile_loadd(5, x0 + 64, k);  _tile_loadd(6, o + 1024, 64); DP(1, 5, 6); _tile_loadd(7, o + 5120, 64); DP(3, 5, 7); \
+  _tile_loadd(4, x0 + 128, k); _tile_loadd(6, o + 2048, 64); DP(0, 4, 6); _tile_loadd(7, o + 6144, 64); DP(2, 4, 7); \
+  _tile_loadd(5, x0 + 192, k); _tile_loadd(6, o + 3072, 64); DP(1, 5, 6); _tile_loadd(7, o + 7168, 64); DP(3, 5, 7);
+    if (q6) {
+      SD_CHUNKS(_tile_dpbssd)  // hi is signed
+    } else {
+      SD_CHUNKS(_tile_dpbsud)
+    }
+#undef SD_CHUNKS
+    _tile_stored(0, c, 64); _tile_stored(1, c + 256, 64); _tile_stored(2, c + 512, 64); _tile_stored(3, c + 768, 64);
+    if (q6) {
+      const __m512 d = _mm512_load_ps((const float*)(o + 8192));
+      for (int r = 0; r < SD_AMX_ROWS; ++r) {
+        const __m512i lo = _mm512_add_epi32(_mm512_load_si512((const __m512i*)(c + 16 * r)), _mm512_load_si512((const __m512i*)(c + 256 + 16 * r)));
+        const __m512i hi = _mm512_add_epi32(_mm512_load_si512((const __m512i*)(c + 512 + 16 * r)), _mm512_load_si512((const __m512i*)(c + 768 + 16 * r)));
+        const __m512i total = _mm512_add_epi32(lo, _mm512_slli_epi32(hi, 7));
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(total), _mm512_mul_ps(d, _mm512_set1_ps(xd[(r0 + r) * nb + b])), acc[r]);
+      }
+    } else {
+      __m512i mp[4];
+      for (int q = 0; q < 4; ++q) mp[q] = _mm512_load_si512((const __m512i*)(o + 8192 + 64 * q));
+      const __m512 d = _mm512_load_ps((const float*)(o + 8448)), dmin = _mm512_load_ps((const float*)(o + 8512));
+      for (int r = 0; r < SD_AMX_ROWS; ++r) {
+        const __m512i lo = _mm512_add_epi32(_mm512_load_si512((const __m512i*)(c + 16 * r)), _mm512_load_si512((const __m512i*)(c + 256 + 16 * r)));
+        const __m512i hi = _mm512_add_epi32(_mm512_load_si512((const __m512i*)(c + 512 + 16 * r)), _mm512_load_si512((const __m512i*)(c + 768 + 16 * r)));
+        const __m512i sumi = _mm512_add_epi32(lo, _mm512_slli_epi32(hi, 8));
+        const int16_t* xr = xs + ((r0 + r) * nb + b) * 8;
+        __m512i summ = _mm512_madd_epi16(mp[0], _mm512_set1_epi32(load_i32(xr)));
+        for (int q = 1; q < 4; ++q) summ = _mm512_add_epi32(summ, _mm512_madd_epi16(mp[q], _mm512_set1_epi32(load_i32(xr + 2 * q))));
+        const __m512 dx = _mm512_set1_ps(xd[(r0 + r) * nb + b]);
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sumi), _mm512_mul_ps(d, dx), acc[r]);
+        macc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(summ), _mm512_mul_ps(dmin, dx), macc[r]);
+      }
+    }
+  }
+  for (int r = 0; r < SD_AMX_ROWS; ++r)
+    store_pair(out + (r0 + r) * ldo + n, q6 ? acc[r] : _mm512_sub_ps(acc[r], macc[r]));
+}
+#endif
+
 static void gemmk(int fmt, const uint8_t* w, int64_t ldw, int64_t k, const int8_t* xq, const float* xd,
                   const int16_t* bsums, int64_t rows, float* out, int64_t ldo, int64_t n0, int64_t n1, int64_t n_out) {
   const int64_t nb = k / 256;
@@ -1051,9 +1316,22 @@ static void gemmk(int fmt, const uint8_t* w, int64_t ldw, int64_t k, const int8_
     // 8,960 inputs and 4 rows) leave L1 while each tile's weights stream past, and their multiply-adds ran at
     // 1.1-1.4x the rate of one row (short rows: 2x); a pair reads each activation for 16 columns
     const int pairs = SD_PAIR_TILES && rows >= pair_rows_long(nb, sd_pair_min_rows[fmt]);
+#if defined(SD_AMX)
+    const int64_t amx_rows = pairs && rows >= SD_AMX_ROWS && n1 - n >= 2 * SD_TILE && amx_ready() ? rows / SD_AMX_ROWS * SD_AMX_ROWS : 0;
+    uint8_t* ws = amx_rows ? (uint8_t*)amx_alloc((size_t)((fmt == SD_Q4_K ? SD_AMX_BK4 : SD_AMX_BK6) * nb)) : NULL;
+    if (amx_rows) amx_configure(64);
+#else
+    const int64_t amx_rows = 0;
+#endif
     for (; pairs && n % SD_TILE == 0 && n + 2 * SD_TILE <= n1 && n + 2 * SD_TILE <= tiled; n += 2 * SD_TILE) {
       const uint8_t *wa = w + n * ldw, *wb = wa + SD_TILE * ldw;
-      for (int64_t r0 = 0; r0 < rows; r0 += SD_PASSZ) {
+#if defined(SD_AMX)
+      if (amx_rows) {
+        amx_unpackk(fmt, wa, wb, nb, ws);
+        for (int64_t r0 = 0; r0 < amx_rows; r0 += SD_AMX_ROWS) amx_passk(fmt, ws, nb, k, xq, xd, xs, r0, out, ldo, n);
+      }
+#endif
+      for (int64_t r0 = amx_rows; r0 < rows; r0 += SD_PASSZ) {
         const int64_t p = rows - r0 < SD_PASSZ ? rows - r0 : SD_PASSZ;
         switch (p) {
 #define SD_CASE(P) case P: if (fmt == SD_Q4_K) passt_pair(P, wa, wb, nb, k, xq, xd, xs, r0, out, ldo, n); \
@@ -1067,6 +1345,10 @@ static void gemmk(int fmt, const uint8_t* w, int64_t ldw, int64_t k, const int8_
         }
       }
     }
+#if defined(SD_AMX)
+    if (amx_rows) _tile_release();
+    free(ws);
+#endif
 #endif
     for (; n < n1 && n < tiled; n = n / SD_TILE * SD_TILE + SD_TILE) {
       const int64_t base = n / SD_TILE * SD_TILE;
