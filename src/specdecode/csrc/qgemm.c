@@ -520,8 +520,8 @@ static void amx_configure(int kbytes) {
   AmxConfig c;
   memset(&c, 0, sizeof c);
   c.palette = 1;
-  for (int t = 0; t < 4; ++t) c.rows[t] = 16, c.colsb[t] = 64;
-  for (int t = 4; t < 6; ++t) c.rows[t] = 16, c.colsb[t] = (uint16_t)kbytes;
+  for (int t = 0; t < 4; ++t) c.rows[t] = SD_AMX_ROWS, c.colsb[t] = 64;
+  for (int t = 4; t < 6; ++t) c.rows[t] = SD_AMX_ROWS, c.colsb[t] = (uint16_t)kbytes;
   for (int t = 6; t < 8; ++t) c.rows[t] = (uint8_t)(kbytes / 4), c.colsb[t] = 64;
   _tile_loadconfig(&c);
 }
@@ -534,6 +534,21 @@ SD_INLINE void amx_four(const int8_t* const a[4], int64_t lda, const uint8_t* co
   _tile_loadd(4, a[2], lda); _tile_loadd(6, b[2], 64); _tile_dpbsud(2, 4, 6);
   _tile_loadd(5, a[3], lda); _tile_loadd(7, b[3], 64); _tile_dpbsud(3, 5, 7);
   _tile_stored(0, c, 64); _tile_stored(1, c + 256, 64); _tile_stored(2, c + 512, 64); _tile_stored(3, c + 768, 64);
+}
+// The fewest rows that run tile products, per format (Q4_0 Q4_1 Q5_0 Q8_0 Q4_K Q6_K): the workspace (a pair's
+// weights unpacked and stored) pays for itself over several groups of 16 rows. Measured (2 threads, products of
+// the Qwen 1.5B / 0.5B and SmolLM2 shapes, tile products over VNNI pairs): 16 rows 0.8-1.05x for the 32-weight
+// formats and Q4_K, 1.25-1.33x for Q6_K; 32 rows 0.9-1.14x / 1.28x (Q4_K) / 1.73x (Q6_K); 128 rows 1.07-1.38x /
+// 1.6-1.76x / 1.2-1.6x; 512 rows 1.1-1.34x / 1.5-1.7x / 1.3-2.4x (docs/results/kernels/amx/). Groups of fewer
+// than 16 rows (tiles configured to 8-15 rows) lost to the VNNI passes at 8-12 rows: 0.55-1.07x.
+#ifdef SD_AMX_AB
+int sd_amx_min_rows[6] = {48, 48, 48, 48, 32, 16};
+#else
+static const int sd_amx_min_rows[6] = {48, 48, 48, 48, 32, 16};
+#endif
+// Rows of a call that run tile products (whole groups of 16; the rest runs VNNI passes)
+static inline int64_t amx_rows_of(int fmt, int64_t rows) {
+  return rows >= sd_amx_min_rows[fmt] ? rows / SD_AMX_ROWS * SD_AMX_ROWS : 0;
 }
 static void* amx_alloc(size_t bytes) {  // 64-byte aligned workspace
   void* p = aligned_alloc(64, (bytes + 63) / 64 * 64);
@@ -621,7 +636,7 @@ static void gemm32(int fmt, const uint8_t* w, int64_t ldw, int64_t k, const int8
 #if defined(SD_VARIANT_AVX512VNNI)
   // whole tiles two at a time (passt32_pair); an odd one runs alone below
 #if defined(SD_AMX)
-  const int64_t amx_rows = rows >= SD_AMX_ROWS && n1 - n >= 2 * SD_TILE && amx_ready() ? rows / SD_AMX_ROWS * SD_AMX_ROWS : 0;
+  const int64_t amx_rows = n1 - n >= 2 * SD_TILE && amx_rows_of(fmt, rows) && amx_ready() ? amx_rows_of(fmt, rows) : 0;
   uint8_t* ws = amx_rows ? (uint8_t*)amx_alloc((size_t)(SD_AMX_B32 * nb)) : NULL;
   if (amx_rows) amx_configure(32);
 #else
@@ -1317,7 +1332,7 @@ static void gemmk(int fmt, const uint8_t* w, int64_t ldw, int64_t k, const int8_
     // 1.1-1.4x the rate of one row (short rows: 2x); a pair reads each activation for 16 columns
     const int pairs = SD_PAIR_TILES && rows >= pair_rows_long(nb, sd_pair_min_rows[fmt]);
 #if defined(SD_AMX)
-    const int64_t amx_rows = pairs && rows >= SD_AMX_ROWS && n1 - n >= 2 * SD_TILE && amx_ready() ? rows / SD_AMX_ROWS * SD_AMX_ROWS : 0;
+    const int64_t amx_rows = pairs && n1 - n >= 2 * SD_TILE && amx_rows_of(fmt, rows) && amx_ready() ? amx_rows_of(fmt, rows) : 0;
     uint8_t* ws = amx_rows ? (uint8_t*)amx_alloc((size_t)((fmt == SD_Q4_K ? SD_AMX_BK4 : SD_AMX_BK6) * nb)) : NULL;
     if (amx_rows) amx_configure(64);
 #else
