@@ -414,17 +414,22 @@ def test_q4k_tiles_round_trip_and_dequantize_as_gguf(rows, kind):
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_many_rows_give_each_row_its_own_bits_in_every_variant(kind):
-    """A prompt's pieces and long verifications: the amx variant runs whole groups of 16 rows on AMX tiles and
-    the rest in VNNI passes. Every variant and thread count gives the same bits for 53 rows (3 groups and 5
-    rows; 3 tile pairs; 33 blocks of 32 or 9 super-blocks per row: a short last round of tile products), and
-    each row equals its own one-row product."""
+@pytest.mark.parametrize("rows", [31, 32, 47, 48, 53])
+def test_many_rows_give_each_row_its_own_bits_in_every_variant(kind, rows):
+    """A prompt's pieces: the amx variant runs whole groups of 16 rows on AMX tiles (from 48 rows for the 32-weight
+    formats, 32 for Q4_K, 16 for Q6_K: each side of those thresholds here) and the rest in VNNI passes. Every
+    variant and thread count gives the same bits (48 columns: tile pairs, and an odd tile per thread on two; 33
+    blocks of 32 per row, a short last round of tile products, or 9 super-blocks), and each row equals its own
+    one-row product."""
     kernel = lowbit.load_kernel()
     if kernel is None or not VARIANTS:
         pytest.skip("no kernel variant on this CPU")
+    if "amx" in VARIANTS:  # the tile products must really run where the variant is offered
+        lowbit.load_variant("amx")
+        assert lowbit_kernels.amx_tiles_active(), "Linux refused the AMX tile state"
     k = 2304 if lowbit.GGUF_BLOCKS[kind][1] == 256 else 1056
     module = lowbit.QuantLinear(torch.from_numpy(_raw(kind, 48, k, seed=5)), kind, k)
-    x = torch.randn(53, k, generator=torch.Generator().manual_seed(5))
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(5))
     x[3] *= 1000.0
     threads = torch.get_num_threads()
     try:
@@ -440,6 +445,19 @@ def test_many_rows_give_each_row_its_own_bits_in_every_variant(kind):
     finally:
         torch.set_num_threads(threads)
     assert all(torch.equal(o, outs[0]) for o in outs)
+
+
+def test_the_amx_variant_is_left_out_where_the_compiler_lacks_its_flags(monkeypatch):
+    """An AMX CPU with gcc older than 11 (no -mamx-tile): the variant is not offered, instead of failing to
+    compile at every start."""
+    monkeypatch.setattr(lowbit_kernels, "cpu_flags", lambda: set(lowbit_kernels.VARIANTS["amx"][0]))
+    monkeypatch.setenv("CC", "false")  # a "compiler" that refuses everything
+    lowbit_kernels._compiler_takes.cache_clear()
+    try:
+        assert "amx" not in lowbit_kernels.supported_variants()
+        assert "avx512vnni" in lowbit_kernels.supported_variants()
+    finally:
+        lowbit_kernels._compiler_takes.cache_clear()
 
 
 @pytest.mark.parametrize("kind", ["Q4_K", "Q6_K"])

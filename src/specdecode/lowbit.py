@@ -17,7 +17,8 @@ decoding equals plain decoding of the same low-bit target by construction.
 Kernels: one plain-C source compiled per instruction-set variant with gcc (seconds, cached under
 ``<cache dir>/kernels/``): ``avx2`` (AVX2 + FMA + F16C, every x86-64 CPU of the last ten years),
 ``avx512`` (the same with AVX-512 F/BW/VL), ``avx512vnni`` (VNNI dot products), ``amx`` (VNNI plus
-AMX-INT8 tiles for groups of 16 rows: a prompt's prefill; the same bits). The fastest variant this CPU
+AMX-INT8 tile products for calls of many rows, a prompt's prefill: from 48 rows for the 32-weight formats,
+32 for Q4_K, 16 for Q6_K; the same bits). The fastest variant this CPU
 runs is chosen by measuring at first use; ``SPECDECODE_KERNEL_ISA=avx2|avx512|avx512vnni|amx``
 forces one (tests, benchmarks), ``SPECDECODE_KERNEL_ISA=reference`` the torch reference. The thread
 split and the C++ layer loop live in a torch extension (``csrc/lowbit.cpp``, ``csrc/step.cpp``, built

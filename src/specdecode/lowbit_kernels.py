@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ctypes
 import fcntl
+import functools
 import hashlib
 import logging
 import os
@@ -291,9 +292,25 @@ def cpu_flags() -> set[str]:
 
 
 def supported_variants() -> list[str]:
-    """The kernel variants this CPU executes, in :data:`VARIANTS` order."""
+    """The kernel variants this CPU executes (and the compiler builds: ``amx`` needs gcc 11 or later), in
+    :data:`VARIANTS` order."""
     flags = cpu_flags()
-    return [name for name, (need, _, _) in VARIANTS.items() if all(f in flags for f in need)]
+    cpu = [name for name, (need, _, _) in VARIANTS.items() if all(f in flags for f in need)]
+    return [name for name in cpu if name != "amx" or _compiler_takes(tuple(VARIANTS["amx"][1]))]
+
+
+@functools.lru_cache(maxsize=None)
+def _compiler_takes(flags: tuple[str, ...]) -> bool:
+    """Whether ``$CC`` (gcc) accepts ``flags`` (an older gcc lacks ``-mamx-tile``: that variant is then left
+    out, once per process, instead of failing to compile at every start)."""
+    try:
+        done = subprocess.run([os.environ.get("CC", "gcc"), *flags, "-E", "-x", "c", os.devnull], capture_output=True,
+                              timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return False
+    if done.returncode != 0:
+        logger.info("the compiler does not take %s: the amx kernel variant is left out", " ".join(flags))
+    return done.returncode == 0
 
 
 def _cache_base(cache_dir=None) -> Path:
@@ -326,8 +343,14 @@ def load_variant(name: str, cache_dir=None) -> int:
     return _variants[name][1]
 
 
+#: gcc flags of every variant. -ffp-contract=off: gcc (GNU C) would otherwise fuse a multiply feeding an add into
+#: one FMA where it sees fit, per variant: the float order is the one written (explicit FMA intrinsics stay).
+_COMMON_CFLAGS = ["-O3", "-std=gnu11", "-ffp-contract=off", "-shared", "-fPIC"]
+
+
 def _variant_path(name: str, cache_dir=None) -> Path:
-    digest = hashlib.sha256(_QGEMM.read_bytes() + _HEADER.read_bytes() + " ".join(VARIANTS[name][1]).encode()).hexdigest()[:12]
+    flags = " ".join(_COMMON_CFLAGS + VARIANTS[name][1])
+    digest = hashlib.sha256(_QGEMM.read_bytes() + _HEADER.read_bytes() + flags.encode()).hexdigest()[:12]
     return _cache_base(cache_dir) / "kernels" / f"qgemm-{name}-{digest}.so"
 
 
@@ -375,7 +398,7 @@ def _compile_variant(name: str, cache_dir=None, quiet: bool = False) -> tuple[ct
         out.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp")
         os.close(fd)
-        cmd = [os.environ.get("CC", "gcc"), "-O3", "-std=gnu11", "-shared", "-fPIC", *flags, f"-D{macro}",
+        cmd = [os.environ.get("CC", "gcc"), *_COMMON_CFLAGS, *flags, f"-D{macro}",
                f"-I{_CSRC}", str(_QGEMM), "-o", tmp, "-lm"]
         try:
             subprocess.run(cmd, check=True, capture_output=True, text=True)
@@ -442,7 +465,7 @@ def active_variant() -> str | None:
             load_variant(forced)
         except SpecDecodeError as exc:
             raise SpecDecodeError(f"{ISA_ENV}={forced}: {exc}") from exc
-        _kernel_note = f"{forced} kernel (forced by {ISA_ENV})"
+        _kernel_note = f"{forced} kernel{_amx_note(forced)} (forced by {ISA_ENV})"
         return forced
     if _chosen is None:
         with _lock:
@@ -460,13 +483,30 @@ def active_variant() -> str | None:
                 _chosen = _pick_variant(timed) if timed else ""
                 if timed:
                     figures = ", ".join(f"{k} {1e3 * v:.2f} ms" for k, v in timed.items())
-                    _kernel_note = f"{_chosen} kernel (measured here: {figures})"
+                    _kernel_note = f"{_chosen} kernel{_amx_note(_chosen)} (measured here: {figures})"
     return _chosen or None
+
+
+def amx_tiles_active(name: str = "amx") -> bool | None:
+    """Whether variant ``name`` runs AMX tile products in this process (Linux granted the tile state); None for
+    a variant without them or one not loaded."""
+    if name != "amx" or name not in _variants:
+        return None
+    return _variants[name][0].sd_amx_state() > 0
+
+
+def _amx_note(name: str) -> str:
+    """The amx variant's tile state for the status line ('' for other variants)."""
+    if amx_tiles_active(name) is not False:
+        return ""
+    return (f" (Linux refused the AMX tile state, errno {-_variants[name][0].sd_amx_state()}: its VNNI passes run "
+            "every product)")
 
 
 def _pick_variant(timed: dict[str, float]) -> str:
     """The richest variant (``VARIANTS`` order: AMX, VNNI, AVX-512, AVX2) unless another measured clearly faster
-    (by more than :data:`VARIANT_MARGIN`): on a noisy machine the choice then stays the same run to run."""
+    (by more than :data:`VARIANT_MARGIN`): on a noisy machine the choice then stays the same run to run. (The
+    timing's 1 and 5 rows run the same code on amx and avx512vnni: amx is kept for its many-row products.)"""
     richest = next(iter(timed))
     best = min(timed, key=timed.get)
     return richest if timed[richest] <= (1 + VARIANT_MARGIN) * timed[best] else best

@@ -10,8 +10,10 @@
 //                          a Q5_0 tail column's fifth bits as a byte mask)
 //   SD_VARIANT_AVX512VNNI  AVX-512 VNNI on 256-bit vectors: vpdpbusd / vpdpwssd replace the
 //                          vpmaddubsw + vpmaddwd pairs (Q8_0: one vpdpbusd on q + 128)
-//   SD_VARIANT_AMX         the VNNI variant, plus AMX-INT8 tile products for whole groups of 16 rows
-//                          (amx_pass32, amx_passk: the same integers, then the VNNI float operations)
+//   SD_VARIANT_AMX         the VNNI variant, plus AMX-INT8 tile products for whole groups of 16 rows of
+//                          calls of many rows (from 48 rows for the 32-weight formats, 32 for Q4_K, 16 for
+//                          Q6_K: a prompt's prefill pieces; amx_pass32, amx_passk: the same integers, then
+//                          the VNNI float operations)
 // Every variant computes the same integers and the same float operations in the same order: their
 // results are identical bit for bit (tests/test_lowbit.py).
 //
@@ -231,10 +233,11 @@ SD_INLINE void store_tile(float* dst, __m256 o, int c0, int c1) {
 
 // Software prefetch of the weight stream SD_PREFETCH bytes ahead of the block being read (a tile's blocks, and
 // tile after tile, are one ascending stream per thread). On the Intel Xeon (2 cores of a large server part) the
-// hardware prefetchers alone read about 16 GB/s where a sum reads 30: the Qwen 1.5B's one-token step took
+// hardware prefetchers alone read about 18 GB/s where a sum reads 30: the Qwen 1.5B's one-token step took
 // 55.7 ms with them alone and 32.5 ms (the byte limit) with 4 KB ahead (2 KB: 33.5, 8 KB: 33.6); 4 tokens 73.4 ->
 // 41.9 ms; AVX2 forced 58.5 -> 34.2 and 83.7 -> 45.8; SmolLM2 2.45 -> 2.23 ms (docs/results/kernels/amx/).
-// Not measured on the AMD EPYC machines yet. 0: none. A prefetch past the end of a weight never faults.
+// Not measured on the AMD EPYC machines yet (their hardware prefetchers reached 70-80% of the byte limit alone;
+// -DSD_PREFETCH=0 builds the passes without it for an A/B). A prefetch past the end of a weight never faults.
 #ifndef SD_PREFETCH
 #define SD_PREFETCH 4096
 #endif
@@ -437,8 +440,8 @@ int sd_pair_min_rows[6] = {16, 16, 16, 16, 8, 8};
 static const int sd_pair_min_rows[6] = {16, 16, 16, 16, 8, 8};
 #endif
 // The fewest rows that run K-quant pairs at nb super-blocks per row (streamed weights, 2 threads, Q4_K / Q6_K, pairs
-// over single tiles: 8,960 inputs 1.1-1.3x at 2 rows, 1.4-1.5x at 4; 4,864: 0.94-1.0x at 2, 1.3x at 3-4; 3,072:
-// 0.65x at 2, 1.0-1.2x at 4, 1.35x at 6; docs/results/kernels/longk/)
+// over single tiles: 8,960 inputs 1.12-1.26x at 2 rows, 1.49-1.54x at 4; 4,864: 0.94-1.01x at 2, 1.29x at 3,
+// 1.42x at 4; 3,072: 0.64x at 2, 0.98-1.22x at 4, 1.38x at 6; docs/results/kernels/longk/)
 static inline int pair_rows_long(int64_t nb, int fallback) {
   const int most = nb >= 32 ? 2 : nb >= 16 ? 3 : nb >= 12 ? 6 : fallback;
   return most < fallback ? most : fallback;
@@ -507,30 +510,39 @@ SD_INLINE void passt32_pair(const int P, const int fmt, const uint8_t* wa, const
 // 4g + e of column c, 64 bytes), are exactly a B tile (K / 4 rows of 64 bytes), and 16 rows' activations
 // with stride k are an A tile. The integers are the same (exact sums), and every float operation after
 // them is the pair kernel's, in its order: a column's bits do not change (tests/test_lowbit.py compares
-// the amx variant with avx512vnni bit for bit). Where it pays: many rows (a prompt's prefill pieces, 16+
-// verification rows): the weights of a pair are unpacked once per call into an L1 / L2 workspace and every
-// group of 16 rows reads them from there; per 16 rows and 32 weights one tile instruction replaces 128
-// vpdpbusd. Rows left after the last whole group of 16 run the VNNI passes.
+// the amx variant with avx512vnni bit for bit). Where it pays: many rows (a prompt's prefill pieces; from
+// sd_amx_min_rows below): the weights of a pair are unpacked once per call into a workspace (L1 at short rows,
+// L2 at long ones: up to 300 KB for Q4_K at 8,960 inputs) and every group of 16 rows reads them from there; per
+// 16 rows and 32 weights one tile instruction replaces 128 vpdpbusd. Rows left after the last whole group of 16
+// run the VNNI passes.
+#include <errno.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 #define SD_AMX_ROWS 16
 typedef struct {
-  uint8_t palette, start;
+  uint8_t palette, start_row;
   uint8_t reserved[14];
   uint16_t colsb[16];
   uint8_t rows[16];
 } AmxConfig;
 
-static int amx_state;  // 0: not asked yet, 1: the kernel lets this process use the tile registers, -1: refused
-// Linux hands out the tile state only on request (arch_prctl ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA); the
-// permission is per process. Refused (an old kernel, a hypervisor): the VNNI passes run everything.
+#define SD_ARCH_REQ_XCOMP_PERM 0x1023  // arch_prctl request (Linux 5.16+)
+#define SD_XFEATURE_XTILEDATA 18       // the tile data state component
+static int amx_state;  // 0: not asked yet, 1: the kernel lets this process use the tile registers, -errno: refused
+// Linux hands out the tile state only on request; the permission is per process. Refused (an old kernel, a
+// hypervisor): the VNNI passes run everything, and sd_amx_state() says so (lowbit_kernels.kernel_status).
 static int amx_ready(void) {
   int s = __atomic_load_n(&amx_state, __ATOMIC_ACQUIRE);
   if (s == 0) {
-    s = syscall(SYS_arch_prctl, 0x1023, 18) == 0 ? 1 : -1;
+    s = syscall(SYS_arch_prctl, SD_ARCH_REQ_XCOMP_PERM, SD_XFEATURE_XTILEDATA) == 0 ? 1 : (errno ? -errno : -1);
     __atomic_store_n(&amx_state, s, __ATOMIC_RELEASE);
   }
   return s > 0;
+}
+// 1: tile products run in this process; -errno: Linux refused the tile state (the VNNI passes run everything)
+int sd_amx_state(void) {
+  amx_ready();
+  return __atomic_load_n(&amx_state, __ATOMIC_ACQUIRE);
 }
 // Tiles 0-3: C (16 rows x 16 int32); 4-5: A (16 rows x kbytes activations); 6-7: B (kbytes / 4 rows x 64 bytes).
 static void amx_configure(int kbytes) {
@@ -553,11 +565,12 @@ SD_INLINE void amx_four(const int8_t* const a[4], int64_t lda, const uint8_t* co
   _tile_stored(0, c, 64); _tile_stored(1, c + 256, 64); _tile_stored(2, c + 512, 64); _tile_stored(3, c + 768, 64);
 }
 // The fewest rows that run tile products, per format (Q4_0 Q4_1 Q5_0 Q8_0 Q4_K Q6_K): the workspace (a pair's
-// weights unpacked and stored) pays for itself over several groups of 16 rows. Measured (2 threads, products of
-// the Qwen 1.5B / 0.5B and SmolLM2 shapes, tile products over VNNI pairs): 16 rows 0.8-1.05x for the 32-weight
-// formats and Q4_K, 1.25-1.33x for Q6_K; 32 rows 0.9-1.14x / 1.28x (Q4_K) / 1.73x (Q6_K); 128 rows 1.07-1.38x /
-// 1.6-1.76x / 1.2-1.6x; 512 rows 1.1-1.34x / 1.5-1.7x / 1.3-2.4x (docs/results/kernels/amx/). Groups of fewer
-// than 16 rows (tiles configured to 8-15 rows) lost to the VNNI passes at 8-12 rows: 0.55-1.07x.
+// weights unpacked and stored) pays for itself over several groups of 16 rows. Tile products over VNNI pairs
+// (docs/results/kernels/amx/README.md: 2 threads, one shape per format of the Qwen 1.5B / 0.5B and SmolLM2):
+// 16 rows 0.77-1.06x for the 32-weight formats and Q4_K, 1.25-1.33x for Q6_K; 32 rows 0.91-1.14x / 1.28x (Q4_K)
+// / 1.73x (Q6_K); 128 rows 1.07-1.38x / 1.76x / 1.60x; 512 rows 1.08-1.34x / 1.69x / 2.44x (48 rows, between the
+// 32 and 128 points, not measured alone). Groups of fewer than 16 rows (tiles configured to 8-15 rows) lost to
+// the VNNI passes at 8-12 rows: 0.55-1.07x; not kept.
 #ifdef SD_AMX_AB
 int sd_amx_min_rows[6] = {48, 48, 48, 48, 32, 16};
 #else
@@ -578,6 +591,8 @@ static void* amx_alloc(size_t bytes) {  // 64-byte aligned workspace
 static void amx_unpack32(int fmt, const uint8_t* wa, const uint8_t* wb, int64_t nb, uint8_t* ws) {
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t *ta = wa + (int64_t)tile32_bytes(fmt) * b, *tb = wb + (int64_t)tile32_bytes(fmt) * b;
+    prefetch_ahead(ta, tile32_bytes(fmt));
+    prefetch_ahead(tb, tile32_bytes(fmt));
     uint8_t* o = ws + SD_AMX_B32 * b;
 #pragma GCC unroll 8
     for (int g = 0; g < 8; ++g) _mm512_store_si512((__m512i*)(o + 64 * g), tile32_vector_pair(fmt, ta, tb, g));
@@ -653,7 +668,10 @@ static void gemm32(int fmt, const uint8_t* w, int64_t ldw, int64_t k, const int8
 #if defined(SD_VARIANT_AVX512VNNI)
   // whole tiles two at a time (passt32_pair); an odd one runs alone below
 #if defined(SD_AMX)
-  const int64_t amx_rows = n1 - n >= 2 * SD_TILE && amx_rows_of(fmt, rows) && amx_ready() ? amx_rows_of(fmt, rows) : 0;
+  // (only where the pair loop below runs a pair: the same conditions as its first iteration)
+  const int pairs_run = SD_PAIR_TILES && rows >= sd_pair_min_rows[fmt] && n % SD_TILE == 0 && n + 2 * SD_TILE <= n1 &&
+                        n + 2 * SD_TILE <= tiled;
+  const int64_t amx_rows = pairs_run && amx_rows_of(fmt, rows) && amx_ready() ? amx_rows_of(fmt, rows) : 0;
   uint8_t* ws = amx_rows ? (uint8_t*)amx_alloc((size_t)(SD_AMX_B32 * nb)) : NULL;
   if (amx_rows) amx_configure(32);
 #else
@@ -1233,6 +1251,8 @@ static void amx_unpackk(int fmt, const uint8_t* wa, const uint8_t* wb, int64_t n
   for (int64_t b = 0; b < nb; ++b) {
     if (fmt == SD_Q4_K) {
       const uint8_t *ta = wa + SD_TILE_SB * b, *tb = wb + SD_TILE_SB * b;
+      prefetch_ahead(ta, SD_TILE_SB);
+      prefetch_ahead(tb, SD_TILE_SB);
       uint8_t* o = ws + SD_AMX_BK4 * b;
       TileScales sa, sb;
       tile_scales(ta, &sa);
@@ -1255,6 +1275,8 @@ static void amx_unpackk(int fmt, const uint8_t* wa, const uint8_t* wb, int64_t n
       _mm512_store_ps((float*)(o + 8512), join_f(sa.dmin, sb.dmin));
     } else {
       const uint8_t *ta = wa + SD_TILE_SB6 * b, *tb = wb + SD_TILE_SB6 * b;
+      prefetch_ahead(ta, SD_TILE_SB6);
+      prefetch_ahead(tb, SD_TILE_SB6);
       uint8_t* o = ws + SD_AMX_BK6 * b;
       TileScales6 sa, sb;
       tile_scales6(ta, &sa);
@@ -1355,7 +1377,9 @@ static void gemmk(int fmt, const uint8_t* w, int64_t ldw, int64_t k, const int8_
     // 1.1-1.4x the rate of one row (short rows: 2x); a pair reads each activation for 16 columns
     const int pairs = SD_PAIR_TILES && rows >= pair_rows_long(nb, sd_pair_min_rows[fmt]);
 #if defined(SD_AMX)
-    const int64_t amx_rows = pairs && n1 - n >= 2 * SD_TILE && amx_rows_of(fmt, rows) && amx_ready() ? amx_rows_of(fmt, rows) : 0;
+    // (only where the pair loop below runs a pair: the same conditions as its first iteration)
+    const int pairs_run = pairs && n % SD_TILE == 0 && n + 2 * SD_TILE <= n1 && n + 2 * SD_TILE <= tiled;
+    const int64_t amx_rows = pairs_run && amx_rows_of(fmt, rows) && amx_ready() ? amx_rows_of(fmt, rows) : 0;
     uint8_t* ws = amx_rows ? (uint8_t*)amx_alloc((size_t)((fmt == SD_Q4_K ? SD_AMX_BK4 : SD_AMX_BK6) * nb)) : NULL;
     if (amx_rows) amx_configure(64);
 #else
