@@ -1246,6 +1246,13 @@ SD_INLINE void scaled_bytes(__m512i u, __m512i s, int q6, __m512i* lo, __m512i* 
     *hi = _mm512_or_si512(_mm512_srli_epi16(e, 8), _mm512_andnot_si512(m8, o));
   }
 }
+// weight vector u (B row `row` of sub-block j) scaled by s and split: lo at o + 512 j + 64 row, hi 4096 further
+SD_INLINE void store_scaled(uint8_t* o, int j, int row, __m512i u, __m512i s, int q6) {
+  __m512i lo, hi;
+  scaled_bytes(u, s, q6, &lo, &hi);
+  _mm512_store_si512((__m512i*)(o + 512 * j + 64 * row), lo);
+  _mm512_store_si512((__m512i*)(o + 4096 + 512 * j + 64 * row), hi);
+}
 static void amx_unpackk(int fmt, const uint8_t* wa, const uint8_t* wb, int64_t nb, uint8_t* ws) {
   const __m512i m4 = _mm512_set1_epi8(0x0F), m30 = _mm512_set1_epi8(0x30);
   for (int64_t b = 0; b < nb; ++b) {
@@ -1261,13 +1268,8 @@ static void amx_unpackk(int fmt, const uint8_t* wa, const uint8_t* wb, int64_t n
         const __m512i sc = join_i(sa.sc[j], sb.sc[j]);
         for (int h = 0; h < 4; ++h) {  // passt_pair's u[h], u[h + 4]: B rows 8j + h, 8j + h + 4
           const __m512i v = load_pair(ta + 128 + 128 * j + 32 * h, tb + 128 + 128 * j + 32 * h);
-          __m512i lo, hi;
-          scaled_bytes(_mm512_and_si512(v, m4), sc, 0, &lo, &hi);
-          _mm512_store_si512((__m512i*)(o + 512 * j + 64 * h), lo);
-          _mm512_store_si512((__m512i*)(o + 4096 + 512 * j + 64 * h), hi);
-          scaled_bytes(_mm512_and_si512(_mm512_srli_epi16(v, 4), m4), sc, 0, &lo, &hi);
-          _mm512_store_si512((__m512i*)(o + 512 * j + 64 * (h + 4)), lo);
-          _mm512_store_si512((__m512i*)(o + 4096 + 512 * j + 64 * (h + 4)), hi);
+          store_scaled(o, j, h, _mm512_and_si512(v, m4), sc, 0);
+          store_scaled(o, j, h + 4, _mm512_and_si512(_mm512_srli_epi16(v, 4), m4), sc, 0);
         }
       }
       for (int q = 0; q < 4; ++q) _mm512_store_si512((__m512i*)(o + 8192 + 64 * q), join_i(sa.mp[q], sb.mp[q]));
@@ -1289,13 +1291,8 @@ static void amx_unpackk(int fmt, const uint8_t* wa, const uint8_t* wb, int64_t n
           const __m512i v = load_pair(ta + t + 32 * h, tb + t + 32 * h);
           const __m512i hi0 = h == 0 ? _mm512_slli_epi16(h0, 4) : h == 1 ? _mm512_slli_epi16(h0, 2) : h == 2 ? h0 : _mm512_srli_epi16(h0, 2);
           const __m512i hi1 = h == 0 ? _mm512_slli_epi16(h1, 4) : h == 1 ? _mm512_slli_epi16(h1, 2) : h == 2 ? h1 : _mm512_srli_epi16(h1, 2);
-          __m512i lo, hi;
-          scaled_bytes(_mm512_or_si512(_mm512_and_si512(v, m4), _mm512_and_si512(hi0, m30)), s0, 1, &lo, &hi);
-          _mm512_store_si512((__m512i*)(o + 512 * j + 64 * h), lo);
-          _mm512_store_si512((__m512i*)(o + 4096 + 512 * j + 64 * h), hi);
-          scaled_bytes(_mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(v, 4), m4), _mm512_and_si512(hi1, m30)), s1, 1, &lo, &hi);
-          _mm512_store_si512((__m512i*)(o + 512 * j + 64 * (h + 4)), lo);
-          _mm512_store_si512((__m512i*)(o + 4096 + 512 * j + 64 * (h + 4)), hi);
+          store_scaled(o, j, h, _mm512_or_si512(_mm512_and_si512(v, m4), _mm512_and_si512(hi0, m30)), s0, 1);
+          store_scaled(o, j, h + 4, _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(v, 4), m4), _mm512_and_si512(hi1, m30)), s1, 1);
         }
       }
       _mm512_store_ps((float*)(o + 8192), join_f(sa.d, sb.d));
