@@ -506,7 +506,7 @@ def test_the_ingress_refuses_a_big_body_and_cancels_a_stream_whose_client_left(p
 
 @pytest.mark.integration
 def test_a_killed_replica_loses_no_request_that_had_not_streamed(pow2, reference):
-    """SIGKILL one replica's process while 16 requests run; non-streamed requests all finish (retried on the
+    """SIGKILL one replica's process while 48 requests run; non-streamed requests all finish (retried on the
     other replica); a streamed one may fail only after it had received output, with the retryable
     ``replica_failed`` error; then Ray restarts the replica and both serve again."""
     import openai
@@ -515,7 +515,9 @@ def test_a_killed_replica_loses_no_request_that_had_not_streamed(pow2, reference
     victim = pow2.wait_for(2)[0]
     affected_before = (pow2.total("specdecode_replica_retries_total")
                        + pow2.total("specdecode_replica_failed_requests_total"))
-    jobs = [(PROMPTS[i], i % 2 == 1) for i in range(16)]
+    # 48 requests (3 per prompt): enough queued work that the kill lands while the victim still has some, however
+    # fast this CPU decodes (16 requests of 24 tokens finished within the former half-second wait on a fast one)
+    jobs = [(PROMPTS[i % 16], i % 2 == 1) for i in range(48)]
     outcomes: list = [None] * len(jobs)
 
     def run(i: int) -> None:
@@ -537,13 +539,13 @@ def test_a_killed_replica_loses_no_request_that_had_not_streamed(pow2, reference
         except openai.APIError as exc:
             outcomes[i] = ("error", got_output, getattr(exc, "code", None), str(exc))
 
-    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+    with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
         futures = [pool.submit(run, i) for i in range(len(jobs))]
         deadline = time.time() + 60  # kill it while it runs requests
         while time.time() < deadline and not any(r["pid"] == victim["pid"] and r["active"] > 0
                                                  for r in pow2._safe_replicas()):
             time.sleep(0.2)
-        time.sleep(0.5)
+        time.sleep(0.1)
         os.kill(victim["pid"], signal.SIGKILL)
         for f in futures:
             f.result(timeout=300)
