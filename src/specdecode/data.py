@@ -269,4 +269,7 @@ def _parse(spec: str) -> tuple[str, str | None, int | None]:
             raise SpecDecodeError(f"the prompt count in {spec!r} must be a positive integer, got {limit}")
     if len(rest) > 1:
         raise SpecDecodeError(f"malformed prompt set {spec!r}; {_usage()}")
+    usage = _DATASETS[dataset].usage
+    if rest and "CATEGORY" not in usage:  # said before reading (or installing) the set
+        raise SpecDecodeError(f"{dataset} has no categories: {usage} (N a positive integer), got {spec!r}")
     return dataset, (rest[0].lower() if rest else None), limit

@@ -68,7 +68,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=int, metavar="N",
                    help="run every (prompt, variant) N times, interleaved, and keep the fastest: noise on a shared "
                         "machine only adds time (default: 1; --quick: 2)")
-    p.add_argument("--dtype", metavar="DTYPE", help="float32 (default), bfloat16, float16")
+    p.add_argument("--dtype", metavar="DTYPE", choices=("float32", "bfloat16", "float16"),
+                   help="float32 (default), bfloat16, float16")
     p.add_argument("--kernel", choices=("default", "small-row"),
                    help="linear-layer execution: default (HF as shipped) or small-row (W @ x.T for few rows, "
                         "specdecode.kernels; applied to target and drafts, so the HF peer gets it too)")
