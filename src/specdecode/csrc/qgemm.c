@@ -433,11 +433,15 @@ SD_INLINE void passt32(const int P, const int fmt, const uint8_t* wt, int64_t nb
 // the 0.5B and SmolLM2 (2 threads, 256 tokens of context) pairs cost 1.1-1.5x at 1-4 rows and win from 8 rows
 // for the K-quants (1.09-1.18x), from 16 for the 32-weight formats (1.0-1.2x), and in a prefill's pieces of
 // 512 rows (pair512/model_ab.txt; what was tried to stream pairs at full speed: pair512/README.md).
+// With the weights prefetched (prefetch_ahead), on the Intel Xeon (docs/results/kernels/amx/pairs_ab.txt, the
+// same script): SmolLM2's Q4_1 pairs from 4 rows run 4 / 6 / 8 rows 1.09 / 1.19 / 1.25x faster (Q4_0: the same
+// code, taken along); the 0.5B's Q5_0 / Q8_0 lost 1.1x at 4-6 rows (kept at 16); short-row K-quant pairs at 8 rows
+// lost 1.10x on the 1.5B (kept at 8, as the AMD EPYC measured). Not re-measured on the AMD machines.
 // -DSD_PAIR_AB makes it a variable that pair512/ab_model.py sets in a running forward.
 #ifdef SD_PAIR_AB
-int sd_pair_min_rows[6] = {16, 16, 16, 16, 8, 8};
+int sd_pair_min_rows[6] = {4, 4, 16, 16, 8, 8};
 #else
-static const int sd_pair_min_rows[6] = {16, 16, 16, 16, 8, 8};
+static const int sd_pair_min_rows[6] = {4, 4, 16, 16, 8, 8};
 #endif
 // The fewest rows that run K-quant pairs at nb super-blocks per row (streamed weights, 2 threads, Q4_K / Q6_K, pairs
 // over single tiles: 8,960 inputs 1.12-1.26x at 2 rows, 1.49-1.54x at 4; 4,864: 0.94-1.01x at 2, 1.29x at 3,
