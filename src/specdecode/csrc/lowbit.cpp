@@ -43,29 +43,46 @@ void check_weight(const torch::Tensor& w, int64_t fmt, int64_t k) {
 
 const SdTable* sd_table_at(int64_t address) { return table_of(address); }
 
-// out[r * ldo + n] = x[r] . w[n] for rows r < rows, n < n_out: the activation quantization and the
-// thread split of q_linear on raw buffers (the C++ layer loop's products).
+// out[r * ldo + n] = x[r] . w[n] for every part, rows r < rows, n < n_out: the activations quantized once per
+// block size (32-weight formats, K-quants), then one thread split over the tiles of all parts together: one
+// parallel region per fused product instead of one per weight (SmolLM2's k / v weights are 24 tiles each: the
+// region's start and end cost about what their products do). A (row, column) result is one thread's, in the
+// order qgemm.c fixes, whatever the split: the same bits as each part alone.
+void q_product_parts(const SdTable* t, const float* x, int64_t rows, int64_t k, const SdPart* parts, int64_t nparts,
+                     int64_t ldo) {
+  bool need32 = false, need256 = false;
+  for (int64_t i = 0; i < nparts; ++i) (kBlockSize[parts[i].fmt] == 32 ? need32 : need256) = true;
+  std::vector<int8_t> q32(need32 ? rows * k : 0), q256(need256 ? rows * k : 0);
+  std::vector<float> d32(need32 ? rows * (k / 32) : 0), s32(need32 ? rows * (k / 32) : 0),
+      d256(need256 ? rows * (k / 256) : 0);
+  std::vector<int16_t> b256(need256 ? rows * (k / 16) : 0);
+  if (need32) t->quantize32(x, rows, k, q32.data(), d32.data(), s32.data());
+  if (need256) t->quantize256(x, rows, k, q256.data(), d256.data(), b256.data());
+  // threads split whole tiles of 8 columns (qgemm.c passt32 / passt / passt6; a part's last one may be shorter)
+  std::vector<int64_t> first(nparts + 1, 0);
+  for (int64_t i = 0; i < nparts; ++i) first[i + 1] = first[i] + (parts[i].n_out + 7) / 8;
+  const int64_t tiles = first[nparts], grain = std::max<int64_t>(1, tiles / (8 * at::get_num_threads()) + 1);
+  at::parallel_for(0, tiles, grain, [&](int64_t t0, int64_t t1) {
+    for (int64_t i = 0; i < nparts; ++i) {
+      const int64_t a = std::max(t0, first[i]) - first[i], e = std::min(t1, first[i + 1]) - first[i];
+      if (a >= e) continue;
+      const SdPart& p = parts[i];
+      const int64_t n0 = 8 * a, n1 = std::min<int64_t>(p.n_out, 8 * e);
+      if (kBlockSize[p.fmt] == 32)
+        t->gemm32(static_cast<int>(p.fmt), p.w, p.ldw, k, q32.data(), d32.data(), s32.data(), rows, p.out, ldo, n0, n1,
+                  p.n_out);
+      else
+        t->gemmk(static_cast<int>(p.fmt), p.w, p.ldw, k, q256.data(), d256.data(), b256.data(), rows, p.out, ldo, n0,
+                 n1, p.n_out);
+    }
+  });
+}
+
+// out[r * ldo + n] = x[r] . w[n] for rows r < rows, n < n_out (q_product_parts of one weight)
 void q_product(const SdTable* t, const float* x, int64_t rows, int64_t k, const uint8_t* w, int64_t n_out,
                int64_t ldw, int64_t fmt, float* out, int64_t ldo) {
-  std::vector<int8_t> q(rows * k);
-  // threads split whole tiles of 8 columns (qgemm.c passt32 / passt / passt6; the last one may be shorter)
-  const int64_t tiles = (n_out + 7) / 8, grain = std::max<int64_t>(1, tiles / (8 * at::get_num_threads()) + 1);
-  if (kBlockSize[fmt] == 32) {
-    std::vector<float> d(rows * (k / 32)), s(rows * (k / 32));
-    t->quantize32(x, rows, k, q.data(), d.data(), s.data());
-    at::parallel_for(0, tiles, grain, [&](int64_t t0, int64_t t1) {
-      t->gemm32(static_cast<int>(fmt), w, ldw, k, q.data(), d.data(), s.data(), rows, out, ldo, 8 * t0,
-                std::min<int64_t>(n_out, 8 * t1), n_out);
-    });
-  } else {
-    std::vector<float> d(rows * (k / 256));
-    std::vector<int16_t> b(rows * (k / 16));
-    t->quantize256(x, rows, k, q.data(), d.data(), b.data());
-    at::parallel_for(0, tiles, grain, [&](int64_t t0, int64_t t1) {
-      t->gemmk(static_cast<int>(fmt), w, ldw, k, q.data(), d.data(), b.data(), rows, out, ldo, 8 * t0,
-               std::min<int64_t>(n_out, 8 * t1), n_out);
-    });
-  }
+  const SdPart part{w, n_out, ldw, fmt, out};
+  q_product_parts(t, x, rows, k, &part, 1, ldo);
 }
 
 // x [rows, k] float32 -> the 8-bit activations the format multiplies:

@@ -1606,6 +1606,59 @@ SD_INLINE void partial8_f32(const float* qs, const float* kb, int64_t DV, __m256
 // Keys / values converted to float32 at a time (a multiple of 8): 8 KB at d = 64, inside L1
 #define SD_ATT_KEYS 32
 
+#if defined(SD_VARIANT_AVX512) || defined(SD_VARIANT_AVX512VNNI)
+// The AVX-512 variants run attention's float32 work on 16 lanes with the bits of the 8-lane code (tested on
+// every variant: tests/test_lowbit.py). Scores: two keys per vector (lanes 0-7 key 2m, lanes 8-15 key 2m + 1),
+// each lane the same chain of fused multiply-adds as partial8_f32's; then scores8's tree on 16 lanes (hadd16 is
+// vhaddps per 128-bit block: the same additions). Values: 16 output dimensions per vector, each lane its own sum
+// over the keys in order, as on 8 lanes. Half the multiply-adds of the 8-lane code (docs/results/kernels/amx/).
+#define SD_ATT512 1
+static inline __m512 hadd16(__m512 a, __m512 b) {  // per 128-bit block: a0 + a1, a2 + a3, b0 + b1, b2 + b3
+  return _mm512_add_ps(_mm512_shuffle_ps(a, b, 0x88), _mm512_shuffle_ps(a, b, 0xDD));
+}
+// scores8 of 8 keys converted in pairs (kb: key 2m's floats 8i..8i+7 then key 2m + 1's at kb + (m * DV + i) * 16)
+// for two queries at once (qa, qb; eight independent chains of multiply-adds, each key vector loaded once)
+SD_INLINE void scores8_pairs(const float* qa, const float* qb, const float* kb, int64_t DV, __m256* sa, __m256* sb) {
+  __m512 z[8];
+  for (int m = 0; m < 8; ++m) z[m] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < DV; ++i) {  // (a 256-bit load broadcast to both halves: AVX-512 F)
+    const __m512 xa = _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_loadu_pd((const double*)(qa + 8 * i))));
+    const __m512 xb = _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_loadu_pd((const double*)(qb + 8 * i))));
+    for (int m = 0; m < 4; ++m) {
+      const __m512 kv = _mm512_loadu_ps(kb + (m * DV + i) * 16);
+      z[m] = _mm512_fmadd_ps(xa, kv, z[m]);
+      z[4 + m] = _mm512_fmadd_ps(xb, kv, z[4 + m]);
+    }
+  }
+  const __m512i order = _mm512_setr_epi32(0, 8, 1, 9, 2, 10, 3, 11, 0, 0, 0, 0, 0, 0, 0, 0);
+  for (int h = 0; h < 2; ++h) {
+    const __m512* y = z + 4 * h;
+    // blocks of u: 0 = keys 0 2 4 6, lanes 0-3 summed as ((l0 + l1) + (l2 + l3)); 1 = their lanes 4-7; 2 / 3 = keys 1 3 5 7
+    const __m512 u = hadd16(hadd16(y[0], y[1]), hadd16(y[2], y[3]));
+    const __m512 w = _mm512_add_ps(u, _mm512_shuffle_f32x4(u, u, _MM_SHUFFLE(2, 3, 0, 1)));  // blocks 0 + 1, 2 + 3
+    *(h ? sb : sa) = _mm512_castps512_ps256(_mm512_permutexvar_ps(order, w));
+  }
+}
+// The value sums of QN queries (p[qq]: its probabilities of the cnt keys at kb, [cnt][16 DZ] floats; acc[qq]: its
+// running sums, [16 DZ]), each key vector loaded once for all of them: QN * DZ independent chains (one query's DZ
+// chains alone wait on the multiply-add latency). Each lane sums its keys in order, as on 8 lanes.
+SD_INLINE void values16(const int QN, const int64_t DZ, const float* const p[4], const float* kb, int64_t cnt,
+                        float* const acc[4]) {
+  __m512 a[16];
+  for (int qq = 0; qq < QN; ++qq)
+    for (int64_t v = 0; v < DZ; ++v) a[qq * DZ + v] = _mm512_loadu_ps(acc[qq] + 16 * v);
+  for (int64_t j = 0; j < cnt; ++j)
+    for (int64_t v = 0; v < DZ; ++v) {
+      const __m512 kv = _mm512_loadu_ps(kb + j * 16 * DZ + 16 * v);
+      for (int qq = 0; qq < QN; ++qq) a[qq * DZ + v] = _mm512_fmadd_ps(_mm512_set1_ps(p[qq][j]), kv, a[qq * DZ + v]);
+    }
+  for (int qq = 0; qq < QN; ++qq)
+    for (int64_t v = 0; v < DZ; ++v) _mm512_storeu_ps(acc[qq] + 16 * v, a[qq * DZ + v]);
+}
+#else
+#define SD_ATT512 0
+#endif
+
 // Attention of nq queries that read one kv head: query i is head hs[i] of row rows[i] (q + rows[i] * ldq +
 // hs[i] * d; its visible columns visible + rows[i] * kv_len, or every column < kv_len when visible is NULL;
 // its result out + rows[i] * ldo + hs[i] * d). The keys and values every query sees (the columns before the
@@ -1645,8 +1698,25 @@ SD_INLINE void attention_d(const float* q, int64_t ldq, int64_t heads, int64_t k
   // 1. scores of the shared keys: eight at a time by rank (rank = column below c), every query per chunk
   for (int64_t j0 = 0; j0 < c8; j0 += SD_ATT_KEYS) {
     const int64_t cnt = c8 - j0 < SD_ATT_KEYS ? c8 - j0 : SD_ATT_KEYS;
-    for (int64_t j = 0; j < cnt; ++j)
-      for (int64_t v = 0; v < DV; ++v) _mm256_storeu_ps(kb + j * d + 8 * v, load_h8(kh + (j0 + j) * d + 8 * v));
+    for (int64_t j = 0; j < cnt; ++j)  // (SD_ATT512: in pairs of keys, scores8_pairs)
+      for (int64_t v = 0; v < DV; ++v)
+        _mm256_storeu_ps(kb + (SD_ATT512 ? ((j / 2) * DV + v) * 16 + (j % 2) * 8 : j * d + 8 * v), load_h8(kh + (j0 + j) * d + 8 * v));
+#if SD_ATT512
+    for (int64_t i = 0; i < nq; i += 2) {  // two queries at a time (an odd last one twice, its copy unused)
+      const int64_t i2 = i + 1 < nq ? i + 1 : i;
+      __m256 mva = _mm256_loadu_ps(mvb + 8 * i), mvb2 = _mm256_loadu_ps(mvb + 8 * i2);
+      for (int64_t m = 0; m < cnt; m += 8) {
+        __m256 sa, sb;
+        scores8_pairs(qsb + i * d, qsb + i2 * d, kb + m * d, DV, &sa, &sb);
+        _mm256_storeu_ps(pbase + i * kv_len + j0 + m, sa);
+        _mm256_storeu_ps(pbase + i2 * kv_len + j0 + m, sb);
+        mva = _mm256_max_ps(mva, sa);
+        mvb2 = _mm256_max_ps(mvb2, sb);
+      }
+      _mm256_storeu_ps(mvb + 8 * i, mva);
+      _mm256_storeu_ps(mvb + 8 * i2, mvb2);
+    }
+#else
     for (int64_t i = 0; i < nq; ++i) {
       __m256 mv = _mm256_loadu_ps(mvb + 8 * i), v[8];
       for (int64_t m = 0; m < cnt; m += 8) {
@@ -1657,6 +1727,7 @@ SD_INLINE void attention_d(const float* q, int64_t ldq, int64_t heads, int64_t k
       }
       _mm256_storeu_ps(mvb + 8 * i, mv);
     }
+#endif
   }
   // 2. each query's other visible keys (ranks from c8 on), its maximum, probabilities and their sum
   for (int64_t i = 0; i < nq; ++i) {
@@ -1721,6 +1792,25 @@ SD_INLINE void attention_d(const float* q, int64_t ldq, int64_t heads, int64_t k
     const int64_t cnt = c - j0 < SD_ATT_KEYS ? c - j0 : SD_ATT_KEYS;
     for (int64_t j = 0; j < cnt; ++j)
       for (int64_t v = 0; v < DV; ++v) _mm256_storeu_ps(kb + j * d + 8 * v, load_h8(vh + (j0 + j) * d + 8 * v));
+#if SD_ATT512
+    if (DV % 2 == 0) {  // 16 dimensions per vector (d <= 256: at most 16 vectors), queries in blocks of QB
+      const int64_t DZ = DV / 2;
+      const int QB = DZ <= 4 ? 4 : DZ <= 8 ? 2 : 1;
+      for (int64_t i = 0; i < nq; i += QB) {
+        const int qn = nq - i < QB ? (int)(nq - i) : QB;
+        const float* p[4];
+        float* acc[4];
+        for (int qq = 0; qq < qn; ++qq) p[qq] = pbase + (i + qq) * kv_len + j0, acc[qq] = accb + (i + qq) * d;
+        switch (qn) {
+          case 4: values16(4, DZ, p, kb, cnt, acc); break;
+          case 3: values16(3, DZ, p, kb, cnt, acc); break;
+          case 2: values16(2, DZ, p, kb, cnt, acc); break;
+          default: values16(1, DZ, p, kb, cnt, acc); break;
+        }
+      }
+      continue;
+    }
+#endif
     for (int64_t i = 0; i < nq; ++i) {
       const float* p = pbase + i * kv_len + j0;
       for (int64_t c0 = 0; c0 < DV; c0 += SD_ATT_CHUNK) {
@@ -1741,6 +1831,23 @@ SD_INLINE void attention_d(const float* q, int64_t ldq, int64_t heads, int64_t k
     const uint8_t* vis = visible ? visible + rows[i] * kv_len : NULL;
     const __m256 inv = _mm256_set1_ps(mvb[8 * i]);
     float* o = out + rows[i] * ldo + hs[i] * d;
+#if SD_ATT512
+    if (DV % 2 == 0) {
+      const int64_t DZ = DV / 2;
+      __m512 acc[16];
+      for (int64_t v = 0; v < DZ; ++v) acc[v] = _mm512_loadu_ps(accb + i * d + 16 * v);
+      int64_t rank = c;
+      for (int64_t j = c; j < kv_len; ++j) {
+        if (vis && !vis[j]) continue;
+        const __m512 pj = _mm512_set1_ps(scratch[rank++]);
+        const uint16_t* vj = vh + j * d;
+        for (int64_t v = 0; v < DZ; ++v)
+          acc[v] = _mm512_fmadd_ps(pj, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(vj + 16 * v))), acc[v]);
+      }
+      for (int64_t v = 0; v < DZ; ++v) _mm512_storeu_ps(o + 16 * v, _mm512_mul_ps(acc[v], _mm512_set1_ps(mvb[8 * i])));
+      continue;
+    }
+#endif
     for (int64_t c0 = 0; c0 < DV; c0 += SD_ATT_CHUNK) {
       const int64_t c1 = c0 + SD_ATT_CHUNK < DV ? c0 + SD_ATT_CHUNK : DV;
       __m256 acc[32];

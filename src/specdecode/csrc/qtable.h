@@ -35,3 +35,11 @@ typedef struct {
   // float32 [n] -> float16 [n] (round to nearest even)
   void (*to_f16)(const float*, uint16_t*, int64_t);
 } SdTable;
+
+// One weight of a fused product (q / k / v, gate / up) for the extension's q_product_parts (lowbit.cpp): GGUF
+// blocks of format fmt, n_out rows of ldw bytes, written to out[r * ldo + n] (out: the part's first column)
+typedef struct {
+  const uint8_t* w;
+  int64_t n_out, ldw, fmt;
+  float* out;
+} SdPart;

@@ -18,8 +18,8 @@
 #include "qtable.h"
 
 const SdTable* sd_table_at(int64_t address);                                             // lowbit.cpp
-void q_product(const SdTable* t, const float* x, int64_t rows, int64_t k, const uint8_t* w, int64_t n_out,
-               int64_t ldw, int64_t fmt, float* out, int64_t ldo);                      // lowbit.cpp
+void q_product_parts(const SdTable* t, const float* x, int64_t rows, int64_t k, const SdPart* parts, int64_t nparts,
+                     int64_t ldo);                                                       // lowbit.cpp
 
 namespace {
 
@@ -65,12 +65,20 @@ struct Product {
   }
 };
 
-// The product on raw buffers: every part a GGUF-block weight (kind 1), written side by side.
+// The product on raw buffers: every part a GGUF-block weight (kind 1), written side by side, all parts in one
+// thread split (q_product_parts: the activations quantized once, one parallel region).
 void fused_product(const Product& prod, const SdTable* t, const float* x, int64_t rows, float* out, int64_t ldo) {
+  std::vector<SdPart> parts;
   int64_t col = 0;
   for (const auto& p : prod.parts) {
+    TORCH_CHECK(p.in == prod.parts[0].in, "the parts of a fused product take the same input");
+    parts.push_back({p.a.data_ptr<uint8_t>(), p.a.size(0), p.a.size(1), p.fmt, out + col});
+    col += p.a.size(0);
+  }
+  q_product_parts(t, x, rows, prod.parts[0].in, parts.data(), static_cast<int64_t>(parts.size()), ldo);
+  col = 0;
+  for (const auto& p : prod.parts) {
     const int64_t n_out = p.a.size(0);
-    q_product(t, x, rows, p.in, p.a.data_ptr<uint8_t>(), n_out, p.a.size(1), p.fmt, out + col, ldo);
     if (p.bias) {
       const float* b = p.bias->data_ptr<float>();
       for (int64_t r = 0; r < rows; ++r)
