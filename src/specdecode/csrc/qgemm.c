@@ -246,6 +246,25 @@ SD_INLINE void prefetch_ahead(const uint8_t* p, int bytes) {
     for (int l = 0; l < bytes; l += 64) _mm_prefetch((const char*)(p + SD_PREFETCH + l), _MM_HINT_T0);
 }
 
+// The same for a pair of tiles read side by side (ta, tb: block pos bytes into tiles A and B = A + tile, tile bytes
+// each): the next bytes a pair reads are A's and B's at the same offset, and after the tiles' ends the next pair's
+// (A + 2 tile, B + 2 tile): each stream is prefetched SD_PREFETCH_PAIR bytes ahead of its own block, across B (A's
+// stream) and into the next pair. Prefetching ta + SD_PREFETCH and tb + SD_PREFETCH instead left the start of B
+// unfetched at every pair (A's stream reached it only as A ended): Q4_K tile pairs of 1,536 inputs streamed at
+// 0.80-0.93x single tiles on the Intel Xeon (docs/results/kernels/amx/README.md).
+#ifndef SD_PREFETCH_PAIR
+#define SD_PREFETCH_PAIR SD_PREFETCH
+#endif
+SD_INLINE void prefetch_pair(const uint8_t* ta, const uint8_t* tb, int64_t pos, int64_t tile, int bytes) {
+  if (SD_PREFETCH_PAIR) {
+    const int64_t ahead = SD_PREFETCH_PAIR + (pos + SD_PREFETCH_PAIR >= tile ? tile : 0);
+    for (int l = 0; l < bytes; l += 64) {
+      _mm_prefetch((const char*)(ta + ahead + l), _MM_HINT_T0);
+      _mm_prefetch((const char*)(tb + ahead + l), _MM_HINT_T0);
+    }
+  }
+}
+
 static inline int32_t load_i32(const void* p) {
   int32_t v;
   memcpy(&v, p, 4);
@@ -437,11 +456,16 @@ SD_INLINE void passt32(const int P, const int fmt, const uint8_t* wt, int64_t nb
 // same script): SmolLM2's Q4_1 pairs from 4 rows run 4 / 6 / 8 rows 1.09 / 1.19 / 1.25x faster (Q4_0: the same
 // code, taken along); the 0.5B's Q5_0 / Q8_0 lost 1.1x at 4-6 rows (kept at 16); short-row K-quant pairs at 8 rows
 // lost 1.10x on the 1.5B (kept at 8, as the AMD EPYC measured). Not re-measured on the AMD machines.
+// With each stream of a pair prefetched ahead of its own block and into the next pair (prefetch_pair; the
+// half-speed streams above were the start of tile B left unfetched), on the Intel Xeon: Q5_0 / Q8_0 pairs from 4
+// rows run the 0.5B's 4 / 6 / 8 tokens 1.08 / 1.16 / 1.25x faster, SmolLM2 (its Q8_0 weights) 1.03-1.04x; the
+// 1.5B's short-row K-quant pairs at 8 rows went from 1.10x slower to even (kept at 8); pairs from 2 rows for the
+// 32-weight formats: 0.99-1.06x, within the noise (docs/results/kernels/amx/pairs_ab.txt, run 3).
 // -DSD_PAIR_AB makes it a variable that pair512/ab_model.py sets in a running forward.
 #ifdef SD_PAIR_AB
-int sd_pair_min_rows[6] = {4, 4, 16, 16, 8, 8};
+int sd_pair_min_rows[6] = {4, 4, 4, 4, 8, 8};
 #else
-static const int sd_pair_min_rows[6] = {4, 4, 16, 16, 8, 8};
+static const int sd_pair_min_rows[6] = {4, 4, 4, 4, 8, 8};
 #endif
 // The fewest rows that run K-quant pairs at nb super-blocks per row (streamed weights, 2 threads, Q4_K / Q6_K, pairs
 // over single tiles: 8,960 inputs 1.12-1.26x at 2 rows, 1.49-1.54x at 4; 4,864: 0.94-1.01x at 2, 1.29x at 3,
@@ -482,8 +506,7 @@ SD_INLINE void passt32_pair(const int P, const int fmt, const uint8_t* wa, const
   for (int r = 0; r < P; ++r) acc[r] = macc[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t *ta = wa + (int64_t)tile32_bytes(fmt) * b, *tb = wb + (int64_t)tile32_bytes(fmt) * b;
-    prefetch_ahead(ta, tile32_bytes(fmt));
-    prefetch_ahead(tb, tile32_bytes(fmt));
+    prefetch_pair(ta, tb, (int64_t)(tile32_bytes(fmt)) * b, (int64_t)(tile32_bytes(fmt)) * nb, tile32_bytes(fmt));
     const int8_t* xb = xq + r0 * k + 32 * b;
     __m512i s[SD_PASSZ];
     for (int r = 0; r < P; ++r) s[r] = z ? _mm512_set1_epi32(-z * xsum[(r0 + r) * nb + b]) : _mm512_setzero_si512();
@@ -595,8 +618,7 @@ static void* amx_alloc(size_t bytes) {  // 64-byte aligned workspace
 static void amx_unpack32(int fmt, const uint8_t* wa, const uint8_t* wb, int64_t nb, uint8_t* ws) {
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t *ta = wa + (int64_t)tile32_bytes(fmt) * b, *tb = wb + (int64_t)tile32_bytes(fmt) * b;
-    prefetch_ahead(ta, tile32_bytes(fmt));
-    prefetch_ahead(tb, tile32_bytes(fmt));
+    prefetch_pair(ta, tb, (int64_t)(tile32_bytes(fmt)) * b, (int64_t)(tile32_bytes(fmt)) * nb, tile32_bytes(fmt));
     uint8_t* o = ws + SD_AMX_B32 * b;
 #pragma GCC unroll 8
     for (int g = 0; g < 8; ++g) _mm512_store_si512((__m512i*)(o + 64 * g), tile32_vector_pair(fmt, ta, tb, g));
@@ -1128,8 +1150,7 @@ SD_INLINE void passt_pair(const int P, const uint8_t* wa, const uint8_t* wb, int
   const __m512i m4 = _mm512_set1_epi8(0x0F);
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t *ta = wa + SD_TILE_SB * b, *tb = wb + SD_TILE_SB * b;
-    prefetch_ahead(ta, SD_TILE_SB);
-    prefetch_ahead(tb, SD_TILE_SB);
+    prefetch_pair(ta, tb, (int64_t)(SD_TILE_SB) * b, (int64_t)(SD_TILE_SB) * nb, SD_TILE_SB);
     TileScales sa, sb;
     tile_scales(ta, &sa);
     tile_scales(tb, &sb);
@@ -1177,8 +1198,7 @@ SD_INLINE void passt6_pair(const int P, const uint8_t* wa, const uint8_t* wb, in
   const __m512i m4 = _mm512_set1_epi8(0x0F), m30 = _mm512_set1_epi8(0x30);
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t *ta = wa + SD_TILE_SB6 * b, *tb = wb + SD_TILE_SB6 * b;
-    prefetch_ahead(ta, SD_TILE_SB6);
-    prefetch_ahead(tb, SD_TILE_SB6);
+    prefetch_pair(ta, tb, (int64_t)(SD_TILE_SB6) * b, (int64_t)(SD_TILE_SB6) * nb, SD_TILE_SB6);
     TileScales6 sa, sb;
     tile_scales6(ta, &sa);
     tile_scales6(tb, &sb);
@@ -1262,8 +1282,7 @@ static void amx_unpackk(int fmt, const uint8_t* wa, const uint8_t* wb, int64_t n
   for (int64_t b = 0; b < nb; ++b) {
     if (fmt == SD_Q4_K) {
       const uint8_t *ta = wa + SD_TILE_SB * b, *tb = wb + SD_TILE_SB * b;
-      prefetch_ahead(ta, SD_TILE_SB);
-      prefetch_ahead(tb, SD_TILE_SB);
+      prefetch_pair(ta, tb, (int64_t)(SD_TILE_SB) * b, (int64_t)(SD_TILE_SB) * nb, SD_TILE_SB);
       uint8_t* o = ws + SD_AMX_BK4 * b;
       TileScales sa, sb;
       tile_scales(ta, &sa);
@@ -1281,8 +1300,7 @@ static void amx_unpackk(int fmt, const uint8_t* wa, const uint8_t* wb, int64_t n
       _mm512_store_ps((float*)(o + 8512), join_f(sa.dmin, sb.dmin));
     } else {
       const uint8_t *ta = wa + SD_TILE_SB6 * b, *tb = wb + SD_TILE_SB6 * b;
-      prefetch_ahead(ta, SD_TILE_SB6);
-      prefetch_ahead(tb, SD_TILE_SB6);
+      prefetch_pair(ta, tb, (int64_t)(SD_TILE_SB6) * b, (int64_t)(SD_TILE_SB6) * nb, SD_TILE_SB6);
       uint8_t* o = ws + SD_AMX_BK6 * b;
       TileScales6 sa, sb;
       tile_scales6(ta, &sa);
