@@ -297,3 +297,17 @@ def test_a_bad_guided_field_gets_a_400_naming_it(served, fields, param, needle):
     ok = http.post("/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 4,
                                             "response_format": {"type": "text"}, "guided_regex": "[a-z]{4}"})
     assert ok.status_code == 200 and re.fullmatch("[a-z]{4}", ok.json()["choices"][0]["text"])
+
+
+def test_cli_refuses_a_bad_regex_before_the_model_loads(capsys, monkeypatch):
+    """llguidance checks the pattern's syntax without a tokenizer: refused at the door, nothing loaded."""
+    import specdecode.generator as generator
+
+    def no_load(*a, **k):
+        raise AssertionError("the model was loaded before the regex was checked")
+
+    monkeypatch.setattr(generator.SpecDecoder, "from_pretrained", classmethod(no_load))
+    code, out, err = _run(capsys, "generate", "--prompt", "x", "--regex", "[a-z")
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert code == 2 and out == "" and len(errors) == 1, err
+    assert "--regex: invalid regular expression" in errors[0] and "unclosed character class" in errors[0]

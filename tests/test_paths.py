@@ -189,3 +189,32 @@ def test_a_refused_bench_leaves_no_output_folder(capsys, tmp_path):
     out = tmp_path / "run"
     assert main(["bench", "--smoke", "--methods", "nosuch:k=3", "--output", str(out)]) == 2
     assert "unknown method 'nosuch'" in capsys.readouterr().err and not out.exists()
+
+
+def test_a_failed_command_removes_the_output_folders_it_made_and_left_empty(tmp_path):
+    from specdecode.paths import removed_if_left_empty
+
+    out = tmp_path / "a" / "b"
+    with pytest.raises(RuntimeError), removed_if_left_empty(out):
+        out.mkdir(parents=True)
+        raise RuntimeError("the run failed")
+    assert not (tmp_path / "a").exists()
+    with pytest.raises(RuntimeError), removed_if_left_empty(out):  # a record written: kept, with the record
+        out.mkdir(parents=True)
+        (out / "records.jsonl").write_text("{}\n")
+        raise RuntimeError("the run failed later")
+    assert (out / "records.jsonl").is_file()
+    with removed_if_left_empty(tmp_path / "c"):  # success: whatever was made stays
+        (tmp_path / "c").mkdir()
+    assert (tmp_path / "c").is_dir()
+
+
+def test_a_verify_table_that_fails_leaves_no_output_folder(capsys, tmp_path, monkeypatch):
+    """llama-bench missing: the table stops before any load, and the folder it named is not left behind."""
+    from specdecode.bench import llamaserver
+    from specdecode.cli import main
+
+    monkeypatch.setattr(llamaserver, "binary", lambda name="llama-server": tmp_path / "no" / name)
+    out = tmp_path / "vt"
+    assert main(["bench", "--verify-table", "--target", "smollm2-135m", "--output", str(out)]) == 2
+    assert "llama-bench" in capsys.readouterr().err and not out.exists()

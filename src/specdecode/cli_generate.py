@@ -105,6 +105,11 @@ def _check_generate_args(args: argparse.Namespace) -> None:
     args.json_schema_text = _read_json_schema(args.json_schema)
     if args.regex is not None and not args.regex:
         raise SpecDecodeError("--regex: the pattern is empty")
+    if args.regex is not None:
+        from specdecode.grammar import StructuredOutput
+
+        with naming_flags():  # llguidance's syntax check, before the model loads
+            StructuredOutput.regex(args.regex)
 
 
 def _read_json_schema(path: str | None) -> str | None:

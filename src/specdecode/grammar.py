@@ -107,6 +107,14 @@ class StructuredOutput:
                 raise _error(f"the JSON schema holds a value JSON cannot represent ({e})", where) from None
         if self.kind == "regex" and (not isinstance(self.spec, str) or not self.spec):
             raise _error("a regular expression must be a non-empty string", where)
+        if self.kind == "regex":  # llguidance's own syntax check, at the door (no tokenizer, no model needed)
+            try:
+                is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(
+                    llguidance.LLMatcher.grammar_from_regex(self.spec), None)
+            except (ValueError, TypeError) as e:
+                raise _error(f"invalid regular expression: {e}", where) from None
+            if is_error:
+                raise _error(f"invalid regular expression: {_first_line(messages)}", where)
         if self.kind == "json_object" and self.spec is not None:
             raise _error("json_object takes no spec", where)
 

@@ -135,6 +135,24 @@ def _made(folder: Path):
                 d.rmdir()
 
 
+@contextlib.contextmanager
+def removed_if_left_empty(folder: str | os.PathLike):
+    """Run the block; if it raises, remove ``folder`` and those of its parents that did not exist before it,
+    where they are still empty: a command that fails leaves no empty output folder behind (one that wrote a
+    file keeps it, with what was written)."""
+    missing, p = [], Path(folder).expanduser()
+    while not p.exists() and p != p.parent:
+        missing.append(p)
+        p = p.parent
+    try:
+        yield
+    except BaseException:
+        for d in missing:  # the folder first, then its parents
+            with contextlib.suppress(OSError):
+                d.rmdir()
+        raise
+
+
 def _why(exc: OSError) -> str:
     return exc.strerror or str(exc)
 

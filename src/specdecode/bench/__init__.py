@@ -16,7 +16,7 @@ from pathlib import Path
 from specdecode.cliargs import check_precision_flags
 from specdecode.errors import SpecDecodeError
 from specdecode.options import VERIFICATION_METHODS, WEIGHT_CHOICES, WEIGHT_PRECISIONS
-from specdecode.paths import check_output_dir
+from specdecode.paths import check_output_dir, removed_if_left_empty
 from specdecode.validate import check_threads
 
 PRESETS = ("full", "quick", "smoke")
@@ -181,8 +181,9 @@ def run_command(args: argparse.Namespace) -> int:
             raise SpecDecodeError(f"--depths must be positive token counts, got {args.depths!r}")
         out = check_output_dir(args.output or "bench-out/verify-table", "--output", default=args.output is None)
         models = [args.target or "smollm2-135m", *([args.draft] if args.draft else [])]
-        run_table(models, out, depths=depths, repeats=args.repeats or 5, threads=args.threads,
-                  peer=args.peer is not False)
+        with removed_if_left_empty(out):  # a failed run (no llama-bench, a model without GGUF) leaves nothing
+            run_table(models, out, depths=depths, repeats=args.repeats or 5, threads=args.threads,
+                      peer=args.peer is not False)
         print((out / "verify_table.md").read_text(encoding="utf-8"))
         return 0
     if args.report_only:
@@ -207,7 +208,8 @@ def run_command(args: argparse.Namespace) -> int:
     from specdecode.bench import report
     from specdecode.bench.runner import run_bench
 
-    run_bench(config, progress=not args.no_progress)
+    with removed_if_left_empty(config.output):  # a run that fails before its first record leaves nothing
+        run_bench(config, progress=not args.no_progress)
     print((Path(config.output) / report.REPORT_MD).read_text(encoding="utf-8"))
     return 0
 
