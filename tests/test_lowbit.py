@@ -585,7 +585,7 @@ def _attend(name, q, k, v, visible):
     return torch.stack(outs)
 
 
-@pytest.mark.parametrize("d", [64, 128, 48])
+@pytest.mark.parametrize("d", [64, 128, 48, 40, 96, 256])  # 40: scores on 16 lanes, values on 8; 256: 16 vectors
 def test_attention_is_exact_per_rank_and_the_same_on_every_variant(d):
     """The C attention (keys scored eight at a time): within float32 rounding of a float64 softmax; identical
     bits on every variant; a query whose visible keys sit in scattered columns (a token-tree node) gets the
@@ -615,7 +615,7 @@ def test_attention_is_exact_per_rank_and_the_same_on_every_variant(d):
         torch.testing.assert_close(outs[0].double(), ref, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d", [64, 128, 40, 256])
 def test_attention_of_many_queries_in_one_call_gives_each_query_its_bits_alone(d):
     """A verification's rows and a GQA group's heads in one call share the float16 conversion of the keys and
     values all of them see; each query keeps the bits it gets alone: chains of 1-9 rows over 0-70 cached
@@ -720,7 +720,7 @@ def test_tiles32_are_bit_identical_across_variants_threads_and_rows(cols, kind):
         pytest.skip("no kernel variant on this CPU")
     k = 896 if cols == 13 else 576
     module = lowbit.QuantLinear(torch.from_numpy(_raw(kind, cols, k, seed=cols)), kind, k)
-    # 24 rows at 61 columns: VNNI runs these formats' tiles in pairs from 16 rows; prefixes of 17-23 end in a short pass
+    # 24 rows at 61 columns: VNNI runs these formats' tiles in pairs (from 4 rows, qgemm.c sd_pair_min_rows) in passes of 8: prefixes end in short passes
     x = torch.randn(24 if cols == 61 else 16, k, generator=torch.Generator().manual_seed(cols))
     x[3] *= 1000.0
     out = _assert_same_bits_everywhere(kernel, module, x)
@@ -771,3 +771,32 @@ def test_sampled_output_with_a_reduced_draft_vocabulary_follows_the_targets_exac
     assert engine.proposer.runner._vocab_rows == 3
     assert chi2_pvalue(counts, exact_joint(tgt, prompt, 3, backend="owned")) > 1e-3
     assert chi2_pvalue(counts, exact_joint(drf, prompt, 3, backend="owned")) < 1e-6
+
+
+@pytest.mark.parametrize("family", ["32", "k"])
+def test_a_fused_product_gives_each_weight_its_own_bits(family):
+    """q / k / v (gate / up) run as one fused product (lowbit.cpp q_product_parts: the activations quantized once
+    per block size, one thread split over the tiles of every part, a thread's range crossing parts): each part's
+    columns are bit for bit q_linear's of that weight alone, on every variant, at 1-3 threads, 1-9 rows, for
+    widths that are not multiples of 8 and mixed formats (a Q4_K_M file's Q4_K q beside a Q6_K v)."""
+    kernel = lowbit.load_kernel()
+    if kernel is None or not VARIANTS:
+        pytest.skip("no kernel variant on this CPU")
+    kinds = ["Q4_0", "Q8_0", "Q4_1", "Q5_0", "Q8_0"] if family == "32" else ["Q4_K", "Q6_K", "Q4_K", "Q6_K", "Q4_K"]
+    k = 576 if family == "32" else 512
+    widths = [12, 8, 5, 16, 3]
+    modules = [lowbit.QuantLinear(torch.from_numpy(_raw(kind, w, k, seed=i)), kind, k)
+               for i, (kind, w) in enumerate(zip(kinds, widths))]
+    threads = torch.get_num_threads()
+    try:
+        for name in VARIANTS:
+            table = lowbit.load_variant(name)
+            for n in (1, 2, 3):
+                torch.set_num_threads(n)
+                for rows in (1, 4, 9):
+                    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
+                    fused = kernel.q_linear_parts(x, [m.packed for m in modules], [m.fmt for m in modules], table)
+                    alone = torch.cat([kernel.q_linear(x, m.packed, m.fmt, table) for m in modules], dim=1)
+                    assert torch.equal(fused, alone), (name, n, rows)
+    finally:
+        torch.set_num_threads(threads)

@@ -94,8 +94,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def _check_generate_args(args: argparse.Namespace) -> None:
-    """Range-check every number before anything heavy is imported or loaded (SpecDecodeError on the first bad
-    one): the checks of SamplingParams, EngineConfig and the drafter factory (``specdecode.validate``)."""
+    """Range-check every number before any model is loaded (SpecDecodeError on the first bad one): the checks of
+    SamplingParams, EngineConfig and the drafter factory (``specdecode.validate``), and a --regex's syntax
+    (llguidance, without a tokenizer)."""
     with naming_flags():
         check_sampling(args.temperature, args.top_k, args.top_p, args.max_new_tokens, args.seed,
                        **sampling_kwargs(args))

@@ -50,6 +50,7 @@ Use::
 from __future__ import annotations
 
 import json
+import re
 import threading
 import weakref
 from collections import OrderedDict
@@ -86,7 +87,8 @@ class StructuredOutput:
             "response_format"); empty = the kind's own name.
 
     Raises:
-        SpecDecodeError: a spec of the wrong type for its kind (``field`` set).
+        SpecDecodeError: a spec of the wrong type for its kind, or a regular expression llguidance's syntax
+            (Rust ``regex``) refuses: an unclosed group, a backreference, a lookaround (``field`` set).
     """
 
     kind: StructuredKind
@@ -112,9 +114,9 @@ class StructuredOutput:
                 is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(
                     llguidance.LLMatcher.grammar_from_regex(self.spec), None)
             except (ValueError, TypeError) as e:
-                raise _error(f"invalid regular expression: {e}", where) from None
+                raise _error(f"invalid regular expression: {_regex_problem([str(e)])}", where) from None
             if is_error:
-                raise _error(f"invalid regular expression: {_first_line(messages)}", where)
+                raise _error(f"invalid regular expression: {_regex_problem(messages)}", where)
         if self.kind == "json_object" and self.spec is not None:
             raise _error("json_object takes no spec", where)
 
@@ -150,7 +152,11 @@ class StructuredOutput:
 
     @classmethod
     def regex(cls, pattern: str, field_name: str = "regex") -> "StructuredOutput":
-        """From a regular expression the whole output must match."""
+        """From a regular expression the whole output must match (Rust ``regex`` syntax, checked here).
+
+        Raises:
+            SpecDecodeError: an empty pattern or one llguidance refuses, saying what is wrong.
+        """
         return cls("regex", pattern, field_name)
 
     @classmethod
@@ -329,7 +335,8 @@ def compile_grammar(tokenizer, vocab_size: int, structured: StructuredOutput,
         raise _error(f"invalid {what[structured.kind]}: {e}", where) from None
     is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, ll_tok)
     if is_error:
-        raise _error(f"invalid {what[structured.kind]}: {_first_line(messages)}", where)
+        problem = _regex_problem(messages) if structured.kind == "regex" else _first_line(messages)
+        raise _error(f"invalid {what[structured.kind]}: {problem}", where)
     matcher = llguidance.LLMatcher(ll_tok, grammar, log_level=0)
     if matcher.is_error():
         raise _error(f"invalid {what[structured.kind]}: {_first_line([matcher.get_error()])}", where)
@@ -339,6 +346,18 @@ def compile_grammar(tokenizer, vocab_size: int, structured: StructuredOutput,
         while len(_GRAMMARS) > MAX_CACHED_GRAMMARS:
             _GRAMMARS.popitem(last=False)
     return compiled
+
+
+def _regex_problem(messages: Sequence[str]) -> str:
+    """What llguidance says is wrong with a regular expression, without its grammar-internal position, the
+    pattern repeated and the caret lines: "unclosed group", "backreferences are not supported", ..."""
+    text = " ".join(m for m in messages if m)
+    errors = [line.strip()[len("error:"):].strip() for line in text.splitlines() if line.strip().startswith("error:")]
+    if errors:
+        return errors[-1]
+    text = text.split("\n   1 |")[0]
+    text = re.sub(r'^at \d+\(\d+\): invalid regex ".*?" \(in regex\): ', "", text.strip(), flags=re.S)
+    return " ".join(text.split()) or "rejected by the grammar compiler"
 
 
 def _first_line(messages: Sequence[str]) -> str:

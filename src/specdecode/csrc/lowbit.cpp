@@ -118,6 +118,30 @@ torch::Tensor q_linear(torch::Tensor x, torch::Tensor w, int64_t fmt, int64_t ta
   return out;
 }
 
+// x [rows, k] float32 @ the weights side by side -> [rows, sum of outs] float32: one fused product (the C++ layer
+// loop's q / k / v and gate / up: q_product_parts), for tests against q_linear of each weight
+torch::Tensor q_linear_parts(torch::Tensor x, std::vector<torch::Tensor> ws, std::vector<int64_t> fmts, int64_t table) {
+  const SdTable* t = table_of(table);
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(),
+              "x must be a contiguous float32 [rows, in_features] tensor");
+  TORCH_CHECK(!ws.empty() && ws.size() == fmts.size(), "one format per weight");
+  const int64_t k = x.size(1), rows = x.size(0);
+  int64_t width = 0;
+  for (size_t i = 0; i < ws.size(); ++i) {
+    check_weight(ws[i], fmts[i], k);
+    width += ws[i].size(0);
+  }
+  auto out = torch::empty({rows, width}, torch::kFloat32);
+  std::vector<SdPart> parts;
+  int64_t col = 0;
+  for (size_t i = 0; i < ws.size(); ++i) {
+    parts.push_back({ws[i].data_ptr<uint8_t>(), ws[i].size(0), ws[i].size(1), fmts[i], out.data_ptr<float>() + col});
+    col += ws[i].size(0);
+  }
+  q_product_parts(t, x.data_ptr<float>(), rows, k, parts.data(), static_cast<int64_t>(parts.size()), width);
+  return out;
+}
+
 // float32 [out, k] weights of GGUF blocks (what gguf.dequantize gives, in float32 arithmetic)
 torch::Tensor q_dequantize(torch::Tensor w, int64_t fmt, int64_t k, int64_t table) {
   const SdTable* t = table_of(table);
@@ -140,6 +164,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   register_step(m);
   m.def("q_linear", &q_linear, "x [rows, in] float32 @ GGUF-block weight [out, bytes].T -> [rows, out] float32",
         py::call_guard<py::gil_scoped_release>());
+  m.def("q_linear_parts", &q_linear_parts, "x [rows, in] float32 @ several GGUF-block weights side by side (one fused "
+        "product) -> [rows, sum of outs] float32", py::call_guard<py::gil_scoped_release>());
   m.def("q_quantize", &q_quantize, "x [rows, in] float32 -> (int8 q, scales, sums) as the format multiplies");
   m.def("q_dequantize", &q_dequantize, "float32 [out, in] of GGUF-block weights");
   m.def("q_variant", &q_variant, "the name of a kernel table's instruction-set variant");

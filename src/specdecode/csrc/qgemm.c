@@ -249,7 +249,8 @@ SD_INLINE void prefetch_ahead(const uint8_t* p, int bytes) {
 // The same for a pair of tiles read side by side (ta, tb: block pos bytes into tiles A and B = A + tile, tile bytes
 // each): the next bytes a pair reads are A's and B's at the same offset, and after the tiles' ends the next pair's
 // (A + 2 tile, B + 2 tile): each stream is prefetched SD_PREFETCH_PAIR bytes ahead of its own block, across B (A's
-// stream) and into the next pair. Prefetching ta + SD_PREFETCH and tb + SD_PREFETCH instead left the start of B
+// stream) and into the next pair (tiles shorter than SD_PREFETCH_PAIR: a stream's lines land partly in the other
+// stream's next tile; every line is still fetched ahead). Prefetching ta + SD_PREFETCH and tb + SD_PREFETCH instead left the start of B
 // unfetched at every pair (A's stream reached it only as A ended): Q4_K tile pairs of 1,536 inputs streamed at
 // 0.80-0.93x single tiles on the Intel Xeon (docs/results/kernels/amx/README.md).
 #ifndef SD_PREFETCH_PAIR
@@ -455,7 +456,7 @@ SD_INLINE void passt32(const int P, const int fmt, const uint8_t* wt, int64_t nb
 // With the weights prefetched (prefetch_ahead), on the Intel Xeon (docs/results/kernels/amx/pairs_ab.txt, the
 // same script): SmolLM2's Q4_1 pairs from 4 rows run 4 / 6 / 8 rows 1.09 / 1.19 / 1.25x faster (Q4_0: the same
 // code, taken along); the 0.5B's Q5_0 / Q8_0 lost 1.1x at 4-6 rows (kept at 16); short-row K-quant pairs at 8 rows
-// lost 1.10x on the 1.5B (kept at 8, as the AMD EPYC measured). Not re-measured on the AMD machines.
+// lost 1.10x on the 1.5B (kept at 8, as the AMD EPYC measured). Not re-measured on the AMD machines. (Superseded:)
 // With each stream of a pair prefetched ahead of its own block and into the next pair (prefetch_pair; the
 // half-speed streams above were the start of tile B left unfetched), on the Intel Xeon: Q5_0 / Q8_0 pairs from 4
 // rows run the 0.5B's 4 / 6 / 8 tokens 1.08 / 1.16 / 1.25x faster, SmolLM2 (its Q8_0 weights) 1.03-1.04x; the
@@ -1811,7 +1812,7 @@ SD_INLINE void attention_d(const float* q, int64_t ldq, int64_t heads, int64_t k
     for (int64_t j = 0; j < cnt; ++j)
       for (int64_t v = 0; v < DV; ++v) _mm256_storeu_ps(kb + j * d + 8 * v, load_h8(vh + (j0 + j) * d + 8 * v));
 #if SD_ATT512
-    if (DV % 2 == 0) {  // 16 dimensions per vector (d <= 256: at most 16 vectors), queries in blocks of QB
+    if (DV % 2 == 0 && DV <= 32) {  // 16 dimensions per vector (at most 16 vectors), queries in blocks of QB
       const int64_t DZ = DV / 2;
       const int QB = DZ <= 4 ? 4 : DZ <= 8 ? 2 : 1;
       for (int64_t i = 0; i < nq; i += QB) {
@@ -1850,7 +1851,7 @@ SD_INLINE void attention_d(const float* q, int64_t ldq, int64_t heads, int64_t k
     const __m256 inv = _mm256_set1_ps(mvb[8 * i]);
     float* o = out + rows[i] * ldo + hs[i] * d;
 #if SD_ATT512
-    if (DV % 2 == 0) {
+    if (DV % 2 == 0 && DV <= 32) {  // (d > 256: the 8-lane code)
       const int64_t DZ = DV / 2;
       __m512 acc[16];
       for (int64_t v = 0; v < DZ; ++v) acc[v] = _mm512_loadu_ps(accb + i * d + 16 * v);
