@@ -299,15 +299,23 @@ def test_a_bad_guided_field_gets_a_400_naming_it(served, fields, param, needle):
     assert ok.status_code == 200 and re.fullmatch("[a-z]{4}", ok.json()["choices"][0]["text"])
 
 
-def test_cli_refuses_a_bad_regex_before_the_model_loads(capsys, monkeypatch):
-    """llguidance checks the pattern's syntax without a tokenizer: refused at the door, nothing loaded."""
+@pytest.mark.parametrize("flag, value, needle", [
+    ("--regex", "[a-z", "--regex: invalid regular expression: unclosed character class"),
+    ("--json-schema", '{"type": "objekt"}', "--json-schema: invalid JSON schema: Invalid type: objekt"),
+])
+def test_cli_refuses_a_bad_regex_or_schema_before_the_model_loads(capsys, monkeypatch, tmp_path, flag, value, needle):
+    """llguidance checks a pattern's syntax and a schema's keywords without a tokenizer: refused at the door,
+    nothing loaded."""
     import specdecode.generator as generator
 
     def no_load(*a, **k):
         raise AssertionError("the model was loaded before the regex was checked")
 
     monkeypatch.setattr(generator.SpecDecoder, "from_pretrained", classmethod(no_load))
-    code, out, err = _run(capsys, "generate", "--prompt", "x", "--regex", "[a-z")
+    if flag == "--json-schema":
+        (tmp_path / "s.json").write_text(value)
+        value = str(tmp_path / "s.json")
+    code, out, err = _run(capsys, "generate", "--prompt", "x", flag, value)
     errors = [line for line in err.splitlines() if line.startswith("error:")]
     assert code == 2 and out == "" and len(errors) == 1, err
-    assert "--regex: invalid regular expression" in errors[0] and "unclosed character class" in errors[0]
+    assert needle in errors[0], errors[0]

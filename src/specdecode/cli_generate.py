@@ -95,8 +95,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def _check_generate_args(args: argparse.Namespace) -> None:
     """Range-check every number before any model is loaded (SpecDecodeError on the first bad one): the checks of
-    SamplingParams, EngineConfig and the drafter factory (``specdecode.validate``), and a --regex's syntax
-    (llguidance, without a tokenizer)."""
+    SamplingParams, EngineConfig and the drafter factory (``specdecode.validate``), and a --regex's syntax and
+    a --json-schema's keywords (llguidance, without a tokenizer)."""
     with naming_flags():
         check_sampling(args.temperature, args.top_k, args.top_p, args.max_new_tokens, args.seed,
                        **sampling_kwargs(args))
@@ -106,16 +106,19 @@ def _check_generate_args(args: argparse.Namespace) -> None:
     args.json_schema_text = _read_json_schema(args.json_schema)
     if args.regex is not None and not args.regex:
         raise SpecDecodeError("--regex: the pattern is empty")
-    if args.regex is not None:
+    if args.regex is not None or args.json_schema_text is not None:
         from specdecode.grammar import StructuredOutput
 
-        with naming_flags():  # llguidance's syntax check, before the model loads
-            StructuredOutput.regex(args.regex)
+        with naming_flags():  # llguidance's checks (syntax, schema keywords), before the model loads
+            if args.regex is not None:
+                StructuredOutput.regex(args.regex)
+            if args.json_schema_text is not None:
+                StructuredOutput.json_schema(args.json_schema_text)
 
 
 def _read_json_schema(path: str | None) -> str | None:
-    """The text of --json-schema FILE, checked to be a JSON object (the schema itself is checked when the
-    target's tokenizer compiles it, before any output)."""
+    """The text of --json-schema FILE, checked to be a JSON object (the schema itself: by llguidance in
+    _check_generate_args, before the model loads)."""
     if path is None:
         return None
     try:
@@ -216,7 +219,10 @@ def read_jobs(args: argparse.Namespace, say=None) -> list[_Job]:
         p = prompts[0]
         ids = ", ".join(q.id for q in prompts)
         what = f"{p.dataset} {p.category} questions {ids}" if p.category else f"{p.dataset} {ids}"
-        why = " (facts to pull out of a text in the prompt, where prompt lookup pays off)" if spec == DEFAULT_DATASET else ""
+        why = ""
+        if spec == DEFAULT_DATASET:  # (prompt lookup: the default drafter)
+            lookup = ", where prompt lookup pays off" if getattr(args, "draft", "ngram") in (None, "ngram") else ""
+            why = f" (facts to pull out of a text in the prompt{lookup})"
         say(f"no prompt given: using the default prompts, {what}{why}; the first: {_preview(p.turns[0])}")
     return [
         _Job(f"{p.dataset}/{p.id}" if "/" not in p.id else p.id, p.turns[0], chat_default=not p.is_completion,

@@ -109,14 +109,10 @@ class StructuredOutput:
                 raise _error(f"the JSON schema holds a value JSON cannot represent ({e})", where) from None
         if self.kind == "regex" and (not isinstance(self.spec, str) or not self.spec):
             raise _error("a regular expression must be a non-empty string", where)
-        if self.kind == "regex":  # llguidance's own syntax check, at the door (no tokenizer, no model needed)
-            try:
-                is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(
-                    llguidance.LLMatcher.grammar_from_regex(self.spec), None)
-            except (ValueError, TypeError) as e:
-                raise _error(f"invalid regular expression: {_regex_problem([str(e)])}", where) from None
+        if self.kind in ("regex", "json_schema"):  # llguidance's own check, at the door (no tokenizer, no model)
+            is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(_grammar_of(self), None)
             if is_error:
-                raise _error(f"invalid regular expression: {_regex_problem(messages)}", where)
+                raise _error(f"invalid {_WHAT[self.kind]}: {_problem(self.kind, messages)}", where)
         if self.kind == "json_object" and self.spec is not None:
             raise _error("json_object takes no spec", where)
 
@@ -324,28 +320,42 @@ def compile_grammar(tokenizer, vocab_size: int, structured: StructuredOutput,
             _GRAMMARS.move_to_end(key)
             return hit
     where = structured.error_field
-    what = {"json_schema": "JSON schema", "json_object": "JSON object grammar", "regex": "regular expression"}
-    try:
-        if structured.kind == "regex":
-            grammar = llguidance.LLMatcher.grammar_from_regex(structured.spec)
-        else:
-            schema = structured.spec if structured.kind == "json_schema" else {"type": "object"}
-            grammar = llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=JSON_LAYOUT)
-    except (ValueError, TypeError) as e:
-        raise _error(f"invalid {what[structured.kind]}: {e}", where) from None
+    grammar = _grammar_of(structured)
     is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, ll_tok)
     if is_error:
-        problem = _regex_problem(messages) if structured.kind == "regex" else _first_line(messages)
-        raise _error(f"invalid {what[structured.kind]}: {problem}", where)
+        raise _error(f"invalid {_WHAT[structured.kind]}: {_problem(structured.kind, messages)}", where)
     matcher = llguidance.LLMatcher(ll_tok, grammar, log_level=0)
     if matcher.is_error():
-        raise _error(f"invalid {what[structured.kind]}: {_first_line([matcher.get_error()])}", where)
+        raise _error(f"invalid {_WHAT[structured.kind]}: {_first_line([matcher.get_error()])}", where)
     compiled = CompiledGrammar(structured, int(vocab_size), ll_tok, matcher, tuple(messages))
     with _lock:
         _GRAMMARS[key] = compiled
         while len(_GRAMMARS) > MAX_CACHED_GRAMMARS:
             _GRAMMARS.popitem(last=False)
     return compiled
+
+
+_WHAT = {"json_schema": "JSON schema", "json_object": "JSON object grammar", "regex": "regular expression"}
+
+
+def _grammar_of(structured: StructuredOutput) -> str:
+    """llguidance's grammar for a structured output (no tokenizer needed).
+
+    Raises:
+        SpecDecodeError: llguidance refuses the spec outright (``field``: ``structured.error_field``).
+    """
+    try:
+        if structured.kind == "regex":
+            return llguidance.LLMatcher.grammar_from_regex(structured.spec)
+        schema = structured.spec if structured.kind == "json_schema" else {"type": "object"}
+        return llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=JSON_LAYOUT)
+    except (ValueError, TypeError) as e:
+        raise _error(f"invalid {_WHAT[structured.kind]}: {_problem(structured.kind, [str(e)])}",
+                     structured.error_field) from None
+
+
+def _problem(kind: str, messages: Sequence[str]) -> str:
+    return _regex_problem(messages) if kind == "regex" else _first_line(messages)
 
 
 def _regex_problem(messages: Sequence[str]) -> str:

@@ -11,6 +11,7 @@ This module stays light (argparse only): the CLI builds its parser without impor
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 from specdecode.cliargs import check_precision_flags
@@ -209,7 +210,13 @@ def run_command(args: argparse.Namespace) -> int:
     from specdecode.bench.runner import run_bench
 
     with removed_if_left_empty(config.output):  # a run that fails before its first record leaves nothing
-        run_bench(config, progress=not args.no_progress)
+        try:
+            run_bench(config, progress=not args.no_progress)
+        except KeyboardInterrupt:
+            if (Path(config.output) / "records.jsonl").is_file():
+                print(f"specdecode bench: interrupted; the runs done are kept in {config.output}/records.jsonl and the "
+                      "report there is partial: the same command resumes where this one stopped", file=sys.stderr)
+            raise
     print((Path(config.output) / report.REPORT_MD).read_text(encoding="utf-8"))
     return 0
 
