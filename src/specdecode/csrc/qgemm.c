@@ -631,7 +631,7 @@ static void amx_unpack32(int fmt, const uint8_t* wa, const uint8_t* wb, int64_t 
   }
 }
 // Rows r0 .. r0 + 16 of the pair unpacked at ws (columns n .. n + 15): passt32_pair's operations per lane
-static void amx_pass32(int fmt, const uint8_t* ws, int64_t nb, int64_t k, const int8_t* xq, const float* xd,
+SD_INLINE void amx_pass32(const int fmt, const uint8_t* ws, int64_t nb, int64_t k, const int8_t* xq, const float* xd,
                        const float* xs, const int32_t* xsum, int64_t r0, float* out, int64_t ldo, int64_t n) {
   const int z = zero_point32(fmt);
   __m512 acc[SD_AMX_ROWS], macc[SD_AMX_ROWS];
@@ -709,7 +709,12 @@ static void gemm32(int fmt, const uint8_t* w, int64_t ldw, int64_t k, const int8
 #if defined(SD_AMX)
     if (amx_rows) {
       amx_unpack32(fmt, w + n * ldw, w + (n + SD_TILE) * ldw, nb, ws);
-      for (int64_t r0 = 0; r0 < amx_rows; r0 += SD_AMX_ROWS) amx_pass32(fmt, ws, nb, k, xq, xd, xs, xsum, r0, out, ldo, n);
+      for (int64_t r0 = 0; r0 < amx_rows; r0 += SD_AMX_ROWS) switch (fmt) {  // one copy per format (its zero point, Q4_1's sums)
+          case SD_Q4_0: amx_pass32(SD_Q4_0, ws, nb, k, xq, xd, xs, xsum, r0, out, ldo, n); break;
+          case SD_Q4_1: amx_pass32(SD_Q4_1, ws, nb, k, xq, xd, xs, xsum, r0, out, ldo, n); break;
+          case SD_Q5_0: amx_pass32(SD_Q5_0, ws, nb, k, xq, xd, xs, xsum, r0, out, ldo, n); break;
+          default: amx_pass32(SD_Q8_0, ws, nb, k, xq, xd, xs, xsum, r0, out, ldo, n); break;
+        }
     }
 #endif
     for (int64_t r0 = amx_rows; r0 < rows; r0 += SD_PASSZ) {
