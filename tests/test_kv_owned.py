@@ -313,6 +313,41 @@ def test_the_c_plus_plus_layer_loop_equals_the_python_loop_bit_for_bit(monkeypat
             assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_the_fused_layer_loop_gives_the_same_bits_at_any_thread_count(family):
+    """``run_fused`` runs the whole forward in one parallel region (rows, tiles and queries split over the
+    threads, spin barriers between phases): 1-4 threads give the same logits and captured features for one row,
+    a verification, a ragged batch of two rows (fewer rows than threads, and more) and a prompt; q / k / v
+    biases (qwen2) included."""
+    make = {"llama": lambda: tiny_llama(seed=0, dtype=torch.float32, hidden=256),
+            "qwen2": lambda: tiny_qwen2(seed=0, dtype=torch.float32)}[family]
+    model = set_weight_precision(make(), "int4")
+
+    def run(threads: int):
+        torch.set_num_threads(threads)
+        r = OwnedRunner(model, 2, 256)
+        if r._native_stack() is None:
+            pytest.skip("the C++ extension is not available here (the Python loop runs)")
+        r.capture_layers = (0, 1, r.num_layers)
+        out = []
+        for rows, feed, last in ((slice(0, 1), [[1, 2, 3, 4, 5]], True), (slice(0, 1), [[7]], False),
+                                 (slice(0, 1), [[8, 9, 10, 11, 12]], False),
+                                 (slice(0, 2), [[13, 14], [3, 4, 5]], False), (slice(1, 2), [[9]], False),
+                                 (slice(0, 2), [list(range(20, 45)), [6]], True)):
+            out += [r.forward(rows, feed, last_only=last), r.last_features.clone()]
+        return out
+
+    before = torch.get_num_threads()
+    try:
+        want = run(1)
+        for threads in (2, 3, 4):
+            got = run(threads)
+            bad = [i for i, (a, b) in enumerate(zip(got, want)) if not torch.equal(a, b)]
+            assert not bad, f"{threads} threads differ from 1 at outputs {bad}"
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_a_long_prompt_fed_in_pieces_gives_the_bits_of_one_piece():
     """``prefill_chunk``: a low-bit prompt longer than the chunk runs the exact kernel piece by piece, row by
     row: the same last logits and the same cache (the next step's logits) as fed whole, in a batch of

@@ -43,39 +43,84 @@ void check_weight(const torch::Tensor& w, int64_t fmt, int64_t k) {
 
 const SdTable* sd_table_at(int64_t address) { return table_of(address); }
 
+// What a fused product multiplies: its inputs k and the activation block sizes its parts need (32-weight formats:
+// act32; K-quants: act256)
+struct SdInput {
+  int64_t k = 0;
+  bool need32 = false, need256 = false;
+};
+
+SdInput sd_input_of(const SdPart* parts, int64_t nparts, int64_t k) {
+  SdInput in;
+  in.k = k;
+  for (int64_t i = 0; i < nparts; ++i) (kBlockSize[parts[i].fmt] == 32 ? in.need32 : in.need256) = true;
+  return in;
+}
+
+// The 8-bit activations of a fused product's input rows [rows, k]. Sized once for the most rows and inputs of a
+// forward; each row is quantized alone (the same bits whichever thread does it, and whatever rows share the call).
+struct SdActs {
+  std::vector<int8_t> q32, q256;
+  std::vector<float> d32, s32, d256;
+  std::vector<int16_t> b256;
+
+  void reserve(int64_t rows, int64_t most_k) {
+    const size_t n = static_cast<size_t>(rows * most_k);
+    if (q32.size() >= n) return;
+    q32.resize(n), q256.resize(n), d32.resize(n / 32), s32.resize(n / 32), d256.resize(n / 256 + 1), b256.resize(n / 16);
+  }
+  // rows [r0, r1) of x [rows, in.k]
+  void quantize_rows(const SdTable* t, const SdInput& in, const float* x, int64_t r0, int64_t r1) {
+    const int64_t k = in.k;
+    if (r1 <= r0) return;
+    if (in.need32)
+      t->quantize32(x + r0 * k, r1 - r0, k, q32.data() + r0 * k, d32.data() + r0 * (k / 32), s32.data() + r0 * (k / 32));
+    if (in.need256)
+      t->quantize256(x + r0 * k, r1 - r0, k, q256.data() + r0 * k, d256.data() + r0 * (k / 256),
+                     b256.data() + r0 * (k / 16));
+  }
+};
+
+// Tiles of 8 columns over all parts of a fused product (threads split whole tiles; a part's last one may be shorter)
+int64_t sd_tile_count(const SdPart* parts, int64_t nparts) {
+  int64_t tiles = 0;
+  for (int64_t i = 0; i < nparts; ++i) tiles += (parts[i].n_out + 7) / 8;
+  return tiles;
+}
+
+// Tiles [t0, t1) of the parts (numbered part after part) for rows < rows, from the quantized activations a
+void sd_product_tiles(const SdTable* t, const SdActs& a, int64_t k, int64_t rows, const SdPart* parts, int64_t nparts, int64_t ldo,
+                      int64_t t0, int64_t t1) {
+  int64_t first = 0;
+  for (int64_t i = 0; i < nparts && first < t1; ++i) {
+    const SdPart& p = parts[i];
+    const int64_t count = (p.n_out + 7) / 8;
+    const int64_t s = std::max(t0, first) - first, e = std::min(t1, first + count) - first;
+    first += count;
+    if (s >= e) continue;
+    const int64_t n0 = 8 * s, n1 = std::min<int64_t>(p.n_out, 8 * e);
+    if (kBlockSize[p.fmt] == 32)
+      t->gemm32(static_cast<int>(p.fmt), p.w, p.ldw, k, a.q32.data(), a.d32.data(), a.s32.data(), rows, p.out, ldo,
+                n0, n1, p.n_out);
+    else
+      t->gemmk(static_cast<int>(p.fmt), p.w, p.ldw, k, a.q256.data(), a.d256.data(), a.b256.data(), rows, p.out, ldo,
+               n0, n1, p.n_out);
+  }
+}
+
 // out[r * ldo + n] = x[r] . w[n] for every part, rows r < rows, n < n_out: the activations quantized once per
 // block size (32-weight formats, K-quants), then one thread split over the tiles of all parts together: one
 // parallel region per fused product instead of one per weight (SmolLM2's k / v weights are 24 tiles each: the
 // region's start and end cost about what their products do). A (row, column) result is one thread's, in the
-// order qgemm.c fixes, whatever the split: the same bits as each part alone.
+// order qgemm.c fixes, whatever the split: the same bits as each part alone. (The C++ layer loop runs the same
+// pieces, SdActs and sd_product_tiles, inside its one parallel region per forward: step.cpp.)
 void q_product_parts(const SdTable* t, const float* x, int64_t rows, int64_t k, const SdPart* parts, int64_t nparts,
                      int64_t ldo) {
-  bool need32 = false, need256 = false;
-  for (int64_t i = 0; i < nparts; ++i) (kBlockSize[parts[i].fmt] == 32 ? need32 : need256) = true;
-  std::vector<int8_t> q32(need32 ? rows * k : 0), q256(need256 ? rows * k : 0);
-  std::vector<float> d32(need32 ? rows * (k / 32) : 0), s32(need32 ? rows * (k / 32) : 0),
-      d256(need256 ? rows * (k / 256) : 0);
-  std::vector<int16_t> b256(need256 ? rows * (k / 16) : 0);
-  if (need32) t->quantize32(x, rows, k, q32.data(), d32.data(), s32.data());
-  if (need256) t->quantize256(x, rows, k, q256.data(), d256.data(), b256.data());
-  // threads split whole tiles of 8 columns (qgemm.c passt32 / passt / passt6; a part's last one may be shorter)
-  std::vector<int64_t> first(nparts + 1, 0);
-  for (int64_t i = 0; i < nparts; ++i) first[i + 1] = first[i] + (parts[i].n_out + 7) / 8;
-  const int64_t tiles = first[nparts], grain = std::max<int64_t>(1, tiles / (8 * at::get_num_threads()) + 1);
-  at::parallel_for(0, tiles, grain, [&](int64_t t0, int64_t t1) {
-    for (int64_t i = 0; i < nparts; ++i) {
-      const int64_t a = std::max(t0, first[i]) - first[i], e = std::min(t1, first[i + 1]) - first[i];
-      if (a >= e) continue;
-      const SdPart& p = parts[i];
-      const int64_t n0 = 8 * a, n1 = std::min<int64_t>(p.n_out, 8 * e);
-      if (kBlockSize[p.fmt] == 32)
-        t->gemm32(static_cast<int>(p.fmt), p.w, p.ldw, k, q32.data(), d32.data(), s32.data(), rows, p.out, ldo, n0, n1,
-                  p.n_out);
-      else
-        t->gemmk(static_cast<int>(p.fmt), p.w, p.ldw, k, q256.data(), d256.data(), b256.data(), rows, p.out, ldo, n0,
-                 n1, p.n_out);
-    }
-  });
+  SdActs a;
+  a.reserve(rows, k);
+  a.quantize_rows(t, sd_input_of(parts, nparts, k), x, 0, rows);
+  const int64_t tiles = sd_tile_count(parts, nparts), grain = std::max<int64_t>(1, tiles / (8 * at::get_num_threads()) + 1);
+  at::parallel_for(0, tiles, grain, [&](int64_t t0, int64_t t1) { sd_product_tiles(t, a, k, rows, parts, nparts, ldo, t0, t1); });
 }
 
 // out[r * ldo + n] = x[r] . w[n] for rows r < rows, n < n_out (q_product_parts of one weight)
