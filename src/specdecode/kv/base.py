@@ -419,36 +419,38 @@ class SlotRunner:
         q = max(counts, default=0)
         if q == 0:
             raise ValueError("forward: every row's feed is empty")
-        ids = torch.zeros(b, q, dtype=torch.int64)
-        positions = torch.zeros(b, q, dtype=torch.int64)
-        columns = torch.zeros(b, q, dtype=torch.int64)
+        # built as lists, one tensor each (a one-token step is ~15 small torch calls fewer: SmolLM2's step is ~2 ms)
+        ids_l: list[list[int]] = []
+        pos_l: list[list[int]] = []
+        col_l: list[list[int]] = []
         trees = any(r is not None for r in regions)
         plain_rows: list[int] = []
         need = 0
+        last_column = self.max_columns - 1
         for i, (feed, start, region, n) in enumerate(zip(feeds, starts, regions, counts)):
-            if n:
-                ids[i, :n] = torch.as_tensor(list(feed), dtype=torch.int64)
             offset = 0 if region is None else len(region) - n  # earlier pending nodes of this row
             col = start + offset
             if region is None:
-                pos = torch.arange(start, start + n)
+                pos = list(range(start, start + n))
             else:
-                pos = torch.tensor(node_depths(region)[offset:], dtype=torch.int64) + (start - 1)
-            if n and int(pos[-1] if region is None else pos.max()) >= self.max_context:
+                pos = [depth + start - 1 for depth in node_depths(region)[offset:]]
+            if n and max(pos) >= self.max_context:
                 raise PromptTooLongError(
-                    f"a row needs position {int(pos.max())}; the context holds {self.max_context} positions")
-            positions[i, :n] = pos
-            columns[i, :n] = torch.arange(col, col + n)
-            # padding continues past the row's own columns (never attended by its real tokens)
-            columns[i, n:] = torch.arange(col + n, col + q)
-            positions[i, n:] = min(self.max_context - 1, start + n)
+                    f"a row needs position {max(pos)}; the context holds {self.max_context} positions")
+            ids_l.append([int(t) for t in feed] + [0] * (q - n))
+            pos_l.append(pos + [min(self.max_context - 1, start + n)] * (q - n))
+            # padding continues past the row's own columns (never attended by its real tokens); padding past the
+            # scratch shares the last column
+            col_l.append([min(c, last_column) for c in range(col, col + q)])
             need = max(need, col + n)
             if region is None:
                 plain_rows.append(i)
         if need > self.max_columns - 1:
             raise PromptTooLongError(f"{need} cache columns needed; the cache holds {self.max_columns - 1}")
-        columns.clamp_(max=self.max_columns - 1)  # padding past the scratch shares the last column
-        kv_len = int(columns.max()) + 1
+        ids = torch.tensor(ids_l, dtype=torch.int64)
+        positions = torch.tensor(pos_l, dtype=torch.int64)
+        columns = torch.tensor(col_l, dtype=torch.int64)
+        kv_len = max(max(row) for row in col_l) + 1
         self._ensure_capacity(kv_len)
         if b == 1 and not trees and counts[0] == 1:
             mask = None  # one token after the cache: everything visible
