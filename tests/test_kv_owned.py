@@ -313,15 +313,19 @@ def test_the_c_plus_plus_layer_loop_equals_the_python_loop_bit_for_bit(monkeypat
             assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("family", ["llama-q4_1", "qwen2-bias", "mixed-gguf"])
 def test_the_fused_layer_loop_gives_the_same_bits_at_any_thread_count(family):
     """``run_fused`` runs the whole forward in one parallel region (rows, tiles and queries split over the
-    threads, spin barriers between phases): 1-4 threads give the same logits and captured features for one row,
-    a verification, a ragged batch of two rows (fewer rows than threads, and more) and a prompt; q / k / v
-    biases (qwen2) included."""
-    make = {"llama": lambda: tiny_llama(seed=0, dtype=torch.float32, hidden=256),
-            "qwen2": lambda: tiny_qwen2(seed=0, dtype=torch.float32)}[family]
-    model = set_weight_precision(make(), "int4")
+    threads, spin barriers between phases): 1-4 threads, each twice, give the same logits and captured features
+    for one row, a verification, a ragged batch of two rows (fewer rows than threads, and more), a token tree, a
+    layer-skipping draft and a prompt; q / k / v biases (qwen2) and products mixing K-quant and 32-weight blocks
+    (mixed-gguf: both activation layouts in one fused product) included."""
+    from tiny import tiny_gguf_llama
+
+    make = {"llama-q4_1": lambda: set_weight_precision(tiny_llama(seed=0, dtype=torch.float32, hidden=256), "int4"),
+            "qwen2-bias": lambda: set_weight_precision(tiny_qwen2(seed=0, dtype=torch.float32), "int4"),
+            "mixed-gguf": lambda: tiny_gguf_llama()[0]}
+    model = make[family]()
 
     def run(threads: int):
         torch.set_num_threads(threads)
@@ -332,15 +336,18 @@ def test_the_fused_layer_loop_gives_the_same_bits_at_any_thread_count(family):
         out = []
         for rows, feed, last in ((slice(0, 1), [[1, 2, 3, 4, 5]], True), (slice(0, 1), [[7]], False),
                                  (slice(0, 1), [[8, 9, 10, 11, 12]], False),
-                                 (slice(0, 2), [[13, 14], [3, 4, 5]], False), (slice(1, 2), [[9]], False),
-                                 (slice(0, 2), [list(range(20, 45)), [6]], True)):
+                                 (slice(0, 2), [[13, 14], [3, 4, 5]], False), (slice(1, 2), [[9]], False)):
             out += [r.forward(rows, feed, last_only=last), r.last_features.clone()]
+        out += [r.forward_tree(slice(0, 1), [[4, 5, 6, 7]], [[-1, 0, 0, 1]]), r.last_features.clone()]
+        r.keep_tree_path(0, [0, 1, 3])
+        out.append(r.forward_skipping(slice(0, 1), [[2, 3]], [len(r.ids[0])], [0]))
+        out += [r.forward(slice(0, 2), [list(range(20, 45)), [6]], last_only=True), r.last_features.clone()]
         return out
 
     before = torch.get_num_threads()
     try:
         want = run(1)
-        for threads in (2, 3, 4):
+        for threads in (2, 3, 4, 2, 3, 4):
             got = run(threads)
             bad = [i for i, (a, b) in enumerate(zip(got, want)) if not torch.equal(a, b)]
             assert not bad, f"{threads} threads differ from 1 at outputs {bad}"

@@ -14,7 +14,7 @@ from specdecode.engine import EngineConfig, SpeculativeEngine
 from specdecode.lowbit import set_weight_precision
 from specdecode.proposers import DraftModelProposer, NgramProposer, TreeDraftConfig, TreeDraftProposer
 from specdecode.types import SamplingParams
-from tiny import chi2_pvalue, exact_joint, tiny_llama, tiny_qwen2
+from tiny import chi2_pvalue, exact_joint, tiny_gguf_llama, tiny_llama, tiny_qwen2
 
 gguf = pytest.importorskip("gguf")
 VARIANTS = lowbit.supported_variants()
@@ -492,18 +492,7 @@ def test_q4k_fused_parts_and_slices_keep_their_columns(kind):
 def _q4k_llama(vocab: int = 61):
     """tiny_llama (hidden 256) whose linear layers are random Q4_K weights (the 61-row LM head: 7 tiles and 5
     columns after them), and the Hugging Face model of the same (dequantized) weights."""
-    model = tiny_llama(seed=0, hidden=256, vocab_size=vocab, dtype=torch.float32)
-    reference = tiny_llama(seed=0, hidden=256, vocab_size=vocab, dtype=torch.float32)
-    linears = [(n, m) for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
-    modules = {}
-    for i, (name, m) in enumerate(linears):
-        raw = _raw("Q4_K", m.out_features, m.in_features, seed=100 + i)
-        modules[name] = lowbit.QuantLinear(torch.from_numpy(raw), "Q4_K", m.in_features)
-    with torch.no_grad():
-        for name, q in modules.items():
-            reference.get_submodule(name).weight.copy_(q.dequantize())
-    lowbit.install(model, modules)
-    return model, reference
+    return tiny_gguf_llama(("Q4_K",), vocab)
 
 
 def test_the_fused_layer_loop_runs_q4k_tiles(variant):

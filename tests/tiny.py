@@ -31,6 +31,29 @@ def tiny_llama(vocab_size: int = 64, seed: int = 0, layers: int = 2, hidden: int
     return model
 
 
+def tiny_gguf_llama(kinds=("Q4_K", "Q6_K", "Q4_1", "Q5_0", "Q8_0"), vocab_size: int = 61, seed: int = 0):
+    """tiny_llama (hidden 256) whose linear layers are random GGUF blocks of ``kinds`` in turn (the default mixes
+    K-quants and 32-weight formats inside one fused q / k / v product; the 61-row LM head: 7 tiles of 8 columns
+    and 5 after them), and the Hugging Face model of the same (dequantized) weights."""
+    import numpy as np
+
+    from specdecode import lowbit, lowbit_kernels
+
+    model = tiny_llama(seed=seed, hidden=256, vocab_size=vocab_size, dtype=torch.float32)
+    reference = tiny_llama(seed=seed, hidden=256, vocab_size=vocab_size, dtype=torch.float32)
+    linears = [(n, m) for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
+    modules = {}
+    for i, (name, m) in enumerate(linears):
+        kind = kinds[i % len(kinds)]
+        raw = lowbit_kernels._random_raw(kind, m.out_features, m.in_features, np.random.default_rng(100 + i))
+        modules[name] = lowbit.QuantLinear(torch.from_numpy(raw), kind, m.in_features)
+    with torch.no_grad():
+        for name, q in modules.items():
+            reference.get_submodule(name).weight.copy_(q.dequantize())
+    lowbit.install(model, modules)
+    return model, reference
+
+
 def tiny_qwen2(vocab_size: int = 64, seed: int = 0, layers: int = 4, scale: float = 3.0,
                dtype: torch.dtype = torch.float64, sliding: bool = False) -> Qwen2ForCausalLM:
     """A seeded random Qwen2 (q/k/v biases), LM head x ``scale``; ``sliding`` gives every layer after the first

@@ -5,8 +5,9 @@
 // The variant's function table (qgemm.c's sd_table(), loaded by specdecode/lowbit_kernels.py) arrives as an
 // address with every call, so tests and benchmarks can run any variant the CPU executes side by side.
 //
-// Threads split the output columns, never the rows or the reduction: a (row, column) result is
-// computed by one thread in the order qgemm.c fixes, whatever the thread count and the row count.
+// Products split the output columns over threads, never the rows or the reduction: a (row, column) result is
+// computed by one thread in the order qgemm.c fixes, whatever the thread count and the row count. (Work that stays
+// within one row, such as quantizing it, may go to any one thread: the row is that thread's alone.)
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -64,10 +65,11 @@ struct SdActs {
   std::vector<float> d32, s32, d256;
   std::vector<int16_t> b256;
 
-  void reserve(int64_t rows, int64_t most_k) {
+  // room for rows of up to most_k inputs in the block sizes asked for
+  void reserve(int64_t rows, int64_t most_k, bool need32, bool need256) {
     const size_t n = static_cast<size_t>(rows * most_k);
-    if (q32.size() >= n) return;
-    q32.resize(n), q256.resize(n), d32.resize(n / 32), s32.resize(n / 32), d256.resize(n / 256 + 1), b256.resize(n / 16);
+    if (need32 && q32.size() < n) q32.resize(n), d32.resize(n / 32), s32.resize(n / 32);
+    if (need256 && q256.size() < n) q256.resize(n), d256.resize(n / 256 + 1), b256.resize(n / 16);
   }
   // rows [r0, r1) of x [rows, in.k]
   void quantize_rows(const SdTable* t, const SdInput& in, const float* x, int64_t r0, int64_t r1) {
@@ -116,9 +118,10 @@ void sd_product_tiles(const SdTable* t, const SdActs& a, int64_t k, int64_t rows
 // pieces, SdActs and sd_product_tiles, inside its one parallel region per forward: step.cpp.)
 void q_product_parts(const SdTable* t, const float* x, int64_t rows, int64_t k, const SdPart* parts, int64_t nparts,
                      int64_t ldo) {
+  const SdInput in = sd_input_of(parts, nparts, k);
   SdActs a;
-  a.reserve(rows, k);
-  a.quantize_rows(t, sd_input_of(parts, nparts, k), x, 0, rows);
+  a.reserve(rows, k, in.need32, in.need256);
+  a.quantize_rows(t, in, x, 0, rows);
   const int64_t tiles = sd_tile_count(parts, nparts), grain = std::max<int64_t>(1, tiles / (8 * at::get_num_threads()) + 1);
   at::parallel_for(0, tiles, grain, [&](int64_t t0, int64_t t1) { sd_product_tiles(t, a, k, rows, parts, nparts, ldo, t0, t1); });
 }

@@ -4,7 +4,8 @@
 //   run:       float weights: the same ATen operations in the same order as the Python loop (the
 //              same bits);
 //   run_fused: GGUF-block weights: every layer on raw buffers with csrc/qgemm.c's kernels, each row
-//              in one fixed order (its own arithmetic: 8-bit activations, a float16 KV cache).
+//              in one fixed order (its own arithmetic: 8-bit activations, a float16 KV cache), the whole
+//              forward in one parallel region (threads meet at spin barriers between phases).
 // Built with lowbit.cpp into one extension (specdecode/lowbit_kernels.py compiles and caches it).
 #include <torch/extension.h>
 #include <pybind11/stl.h>
@@ -156,7 +157,8 @@ struct LayerPlan {
 // 0.06 us for 2 threads against about 0.9 us to start and end a parallel region (measured on the Intel Xeon). A
 // thread that waits long (more threads than free cores) yields its core.
 struct SpinBarrier {
-  std::atomic<int> count{0}, generation{0};
+  alignas(64) std::atomic<int> count{0};
+  alignas(64) std::atomic<int> generation{0};
   void wait(int threads) {
     if (threads <= 1) return;
     const int g = generation.load(std::memory_order_acquire);
@@ -165,8 +167,9 @@ struct SpinBarrier {
       generation.store(g + 1, std::memory_order_release);
       return;
     }
-    for (int spins = 0; generation.load(std::memory_order_acquire) == g; ++spins) {
+    for (int spins = 0; generation.load(std::memory_order_acquire) == g;) {
       if (spins < 2048) {
+        ++spins;
 #if defined(__x86_64__) || defined(__i386__)
         _mm_pause();
 #endif
@@ -333,22 +336,32 @@ class LayerStack {
       P.inter = product_width(L.gate_up) / 2;
       P.gate_up = plan_product(L.gate_up, gu.data(), 2 * P.inter);
       P.down = plan_product(L.down, tmp.data(), hidden);
+      // the buffers above are sized for these shapes: a product of another shape is refused here, not overrun
+      TORCH_CHECK(P.qkv.in.k == hidden && P.gate_up.in.k == hidden && P.o.in.k == h * d && P.down.in.k == P.inter &&
+                      product_width(L.qkv) == qkv_w && product_width(L.o) == hidden &&
+                      product_width(L.down) == hidden && product_width(L.gate_up) == 2 * P.inter,
+                  "layer ", li, ": product shapes do not match the model's (hidden ", hidden, ", heads ", h, " x ", d,
+                  ", kv heads ", kvh, ")");
       plans.push_back(std::move(P));
     }
     SdActs acts;  // the activations of the product at hand (its tiles end at a barrier before the next quantizes)
-    acts.reserve(n, std::max({hidden, h * d, inter}));
+    bool any32 = false, any256 = false;
+    for (const auto& P : plans)
+      for (const ProductPlan* pp : {&P.qkv, &P.o, &P.gate_up, &P.down}) any32 |= pp->in.need32, any256 |= pp->in.need256;
+    acts.reserve(n, std::max({hidden, h * d, inter}), any32, any256);
     std::vector<torch::Tensor> kept;
-    std::vector<std::pair<int64_t, float*>> copies;  // (after which layer, where) x is kept
+    std::vector<std::vector<float*>> copies(order.size());  // per layer of order: where x is kept after it
     for (int64_t c : capture)
       if (c == 0) kept.push_back(xt.clone());
-    for (int64_t li : order)
+    for (size_t oi = 0; oi < order.size(); ++oi)
       for (int64_t c : capture)
-        if (c == li + 1) {
+        if (c == order[oi] + 1) {
           kept.push_back(torch::empty_like(xt));
-          copies.emplace_back(li + 1, kept.back().data_ptr<float>());
+          copies[oi].push_back(kept.back().data_ptr<float>());
         }
     const float scale = 1.0f / std::sqrt(static_cast<float>(d));
-    const int threads = std::max(1, at::get_num_threads());
+    // (inside another parallel region: this thread alone, as at::parallel_for would run inline)
+    const int threads = omp_in_parallel() || at::in_parallel_region() ? 1 : std::max(1, at::get_num_threads());
     SpinBarrier barrier;
     // One parallel region for the whole forward (was one per product and per attention: about 150 starts and
     // ends per SmolLM2 step): the threads go from phase to phase through spin barriers. Row-wise work (RMSNorm,
@@ -368,7 +381,6 @@ class LayerStack {
         for (const auto& [col, width, bias] : pp.biases)
           for (int64_t i = 0; i < width; ++i) pp.out[r * pp.ldo + col + i] += bias[i];
       };
-      size_t kept_next = 0;
       for (size_t oi = 0; oi < order.size(); ++oi) {
         const int64_t li = order[oi];
         const LayerPlan& P = plans[oi];
@@ -385,11 +397,13 @@ class LayerStack {
         for (int64_t r = tid; r < n; r += nt) {
           add_bias(P.qkv, r);
           float* row = qkv.data() + r * qkv_w;
-          if (P.qkv_bias)
+          if (P.qkv_bias)  // (low-bit layers carry their biases in the parts; a layer-level one is added after)
             for (int64_t i = 0; i < qkv_w; ++i) row[i] += P.qkv_bias[i];
           rope_row(row, h, d, cs + r * d, sn + r * d);
           rope_row(row + h * d, kvh, d, cs + r * d, sn + r * d);
           const int64_t slot = row0 + r / q, c = col[r];
+          // a row's padding past the cache's end shares its last column (kv/base.py): the first of them writes it
+          if (r % q > 0 && col[r - 1] == c) continue;
           for (int64_t g = 0; g < kvh; ++g) {
             t->to_f16(row + (h + g) * d, kl + slot * slot_stride + g * plane * d + c * d, d);
             t->to_f16(row + (h + kvh + g) * d, vl + slot * slot_stride + g * plane * d + c * d, d);
@@ -434,14 +448,10 @@ class LayerStack {
         sync();
         tiles(P.down);
         sync();
-        for (int64_t r = tid; r < n; r += nt) {  // (the next layer's norm reads row r in this thread: no barrier)
+        for (int64_t r = tid; r < n; r += nt) {  // (row r is this thread's until the next layer's barrier)
           add_bias(P.down, r);
           for (int64_t i = r * hidden; i < (r + 1) * hidden; ++i) x[i] += tmp[i];
-        }
-        if (kept_next < copies.size() && copies[kept_next].first == li + 1) {
-          sync();  // every row of x final
-          for (; kept_next < copies.size() && copies[kept_next].first == li + 1; ++kept_next)
-            if (tid == 0) std::memcpy(copies[kept_next].second, x, sizeof(float) * n * hidden);
+          for (float* kept_x : copies[oi]) std::memcpy(kept_x + r * hidden, x + r * hidden, sizeof(float) * hidden);
         }
       }
     }

@@ -437,7 +437,7 @@ class SlotRunner:
             if n and max(pos) >= self.max_context:
                 raise PromptTooLongError(
                     f"a row needs position {max(pos)}; the context holds {self.max_context} positions")
-            ids_l.append([int(t) for t in feed] + [0] * (q - n))
+            ids_l.append((feed.tolist() if isinstance(feed, torch.Tensor) else [int(t) for t in feed]) + [0] * (q - n))
             pos_l.append(pos + [min(self.max_context - 1, start + n)] * (q - n))
             # padding continues past the row's own columns (never attended by its real tokens); padding past the
             # scratch shares the last column
