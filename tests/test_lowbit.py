@@ -144,13 +144,14 @@ def test_a_variant_that_fails_to_compile_in_the_background_fails_once_in_one_lin
     monkeypatch.setenv("CC", "false")
     monkeypatch.delenv(lowbit.ISA_ENV, raising=False)
     threads = lowbit_kernels._compile_variants_in_background(tmp_path)
-    assert sorted(threads) == sorted(VARIANTS)
+    candidates = lowbit_kernels.candidate_variants()  # the richest two: the others compile when forced
+    assert sorted(threads) == sorted(candidates) and candidates == VARIANTS[:2]
     for thread in threads.values():
         thread.join()
     for _ in range(2):
-        with pytest.raises(lowbit.SpecDecodeError, match="could not compile the avx2 kernel"):
-            lowbit_kernels.load_variant("avx2", tmp_path)
-    assert len(runs) == len(VARIANTS)  # once each, not again on load
+        with pytest.raises(lowbit.SpecDecodeError, match=f"could not compile the {candidates[-1]} kernel"):
+            lowbit_kernels.load_variant(candidates[-1], tmp_path)
+    assert len(runs) == len(candidates)  # once each, not again on load
     for forced, wanted in (("avx2", ["avx2"]), ("sse9", []), ("reference", [])):
         monkeypatch.setenv(lowbit.ISA_ENV, forced)
         assert lowbit_kernels._wanted_variants() == wanted

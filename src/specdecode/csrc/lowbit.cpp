@@ -8,7 +8,8 @@
 // Products split the output columns over threads, never the rows or the reduction: a (row, column) result is
 // computed by one thread in the order qgemm.c fixes, whatever the thread count and the row count. (Work that stays
 // within one row, such as quantizing it, may go to any one thread: the row is that thread's alone.)
-#include <torch/extension.h>
+#include <ATen/ATen.h>
+#include <torch/csrc/utils/pybind.h>  // pybind11 and its at::Tensor caster (torch/extension.h: 2-3x the compile time)
 #include <ATen/Parallel.h>
 
 #include <vector>
@@ -31,9 +32,9 @@ const SdTable* table_of(int64_t address) {
   return t;
 }
 
-void check_weight(const torch::Tensor& w, int64_t fmt, int64_t k) {
+void check_weight(const at::Tensor& w, int64_t fmt, int64_t k) {
   TORCH_CHECK(fmt >= 0 && fmt < kFormats, "unknown block format ", fmt);
-  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kUInt8 && w.is_contiguous(),
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.is_contiguous(),
               "weight: contiguous uint8 [out, bytes per row]");
   TORCH_CHECK(k % kBlockSize[fmt] == 0 && w.size(1) == k / kBlockSize[fmt] * kBlockBytes[fmt],
               "weight rows hold ", w.size(1), " bytes; ", k, " inputs of this format take ",
@@ -136,41 +137,41 @@ void q_product(const SdTable* t, const float* x, int64_t rows, int64_t k, const 
 // x [rows, k] float32 -> the 8-bit activations the format multiplies:
 //   32-blocks: (q [rows, k] int8, d [rows, k/32] float32, s [rows, k/32] float32 = d * sum q)
 //   K-quants:  (q [rows, k] int8, d [rows, k/256] float32, bsums [rows, k/16] int16)
-std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> q_quantize(torch::Tensor x, int64_t fmt, int64_t table) {
+std::tuple<at::Tensor, at::Tensor, at::Tensor> q_quantize(at::Tensor x, int64_t fmt, int64_t table) {
   const SdTable* t = table_of(table);
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(),
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
               "x must be a contiguous float32 [rows, in_features] tensor");
   const int64_t rows = x.size(0), k = x.size(1);
   TORCH_CHECK(fmt >= 0 && fmt < kFormats && k % kBlockSize[fmt] == 0, "in_features ", k, " does not fit the format");
-  auto q = torch::empty({rows, k}, torch::kInt8);
+  auto q = at::empty({rows, k}, at::kChar);
   if (kBlockSize[fmt] == 32) {
-    auto d = torch::empty({rows, k / 32}, torch::kFloat32), s = torch::empty({rows, k / 32}, torch::kFloat32);
+    auto d = at::empty({rows, k / 32}, at::kFloat), s = at::empty({rows, k / 32}, at::kFloat);
     t->quantize32(x.data_ptr<float>(), rows, k, q.data_ptr<int8_t>(), d.data_ptr<float>(), s.data_ptr<float>());
     return {q, d, s};
   }
-  auto d = torch::empty({rows, k / 256}, torch::kFloat32), b = torch::empty({rows, k / 16}, torch::kInt16);
+  auto d = at::empty({rows, k / 256}, at::kFloat), b = at::empty({rows, k / 16}, at::kShort);
   t->quantize256(x.data_ptr<float>(), rows, k, q.data_ptr<int8_t>(), d.data_ptr<float>(), b.data_ptr<int16_t>());
   return {q, d, b};
 }
 
 // x [rows, k] float32 @ w.T -> [rows, out] float32, w: GGUF blocks of ``fmt``, [out, bytes per row]
-torch::Tensor q_linear(torch::Tensor x, torch::Tensor w, int64_t fmt, int64_t table) {
+at::Tensor q_linear(at::Tensor x, at::Tensor w, int64_t fmt, int64_t table) {
   const SdTable* t = table_of(table);
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(),
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
               "x must be a contiguous float32 [rows, in_features] tensor");
   const int64_t k = x.size(1);
   check_weight(w, fmt, k);
   const int64_t rows = x.size(0), n_out = w.size(0);
-  auto out = torch::empty({rows, n_out}, torch::kFloat32);
+  auto out = at::empty({rows, n_out}, at::kFloat);
   q_product(t, x.data_ptr<float>(), rows, k, w.data_ptr<uint8_t>(), n_out, w.size(1), fmt, out.data_ptr<float>(), n_out);
   return out;
 }
 
 // x [rows, k] float32 @ the weights side by side -> [rows, sum of outs] float32: one fused product (the C++ layer
 // loop's q / k / v and gate / up: q_product_parts), for tests against q_linear of each weight
-torch::Tensor q_linear_parts(torch::Tensor x, std::vector<torch::Tensor> ws, std::vector<int64_t> fmts, int64_t table) {
+at::Tensor q_linear_parts(at::Tensor x, std::vector<at::Tensor> ws, std::vector<int64_t> fmts, int64_t table) {
   const SdTable* t = table_of(table);
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(),
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
               "x must be a contiguous float32 [rows, in_features] tensor");
   TORCH_CHECK(!ws.empty() && ws.size() == fmts.size(), "one format per weight");
   const int64_t k = x.size(1), rows = x.size(0);
@@ -179,7 +180,7 @@ torch::Tensor q_linear_parts(torch::Tensor x, std::vector<torch::Tensor> ws, std
     check_weight(ws[i], fmts[i], k);
     width += ws[i].size(0);
   }
-  auto out = torch::empty({rows, width}, torch::kFloat32);
+  auto out = at::empty({rows, width}, at::kFloat);
   std::vector<SdPart> parts;
   int64_t col = 0;
   for (size_t i = 0; i < ws.size(); ++i) {
@@ -191,11 +192,11 @@ torch::Tensor q_linear_parts(torch::Tensor x, std::vector<torch::Tensor> ws, std
 }
 
 // float32 [out, k] weights of GGUF blocks (what gguf.dequantize gives, in float32 arithmetic)
-torch::Tensor q_dequantize(torch::Tensor w, int64_t fmt, int64_t k, int64_t table) {
+at::Tensor q_dequantize(at::Tensor w, int64_t fmt, int64_t k, int64_t table) {
   const SdTable* t = table_of(table);
   check_weight(w, fmt, k);
   const int64_t n_out = w.size(0);
-  auto out = torch::empty({n_out, k}, torch::kFloat32);
+  auto out = at::empty({n_out, k}, at::kFloat);
   const uint8_t* wp = w.data_ptr<uint8_t>();
   float* op = out.data_ptr<float>();
   at::parallel_for(0, n_out, 64, [&](int64_t n0, int64_t n1) {

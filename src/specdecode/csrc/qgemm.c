@@ -1668,6 +1668,8 @@ SD_INLINE void scores8_pairs(const float* qa, const float* qb, const float* kb, 
 // chains alone wait on the multiply-add latency). Each lane sums its keys in order, as on 8 lanes.
 SD_INLINE void values16(const int QN, const int64_t DZ, const float* const p[4], const float* kb, int64_t cnt,
                         float* const acc[4]) {
+  // the caller keeps QN * DZ <= 16 (its QB); said here so gcc drops the switch cases a constant DZ rules out
+  if (QN * DZ > 16) __builtin_unreachable();
   __m512 a[16];
   for (int qq = 0; qq < QN; ++qq)
     for (int64_t v = 0; v < DZ; ++v) a[qq * DZ + v] = _mm512_loadu_ps(acc[qq] + 16 * v);

@@ -7,7 +7,8 @@
 //              in one fixed order (its own arithmetic: 8-bit activations, a float16 KV cache), the whole
 //              forward in one parallel region (threads meet at spin barriers between phases).
 // Built with lowbit.cpp into one extension (specdecode/lowbit_kernels.py compiles and caches it).
-#include <torch/extension.h>
+#include <ATen/ATen.h>
+#include <torch/csrc/utils/pybind.h>  // pybind11 and its at::Tensor caster (torch/extension.h: 2-3x the compile time)
 #include <pybind11/stl.h>
 
 #include <ATen/Parallel.h>
@@ -38,29 +39,29 @@ constexpr int64_t kRowBlock = 16;  // kernels.ROW_BLOCK
 
 struct Part {
   int64_t kind = 0;  // 0: float weight [out, in]; 1: GGUF blocks [out, bytes per row]
-  torch::Tensor a;   // the weight
+  at::Tensor a;   // the weight
   int64_t fmt = 0, in = 0, table = 0;  // kind 1: block format, in_features, kernel table address
-  std::optional<torch::Tensor> bias;
+  std::optional<at::Tensor> bias;
 };
 
 // kernels.row_product("padded", w, x): blocks of exactly kRowBlock rows (zero-padded), F.linear each
-torch::Tensor padded_product(const torch::Tensor& w, const torch::Tensor& x) {
+at::Tensor padded_product(const at::Tensor& w, const at::Tensor& x) {
   const int64_t m = x.size(0);
   if (m > kRowBlock) {
-    std::vector<torch::Tensor> blocks;
+    std::vector<at::Tensor> blocks;
     for (int64_t i = 0; i < m; i += kRowBlock) blocks.push_back(padded_product(w, x.slice(0, i, std::min(m, i + kRowBlock))));
-    return torch::cat(blocks);
+    return at::cat(blocks);
   }
-  torch::Tensor xx = x;
-  if (m < kRowBlock) xx = torch::cat({x, x.new_zeros({kRowBlock - m, x.size(1)})});
-  return torch::linear(xx, w).slice(0, 0, m);
+  at::Tensor xx = x;
+  if (m < kRowBlock) xx = at::cat({x, x.new_zeros({kRowBlock - m, x.size(1)})});
+  return at::linear(xx, w).slice(0, 0, m);
 }
 
-torch::Tensor apply_part(const Part& p, const torch::Tensor& x, bool padded) {
+at::Tensor apply_part(const Part& p, const at::Tensor& x, bool padded) {
   if (p.kind == 0) {  // owned._mm on a float tensor
     if (padded) return padded_product(p.a, x);
-    if (x.size(0) > 16 || p.a.scalar_type() != torch::kFloat32) return torch::linear(x, p.a);
-    return torch::mm(p.a, x.t()).t();
+    if (x.size(0) > 16 || p.a.scalar_type() != at::kFloat) return at::linear(x, p.a);
+    return at::mm(p.a, x.t()).t();
   }
   TORCH_CHECK(false, "GGUF-block products run in run_fused, not in run");
   return x;
@@ -68,11 +69,11 @@ torch::Tensor apply_part(const Part& p, const torch::Tensor& x, bool padded) {
 
 struct Product {
   std::vector<Part> parts;
-  torch::Tensor operator()(const torch::Tensor& x, bool padded) const {
+  at::Tensor operator()(const at::Tensor& x, bool padded) const {
     if (parts.size() == 1) return apply_part(parts[0], x, padded);
-    std::vector<torch::Tensor> outs;
+    std::vector<at::Tensor> outs;
     for (const auto& p : parts) outs.push_back(apply_part(p, x, padded));
-    return torch::cat(outs, -1);
+    return at::cat(outs, -1);
   }
 };
 
@@ -102,22 +103,22 @@ void rope_row(float* x, int64_t heads, int64_t d, const float* cos, const float*
 }
 
 struct Layer {
-  torch::Tensor ln1, ln2;
-  std::optional<torch::Tensor> qkv_bias;
+  at::Tensor ln1, ln2;
+  std::optional<at::Tensor> qkv_bias;
   Product qkv, o, gate_up, down;
 };
 
 // owned._rms_norm
-torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps) {
-  torch::Tensor xf = x.to(torch::kFloat32);
-  torch::Tensor out = xf * torch::rsqrt(xf.pow(2).mean({-1}, true) + eps);
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  at::Tensor xf = x.to(at::kFloat);
+  at::Tensor out = xf * at::rsqrt(xf.pow(2).mean({-1}, true) + eps);
   return weight * out.to(x.scalar_type());
 }
 
 // owned._apply_rope on [heads, n, d]
-torch::Tensor rope(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin) {
+at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
   const int64_t half = x.size(-1) / 2;
-  torch::Tensor rotated = torch::cat({-x.slice(-1, half), x.slice(-1, 0, half)}, -1);
+  at::Tensor rotated = at::cat({-x.slice(-1, half), x.slice(-1, 0, half)}, -1);
   return x * cos + rotated * sin;
 }
 
@@ -188,7 +189,7 @@ class LayerStack {
       : h_(heads), kvh_(kv_heads), d_(head_dim), eps_(eps) {}
 
   // parts: a list of (kind, weight, fmt, in_features, table, bias) per product
-  void add_layer(torch::Tensor ln1, torch::Tensor ln2, std::optional<torch::Tensor> qkv_bias,
+  void add_layer(at::Tensor ln1, at::Tensor ln2, std::optional<at::Tensor> qkv_bias,
                  std::vector<std::vector<py::tuple>> products) {
     Layer layer{ln1, ln2, qkv_bias, {}, {}, {}, {}};
     Product* slots[4] = {&layer.qkv, &layer.o, &layer.gate_up, &layer.down};
@@ -197,16 +198,16 @@ class LayerStack {
       for (const auto& t : products[i]) {
         Part p;
         p.kind = t[0].cast<int64_t>();
-        p.a = t[1].cast<torch::Tensor>();
+        p.a = t[1].cast<at::Tensor>();
         if (p.kind == 1) {
           p.fmt = t[2].cast<int64_t>();
           p.in = t[3].cast<int64_t>();
           p.table = t[4].cast<int64_t>();
         }
-        if (!t[5].is_none()) p.bias = t[5].cast<torch::Tensor>();
+        if (!t[5].is_none()) p.bias = t[5].cast<at::Tensor>();
         if (p.kind == 1) {
           TORCH_CHECK(p.fmt >= 0 && p.fmt < 6, "unknown block format ", p.fmt);
-          TORCH_CHECK(p.a.dim() == 2 && p.a.scalar_type() == torch::kUInt8 && p.a.is_contiguous(),
+          TORCH_CHECK(p.a.dim() == 2 && p.a.scalar_type() == at::kByte && p.a.is_contiguous(),
                       "GGUF-block weight: contiguous uint8 [out, bytes per row]");
           sd_table_at(p.table);
         }
@@ -219,43 +220,43 @@ class LayerStack {
   // x [n, hidden]; cos / sin [n, d]; k_cache / v_cache [layers, slots, kv_heads, columns, d];
   // rows [row0, row1) of the slots; columns [b, q]; start: the first column when b == 1, else -1;
   // attn_mask [b, 1, q, kv_len] bool or None.
-  torch::Tensor run(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, torch::Tensor k_cache, torch::Tensor v_cache,
-                    int64_t row0, int64_t row1, torch::Tensor columns, int64_t start,
-                    std::optional<torch::Tensor> attn_mask, int64_t kv_len, bool attend_in_cache_dtype,
+  at::Tensor run(at::Tensor x, at::Tensor cos, at::Tensor sin, at::Tensor k_cache, at::Tensor v_cache,
+                    int64_t row0, int64_t row1, at::Tensor columns, int64_t start,
+                    std::optional<at::Tensor> attn_mask, int64_t kv_len, bool attend_in_cache_dtype,
                     bool padded) const {
     const int64_t b = columns.size(0), q = columns.size(1), n = b * q;
     const int64_t h = h_, kvh = kvh_, d = d_;
-    torch::Tensor row_index = torch::arange(b).unsqueeze(1);
+    at::Tensor row_index = at::arange(b).unsqueeze(1);
     const auto cache_dtype = k_cache.scalar_type();
     const auto att_dtype = attend_in_cache_dtype ? cache_dtype : x.scalar_type();
     for (size_t i = 0; i < layers_.size(); ++i) {
       const Layer& layer = layers_[i];
-      torch::Tensor qkv = layer.qkv(rms_norm(x, layer.ln1, eps_), padded);
+      at::Tensor qkv = layer.qkv(rms_norm(x, layer.ln1, eps_), padded);
       if (layer.qkv_bias) qkv = qkv + *layer.qkv_bias;
       auto parts = qkv.split_with_sizes({h * d, kvh * d, kvh * d}, -1);
-      torch::Tensor qs = rope(parts[0].view({n, h, d}).transpose(0, 1), cos, sin);
-      torch::Tensor ks = rope(parts[1].view({n, kvh, d}).transpose(0, 1), cos, sin);
-      torch::Tensor vs = parts[2];
-      torch::Tensor k_rows = k_cache.select(0, i).slice(0, row0, row1);
-      torch::Tensor v_rows = v_cache.select(0, i).slice(0, row0, row1);
-      torch::Tensor queries;
+      at::Tensor qs = rope(parts[0].view({n, h, d}).transpose(0, 1), cos, sin);
+      at::Tensor ks = rope(parts[1].view({n, kvh, d}).transpose(0, 1), cos, sin);
+      at::Tensor vs = parts[2];
+      at::Tensor k_rows = k_cache.select(0, i).slice(0, row0, row1);
+      at::Tensor v_rows = v_cache.select(0, i).slice(0, row0, row1);
+      at::Tensor queries;
       if (start >= 0) {
         k_rows.select(0, 0).slice(1, start, start + q).copy_(ks);
         v_rows.select(0, 0).slice(1, start, start + q).copy_(vs.view({n, kvh, d}).transpose(0, 1));
         queries = qs.unsqueeze(0);
       } else {
-        using torch::indexing::Slice;
+        using at::indexing::Slice;
         k_rows.index_put_({row_index, Slice(), columns},
                           ks.reshape({kvh, b, q, d}).permute({1, 2, 0, 3}).to(cache_dtype));
         v_rows.index_put_({row_index, Slice(), columns}, vs.reshape({b, q, kvh, d}).to(cache_dtype));
         queries = qs.reshape({h, b, q, d}).transpose(0, 1);
       }
-      torch::Tensor attn = at::scaled_dot_product_attention(
+      at::Tensor attn = at::scaled_dot_product_attention(
           queries.to(att_dtype), k_rows.slice(2, 0, kv_len).to(att_dtype), v_rows.slice(2, 0, kv_len).to(att_dtype),
           attn_mask, 0.0, false, std::nullopt, h != kvh).to(x.scalar_type());
       x = x + layer.o(attn.transpose(1, 2).reshape({n, h * d}), padded);
       auto gu = layer.gate_up(rms_norm(x, layer.ln2, eps_), padded).chunk(2, -1);
-      x = x + layer.down(torch::silu(gu[0]) * gu[1], padded);
+      x = x + layer.down(at::silu(gu[0]) * gu[1], padded);
     }
     return x;
   }
@@ -267,19 +268,19 @@ class LayerStack {
   // [layers, slots, kv_heads, columns, d]; rows [row0, row0 + b) of the slots; columns [b, q] int64;
   // visible [b, q, kv_len] bool or None (None: every column < kv_len); layers: the layers to run
   // (empty: all); capture: after which layers (0 = the input) to keep x. Returns [x, kept...].
-  std::vector<torch::Tensor> run_fused(torch::Tensor x_in, torch::Tensor cos, torch::Tensor sin, torch::Tensor k_cache,
-                                       torch::Tensor v_cache, int64_t row0, torch::Tensor columns,
-                                       std::optional<torch::Tensor> visible, int64_t kv_len, int64_t table,
+  std::vector<at::Tensor> run_fused(at::Tensor x_in, at::Tensor cos, at::Tensor sin, at::Tensor k_cache,
+                                       at::Tensor v_cache, int64_t row0, at::Tensor columns,
+                                       std::optional<at::Tensor> visible, int64_t kv_len, int64_t table,
                                        std::vector<int64_t> layers, std::vector<int64_t> capture) const {
     const SdTable* t = sd_table_at(table);
     for (int64_t li : layers) TORCH_CHECK(li >= 0 && li < static_cast<int64_t>(layers_.size()), "no layer ", li);
     for (const auto& L : layers_)
       TORCH_CHECK(all_quant(L.qkv) && all_quant(L.o) && all_quant(L.gate_up) && all_quant(L.down),
                   "the fused forward runs GGUF-block products only");
-    TORCH_CHECK(columns.dim() == 2 && columns.scalar_type() == torch::kInt64 && columns.is_contiguous(),
+    TORCH_CHECK(columns.dim() == 2 && columns.scalar_type() == at::kLong && columns.is_contiguous(),
                 "columns: contiguous int64 [b, q]");
     TORCH_CHECK(x_in.dim() == 2 && x_in.size(0) == columns.numel(), "x: [b * q, hidden]");
-    TORCH_CHECK(cos.scalar_type() == torch::kFloat32 && sin.scalar_type() == torch::kFloat32 && cos.is_contiguous() &&
+    TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.is_contiguous() &&
                 sin.is_contiguous() && cos.numel() == columns.numel() * d_ && sin.numel() == cos.numel(),
                 "cos / sin: contiguous float32 [b * q, head_dim]");
     TORCH_CHECK(k_cache.dim() == 5 && k_cache.sizes() == v_cache.sizes() && row0 >= 0 &&
@@ -287,7 +288,7 @@ class LayerStack {
                 columns.max().item<int64_t>() < kv_len && columns.min().item<int64_t>() >= 0,
                 "cache rows / columns out of range");
     TORCH_CHECK(!visible || (visible->numel() == columns.numel() * kv_len), "visible: [b, q, kv_len]");
-    TORCH_CHECK(k_cache.scalar_type() == torch::kHalf && v_cache.scalar_type() == torch::kHalf &&
+    TORCH_CHECK(k_cache.scalar_type() == at::kHalf && v_cache.scalar_type() == at::kHalf &&
                 k_cache.is_contiguous() && v_cache.is_contiguous(), "the fused forward takes a contiguous float16 cache");
     TORCH_CHECK(d_ % 8 == 0 && d_ <= 256, "head_dim must be a multiple of 8, at most 256");
     TORCH_CHECK(kvh_ >= 1 && h_ % kvh_ == 0, "heads (", h_, ") must be a multiple of kv_heads (", kvh_, ")");
@@ -295,15 +296,15 @@ class LayerStack {
     const int64_t h = h_, kvh = kvh_, d = d_, hidden = x_in.size(1);
     const int64_t slots = k_cache.size(1), plane = k_cache.size(3);
     const int64_t layer_stride = slots * kvh * plane * d, slot_stride = kvh * plane * d;
-    torch::Tensor xt = x_in.to(torch::kFloat32).contiguous().clone();
+    at::Tensor xt = x_in.to(at::kFloat).contiguous().clone();
     float* x = xt.data_ptr<float>();
     const float* cs = cos.data_ptr<float>();
     const float* sn = sin.data_ptr<float>();
     const int64_t* col = columns.data_ptr<int64_t>();
-    torch::Tensor vis_t;
+    at::Tensor vis_t;
     const uint8_t* vis = nullptr;
     if (visible) {
-      vis_t = visible->to(torch::kUInt8).contiguous();
+      vis_t = visible->to(at::kByte).contiguous();
       vis = vis_t.data_ptr<uint8_t>();
     }
     uint16_t* kc = reinterpret_cast<uint16_t*>(k_cache.data_ptr<at::Half>());
@@ -349,14 +350,14 @@ class LayerStack {
     for (const auto& P : plans)
       for (const ProductPlan* pp : {&P.qkv, &P.o, &P.gate_up, &P.down}) any32 |= pp->in.need32, any256 |= pp->in.need256;
     acts.reserve(n, std::max({hidden, h * d, inter}), any32, any256);
-    std::vector<torch::Tensor> kept;
+    std::vector<at::Tensor> kept;
     std::vector<std::vector<float*>> copies(order.size());  // per layer of order: where x is kept after it
     for (int64_t c : capture)
       if (c == 0) kept.push_back(xt.clone());
     for (size_t oi = 0; oi < order.size(); ++oi)
       for (int64_t c : capture)
         if (c == order[oi] + 1) {
-          kept.push_back(torch::empty_like(xt));
+          kept.push_back(at::empty_like(xt));
           copies[oi].push_back(kept.back().data_ptr<float>());
         }
     const float scale = 1.0f / std::sqrt(static_cast<float>(d));
@@ -455,7 +456,7 @@ class LayerStack {
         }
       }
     }
-    std::vector<torch::Tensor> result{xt};
+    std::vector<at::Tensor> result{xt};
     for (auto& k : kept) result.push_back(k);
     return result;
   }
