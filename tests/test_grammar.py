@@ -552,3 +552,15 @@ def test_the_enumeration_matches_constrained_plain_sampling(dist_setup):
     counts = _sample_counts(grammar, target, None, coupled=False, n=1500)
     assert _pvalue(counts, exact) > 1e-3, (counts, exact)
     assert list(itertools.islice(sorted(exact, key=exact.get, reverse=True), 1))  # a non-trivial law
+
+
+def test_a_json_error_names_what_and_where_once():
+    """Python's message for a control character ends in "at": the location is not preceded by "at at"."""
+    from specdecode.errors import json_problem
+
+    try:
+        json.loads('{"a": "x\ty"}')
+    except json.JSONDecodeError as exc:
+        text = json_problem(exc)
+    assert text == "Invalid control character at line 1 column 9" and "at at" not in text
+

@@ -479,3 +479,23 @@ def test_quiet_output_is_restored_after_an_error():
         assert hf_logging.get_verbosity() == hf_logging.ERROR
         raise RuntimeError("boom")
     assert hf_logging.get_verbosity() == before
+
+
+def test_a_cache_folder_that_cannot_be_had_is_refused_before_any_work(tmp_path, monkeypatch):
+    """--cache-dir / SPECDECODE_CACHE: a file, or a place nothing can be made, is refused in one line naming the
+    setting, before hashing, converting or compiling; an existing folder (read-only and full, perhaps) and one that
+    can be made pass, and the check leaves nothing behind."""
+    from specdecode.paths import OutputPathError
+
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    with pytest.raises(OutputPathError, match=r"^--cache-dir .*afile: is a file, not a folder"):
+        P.check_cache_dir(afile)
+    with pytest.raises(OutputPathError, match=r"^--cache-dir /proc/nope: cannot write there"):
+        P.check_cache_dir("/proc/nope")
+    monkeypatch.setenv("SPECDECODE_CACHE", "/proc/nope")
+    with pytest.raises(OutputPathError, match=r"^SPECDECODE_CACHE /proc/nope"):
+        P.check_models("smollm2-135m")
+    P.check_cache_dir(tmp_path)
+    P.check_cache_dir(tmp_path / "new" / "cache")
+    assert not (tmp_path / "new").exists()

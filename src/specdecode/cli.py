@@ -209,6 +209,17 @@ def _add_bench(commands) -> None:
             "with plain decoding and Hugging Face's assisted / prompt-lookup generate, with the cost model's\n"
             "predictions. Writes report.md, report.json and plots under --output; a rerun resumes."
         ),
+        epilog=(
+            "examples:\n"
+            "  specdecode bench --quick                                     # a short report (10-15 minutes on 2 cores)\n"
+            "  specdecode bench --target smollm2-135m --weights int4 --dataset spec-bench --limit 1 \\\n"
+            "      --methods 'ngram:k=2;suffix:k=8' --no-peer --llama-server   # beside llama.cpp's server\n"
+            "  specdecode bench --setup-peers                               # build llama.cpp (llama-server, llama-bench)\n"
+            "  specdecode bench --verify-table --target qwen2.5-coder-1.5b  # T(k)/T(1), ours beside llama-bench\n"
+            "\n"
+            "environment: SPECDECODE_CACHE (converted models, compiled kernels), SPECDECODE_KERNEL_ISA (force a\n"
+            "kernel variant: amx, avx512vnni, avx512, avx2, reference)"
+        ),
     )
     add_arguments(p)
     add_config_argument(p)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from specdecode.cliargs import SAMPLING_MODES, check_drafter_flags, check_threads, set_threads
 from specdecode.cliargs import status as _status
-from specdecode.errors import SpecDecodeError
+from specdecode.errors import SpecDecodeError, json_problem
 from specdecode.spec import DrafterSpec
 from specdecode.data import SharedDataMissing, load_prompts, read_prompt_text
 from specdecode.validate import (  # the library's own checks, without torch
@@ -124,12 +124,13 @@ def _read_json_schema(path: str | None) -> str | None:
     try:
         text = sys.stdin.read() if path == "-" else Path(path).read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
-        raise SpecDecodeError(f"--json-schema: cannot read {path!r}: {exc}") from None
+        what = getattr(exc, "strerror", None) or exc
+        raise SpecDecodeError(f"--json-schema: cannot read {path!r}: {what}; give a JSON schema file (or - for "
+                              "standard input)") from None
     try:
         schema = json.loads(text)
     except json.JSONDecodeError as exc:
-        raise SpecDecodeError(f"--json-schema: {path!r} is not valid JSON ({exc.msg} at line {exc.lineno} column "
-                              f"{exc.colno})") from None
+        raise SpecDecodeError(f"--json-schema: {path!r} is not valid JSON ({json_problem(exc)})") from None
     if not isinstance(schema, dict):
         raise SpecDecodeError(f"--json-schema: {path!r} holds a JSON {type(schema).__name__}, not a schema object")
     return text
@@ -382,7 +383,8 @@ def _print_summary(r: dict) -> None:
     lines = [
         f"tokens {r['num_generated_tokens']} (finish: {r['finish_reason']}) | drafted {r['num_drafted_tokens']} | "
         f"accepted {r['num_accepted_tokens']} | acceptance rate {r['acceptance_rate']:.1%} | "
-        f"tau {r['mean_accepted_length']:.2f} tokens/forward",
+        + (f"tau {r['mean_accepted_length']:.2f} tokens/forward" if r["num_target_forwards"] > 1
+           else "tau - (no forward after the prompt's)"),
         f"acceptance by position: {positions}",
         f"draft length per step (gamma): mean {r['mean_draft_length']:.2f}, histogram "
         + (" ".join(f"{g}:{n}" for g, n in r["draft_length_histogram"].items()) or "-"),

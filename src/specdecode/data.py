@@ -241,6 +241,9 @@ def load_prompts(spec: str, *, shared_dir: Path | None = None) -> list[Prompt]:
             raise SpecDecodeError(f"unknown category {category!r} for {dataset} in {spec!r}; choose one of: "
                                   f"{', '.join(valid)}")
         prompts = tuple(p for p in prompts if p.category == category)
+    if limit is not None and limit > len(prompts):
+        print(f"specdecode: {spec} asks for {limit} prompts; {dataset}{':' + category if category else ''} holds "
+              f"{len(prompts)}: running all {len(prompts)}", file=sys.stderr, flush=True)
     return list(prompts[:limit] if limit is not None else prompts)
 
 

@@ -61,7 +61,7 @@ from typing import Any, Literal
 import llguidance
 import torch
 
-from specdecode.errors import SpecDecodeError
+from specdecode.errors import SpecDecodeError, json_problem
 
 StructuredKind = Literal["json_schema", "json_object", "regex"]
 
@@ -142,7 +142,7 @@ class StructuredOutput:
             try:
                 schema = json.loads(schema)
             except json.JSONDecodeError as e:
-                raise _error(f"the JSON schema is not valid JSON ({e.msg} at line {e.lineno} column {e.colno})",
+                raise _error(f"the JSON schema is not valid JSON ({json_problem(e)})",
                              field_name) from None
         return cls("json_schema", schema, field_name)
 

@@ -428,7 +428,8 @@ def _explicit(loaded, weights: str, cache: Path, forward: str = "auto",
             reason += (f"; {kernel_status()}; speculation stays exact (row-independent low-bit products in the "
                        "owned forward)")
     if exact is None:
-        reason += "; whether speculation stays exact with it here was not measured (--weights auto measures it)"
+        reason += ("; not measured on this CPU whether a token's logits are the same alone and among verified tokens "
+                   "(--weights auto measures it; --compare-baseline shows whether the output matches)")
     elif not exact:
         reason += f"; not batch-invariant here ({m.get('detail', '')}): output may leave plain decoding's path"
     return PrecisionChoice(weights, exact, reason)

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from specdecode.data import read_prompt_text
-from specdecode.errors import SpecDecodeError
+from specdecode.errors import SpecDecodeError, json_problem
 from specdecode.options import DEFAULT_TREE_NODES
 from specdecode.options import WEIGHT_CHOICES, WEIGHT_PRECISIONS
 from specdecode.validate import check_sampling, check_threads
@@ -141,7 +141,7 @@ def read_prompts_file(path: str | Path):
             try:
                 rows = json.loads(text)
             except json.JSONDecodeError as exc:
-                raise SpecDecodeError(f"--prompts {path}: not valid JSON ({exc.msg} at line {exc.lineno})") from None
+                raise SpecDecodeError(f"--prompts {path}: not valid JSON ({json_problem(exc)})") from None
             if not isinstance(rows, list):
                 raise SpecDecodeError(f"--prompts {path}: a .json prompts file holds a list of prompts")
             numbered = [(i + 1, r) for i, r in enumerate(rows)]
