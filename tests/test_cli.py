@@ -196,10 +196,10 @@ def test_without_shared_data_the_default_prompt_falls_back_to_humaneval_and_says
 
     real = cli_generate.load_prompts
 
-    def no_shared(spec):
+    def no_shared(spec, say=None):
         if spec.startswith("spec-bench"):
             raise SharedDataMissing("../shared/data is not beside the project")
-        return real(spec)
+        return real(spec, say=say)
 
     monkeypatch.setattr(cli_generate, "load_prompts", no_shared)
     notes = []

@@ -142,9 +142,11 @@ def test_a_prompt_file_is_read_one_way_for_generate_and_tune(tmp_path):
             assert str(err.value).startswith(flag)
 
 
-def test_a_count_past_the_set_runs_all_and_says_so(capsys):
-    from specdecode.data import load_prompts
-
-    prompts = load_prompts("spec-bench:rag:100000")
+@pytest.mark.shared_data
+def test_a_count_past_the_set_runs_all_and_says_so():
+    said = []
+    prompts = load_prompts("spec-bench:rag:100000", say=said.append)
     assert 0 < len(prompts) < 100000
-    assert f"asks for 100000 prompts; spec-bench:rag holds {len(prompts)}" in capsys.readouterr().err
+    assert said == [f"spec-bench:rag:100000 asks for 100000 prompts; spec-bench:rag holds {len(prompts)}: all "
+                    f"{len(prompts)} run"]
+    assert load_prompts("spec-bench:rag:100000") == prompts  # a library caller: silent

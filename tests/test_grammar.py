@@ -563,4 +563,3 @@ def test_a_json_error_names_what_and_where_once():
     except json.JSONDecodeError as exc:
         text = json_problem(exc)
     assert text == "Invalid control character at line 1 column 9" and "at at" not in text
-

@@ -144,8 +144,9 @@ def test_a_variant_that_fails_to_compile_in_the_background_fails_once_in_one_lin
     monkeypatch.setenv("CC", "false")
     monkeypatch.delenv(lowbit.ISA_ENV, raising=False)
     threads = lowbit_kernels._compile_variants_in_background(tmp_path)
-    candidates = lowbit_kernels.candidate_variants()  # the richest two: the others compile when forced
-    assert sorted(threads) == sorted(candidates) and candidates == VARIANTS[:2]
+    candidates = lowbit_kernels.candidate_variants()  # the richest and the next with other few-row code
+    want = [VARIANTS[0]] + [v for v in VARIANTS[1:] if not (VARIANTS[0] == "amx" and v == "avx512vnni")][:1]
+    assert sorted(threads) == sorted(candidates) and candidates == want
     for thread in threads.values():
         thread.join()
     for _ in range(2):

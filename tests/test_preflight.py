@@ -489,13 +489,21 @@ def test_a_cache_folder_that_cannot_be_had_is_refused_before_any_work(tmp_path, 
 
     afile = tmp_path / "afile"
     afile.write_text("x")
-    with pytest.raises(OutputPathError, match=r"^--cache-dir .*afile: is a file, not a folder"):
-        P.check_cache_dir(afile)
-    with pytest.raises(OutputPathError, match=r"^--cache-dir /proc/nope: cannot write there"):
-        P.check_cache_dir("/proc/nope")
+    from specdecode.paths import check_cache_dir
+
+    monkeypatch.delenv("SPECDECODE_CACHE", raising=False)
+    with pytest.raises(OutputPathError, match=r"^the cache folder \(cache_dir / --cache-dir\) .*afile: is a file"):
+        check_cache_dir(afile)
+    with pytest.raises(OutputPathError, match=r"--cache-dir\) /proc/nope: cannot write there"):
+        check_cache_dir("/proc/nope")
+    with pytest.raises(OutputPathError, match=r"is empty"):
+        check_cache_dir("")
     monkeypatch.setenv("SPECDECODE_CACHE", "/proc/nope")
     with pytest.raises(OutputPathError, match=r"^SPECDECODE_CACHE /proc/nope"):
         P.check_models("smollm2-135m")
-    P.check_cache_dir(tmp_path)
-    P.check_cache_dir(tmp_path / "new" / "cache")
+    check_cache_dir(tmp_path / "new" / "cache")
     assert not (tmp_path / "new").exists()
+    monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path))
+    check_cache_dir()
+    monkeypatch.delenv("SPECDECODE_CACHE")
+    check_cache_dir()  # the default place is not checked

@@ -211,14 +211,15 @@ def _add_bench(commands) -> None:
         ),
         epilog=(
             "examples:\n"
-            "  specdecode bench --quick                                     # a short report (10-15 minutes on 2 cores)\n"
+            "  specdecode bench --quick          # a short report (10-15 minutes on 2 cores)\n"
+            "  specdecode bench --setup-peers    # build llama.cpp's llama-server and llama-bench\n"
             "  specdecode bench --target smollm2-135m --weights int4 --dataset spec-bench --limit 1 \\\n"
-            "      --methods 'ngram:k=2;suffix:k=8' --no-peer --llama-server   # beside llama.cpp's server\n"
-            "  specdecode bench --setup-peers                               # build llama.cpp (llama-server, llama-bench)\n"
-            "  specdecode bench --verify-table --target qwen2.5-coder-1.5b  # T(k)/T(1), ours beside llama-bench\n"
+            "      --methods 'ngram:k=2;suffix:k=8' --no-peer --llama-server\n"
+            "  specdecode bench --verify-table --target qwen2.5-coder-1.5b   # T(k)/T(1) beside llama-bench\n"
             "\n"
             "environment: SPECDECODE_CACHE (converted models, compiled kernels), SPECDECODE_KERNEL_ISA (force a\n"
-            "kernel variant: amx, avx512vnni, avx512, avx2, reference)"
+            "kernel variant: amx, avx512vnni, avx512, avx2, reference), SPECDECODE_NATIVE_STEP=0 (the Python\n"
+            "layer loop instead of the C++ one)"
         ),
     )
     add_arguments(p)

@@ -207,7 +207,7 @@ def read_jobs(args: argparse.Namespace, say=None) -> list[_Job]:
         return [_Job(args.prompt_file, read_prompt_file(args.prompt_file), chat_default=False)]
     spec = args.dataset or DEFAULT_DATASET
     try:
-        prompts = load_prompts(spec)
+        prompts = load_prompts(spec, say=say)
     except SharedDataMissing as err:
         if args.dataset is not None:
             raise
@@ -383,7 +383,7 @@ def _print_summary(r: dict) -> None:
     lines = [
         f"tokens {r['num_generated_tokens']} (finish: {r['finish_reason']}) | drafted {r['num_drafted_tokens']} | "
         f"accepted {r['num_accepted_tokens']} | acceptance rate {r['acceptance_rate']:.1%} | "
-        + (f"tau {r['mean_accepted_length']:.2f} tokens/forward" if r["num_target_forwards"] > 1
+        + (f"tau {r['mean_accepted_length']:.2f} tokens/forward" if r["mean_accepted_length"] > 0
            else "tau - (no forward after the prompt's)"),
         f"acceptance by position: {positions}",
         f"draft length per step (gamma): mean {r['mean_draft_length']:.2f}, histogram "

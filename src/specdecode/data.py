@@ -219,12 +219,13 @@ def read_prompt_text(path: str | os.PathLike, flag: str, *, stdin: bool = False)
     return text
 
 
-def load_prompts(spec: str, *, shared_dir: Path | None = None) -> list[Prompt]:
+def load_prompts(spec: str, *, shared_dir: Path | None = None, say=None) -> list[Prompt]:
     """Prompts named by ``NAME[:CATEGORY][:N]`` (see the module docstring), in file order.
 
     Args:
         spec: e.g. ``"humaneval:10"``, ``"mt-bench"``, ``"spec-bench:summarization:5"``, ``"gsm8k:20"``.
         shared_dir: the shared data folder; default :func:`shared_data_dir`.
+        say: gets one line when N is more than the set holds (the command line's status line); None: silent.
 
     Returns:
         At most N prompts (all when N is absent), the first ones of the (category-filtered) file.
@@ -241,9 +242,9 @@ def load_prompts(spec: str, *, shared_dir: Path | None = None) -> list[Prompt]:
             raise SpecDecodeError(f"unknown category {category!r} for {dataset} in {spec!r}; choose one of: "
                                   f"{', '.join(valid)}")
         prompts = tuple(p for p in prompts if p.category == category)
-    if limit is not None and limit > len(prompts):
-        print(f"specdecode: {spec} asks for {limit} prompts; {dataset}{':' + category if category else ''} holds "
-              f"{len(prompts)}: running all {len(prompts)}", file=sys.stderr, flush=True)
+    if say is not None and limit is not None and limit > len(prompts):
+        say(f"{spec} asks for {limit} prompts; {dataset}{':' + category if category else ''} holds {len(prompts)}: "
+            f"all {len(prompts)} run")
     return list(prompts[:limit] if limit is not None else prompts)
 
 

@@ -28,11 +28,10 @@ class LayerSkipError(SpecDecodeError):
     """Layer skipping is impossible for this model, or a skip set is invalid."""
 
 
-__all__ = ["InvalidSamplingParams", "LayerSkipError", "SpecDecodeError"]
+__all__ = ["InvalidSamplingParams", "LayerSkipError", "SpecDecodeError", "json_problem"]
 
 
 def json_problem(exc) -> str:
     """What a ``json.JSONDecodeError`` found and where: "Expecting ',' delimiter at line 1 column 9" (Python's
     message for some errors already ends in "at": that word is not repeated)."""
     return f"{exc.msg.removesuffix(' at')} at line {exc.lineno} column {exc.colno}"
-

@@ -263,7 +263,7 @@ def unpack(packed: np.ndarray, kind: str) -> np.ndarray:
     return np.ascontiguousarray(np.concatenate([TILED[kind][1](packed[:full]), _uncolumns(packed[full:], kind)]))
 
 
-#: Instruction-set variants of the kernel, fastest first where the CPU runs several: name ->
+#: Instruction-set variants of the kernel, richest first where the CPU runs several: name ->
 #: (the /proc/cpuinfo flags it needs, gcc flags, the macro csrc/qgemm.c reads).
 VARIANTS = {
     "amx": (("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "amx_tile", "amx_int8"),
@@ -354,16 +354,28 @@ def _variant_path(name: str, cache_dir=None) -> Path:
     return _cache_base(cache_dir) / "kernels" / f"qgemm-{name}-{digest}.so"
 
 
-#: How many of the richest variants this CPU runs are compiled and timed at first use (a richer variant runs a
-#: poorer one's code and more; the others compile when forced through SPECDECODE_KERNEL_ISA). All four on an AMX
-#: Xeon cost about 45 s of gcc at the first run (amx 16 s, avx2 4 s), beside the torch extension's 26 s.
+#: How many variants are compiled and timed at first use: the richest this CPU runs and the next one whose code
+#: for 1-16 rows differs (the others compile when forced through SPECDECODE_KERNEL_ISA). All four on an AMX Xeon
+#: cost about 45 s of gcc at the first run (amx 16 s, avx2 4 s), beside the torch extension's 26 s.
 MEASURED_VARIANTS = 2
+
+#: Variants whose decoding and verification code (1-16 rows) is another's: amx runs avx512vnni's passes below 16
+#: rows, so timing one against the other measures noise
+_SAME_FEW_ROW_CODE = {"amx": "avx512vnni"}
 
 
 def candidate_variants() -> list[str]:
-    """The variants the start-up measurement times: the :data:`MEASURED_VARIANTS` richest this CPU executes, in
-    :data:`VARIANTS` order (AMX, VNNI, AVX-512, AVX2)."""
-    return supported_variants()[:MEASURED_VARIANTS]
+    """The variants the start-up measurement times, in :data:`VARIANTS` order (AMX, VNNI, AVX-512, AVX2): the
+    richest this CPU executes, then the next ones whose few-row code differs, :data:`MEASURED_VARIANTS` in all
+    (an AMX Xeon: amx and avx512; AVX-512 VNNI: avx512vnni and avx512; Zen 3: avx2)."""
+    supported = supported_variants()
+    if not supported:
+        return []
+    chosen = [supported[0]]
+    for name in supported[1:]:
+        if len(chosen) < MEASURED_VARIANTS and _SAME_FEW_ROW_CODE.get(chosen[0]) != name:
+            chosen.append(name)
+    return chosen
 
 
 def _wanted_variants() -> list[str]:
@@ -460,8 +472,9 @@ _chosen: str | None = None
 
 
 def active_variant() -> str | None:
-    """The variant the products run: ``SPECDECODE_KERNEL_ISA`` when set, else the fastest this CPU
-    executes (measured once per process, about a second); None: the torch reference runs.
+    """The variant the products run: ``SPECDECODE_KERNEL_ISA`` when set, else the richest this CPU executes
+    unless another of :func:`candidate_variants` measures clearly faster (once per process, about a second);
+    None: the torch reference runs.
 
     Raises:
         SpecDecodeError: a forced variant that is unknown or that this CPU cannot run."""
@@ -518,7 +531,8 @@ def _amx_note(name: str) -> str:
 def _pick_variant(timed: dict[str, float]) -> str:
     """The richest variant (``VARIANTS`` order: AMX, VNNI, AVX-512, AVX2) unless another measured clearly faster
     (by more than :data:`VARIANT_MARGIN`): on a noisy machine the choice then stays the same run to run. (The
-    timing's 1 and 5 rows run the same code on amx and avx512vnni: amx is kept for its many-row products.)"""
+    timing's 1 and 5 rows run the same code on amx and avx512vnni: :func:`candidate_variants` times amx against
+    avx512.)"""
     richest = next(iter(timed))
     best = min(timed, key=timed.get)
     return richest if timed[richest] <= (1 + VARIANT_MARGIN) * timed[best] else best

@@ -63,6 +63,27 @@ def check_output_dir(path: str | os.PathLike, flag: str, *, default: bool = Fals
     return folder
 
 
+def check_cache_dir(cache_dir: str | os.PathLike | None = None) -> None:
+    """A cache folder the user named (``cache_dir`` / ``--cache-dir``, or ``SPECDECODE_CACHE``) can be had, before
+    any slow work: it exists (it may be read-only and hold everything already), or it can be made (missing parents
+    too, as the cache makes them). A file there, an empty name, or a place nothing can be made (``/proc``) is
+    refused here instead of after hashing and compiling. The default ``~/.cache/specdecode`` is not checked (a run
+    that writes nothing there needs none).
+
+    Raises:
+        OutputPathError: as above; the message names the setting.
+    """
+    env = os.environ.get("SPECDECODE_CACHE")
+    given = cache_dir if cache_dir is not None else env
+    if given is None:
+        return
+    flag = "the cache folder (cache_dir / --cache-dir)" if cache_dir is not None else "SPECDECODE_CACHE"
+    folder = Path(_not_empty(given, flag)).expanduser()
+    if folder.is_dir():
+        return
+    check_output_dir(folder, flag, default=True)
+
+
 def check_output_file(path: str | os.PathLike, flag: str, *, default: bool = False) -> Path:
     """Refuse an output file that cannot be written, before any work (an existing file is left as it is).
 

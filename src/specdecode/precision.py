@@ -428,8 +428,7 @@ def _explicit(loaded, weights: str, cache: Path, forward: str = "auto",
             reason += (f"; {kernel_status()}; speculation stays exact (row-independent low-bit products in the "
                        "owned forward)")
     if exact is None:
-        reason += ("; not measured on this CPU whether a token's logits are the same alone and among verified tokens "
-                   "(--weights auto measures it; --compare-baseline shows whether the output matches)")
+        reason += "; batch invariance not measured on this CPU (--weights auto measures it; --compare-baseline checks the output)"
     elif not exact:
         reason += f"; not batch-invariant here ({m.get('detail', '')}): output may leave plain decoding's path"
     return PrecisionChoice(weights, exact, reason)

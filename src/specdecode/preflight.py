@@ -41,6 +41,7 @@ from transformers import AutoConfig, AutoTokenizer
 
 from specdecode import models as M
 from specdecode.models import LoadedModel, ModelLoadError, OfflineModel
+from specdecode.paths import check_cache_dir
 from specdecode.types import PromptTooLongError, SpecDecodeError
 
 logger = logging.getLogger(__name__)
@@ -75,26 +76,6 @@ class ModelInfo:
 # --------------------------------------------------------------------------- checks
 
 
-def check_cache_dir(cache_dir: str | Path | None = None) -> None:
-    """The conversion / kernel cache can be had before any slow work: an existing folder (it may be read-only and
-    hold everything already), or one that can be made. (A file there, or a place nothing can be written, such as
-    ``/proc``, is refused here instead of after hashing and compiling.)
-
-    Raises:
-        OutputPathError: the folder does not exist and cannot be made, or the path is a file.
-    """
-    import os
-
-    from specdecode.paths import check_output_dir
-
-    folder = Path(cache_dir).expanduser() if cache_dir is not None else M.default_cache_dir()
-    if folder.is_dir():
-        return
-    flag = "--cache-dir" if cache_dir is not None else "SPECDECODE_CACHE" if os.environ.get("SPECDECODE_CACHE") else (
-        "the cache folder")
-    check_output_dir(folder, flag, default=True)
-
-
 def check_models(target: str, draft: str | None = None, *, cache_dir: str | Path | None = None,
                  cross_vocab: bool = False, tree: str | None = None, say=None) -> ModelInfo | None:
     """Before any weight file is read: both specs resolve, and a draft model shares the target's tokenizer
@@ -111,14 +92,15 @@ def check_models(target: str, draft: str | None = None, *, cache_dir: str | Path
         The target's ModelInfo, or None when its small files could not be read (its load reports why).
 
     Raises:
-        OutputPathError: a cache folder that cannot be made (:func:`check_cache_dir`).
+        OutputPathError: a cache folder named by ``cache_dir`` or SPECDECODE_CACHE that cannot be made
+            (:func:`specdecode.paths.check_cache_dir`).
         ModelLoadError: a path that does not exist; a hub id that cannot be fetched (the hub unreachable and
             the id not in the local Hugging Face cache, or no such id); a package that cannot be installed.
         IncompatibleTokenizerError: the draft's vocabulary or special ids differ from the target's (the
             refusal ``models.check_compatible`` gives after loading); with ``cross_vocab``, only when token
             trees are asked (``models.trees_across_vocabularies``: the real reason).
     """
-    check_cache_dir(cache_dir)
+    check_cache_dir(cache_dir)  # a cache folder named by the user that cannot be made
     specs = [target] if draft is None or draft == target else [target, draft]
     for role, spec in zip(("target", "draft"), specs):  # every path error, and a hub id that cannot be had, first
         try:

@@ -152,7 +152,7 @@ def read_prompts_file(path: str | Path):
                     try:
                         numbered.append((n, json.loads(line)))
                     except json.JSONDecodeError as exc:
-                        raise SpecDecodeError(f"--prompts {path}: line {n} is not JSON ({exc.msg})") from None
+                        raise SpecDecodeError(f"--prompts {path}: line {n} is not JSON ({json_problem(exc)})") from None
         for n, row in numbered:
             items.append(_prompt_of(row, n, path))
     else:
