@@ -5,6 +5,8 @@ low-bit target. Every variant this CPU executes is tested (AVX2 on every x86-64 
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pytest
 import torch
@@ -122,6 +124,42 @@ def test_a_forced_variant_is_used_and_a_wrong_one_refused(monkeypatch):
     monkeypatch.setenv(lowbit.ISA_ENV, "sse9")
     with pytest.raises(lowbit.SpecDecodeError, match="unknown kernel variant"):
         lowbit.active_variant()
+
+
+def test_a_wrong_forced_variant_is_refused_before_anything_compiles(monkeypatch):
+    """check_forced_variant runs before a model loads: no compiler, one line naming what this CPU runs."""
+    monkeypatch.setattr(lowbit_kernels, "supported_variants", lambda: ["avx2"])
+    monkeypatch.setattr(lowbit_kernels.subprocess, "run", lambda *a, **k: pytest.fail("a compiler ran"))
+    for forced, message in (("sse9", "unknown kernel variant 'sse9'"),
+                            ("amx", r"this CPU cannot run the amx kernel \(it runs: avx2\)")):
+        monkeypatch.setenv(lowbit.ISA_ENV, forced)
+        with pytest.raises(lowbit.SpecDecodeError, match=f"{lowbit.ISA_ENV}={forced}: {message}"):
+            lowbit_kernels.check_forced_variant()
+    for fine in ("avx2", "reference", ""):
+        monkeypatch.setenv(lowbit.ISA_ENV, fine)
+        lowbit_kernels.check_forced_variant()
+
+
+def test_the_kernel_builds_on_another_thread_while_the_model_loads(monkeypatch):
+    """build_in_background: load_kernel on a daemon thread when nothing is built yet; nothing when the reference
+    is forced, when this CPU has no variant, or once the extension is loaded."""
+    ran = []
+    monkeypatch.setattr(lowbit_kernels, "load_kernel", lambda cache_dir=None: ran.append(threading.current_thread()))
+    monkeypatch.setattr(lowbit_kernels, "_kernel", None)
+    monkeypatch.setattr(lowbit_kernels, "supported_variants", lambda: ["avx2"])
+    monkeypatch.delenv(lowbit.ISA_ENV, raising=False)
+    thread = lowbit_kernels.build_in_background()
+    thread.join()
+    assert thread.daemon and ran == [thread] and thread is not threading.main_thread()
+    monkeypatch.setenv(lowbit.ISA_ENV, "reference")
+    assert lowbit_kernels.build_in_background() is None
+    monkeypatch.delenv(lowbit.ISA_ENV)
+    monkeypatch.setattr(lowbit_kernels, "supported_variants", lambda: [])
+    assert lowbit_kernels.build_in_background() is None
+    monkeypatch.setattr(lowbit_kernels, "supported_variants", lambda: ["avx2"])
+    monkeypatch.setattr(lowbit_kernels, "_kernel", False)  # built (or failed) already
+    assert lowbit_kernels.build_in_background() is None
+    assert len(ran) == 1
 
 
 def test_a_variant_that_fails_to_compile_in_the_background_fails_once_in_one_line(monkeypatch, tmp_path):

@@ -54,6 +54,8 @@ from specdecode.lowbit_kernels import (  # noqa: F401 - the kernels' names, re-e
     TILED32,
     VARIANTS,
     active_variant,
+    build_in_background,
+    check_forced_variant,
     cpu_flags,
     fast_bf16,
     kernel_status,
@@ -115,9 +117,10 @@ def modules_from_gguf(model: torch.nn.Module, gguf: str | Path, progress: bool =
             layer's tensor is stored in a type without a low-bit layout here (F16 / F32: use bf16).
     """
     # lazy: specdecode.models pulls in transformers (start-up time)
-    from specdecode.models import _stream_plan
+    from specdecode.models.convert import _one_gguf_parse, _stream_plan
 
-    plan = _stream_plan(Path(gguf))
+    with _one_gguf_parse():  # our reader and transformers' config reader: one parse (seconds per parse)
+        plan = _stream_plan(Path(gguf))
     if plan is None:
         raise SpecDecodeError(f"{gguf}: this GGUF file's architecture is not read block by block here; "
                               "use --weights bf16 or fp32")
@@ -297,6 +300,7 @@ def load_in_precision(spec: str, precision: str, *, dtype=torch.float32, cache_d
     """
     # lazy: specdecode.models pulls in transformers (start-up time)
     from specdecode.models import _converted_ok, default_cache_dir, load_model, resolve_spec
+    from specdecode.models.convert import _one_gguf_parse
 
     if precision not in WEIGHT_PRECISIONS:
         raise SpecDecodeError(f"unknown weight precision {precision!r}; choose one of {', '.join(WEIGHT_PRECISIONS)}")
@@ -309,8 +313,10 @@ def load_in_precision(spec: str, precision: str, *, dtype=torch.float32, cache_d
                 fast = load_cached(spec, out_dir, source.entry.sha256, precision, precision == "int4")
                 if fast is not None:
                     return fast
-        loaded = load_model(spec, dtype=torch.float32, cache_dir=cache_dir, progress=progress)
-        quantize_loaded(loaded, precision, cache_dir=cache_dir, progress=progress, say=say)
+        # a first load converts the GGUF file, then reads its blocks: one parse of it for both
+        with _one_gguf_parse():
+            loaded = load_model(spec, dtype=torch.float32, cache_dir=cache_dir, progress=progress)
+            quantize_loaded(loaded, precision, cache_dir=cache_dir, progress=progress, say=say)
         return loaded
     loaded = load_model(spec, dtype=dtype, cache_dir=cache_dir, progress=progress)
     set_weight_precision(loaded.model, precision)

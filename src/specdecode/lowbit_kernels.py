@@ -468,6 +468,36 @@ def _random_raw(kind: str, rows: int, cols: int, rng) -> np.ndarray:
     return raw.reshape(rows, -1)
 
 
+def check_forced_variant() -> None:
+    """Refuse a wrong ``SPECDECODE_KERNEL_ISA`` at once, before anything compiles or loads (no compiler runs
+    except ``amx``'s one-off flag check).
+
+    Raises:
+        SpecDecodeError: an unknown variant, or one this CPU cannot run."""
+    forced = os.environ.get(ISA_ENV, "").strip().lower()
+    if not forced or forced == "reference":
+        return
+    if forced not in VARIANTS:
+        raise SpecDecodeError(f"{ISA_ENV}={forced}: unknown kernel variant {forced!r}; choose one of "
+                              f"{', '.join(VARIANTS)} or reference")
+    if forced not in supported_variants():
+        raise SpecDecodeError(f"{ISA_ENV}={forced}: this CPU cannot run the {forced} kernel (it runs: "
+                              f"{', '.join(supported_variants()) or 'none'})")
+
+
+def build_in_background(cache_dir=None) -> threading.Thread | None:
+    """Start :func:`load_kernel` (the torch extension and the wanted variants, compiled at the first use on this
+    machine) on a daemon thread, so that a first run compiles while it reads and converts the model; gcc runs in
+    child processes, so the thread holds the GIL only to start and join them. None when nothing is left to
+    build in this process. The variants are timed later, by :func:`active_variant` in the caller's thread, on
+    a CPU no longer busy compiling. Errors surface where :func:`load_kernel` reports them (the reference runs)."""
+    if _kernel is not None or os.environ.get(ISA_ENV, "").strip().lower() == "reference" or not supported_variants():
+        return None
+    thread = threading.Thread(target=load_kernel, args=(cache_dir,), name="specdecode-build-kernel", daemon=True)
+    thread.start()
+    return thread
+
+
 _chosen: str | None = None
 
 

@@ -39,8 +39,8 @@ import torch
 from specdecode.bench.env import cpu_flags, cpu_model
 from specdecode.errors import SpecDecodeError
 from specdecode.kernels import WEIGHT_PRECISIONS
-from specdecode.lowbit import (ISA_ENV, active_variant, kernel_status, load_in_precision, quantize_loaded,
-                               set_weight_precision)
+from specdecode.lowbit import (ISA_ENV, active_variant, build_in_background, check_forced_variant, kernel_status,
+                               load_in_precision, quantize_loaded, set_weight_precision, supported_variants)
 from specdecode.precision_measures import (  # noqa: F401 - the measures' names, re-exported here
     CATALOG_QUALITY,
     MAX_PERPLEXITY_CHANGE,
@@ -375,12 +375,16 @@ def _gguf_blocks_choice(spec: str, cache_dir, progress: bool, status, forward: s
         return None
     if source.kind not in ("catalog", "gguf"):
         return None
-    variant = active_variant()  # a wrong SPECDECODE_KERNEL_ISA says so here, before anything loads
-    if variant is None:
+    check_forced_variant()  # a wrong SPECDECODE_KERNEL_ISA says so here, before anything loads
+    if not supported_variants() or os.environ.get(ISA_ENV, "").strip().lower() == "reference":
         return None
+    build_in_background()  # a first run compiles the kernels while the model is read and converted
     try:  # a tensor type or architecture without a low-bit layout here: the measured choice instead
         loaded = load_in_precision(spec, "int4", cache_dir=cache_dir, progress=progress, say=status)
     except SpecDecodeError:
+        return None
+    variant = active_variant()  # waits for the build; times the variants on a CPU no longer compiling
+    if variant is None:  # the kernel did not build: the measured choice instead
         return None
     if not supports(loaded.model):
         return None
