@@ -355,6 +355,35 @@ def test_the_fused_layer_loop_gives_the_same_bits_at_any_thread_count(family):
         torch.set_num_threads(before)
 
 
+def test_the_output_layer_inside_the_fused_region_matches_the_python_head(monkeypatch):
+    """Decoding and verification run the final norm and the output layer inside ``run_fused``'s region: the same
+    logits as the Python norm and product up to the norm's float order (the same next tokens), the same bits
+    alone as among other rows, and a reduced draft vocabulary (:meth:`limit_vocabulary`) handed to it."""
+    from tiny import tiny_gguf_llama
+
+    model = tiny_gguf_llama()[0]
+    fused = OwnedRunner(model, 1, 128)
+    if fused._native_stack() is None:
+        pytest.skip("the C++ extension is not available here (the Python loop runs)")
+    python = OwnedRunner(model, 1, 128)
+    monkeypatch.setattr(python, "_native_head_ready", lambda native: False)
+    for r in (fused, python):
+        r.forward(slice(0, 1), [[1, 2, 3, 4, 5]], last_only=True)
+    got = fused.forward(slice(0, 1), [[7, 8, 9]])
+    want = python.forward(slice(0, 1), [[7, 8, 9]])
+    assert fused._native_head_ok and fused._native_head is fused.lm_head
+    assert torch.allclose(got, want, rtol=1e-4, atol=1e-4) and torch.equal(got.argmax(-1), want.argmax(-1))
+    for r in (fused, python):
+        r.rollback(0, 5)
+    alone = [fused.forward(slice(0, 1), [[t]]) for t in (7, 8, 9)]
+    assert torch.equal(torch.cat(alone, dim=1), got)  # a verification's rows carry the bits of one-token steps
+    fused.rollback(0, 5)
+    fused.limit_vocabulary(40)
+    small = fused.forward(slice(0, 1), [[7, 8, 9]])
+    assert fused._native_head is fused.lm_head and fused.lm_head.out_features == 40
+    assert torch.equal(small[..., :40], got[..., :40]) and small.shape == got.shape
+
+
 def test_a_long_prompt_fed_in_pieces_gives_the_bits_of_one_piece():
     """``prefill_chunk``: a low-bit prompt longer than the chunk runs the exact kernel piece by piece, row by
     row: the same last logits and the same cache (the next step's logits) as fed whole, in a batch of

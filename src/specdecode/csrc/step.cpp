@@ -181,6 +181,26 @@ struct SpinBarrier {
   }
 };
 
+// One product part from Python's (kind, weight, fmt, in_features, table, bias) tuple (kv/owned.py _native_parts).
+Part part_of(const py::tuple& t) {
+  Part p;
+  p.kind = t[0].cast<int64_t>();
+  p.a = t[1].cast<at::Tensor>();
+  if (p.kind == 1) {
+    p.fmt = t[2].cast<int64_t>();
+    p.in = t[3].cast<int64_t>();
+    p.table = t[4].cast<int64_t>();
+  }
+  if (!t[5].is_none()) p.bias = t[5].cast<at::Tensor>();
+  if (p.kind == 1) {
+    TORCH_CHECK(p.fmt >= 0 && p.fmt < 6, "unknown block format ", p.fmt);
+    TORCH_CHECK(p.a.dim() == 2 && p.a.scalar_type() == at::kByte && p.a.is_contiguous(),
+                "GGUF-block weight: contiguous uint8 [out, bytes per row]");
+    sd_table_at(p.table);
+  }
+  return p;
+}
+
 }  // namespace
 
 class LayerStack {
@@ -195,25 +215,21 @@ class LayerStack {
     Product* slots[4] = {&layer.qkv, &layer.o, &layer.gate_up, &layer.down};
     TORCH_CHECK(products.size() == 4, "a layer has 4 products (qkv, o, gate_up, down)");
     for (int i = 0; i < 4; ++i)
-      for (const auto& t : products[i]) {
-        Part p;
-        p.kind = t[0].cast<int64_t>();
-        p.a = t[1].cast<at::Tensor>();
-        if (p.kind == 1) {
-          p.fmt = t[2].cast<int64_t>();
-          p.in = t[3].cast<int64_t>();
-          p.table = t[4].cast<int64_t>();
-        }
-        if (!t[5].is_none()) p.bias = t[5].cast<at::Tensor>();
-        if (p.kind == 1) {
-          TORCH_CHECK(p.fmt >= 0 && p.fmt < 6, "unknown block format ", p.fmt);
-          TORCH_CHECK(p.a.dim() == 2 && p.a.scalar_type() == at::kByte && p.a.is_contiguous(),
-                      "GGUF-block weight: contiguous uint8 [out, bytes per row]");
-          sd_table_at(p.table);
-        }
-        slots[i]->parts.push_back(p);
-      }
+      for (const auto& t : products[i]) slots[i]->parts.push_back(part_of(t));
     layers_.push_back(layer);
+  }
+
+  // The final RMSNorm (weight [hidden] float32) and the output layer (parts as add_layer's, GGUF blocks only) that
+  // run_fused(..., head=true) applies inside its parallel region. Called again when the output layer changes (a
+  // reduced draft vocabulary); the tensors are kept alive here.
+  void set_head(at::Tensor norm, std::vector<py::tuple> parts) {
+    TORCH_CHECK(norm.dim() == 1 && norm.scalar_type() == at::kFloat && norm.is_contiguous(),
+                "final norm weight: contiguous float32 [hidden]");
+    Product head;
+    for (const auto& t : parts) head.parts.push_back(part_of(t));
+    TORCH_CHECK(!head.parts.empty() && all_quant(head), "the fused output layer runs GGUF-block products only");
+    head_norm_ = norm;
+    head_ = head;
   }
 
   // The loop of OwnedRunner._run over every layer (no layer subset, no captured features).
@@ -267,11 +283,14 @@ class LayerStack {
   // x [n, hidden] float32 (n = b * q); cos / sin [n, d] float32; k_cache / v_cache float16
   // [layers, slots, kv_heads, columns, d]; rows [row0, row0 + b) of the slots; columns [b, q] int64;
   // visible [b, q, kv_len] bool or None (None: every column < kv_len); layers: the layers to run
-  // (empty: all); capture: after which layers (0 = the input) to keep x. Returns [x, kept...].
+  // (empty: all); capture: after which layers (0 = the input) to keep x; head: also the final RMSNorm and the
+  // output layer of set_head, in the same region. Returns [x, kept...], then with head: [normed [n, hidden],
+  // logits [n, vocabulary rows]] float32.
   std::vector<at::Tensor> run_fused(at::Tensor x_in, at::Tensor cos, at::Tensor sin, at::Tensor k_cache,
                                        at::Tensor v_cache, int64_t row0, at::Tensor columns,
                                        std::optional<at::Tensor> visible, int64_t kv_len, int64_t table,
-                                       std::vector<int64_t> layers, std::vector<int64_t> capture) const {
+                                       std::vector<int64_t> layers, std::vector<int64_t> capture,
+                                       bool head) const {
     const SdTable* t = sd_table_at(table);
     for (int64_t li : layers) TORCH_CHECK(li >= 0 && li < static_cast<int64_t>(layers_.size()), "no layer ", li);
     for (const auto& L : layers_)
@@ -345,8 +364,18 @@ class LayerStack {
                   ", kv heads ", kvh, ")");
       plans.push_back(std::move(P));
     }
+    at::Tensor normed, logits;  // the head's input and output
+    ProductPlan HP;
+    if (head) {
+      TORCH_CHECK(head_norm_.defined() && !head_.parts.empty(), "run_fused(head=true) before set_head");
+      TORCH_CHECK(head_norm_.numel() == hidden, "final norm weight: ", head_norm_.numel(), " values, hidden ", hidden);
+      normed = at::empty({n, hidden}, xt.options());
+      logits = at::empty({n, product_width(head_)}, xt.options());
+      HP = plan_product(head_, logits.data_ptr<float>(), logits.size(1));
+      TORCH_CHECK(HP.in.k == hidden, "output layer: in_features ", HP.in.k, ", hidden ", hidden);
+    }
     SdActs acts;  // the activations of the product at hand (its tiles end at a barrier before the next quantizes)
-    bool any32 = false, any256 = false;
+    bool any32 = head && HP.in.need32, any256 = head && HP.in.need256;
     for (const auto& P : plans)
       for (const ProductPlan* pp : {&P.qkv, &P.o, &P.gate_up, &P.down}) any32 |= pp->in.need32, any256 |= pp->in.need256;
     acts.reserve(n, std::max({hidden, h * d, inter}), any32, any256);
@@ -455,9 +484,23 @@ class LayerStack {
           for (float* kept_x : copies[oi]) std::memcpy(kept_x + r * hidden, x + r * hidden, sizeof(float) * hidden);
         }
       }
+      if (head) {  // 3. the final norm and the output layer (row r is still this thread's; the last tiles are done)
+        float* hn = normed.data_ptr<float>();
+        for (int64_t r = tid; r < n; r += nt) {
+          t->rmsnorm(x + r * hidden, head_norm_.data_ptr<float>(), hidden, (float)eps_, hn + r * hidden);
+          acts.quantize_rows(t, HP.in, hn, r, r + 1);
+        }
+        sync();
+        tiles(HP);
+        if (!HP.biases.empty()) {
+          sync();
+          for (int64_t r = tid; r < n; r += nt) add_bias(HP, r);
+        }
+      }
     }
     std::vector<at::Tensor> result{xt};
     for (auto& k : kept) result.push_back(k);
+    if (head) result.insert(result.end(), {normed, logits});
     return result;
   }
 
@@ -465,12 +508,15 @@ class LayerStack {
   int64_t h_, kvh_, d_;
   double eps_;
   std::vector<Layer> layers_;
+  at::Tensor head_norm_;  // set_head
+  Product head_;
 };
 
 void register_step(py::module_& m) {
   py::class_<LayerStack>(m, "LayerStack")
       .def(py::init<int64_t, int64_t, int64_t, double>())
       .def("add_layer", &LayerStack::add_layer)
+      .def("set_head", &LayerStack::set_head)
       .def("run", &LayerStack::run, py::call_guard<py::gil_scoped_release>())
       .def("run_fused", &LayerStack::run_fused, py::call_guard<py::gil_scoped_release>());
 }

@@ -257,6 +257,7 @@ class OwnedRunner(SlotRunner):
         self.row_kernel = "padded" if batch_invariant and not lowbit else None
         self.k_cache = self.v_cache = None
         self._native = None  # the layer loop in C++ (built on first use; False: unavailable)
+        self._native_head, self._native_head_ok = None, False  # the output layer the C++ loop holds
         #: prompt tokens above which a low-bit prefill takes the dequantized float products
         self.prefill_rows = prefill_rows(model) if lowbit else 32
         # longer prompts in pieces through the kernel (a model whose prefill_rows are large: the kernel wins)
@@ -335,6 +336,7 @@ class OwnedRunner(SlotRunner):
         if self.lowbit:  # float16 cache; the Python loop attends in float64 (exact) but for a prompt
             att_dtype = torch.float32 if prefill else torch.float64
         capture = self.capture_layers if layers is None else None  # a draft head's features (full forwards)
+        head = False  # the output layer inside the C++ loop's region (below)
         kept = {0: x} if capture and 0 in capture else {}
         if self.lowbit:  # the C++ layer loop, but for a prompt (the Python loop's fast float products)
             native = None if prefill else self._native_stack()
@@ -343,8 +345,11 @@ class OwnedRunner(SlotRunner):
         if native is not None and self.lowbit:  # every layer in C++, row-invariant by construction
             order = list(range(self.num_layers)) if layers is None else list(layers)
             wanted = sorted(set(capture or ()))
+            head = last is None and layers is None and self._native_head_ready(native)
             outs = native.run_fused(x, cos.float(), sin.float(), self.k_cache, self.v_cache, rows.start or 0,
-                                    columns.contiguous(), mask, kv_len, self._table, order, wanted)
+                                    columns.contiguous(), mask, kv_len, self._table, order, wanted, head)
+            if head:  # the final norm and the output layer ran in the same parallel region
+                *outs, hidden, logits = outs
             x = outs[0]
             met = [a for a in [0] + [i + 1 for i in order] if a in wanted]
             kept = dict(zip(met, outs[1:]))
@@ -387,10 +392,13 @@ class OwnedRunner(SlotRunner):
                 kept[self.num_layers] = _rms_norm(kept[self.num_layers], self.norm, self.eps)
             self.last_features = torch.cat([kept[k] for k in capture], dim=-1).view(b, q, -1)
         x = x.view(b, q, -1)
-        if last is not None:
-            x = x[torch.arange(b), last].unsqueeze(1)  # [b, 1, hidden]
-        hidden = _rms_norm(x.reshape(-1, x.shape[-1]), self.norm, self.eps)
-        logits = _mm(self.lm_head, hidden, kernel, exact, prompt).float().view(b, x.shape[1], -1)
+        if head:
+            logits = logits.view(b, q, -1)
+        else:
+            if last is not None:
+                x = x[torch.arange(b), last].unsqueeze(1)  # [b, 1, hidden]
+            hidden = _rms_norm(x.reshape(-1, x.shape[-1]), self.norm, self.eps)
+            logits = _mm(self.lm_head, hidden, kernel, exact, prompt).float().view(b, x.shape[1], -1)
         if self._vocab_rows is None:
             return logits
         full = logits.new_full((b, x.shape[1], self.vocab_size), float("-inf"))
@@ -457,6 +465,17 @@ class OwnedRunner(SlotRunner):
         if self._native is None:
             self._native = _build_native(self) or False
         return self._native or None
+
+    def _native_head_ready(self, native) -> bool:
+        """Whether ``native`` runs the final norm and the current output layer (GGUF blocks) in run_fused's
+        region, handing it the output layer when it changed (:meth:`limit_vocabulary`)."""
+        if self._native_head is not self.lm_head:
+            parts = _native_parts(self.lm_head, self._table) if isinstance(self.lm_head, QuantLinear) else None
+            if parts is not None:
+                native.set_head(self.norm.float().contiguous(), parts)
+            self._native_head = self.lm_head
+            self._native_head_ok = parts is not None
+        return self._native_head_ok
 
     def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos / sin [n, d] of ``positions`` [n], read from a table computed once per runner: a position's
