@@ -342,3 +342,48 @@ def test_verify_chains_consumes_k_plus_one_uniforms_per_row():
                                      greedy[i : i + 1], noisy[:, : c + 1])
         assert alone.num_accepted.item() == together.num_accepted[i].item()
         assert alone.new_token_ids[0].tolist() == together.new_token_ids[i, : c + 1].tolist()
+
+
+@pytest.mark.parametrize("shape", [(7,), (3, 11), (2, 4, 9), (1, 1, 49152)])
+def test_the_numpy_argmax_is_torchs_argmax_ties_nan_and_infinities_included(shape):
+    """sampling.argmax (numpy's, for CPU float32) gives torch.argmax's index: the first on ties, the first NaN,
+    every value -inf, a strided view; other dtypes go to torch."""
+    from specdecode.sampling import argmax
+
+    gen = torch.Generator().manual_seed(0)
+    for case in range(8):
+        x = torch.randint(-3, 4, shape, generator=gen).float()  # many ties
+        if case == 1:
+            x.view(-1)[:: max(1, x.numel() // 3)] = float("nan")
+        elif case == 2:
+            x.fill_(float("-inf"))
+        elif case == 3:
+            x.view(-1)[-1] = float("inf")
+        elif case == 4:
+            x = torch.randn(shape, generator=gen)
+        got = argmax(x)
+        assert got.dtype == torch.int64 and got.shape == x.shape[:-1] and torch.equal(got, x.argmax(-1)), case
+    wide = torch.randn(*shape[:-1], 2 * shape[-1], generator=gen)[..., ::2]  # not contiguous
+    assert torch.equal(argmax(wide), wide.argmax(-1))
+    half = torch.randn(shape, generator=gen).bfloat16()
+    assert torch.equal(argmax(half), half.argmax(-1))
+
+
+def test_all_greedy_rows_verify_in_numpy_as_in_the_torch_code():
+    """verify_chains' all-greedy path (numpy) gives the general path's result (float64 scores take it): ragged
+    drafts with PAD, no draft, every draft kept, the first rejected, tied scores."""
+    gen = torch.Generator().manual_seed(1)
+    for b, k, v in ((1, 0, 50), (1, 5, 50), (3, 4, 7), (4, 6, 3)):
+        for trial in range(20):
+            scores = torch.randint(0, 3, (b, k + 1, v), generator=gen).float()
+            best = scores.argmax(-1)
+            drafts = torch.where(torch.rand(b, k, generator=gen) < 0.7, best[:, :k], torch.randint(0, v, (b, k), generator=gen))
+            drafted = torch.randint(0, k + 1, (b,), generator=gen)
+            drafts = torch.where(torch.arange(k)[None, :] < drafted[:, None], drafts, torch.full_like(drafts, -1))
+            uniforms = torch.rand(b, k + 1, generator=gen, dtype=torch.float64)
+            greedy = torch.ones(b, dtype=torch.bool)
+            fast = verify.verify_chains(drafts, drafted, None, scores, greedy, uniforms)
+            slow = verify.verify_chains(drafts, drafted, None, scores.double(), greedy, uniforms)
+            for name in ("num_accepted", "new_token_ids", "kept_nodes"):
+                a, c = getattr(fast, name), getattr(slow, name)
+                assert a.dtype == c.dtype and torch.equal(a, c), (b, k, trial, name)

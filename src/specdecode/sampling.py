@@ -21,12 +21,26 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from specdecode.types import SamplingParams
 from specdecode.validate import check_token_ids
 
 NEG_INF = float("-inf")
+
+
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    """The index of the largest value on the last axis: x [..., V] -> [...] int64, torch.argmax's result (the
+    first index on ties; a NaN counts as the largest, its first index wins).
+
+    A CPU float32 tensor goes through numpy's vectorised argmax: torch 2.13's CPU argmax over one 49,152-wide
+    row took about 90 us and over six rows about 300 us, numpy's 5 and 20 us (Intel Xeon, 2 threads), against a
+    SmolLM2 decoding step of about 2 ms. Other tensors use torch.argmax.
+    """
+    if x.device.type != "cpu" or x.dtype != torch.float32 or x.dim() == 0 or x.shape[-1] == 0 or x.requires_grad:
+        return x.argmax(-1)
+    return torch.from_numpy(np.asarray(x.numpy().argmax(-1), dtype=np.int64))
 
 
 def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -43,7 +57,7 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
     """
     logits = logits.float()
     if params.greedy:
-        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
+        return torch.nn.functional.one_hot(argmax(logits), logits.shape[-1]).float()
     top = logits.amax(-1, keepdim=True)
     top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
     if params.temperature >= 1e-3:
@@ -81,7 +95,7 @@ def sample(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
 def next_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> torch.Tensor:
     """Greedy argmax or a sample from the processed distribution. logits [..., V] -> [...] int64."""
     if params.greedy:
-        return logits.argmax(-1)
+        return argmax(logits)
     return sample(logits_to_probs(logits, params), generator)
 
 

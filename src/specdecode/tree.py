@@ -56,6 +56,7 @@ from collections.abc import Sequence
 import torch
 
 from specdecode.types import PAD_TOKEN_ID, SpecDecodeError, VerifyResult
+from specdecode.sampling import argmax as last_argmax
 from specdecode.verify import residual_distribution
 
 
@@ -196,7 +197,7 @@ def verify_tree_greedy(token_ids: torch.Tensor, parents: torch.Tensor, target_lo
         InvalidTreeError: parents not breadth-first.
     """
     rows, width = [], 0
-    argmax = target_logits.argmax(-1)  # [B, N+1]
+    argmax = last_argmax(target_logits)  # [B, N+1]
     for r in range(token_ids.shape[0]):
         plist = as_parent_list(parents[r])
         depths = node_depths(plist)

@@ -22,7 +22,7 @@ import torch
 
 from specdecode.kv import make_runner
 from specdecode.options import AUTO_DRAFT_VOCAB
-from specdecode.sampling import logits_to_probs
+from specdecode.sampling import argmax, logits_to_probs
 from specdecode.types import Draft, SamplingParams, SpecDecodeError, VerifyResult
 
 
@@ -73,7 +73,7 @@ class ProposeContext:
         for greedy requests, the coupled mode's Gumbel-max choice (the target's own noise at that
         output position), else a sample from the request's generator."""
         if self.params.greedy:
-            return int(q.argmax())
+            return int(argmax(q))
         if self.noise is not None:
             return int(self.noise.choose(q.unsqueeze(0), [len(self.token_ids) - self.num_prompt_tokens + depth])[0])
         return int(torch.multinomial(q, 1, generator=self.generator))

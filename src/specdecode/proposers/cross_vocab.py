@@ -38,6 +38,7 @@ import torch
 
 from specdecode.kv import model_context
 from specdecode.proposers.base import DraftModelSlots, ProposeContext, register, still_indexed
+from specdecode.sampling import argmax
 from specdecode.token_bytes import TokenBytes
 from specdecode.types import Draft, SpecDecodeError
 
@@ -193,7 +194,7 @@ class CrossVocabProposer(DraftModelSlots):
                     continue
                 row_logits = logits[i, :v_draft]
                 if ctx.params.greedy:
-                    tok = int(row_logits.argmax())
+                    tok = int(argmax(row_logits))
                     hook = torch.softmax(row_logits.float(), -1)
                 else:
                     full = torch.full((ctx.vocab_size,), float("-inf"), dtype=torch.float32)
