@@ -282,7 +282,8 @@ class LayerStack {
   // so a row's result does not depend on the other rows (batch-invariant by construction).
   // x [n, hidden] float32 (n = b * q); cos / sin [n, d] float32; k_cache / v_cache float16
   // [layers, slots, kv_heads, columns, d]; rows [row0, row0 + b) of the slots; columns [b, q] int64;
-  // visible [b, q, kv_len] bool or None (None: every column < kv_len); layers: the layers to run
+  // visible [b, q, kv_len] bool or None (None: causal by column, a row sees the columns up to its own, as
+  // kv/base.py causal_mask; every column when each row sits at kv_len - 1); layers: the layers to run
   // (empty: all); capture: after which layers (0 = the input) to keep x; head: also the final RMSNorm and the
   // output layer of set_head, in the same region. Returns [x, kept...], then with head: [normed [n, hidden],
   // logits [n, vocabulary rows]] float32.
@@ -325,6 +326,19 @@ class LayerStack {
     if (visible) {
       vis_t = visible->to(at::kByte).contiguous();
       vis = vis_t.data_ptr<uint8_t>();
+    } else {  // causal by column: a row sees the columns up to its own (none to build when each row is the last)
+      bool all_last = true;
+      for (int64_t r = 0; r < columns.numel(); ++r) all_last &= col[r] == kv_len - 1;
+      if (!all_last) {
+        vis_t = at::empty({columns.numel(), kv_len}, at::kByte);
+        uint8_t* v = vis_t.data_ptr<uint8_t>();
+        for (int64_t r = 0; r < columns.numel(); ++r) {
+          const int64_t seen = std::min<int64_t>(col[r] + 1, kv_len);
+          std::memset(v + r * kv_len, 1, seen);
+          std::memset(v + r * kv_len + seen, 0, kv_len - seen);
+        }
+        vis = v;
+      }
     }
     uint16_t* kc = reinterpret_cast<uint16_t*>(k_cache.data_ptr<at::Half>());
     uint16_t* vc = reinterpret_cast<uint16_t*>(v_cache.data_ptr<at::Half>());

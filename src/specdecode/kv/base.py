@@ -164,6 +164,11 @@ def checked_tree_path(nodes: Sequence[int], tree_start: int | None, tree_parents
     return nodes
 
 
+def causal_mask(columns: torch.Tensor, kv_len: int) -> torch.Tensor:
+    """[b, q, kv_len] bool: a token at cache column ``columns[i, j]`` sees the columns up to its own (chains)."""
+    return torch.arange(kv_len).view(1, 1, kv_len) <= columns.unsqueeze(2)
+
+
 class SlotRunner:
     """A causal LM bound to a slot KV cache: batched ragged forwards, per-row rollback.
 
@@ -186,6 +191,9 @@ class SlotRunner:
     prefill_chunk: int | None = None
     #: Whether :meth:`limit_vocabulary` works here (the owned forward).
     limits_vocabulary = False
+    #: Whether ``_run`` takes ``mask=None`` for chains as :func:`causal_mask` (each token sees the columns up to its
+    #: own) and builds it only where it needs one (the owned forward: its C++ loop derives it from the columns)
+    causal_from_columns = False
 
     def __init__(self, model: torch.nn.Module, num_slots: int = 1, max_context: int | None = None) -> None:
         if not isinstance(num_slots, int) or num_slots < 1:
@@ -454,8 +462,10 @@ class SlotRunner:
         self._ensure_capacity(kv_len)
         if b == 1 and not trees and counts[0] == 1:
             mask = None  # one token after the cache: everything visible
+        elif not trees and self.causal_from_columns:
+            mask = None  # the runner sees each token's columns up to its own (the same mask, built where needed)
         else:
-            mask = torch.arange(kv_len).view(1, 1, kv_len) <= columns.unsqueeze(2)  # [b, q, kv_len] causal
+            mask = causal_mask(columns, kv_len)
             for i, region in enumerate(regions):
                 if region is not None:
                     n = counts[i]

@@ -34,7 +34,7 @@ from specdecode.lowbit import (
     prefill_rows,
     variant_table,
 )
-from specdecode.kv.base import SlotRunner
+from specdecode.kv.base import SlotRunner, causal_mask
 from specdecode.kv.draft_vocab import ContextVocabulary, eos_ids
 from specdecode.types import SpecDecodeError
 
@@ -271,7 +271,7 @@ class OwnedRunner(SlotRunner):
         self._rope_table: tuple[torch.Tensor, torch.Tensor] | None = None  # cos, sin [positions, d] float32
 
     #: This forward can run a subset of the layers (layer-skip drafting) and limit its vocabulary (a draft's).
-    skips_layers = limits_vocabulary = True
+    skips_layers = limits_vocabulary = causal_from_columns = True
 
     @property
     def vocab_size(self) -> int:
@@ -317,12 +317,13 @@ class OwnedRunner(SlotRunner):
     def _run(self, rows, ids, positions, columns, mask, kv_len, layers, last):
         b, q = ids.shape
         n = b * q
+        if mask is None and n > 1:  # chains (causal_from_columns): built here for the paths that read a mask
+            mask = _LazyCausal(columns, kv_len)
         if self.lowbit and last is not None and b > 1 and n > self.prefill_rows:
-            return self._prefill_rows_alone(rows, ids, positions, columns, mask, layers, last)
+            return self._prefill_rows_alone(rows, ids, positions, columns, _tensor(mask), layers, last)
         h, kvh, d = self.num_heads, self.num_kv_heads, self.head_dim
         cos, sin = self._rope(positions.reshape(-1))  # [n, d]
         x = self.embed[ids.reshape(-1)]  # [n, hidden]
-        attn_mask = None if mask is None else mask.unsqueeze(1)  # [b, 1, q, kv_len]
         row_index = torch.arange(b).unsqueeze(1)  # [b, 1]
         start = int(columns[0, 0]) if b == 1 else None
         exact = self.batch_invariant and last is None  # decoding / verification (not prefill, not drafting)
@@ -347,13 +348,17 @@ class OwnedRunner(SlotRunner):
             wanted = sorted(set(capture or ()))
             head = last is None and layers is None and self._native_head_ready(native)
             outs = native.run_fused(x, cos.float(), sin.float(), self.k_cache, self.v_cache, rows.start or 0,
-                                    columns.contiguous(), mask, kv_len, self._table, order, wanted, head)
+                                    columns.contiguous(), None if isinstance(mask, _LazyCausal) else mask, kv_len,
+                                    self._table, order, wanted, head)  # (None: causal by column, in C++)
             if head:  # the final norm and the output layer ran in the same parallel region
                 *outs, hidden, logits = outs
             x = outs[0]
             met = [a for a in [0] + [i + 1 for i in order] if a in wanted]
             kept = dict(zip(met, outs[1:]))
-        elif native is not None:  # the same operations as the loop below, in one C++ call
+        if not (native is not None and self.lowbit):  # the mask as a tensor where it is read
+            mask = _tensor(mask)
+            attn_mask = None if mask is None else mask.unsqueeze(1)  # [b, 1, q, kv_len]
+        if native is not None and not self.lowbit:  # the same operations as the loop below, in one C++ call
             x = native.run(x, cos, sin, self.k_cache, self.v_cache, rows.start or 0, rows.stop, columns,
                            -1 if start is None else start, attn_mask, kv_len, att_dtype == self.cache_dtype,
                            kernel == "padded")
@@ -495,6 +500,20 @@ class OwnedRunner(SlotRunner):
                 self._rope_table = (emb.cos(), emb.sin())
         cos, sin = self._rope_table
         return cos[positions].to(self.dtype), sin[positions].to(self.dtype)
+
+
+class _LazyCausal:
+    """A chain forward's mask, :func:`specdecode.kv.base.causal_mask`, not built yet (the C++ loop derives it)."""
+
+    __slots__ = ("columns", "kv_len")
+
+    def __init__(self, columns: torch.Tensor, kv_len: int) -> None:
+        self.columns, self.kv_len = columns, kv_len
+
+
+def _tensor(mask):
+    """``mask`` as a [b, q, kv_len] bool tensor (or None)."""
+    return causal_mask(mask.columns, mask.kv_len) if isinstance(mask, _LazyCausal) else mask
 
 
 def _native_parts(weight, table: int) -> list[tuple] | None:
