@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from specdecode import lowbit, lowbit_kernels
+from specdecode import lowbit, lowbit_kernels, quant_linear
 from specdecode.engine import EngineConfig, SpeculativeEngine
 from specdecode.lowbit import set_weight_precision
 from specdecode.proposers import DraftModelProposer, NgramProposer, TreeDraftConfig, TreeDraftProposer
@@ -223,6 +223,24 @@ def test_fused_modules_equal_their_parts():
         assert torch.equal(fused(x), torch.cat([p(x) for p in parts], dim=-1))
     mixed = [lowbit.QuantLinear.from_float(torch.randn(8, 64), None, k) for k in ("Q8_0", "Q4_1")]
     assert lowbit.concat(mixed) is None  # different kinds run one after another
+
+
+@pytest.mark.parametrize("kind", sorted(lowbit.TILED))
+def test_tiled_parts_concatenate_as_packed_when_their_tiles_are_whole(kind, monkeypatch):
+    """concat of tiled parts holding whole tiles of 8 columns (the last part may end in a partial tile) keeps their
+    packed bytes: exactly what repacking the concatenated file rows gives; a part cut mid-tile is repacked."""
+    cols = 256
+    for sizes, whole in (((16, 8, 24), True), ((8, 16, 13), True), ((12, 8), False), ((5, 8, 3), False)):
+        raws = [_raw(kind, n, cols, seed=i) for i, n in enumerate(sizes)]
+        parts = [lowbit.QuantLinear(torch.from_numpy(r), kind, cols) for r in raws]
+        repacked = []
+        monkeypatch.setattr(quant_linear, "repack", lambda raw, k: repacked.append(k) or lowbit_kernels.repack(raw, k))
+        fused = lowbit.concat(parts)
+        monkeypatch.undo()
+        assert len(repacked) == (0 if whole else 1)
+        want = lowbit_kernels.repack(np.concatenate(raws), kind)
+        assert np.array_equal(fused.packed.numpy(), want), (sizes, whole)
+        assert (fused.packed.data_ptr() != parts[0].packed.data_ptr()) and fused.out_features == sum(sizes)
 
 
 def test_cache_round_trip_and_stale_cache(tmp_path):

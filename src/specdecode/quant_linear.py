@@ -10,7 +10,8 @@ import torch.nn.functional as F
 
 from specdecode.errors import SpecDecodeError
 from specdecode.kernels import row_product
-from specdecode.lowbit_kernels import TILED, GGUF_BLOCKS, fast_bf16, load_kernel, repack, unpack, variant_table
+from specdecode.lowbit_kernels import (GGUF_BLOCKS, Q4K_TILE, TILED, fast_bf16, load_kernel, repack, unpack,
+                                       variant_table)
 
 
 #: Rows above which a prompt's prefill (which need not be row-invariant: plain and speculative decoding
@@ -159,13 +160,17 @@ LOWBIT_TYPES = (QuantLinear,)
 
 def concat(parts: list[QuantLinear]) -> QuantLinear | None:
     """One module computing ``cat([p(x) for p in parts], -1)`` in one product, or None when the
-    parts differ in block type or row length (then they run one after another)."""
+    parts differ in block type or row length (then they run one after another). Tiled layouts concatenate as
+    they are when every part but the last holds whole tiles of 8 columns (packed rows [8 i, 8 i + 8) are tile
+    i, the last rows % 8 follow row by row: the bytes :func:`repack` gives the concatenated file rows), which
+    is every real model; a load then repacks nothing (the Qwen pair's q / k / v and gate / up: seconds)."""
     if len({(p.kind, p.in_features) for p in parts}) != 1:
         return None
     biases = None
     if any(p.bias is not None for p in parts):
         biases = torch.cat([p.bias if p.bias is not None else torch.zeros(p.out_features) for p in parts])
-    if parts[0].kind in TILED:  # tiles of 8 columns: concatenate the file's rows and repack them
+    if parts[0].kind in TILED and any(p.out_features % Q4K_TILE for p in parts[:-1]):
+        # tiles of 8 columns that a part's last rows would split: concatenate the file's rows and repack them
         return QuantLinear(torch.from_numpy(np.concatenate([p.gguf_raw() for p in parts])), parts[0].kind,
                            parts[0].in_features, biases, parts[0].weight_precision)
     return QuantLinear(torch.cat([p.packed for p in parts]), parts[0].kind, parts[0].in_features, biases,

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from specdecode.kernels import ROW_BLOCK, row_product
+from specdecode.lowbit import Q4K_TILE
 from specdecode.lowbit import TILED as lowbit_tiled
 from specdecode.lowbit import (
     LOWBIT_TYPES,
@@ -432,7 +433,7 @@ class OwnedRunner(SlotRunner):
             self.lm_head = head
         elif isinstance(head, QuantLinear):
             bias = None if head.bias is None else head.bias[:tokens]
-            if head.kind in lowbit_tiled:  # tiles of 8 columns: the file's first rows, repacked
+            if head.kind in lowbit_tiled and tokens % Q4K_TILE:  # a tile of 8 columns cut: the file's rows, repacked
                 self.lm_head = QuantLinear(torch.from_numpy(head.gguf_raw()[:tokens]), head.kind, head.in_features,
                                            bias, head.weight_precision)
             else:
