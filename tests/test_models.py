@@ -574,3 +574,31 @@ def test_an_unwritable_cache_directory_is_a_clear_error(tmp_path):
     blocker.write_text("")
     with pytest.raises(ModelLoadError, match="writable directory"):
         _convert(tmp_path / "model.gguf", blocker / "converted" / "m", "0" * 64, progress=False)
+
+
+def test_an_int4_load_parses_the_gguf_file_once_and_restores_the_reader(tmp_path, monkeypatch):
+    """A first int4 load converts the GGUF file (our reader, transformers' config and tokenizer readers) and then
+    reads its blocks: one parse in all (each costs seconds on a real vocabulary); gguf.GGUFReader is itself
+    again afterwards, after an exception too."""
+    import gguf
+
+    from specdecode.lowbit import load_in_precision
+    from specdecode.models import convert
+
+    path = write_tiny_gguf(tmp_path / "tiny.gguf", tied=False)
+    opened = []
+
+    class Counting(gguf.GGUFReader):
+        def __init__(self, *args, **kwargs):
+            opened.append(args[0])
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(gguf, "GGUFReader", Counting)
+    loaded = load_in_precision(str(path), "int4", cache_dir=tmp_path / "cache", progress=False)
+    assert loaded.model.config.specdecode_weights == "int4"
+    assert len(opened) == 1 and gguf.GGUFReader is Counting
+    with pytest.raises(RuntimeError, match="inside"):
+        with convert._one_gguf_parse():
+            assert gguf.GGUFReader is not Counting
+            raise RuntimeError("inside")
+    assert gguf.GGUFReader is Counting

@@ -364,3 +364,39 @@ def test_every_front_end_loads_a_spec_as_the_same_weights(weights):
                                     draft_weights=other, progress=False)
     draft_bench, _ = load_any(spec, "float32", weights=other)
     assert weight_digest(draft_generate.model) == weight_digest(draft_bench.model)
+
+
+def test_gguf_blocks_choice_compiles_while_loading_and_waits_for_the_build(monkeypatch):
+    """--weights auto on a GGUF model: the kernel build starts before the load and is joined after it, also when
+    the load fails (no compiler left running while the measured choice times steps); the variant is chosen after
+    the load, on a CPU no longer compiling."""
+    from specdecode import precision as prec
+
+    events = []
+
+    class Build:
+        def join(self):
+            events.append("join")
+
+    monkeypatch.delenv(prec.ISA_ENV, raising=False)
+    monkeypatch.setattr(prec, "check_forced_variant", lambda: events.append("check"))
+    monkeypatch.setattr(prec, "supported_variants", lambda: ["avx2"])
+    monkeypatch.setattr(prec, "build_in_background", lambda: events.append("build") or Build())
+    monkeypatch.setattr(prec, "active_variant", lambda: events.append("variant"))  # None: the kernel did not build
+
+    def load(*args, **kwargs):
+        events.append("load")
+        return object()
+
+    monkeypatch.setattr(prec, "load_in_precision", load)
+    assert prec._gguf_blocks_choice("smollm2-135m", None, False, None, "auto") is None
+    assert events == ["check", "build", "load", "join", "variant"]
+
+    def failing(*args, **kwargs):
+        events.append("load")
+        raise prec.SpecDecodeError("a tensor type without a low-bit layout")
+
+    events.clear()
+    monkeypatch.setattr(prec, "load_in_precision", failing)
+    assert prec._gguf_blocks_choice("smollm2-135m", None, False, None, "auto") is None
+    assert events == ["check", "build", "load", "join"]

@@ -127,3 +127,28 @@ def test_seeds_beyond_63_bits_are_refused_with_the_field():
     with pytest.raises(InvalidSamplingParams) as info:
         SamplingParams(seed=2**63)
     assert info.value.field == "seed"
+
+
+@pytest.mark.parametrize("shape", [(7,), (3, 11), (2, 4, 9), (1, 1, 49152)])
+def test_the_numpy_argmax_is_torchs_argmax_ties_nan_and_infinities_included(shape):
+    """sampling.argmax (numpy's, for CPU float32) gives torch.argmax's index: the first on ties, the first NaN,
+    every value -inf, a strided view; other dtypes go to torch."""
+    from specdecode.sampling import argmax
+
+    gen = torch.Generator().manual_seed(0)
+    for case in range(8):
+        x = torch.randint(-3, 4, shape, generator=gen).float()  # many ties
+        if case == 1:
+            x.view(-1)[:: max(1, x.numel() // 3)] = float("nan")
+        elif case == 2:
+            x.fill_(float("-inf"))
+        elif case == 3:
+            x.view(-1)[-1] = float("inf")
+        elif case == 4:
+            x = torch.randn(shape, generator=gen)
+        got = argmax(x)
+        assert got.dtype == torch.int64 and got.shape == x.shape[:-1] and torch.equal(got, x.argmax(-1)), case
+    wide = torch.randn(*shape[:-1], 2 * shape[-1], generator=gen)[..., ::2]  # not contiguous
+    assert torch.equal(argmax(wide), wide.argmax(-1))
+    half = torch.randn(shape, generator=gen).bfloat16()
+    assert torch.equal(argmax(half), half.argmax(-1))

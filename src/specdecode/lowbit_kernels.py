@@ -246,7 +246,8 @@ def _uncolumns(packed: np.ndarray, kind: str) -> np.ndarray:
 def repack(raw: np.ndarray, kind: str) -> np.ndarray:
     """GGUF rows [rows, bytes] uint8 -> the kernel's layout [rows, bytes] uint8, the same bytes: the formats in
     :data:`TILED` as tiles of 8 columns, the last rows % 8 (and other formats) in the column layout
-    (:func:`_columns`). A tiled layout is whole: slice or concatenate GGUF rows (:func:`unpack`), not packed ones."""
+    (:func:`_columns`). Packed rows [8 i, 8 i + 8) are tile i: packed matrices concatenate (or slice) as they are
+    only at multiples of 8 rows (``quant_linear.concat``); elsewhere concatenate or slice GGUF rows (:func:`unpack`)."""
     raw = np.asarray(raw, np.uint8)
     if kind not in TILED:
         return np.ascontiguousarray(_columns(raw, kind))

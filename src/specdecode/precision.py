@@ -378,12 +378,15 @@ def _gguf_blocks_choice(spec: str, cache_dir, progress: bool, status, forward: s
     check_forced_variant()  # a wrong SPECDECODE_KERNEL_ISA says so here, before anything loads
     if not supported_variants() or os.environ.get(ISA_ENV, "").strip().lower() == "reference":
         return None
-    build_in_background()  # a first run compiles the kernels while the model is read and converted
+    build = build_in_background()  # a first run compiles the kernels while the model is read and converted
     try:  # a tensor type or architecture without a low-bit layout here: the measured choice instead
         loaded = load_in_precision(spec, "int4", cache_dir=cache_dir, progress=progress, say=status)
     except SpecDecodeError:
         return None
-    variant = active_variant()  # waits for the build; times the variants on a CPU no longer compiling
+    finally:  # no compiler left running behind a failed load (the measured choice times steps next)
+        if build is not None:
+            build.join()
+    variant = active_variant()  # times the variants on a CPU no longer compiling
     if variant is None:  # the kernel did not build: the measured choice instead
         return None
     if not supports(loaded.model):

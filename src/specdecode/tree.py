@@ -55,8 +55,8 @@ from collections.abc import Sequence
 
 import torch
 
+from specdecode.sampling import argmax
 from specdecode.types import PAD_TOKEN_ID, SpecDecodeError, VerifyResult
-from specdecode.sampling import argmax as last_argmax
 from specdecode.verify import residual_distribution
 
 
@@ -197,21 +197,21 @@ def verify_tree_greedy(token_ids: torch.Tensor, parents: torch.Tensor, target_lo
         InvalidTreeError: parents not breadth-first.
     """
     rows, width = [], 0
-    argmax = last_argmax(target_logits)  # [B, N+1]
+    top = argmax(target_logits)  # [B, N+1]: the target's choice after each node
     for r in range(token_ids.shape[0]):
         plist = as_parent_list(parents[r])
         depths = node_depths(plist)
         width = max(width, max(depths, default=0))
         if not plist:
-            rows.append(([], [], int(argmax[r, 0])))
+            rows.append(([], [], int(top[r, 0])))
             continue
         parent_rows = torch.tensor(plist) + 1
-        match = token_ids[r] == argmax[r, parent_rows]  # [N]: token is the argmax at its parent
+        match = token_ids[r] == top[r, parent_rows]  # [N]: token is the argmax at its parent
         valid = ~(ancestor_matrix(plist) & ~match).any(1)  # every node on the root path matches
         score = torch.where(valid, torch.tensor(depths), torch.zeros(len(plist), dtype=torch.int64))
         best, best_depth = (int(x) for x in torch.stack([score.argmax(), score.max()]).tolist())
         path = path_to(plist, best) if best_depth > 0 else []
-        nxt = int(argmax[r, path[-1] + 1]) if path else int(argmax[r, 0])
+        nxt = int(top[r, path[-1] + 1]) if path else int(top[r, 0])
         rows.append((path, token_ids[r, path].tolist(), nxt))
     return _result(rows, width)
 

@@ -25,7 +25,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from specdecode.sampling import argmax as last_argmax
+from specdecode.sampling import argmax
 from specdecode.types import PAD_TOKEN_ID, VerifyResult
 
 
@@ -46,14 +46,14 @@ def _verify_greedy(draft_ids: torch.Tensor, num_drafted: torch.Tensor, target_pr
     code below it, in about 30 us where twenty small torch operations took 130 us or more at one row (decoding
     SmolLM2 takes about 2 ms per step)."""
     b, k = draft_ids.shape
-    argmax = target_probs.numpy().argmax(-1)  # [B, K+1]
+    best = target_probs.numpy().argmax(-1)  # [B, K+1]
     ids = draft_ids.numpy()
     live = np.arange(k)[None, :] < num_drafted.numpy()[:, None]
-    accepted = np.cumprod((ids == argmax[:, :k]) & live, axis=1).sum(1)  # [B]
+    accepted = np.cumprod((ids == best[:, :k]) & live, axis=1).sum(1)  # [B]
     rows = np.arange(b)
     new_ids = np.full((b, k + 1), PAD_TOKEN_ID, dtype=np.int64)
     new_ids[:, :k] = np.where(np.arange(k)[None, :] < accepted[:, None], ids, PAD_TOKEN_ID)
-    new_ids[rows, accepted] = argmax[rows, accepted]
+    new_ids[rows, accepted] = best[rows, accepted]
     pos = np.arange(k + 1)[None, :]
     kept = np.where(pos < accepted[:, None], pos, -1)
     return VerifyResult(num_accepted=torch.from_numpy(accepted.astype(np.int64)), new_token_ids=torch.from_numpy(new_ids),
@@ -116,7 +116,7 @@ def verify_chains(
     pos = torch.arange(k).expand(b, k)
     live = pos < num_drafted.unsqueeze(1)  # [B, K]
     safe_ids = draft_ids.clamp_min(0)
-    argmax = last_argmax(target_probs)  # [B, K+1]
+    best = argmax(target_probs)  # [B, K+1]
     p_tok = target_probs[:, :k].gather(2, safe_ids.unsqueeze(2)).squeeze(2)  # [B, K]
     if draft_probs is not None:
         q_rows = draft_probs.sum(-1) > 0  # [B, K] positions with a real q
@@ -125,11 +125,11 @@ def verify_chains(
         q_rows = torch.zeros(b, k, dtype=torch.bool)
         q_tok = torch.ones(b, k)
     sampled_ok = uniforms[:, :k] * q_tok.double() < p_tok.double()
-    greedy_ok = draft_ids == argmax[:, :k]
+    greedy_ok = draft_ids == best[:, :k]
     ok = torch.where(greedy.unsqueeze(1), greedy_ok, sampled_ok) & live
     num_accepted = ok.to(torch.int64).cumprod(1).sum(1)  # [B]
     n = num_accepted.unsqueeze(1)
-    greedy_tok = argmax.gather(1, n).squeeze(1)
+    greedy_tok = best.gather(1, n).squeeze(1)
     if bool(greedy.all()):  # no sampled row: no residual to draw from
         return _result(num_accepted, draft_ids, greedy_tok)
     # The final distribution of each sampled row: p at its stop position, minus q (or the draft token) on a rejection.

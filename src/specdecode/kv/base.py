@@ -165,7 +165,8 @@ def checked_tree_path(nodes: Sequence[int], tree_start: int | None, tree_parents
 
 
 def causal_mask(columns: torch.Tensor, kv_len: int) -> torch.Tensor:
-    """[b, q, kv_len] bool: a token at cache column ``columns[i, j]`` sees the columns up to its own (chains)."""
+    """columns [b, q] int64 -> [b, q, kv_len] bool: the token at cache column ``columns[i, j]`` sees the columns up
+    to its own (chains; token trees build theirs from the tree)."""
     return torch.arange(kv_len).view(1, 1, kv_len) <= columns.unsqueeze(2)
 
 
@@ -491,7 +492,8 @@ class SlotRunner:
     def _run(self, rows: slice, ids: torch.Tensor, positions: torch.Tensor, columns: torch.Tensor,
              mask: torch.Tensor | None, kv_len: int, layers: list[int] | None,
              last: torch.Tensor | None) -> torch.Tensor:
-        """ids / positions / columns [b, q] int64, mask [b, q, kv_len] bool (None: all visible) ->
+        """ids / positions / columns [b, q] int64, mask [b, q, kv_len] bool (None: all visible for one token after
+        the cache; with :attr:`causal_from_columns`, :func:`causal_mask` of the columns for chains) ->
         [b, q, V] float32 logits ([b, 1, V] at ``last`` [b] when given)."""
         raise NotImplementedError
 

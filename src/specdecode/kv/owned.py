@@ -17,7 +17,7 @@ A test checks its logits against the Hugging Face forward (``tests/test_kv_owned
 
 from __future__ import annotations
 
-
+import logging
 import os
 
 import torch
@@ -40,6 +40,8 @@ from specdecode.kv.draft_vocab import ContextVocabulary, eos_ids
 from specdecode.types import SpecDecodeError
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
+
+logger = logging.getLogger(__name__)
 
 
 def supports(model: torch.nn.Module) -> bool:
@@ -258,7 +260,7 @@ class OwnedRunner(SlotRunner):
         self.row_kernel = "padded" if batch_invariant and not lowbit else None
         self.k_cache = self.v_cache = None
         self._native = None  # the layer loop in C++ (built on first use; False: unavailable)
-        self._native_head, self._native_head_ok = None, False  # the output layer the C++ loop holds
+        self._native_head, self._native_head_ok = None, False  # (C++ loop, output layer) it holds, and whether
         #: prompt tokens above which a low-bit prefill takes the dequantized float products
         self.prefill_rows = prefill_rows(model) if lowbit else 32
         # longer prompts in pieces through the kernel (a model whose prefill_rows are large: the kernel wins)
@@ -475,12 +477,16 @@ class OwnedRunner(SlotRunner):
     def _native_head_ready(self, native) -> bool:
         """Whether ``native`` runs the final norm and the current output layer (GGUF blocks) in run_fused's
         region, handing it the output layer when it changed (:meth:`limit_vocabulary`)."""
-        if self._native_head is not self.lm_head:
+        if self._native_head != (native, self.lm_head):
             parts = _native_parts(self.lm_head, self._table) if isinstance(self.lm_head, QuantLinear) else None
-            if parts is not None:
-                native.set_head(self.norm.float().contiguous(), parts)
-            self._native_head = self.lm_head
-            self._native_head_ok = parts is not None
+            ok = parts is not None
+            if ok:
+                try:
+                    native.set_head(self.norm.float().contiguous(), parts)
+                except RuntimeError as exc:  # a layout the loop refuses: the Python norm and product run it
+                    logger.info("the output layer runs outside the C++ loop: %s", exc)
+                    ok = False
+            self._native_head, self._native_head_ok = (native, self.lm_head), ok
         return self._native_head_ok
 
     def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -15,6 +15,7 @@ import logging
 import os
 import shutil
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -272,20 +273,24 @@ def _one_gguf_parse() -> Iterator[None]:
     # lazy: gguf (start-up time)
     import gguf as gguf_lib
 
-    original = gguf_lib.GGUFReader
-    readers: dict = {}
+    with _GGUF_PARSE_LOCK:  # one patch at a time (a thread loading another model waits; nesting shares the outer)
+        original = gguf_lib.GGUFReader
+        readers: dict = {}
 
-    def shared(path, mode="r"):
-        key = (os.path.realpath(path), mode)
-        if key not in readers:
-            readers[key] = original(path, mode)
-        return readers[key]
+        def shared(path, mode="r"):
+            key = (os.path.realpath(path), mode)
+            if key not in readers:
+                readers[key] = original(path, mode)
+            return readers[key]
 
-    gguf_lib.GGUFReader = shared
-    try:
-        yield
-    finally:
-        gguf_lib.GGUFReader = original
+        gguf_lib.GGUFReader = shared
+        try:
+            yield
+        finally:
+            gguf_lib.GGUFReader = original
+
+
+_GGUF_PARSE_LOCK = threading.RLock()
 
 
 def _save_converted(model: transformers.PreTrainedModel, tokenizer, out: Path) -> list[str]:
