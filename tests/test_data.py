@@ -150,3 +150,18 @@ def test_a_count_past_the_set_runs_all_and_says_so():
     assert said == [f"spec-bench:rag:100000 asks for 100000 prompts; spec-bench:rag holds {len(prompts)}: all "
                     f"{len(prompts)} run"]
     assert load_prompts("spec-bench:rag:100000") == prompts  # a library caller: silent
+
+
+def test_a_prompt_file_may_be_a_pipe():
+    """``--prompt-file <(command)`` and ``/dev/stdin`` name a pipe, not a regular file: it is read like one."""
+    import os
+
+    from specdecode.data import read_prompt_text
+
+    r, w = os.pipe()
+    os.write(w, b"def fib(n):\n")
+    os.close(w)
+    try:
+        assert read_prompt_text(f"/dev/fd/{r}", "--prompt-file") == "def fib(n):\n"
+    finally:
+        os.close(r)

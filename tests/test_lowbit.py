@@ -847,3 +847,26 @@ def test_a_fused_product_gives_each_weight_its_own_bits(family):
                     assert torch.equal(fused, alone), (name, n, rows)
     finally:
         torch.set_num_threads(threads)
+
+
+def test_a_compile_left_half_done_is_cleaned_up_by_the_next(monkeypatch, tmp_path):
+    """A variant's temporary output older than STALE_TMP_S (a compile that was interrupted) is removed when the
+    variant compiles again; a fresh one (a compile running in another process) is left alone."""
+    import os
+    import time
+
+    if not VARIANTS:
+        pytest.skip("no kernel variant on this CPU")
+    name = VARIANTS[-1]
+    out = lowbit_kernels._variant_path(name, tmp_path)
+    out.parent.mkdir(parents=True)
+    old, fresh = out.parent / f".{out.name}.abc.tmp", out.parent / f".{out.name}.def.tmp"
+    for f in (old, fresh):
+        f.write_bytes(b"half")
+    past = time.time() - lowbit_kernels.STALE_TMP_S - 5
+    os.utime(old, (past, past))
+    monkeypatch.setenv("CC", "false")
+    with pytest.raises(lowbit.SpecDecodeError, match=f"could not compile the {name} kernel"):
+        lowbit_kernels._compile_variant(name, tmp_path, quiet=True)
+    assert not old.exists() and fresh.exists()
+    assert not [p for p in out.parent.glob("*.tmp") if p not in (fresh,)]  # the failed compile left none either

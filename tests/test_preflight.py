@@ -207,6 +207,24 @@ def test_a_missing_path_says_whether_it_is_the_target_or_the_draft(tiny_model_di
         P.check_models("./missing/target", str(tiny_model_dir))
 
 
+def test_a_bare_draft_word_that_is_no_model_names_the_drafters_too(monkeypatch, tiny_model_dir):
+    """``--draft nosuchdrafter`` (no near miss of a drafter, so read as a model): the model error also lists the
+    model-free drafters; a path does not get that hint."""
+    import contextlib
+
+    @contextlib.contextmanager
+    def no_hub(spec):  # what an unreachable Hub gives, without the 1 s wait
+        raise ModelLoadError(f"could not load {spec!r}: the Hugging Face Hub cannot be reached")
+        yield
+
+    monkeypatch.setattr(P.M, "hub_access", no_hub)
+    with pytest.raises(ModelLoadError, match=r"^the draft model: .* --draft also takes a model-free drafter: .*ngram"):
+        P.check_models(str(tiny_model_dir), "nosuchdrafter")
+    with pytest.raises(ModelLoadError) as err:
+        P.check_models(str(tiny_model_dir), "./missing/draft")
+    assert "model-free drafter" not in str(err.value)
+
+
 def test_missing_target_path_fails_before_the_draft_is_read(monkeypatch, tiny_model_dir):
     monkeypatch.setattr(P, "inspect_model", lambda *a, **k: pytest.fail("nothing is read before every path exists"))
     with pytest.raises(ModelLoadError, match="no such file or directory"):

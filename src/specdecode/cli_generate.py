@@ -187,8 +187,10 @@ def naming_flags():
 def _preflight(args: argparse.Namespace, jobs: list[_Job]) -> None:
     """Before any weight file is read: the models resolve, a draft model shares the target's tokenizer, and
     every prompt fits the target's context (``specdecode.preflight``, from tokenizer files and config.json)."""
+    from specdecode.lowbit_kernels import check_forced_variant  # lazy: torch loads only when the command runs
     from specdecode.preflight import check_models, check_prompts  # lazy: torch and the model stack load only when the command runs
 
+    check_forced_variant()  # a wrong SPECDECODE_KERNEL_ISA: one line before anything resolves or loads
     target = check_models(args.target, DrafterSpec.from_settings(vars(args)).model_spec, cache_dir=args.cache_dir,
                           cross_vocab=True, tree=args.tree)  # the cross-vocabulary line is said at load
     chat = [args.chat if args.chat is not None else (None if job.chat_default else False) for job in jobs]
@@ -259,7 +261,7 @@ def _encode_job(args, decoder, job: _Job) -> tuple[_Job, bool, list[int]]:
     context = decoder.target.max_context
     if len(prompt_ids) + args.max_new_tokens > context:
         raise PromptTooLongError(
-            f"prompt {job.id!r} has {len(prompt_ids)} tokens; with --max-new-tokens {args.max_new_tokens} it "
+            f"prompt {job.id!r} has {len(prompt_ids)} token{'s' * (len(prompt_ids) != 1)}; with --max-new-tokens {args.max_new_tokens} it "
             f"exceeds the model's context of {context} tokens: shorten the prompt or lower --max-new-tokens"
         )
     return job, chat, prompt_ids

@@ -207,7 +207,7 @@ def read_prompt_text(path: str | os.PathLike, flag: str, *, stdin: bool = False)
         if file.is_dir():
             raise SpecDecodeError(f"{flag} {str(path)!r} is a directory; give a text file"
                                   + (" (or - for stdin)" if stdin else ""))
-        if not file.is_file():
+        if not file.exists():  # (a pipe or a device, <(command) or /dev/stdin, is read like a file)
             raise SpecDecodeError(f"{flag}: prompt file not found (no such file): {str(path)!r}")
         try:
             text = file.read_text(encoding="utf-8")

@@ -5,6 +5,7 @@ extension (``csrc/lowbit.cpp``, ``csrc/step.cpp``) built once per machine, and w
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import fcntl
 import functools
@@ -421,6 +422,10 @@ def _compile_variant(name: str, cache_dir=None, quiet: bool = False) -> tuple[ct
             print(f"specdecode: compiling the {name} low-bit kernel into {out.parent} (once per machine and version, "
                   "seconds)", file=sys.stderr, flush=True)
         out.parent.mkdir(parents=True, exist_ok=True)
+        for stale in out.parent.glob(f".{out.name}.*.tmp"):  # left by a compile that was interrupted (not a running one)
+            with contextlib.suppress(OSError):
+                if time.time() - stale.stat().st_mtime > STALE_TMP_S:
+                    stale.unlink()
         fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp")
         os.close(fd)
         cmd = [os.environ.get("CC", "gcc"), *_COMMON_CFLAGS, *flags, f"-D{macro}",
@@ -436,6 +441,11 @@ def _compile_variant(name: str, cache_dir=None, quiet: bool = False) -> tuple[ct
     lib = ctypes.CDLL(str(out))
     lib.sd_table.restype = ctypes.c_void_p
     return lib, int(lib.sd_table())
+
+
+#: Seconds after which a variant's temporary output is taken for one an interrupted compile left (a compile takes
+#: under a minute)
+STALE_TMP_S = 600
 
 
 def _time_variant(kernel, address: int) -> float:

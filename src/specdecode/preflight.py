@@ -108,7 +108,12 @@ def check_models(target: str, draft: str | None = None, *, cache_dir: str | Path
                 with M.hub_access(spec):
                     pass
         except ModelLoadError as exc:  # say which model: a target and a draft can both be paths
-            raise ModelLoadError(f"the {role} model: {exc}") from exc
+            drafters = ""
+            if role == "draft" and "/" not in spec and not Path(spec).suffix:  # a bare word: maybe a drafter's name
+                from specdecode.spec import BUILTIN_KINDS  # lazy: the drafter registry's names
+
+                drafters = f" --draft also takes a model-free drafter: {', '.join(BUILTIN_KINDS)}."
+            raise ModelLoadError(f"the {role} model: {exc}{drafters}") from exc
     infos = [inspect_model(spec, cache_dir=cache_dir) for spec in specs]
     if len(infos) == 2 and None not in infos:
         other_vocab = M._tokenizer_difference(infos[0].vocab, infos[1].vocab)

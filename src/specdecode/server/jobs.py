@@ -66,13 +66,13 @@ def _params(state: ServingState, body, prompt_ids: list[int], max_new: int | Non
     room = context - len(prompt_ids)
     field = "max_completion_tokens" if getattr(body, "max_completion_tokens", None) is not None else "max_tokens"
     if room < 1:
-        raise APIError(400, f"the prompt has {len(prompt_ids)} tokens, which leaves no room in the model's context "
+        raise APIError(400, f"the prompt has {len(prompt_ids)} token{'s' * (len(prompt_ids) != 1)}, which leaves no room in the model's context "
                             f"of {context} tokens: shorten the prompt", param="messages" if
                        isinstance(body, ChatCompletionRequest) else "prompt", code="context_length_exceeded")
     if max_new is None:
         max_new = min(default, room)
     elif max_new > room:
-        raise APIError(400, f"the prompt has {len(prompt_ids)} tokens and {field} is {max_new}, which exceeds the "
+        raise APIError(400, f"the prompt has {len(prompt_ids)} token{'s' * (len(prompt_ids) != 1)} and {field} is {max_new}, which exceeds the "
                             f"model's context of {context} tokens: lower {field} to at most {room} or shorten the "
                             f"prompt", param=field, code="context_length_exceeded")
     top_k = body.top_k if body.top_k not in (None, -1) else 0
