@@ -23,7 +23,8 @@
 // Weights: every format runs as tiles of 8 output columns (repacked at load, the same bytes per weight:
 // passt32 for Q4_0 / Q4_1 / Q5_0 / Q8_0, passt for Q4_K, passt6 for Q6_K): one vpdpbusd (vpmaddubsw) per 4
 // weights of the 8 columns, each column's integer sum in its own lane, no horizontal sums. A tile's block
-// is read and unpacked once per pass of rows (4 or 8 rows, their accumulators in registers) and dotted with
+// is read and unpacked once per pass of rows (6 or 8 rows, their accumulators in registers; AVX2 / AVX-512 unpack a
+// tile once per call when its rows take several passes) and dotted with
 // every row of the pass. The last n_out % 8 columns keep a column layout and do a tile lane's exact
 // operations (tail32, passk). Every (row, column) is accumulated in one fixed
 // order that depends on nothing but that row and that column: neither on how many rows share
@@ -203,12 +204,14 @@ static inline __m256i unpack32(int fmt, const Soa* a, int64_t b) {
   }
 }
 
-// The most rows of one pass of the 32-weight tiles (array sizes; SD_PASS32 picks per format): every row
-// keeps its accumulators in registers, 16 vector registers on AVX2, 32 with AVX-512.
+// The most rows of one pass of the 32-weight tiles (array sizes and the passes compiled; SD_PASS32 picks per
+// variant): every row keeps its accumulators in registers, 16 vector registers on AVX2, 32 with AVX-512.
+#ifndef SD_PASS
 #if defined(SD_VARIANT_AVX2)
-#define SD_PASS 4
+#define SD_PASS 6
 #else
 #define SD_PASS 8
+#endif
 #endif
 // K-quant passes keep four vectors per row (two integer sums, two float accumulators) next to the
 // unpacked weights and scales: four rows fit the registers of every variant, more spill (measured:
@@ -218,6 +221,10 @@ static inline __m256i unpack32(int fmt, const Soa* a, int64_t b) {
 // tile lane's scalar float order (0.85x on their own, at most 7 columns per weight)
 #define SD_Q6K_TILES 1
 #define SD_INLINE static inline __attribute__((always_inline))
+// An empty asm that takes v and gives it back in a register: gcc can no longer see through the value, so it keeps a
+// chain of integer additions in the written order instead of reassociating it into a tree whose partial sums
+// outlive the registers (AVX2: 16) and spill (bits are unaffected: the sums are exact integers either way)
+#define SD_OPAQUE(v) __asm__("" : "+v"(v))
 #define SD_TILE 8  // output columns per tile (Q4_K, Q6_K and, as lowbit_kernels.TILED32 says, 32-weight formats)
 
 // A tile's eight results (lane c: column c) -> dst[c0..c1) (a range that cuts the tile writes only its part)
@@ -302,17 +309,16 @@ static inline int32_t load_i32(const void* p) {
 // n_out % 8 columns keep the column layout (soa()) and do a tile lane's integers and float operations
 // (tail32): a column's bits do not depend on whether it sits in a tile (fused q / k / v, a reduced LM head).
 
-// Rows per pass of the tiles (at most SD_PASS), per variant and format, measured at 8 and 16 rows
-// (docs/results/kernels/tiled32/report.txt): VNNI 8 rows (4: 1.03-1.14x slower); AVX-512 8 for Q5_0 (4:
-// 1.08x slower), 4 for the others (8: 1.02-1.2x slower, register spills); AVX2 4 (16 registers). The pass
+// Rows per pass of the tiles (at most SD_PASS), per variant, measured at 2-64 rows (docs/results/kernels/tiled32/
+// report.txt; docs/results/kernels/amx/README.md section 7): VNNI 8 rows (4: 1.03-1.14x slower); AVX-512 8
+// (4: up to 1.3x slower at 5-8 rows); AVX2 6 (16 registers, two per row since the passes keep the zero point
+// and Q4_1's minimum term out of the vector loop; 4: 1.05-1.6x slower at 5 and 6 rows, equal elsewhere). The pass
 // size changes nothing in a row's arithmetic.
 #ifndef SD_PASS32
-#if defined(SD_VARIANT_AVX512VNNI)
-#define SD_PASS32(fmt) 8
-#elif defined(SD_VARIANT_AVX512)
-#define SD_PASS32(fmt) ((fmt) == SD_Q5_0 ? 8 : 4)
+#if defined(SD_VARIANT_AVX2)
+#define SD_PASS32(fmt) 6
 #else
-#define SD_PASS32(fmt) 4
+#define SD_PASS32(fmt) 8
 #endif
 #endif
 
@@ -360,22 +366,28 @@ static inline __m256i tile32_vector(int fmt, const uint8_t* t, int g) {
 // (VNNI: keep in step with passt32_pair, which runs two tiles of this in 512-bit vectors)
 SD_INLINE void passt32(const int P, const int fmt, const uint8_t* wt, int64_t nb, int64_t k, const int8_t* xq,
                        const float* xd, const float* xs, const int32_t* xsum, int64_t r0, float* out, int64_t ldo,
-                       int64_t n, int c0, int c1) {
+                       int64_t n, int c0, int c1, const uint8_t* un) {
+  __m256 acc[SD_PASS];
+  for (int r = 0; r < P; ++r) acc[r] = _mm256_setzero_ps();
 #if defined(SD_VARIANT_AVX512VNNI)
   const int z = zero_point32(fmt);
+  __m256 macc[SD_PASS];
+  for (int r = 0; r < P; ++r) macc[r] = _mm256_setzero_ps();
 #else
-  const int z = fmt == SD_Q8_0 ? 0 : zero_point32(fmt);  // Q8_0: sum(q x) directly (see above)
+  // Two live registers per row (AVX2 has 16): the block's integer sum being built (int16 or int32) and the float
+  // accumulator. The zero point's correction joins the integer sum after the vector loop, and Q4_1's minimum term
+  // (macc) runs as a second loop over the blocks below: the same operations in the same order per (row, column),
+  // so the same bits; a pass of 4 rows kept 4 registers per row and spilled (measured: 1.4-1.9x slower).
   const __m256i ones = _mm256_set1_epi16(1);
+  const int zshift = fmt == SD_Q4_0 ? 3 : fmt == SD_Q5_0 ? 4 : 0;  // z = 8 (Q4_0), 16 (Q5_0); Q4_1 and Q8_0 (sum(q x)): 0
 #endif
-  __m256 acc[SD_PASS], macc[SD_PASS];
-  for (int r = 0; r < P; ++r) acc[r] = macc[r] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* t = wt + (int64_t)tile32_bytes(fmt) * b;
     prefetch_ahead(t, tile32_bytes(fmt));
     const int8_t* xb = xq + r0 * k + 32 * b;
     __m256i s[SD_PASS];
-    for (int r = 0; r < P; ++r) s[r] = z ? _mm256_set1_epi32(-z * xsum[(r0 + r) * nb + b]) : _mm256_setzero_si256();
 #if defined(SD_VARIANT_AVX512VNNI)
+    for (int r = 0; r < P; ++r) s[r] = z ? _mm256_set1_epi32(-z * xsum[(r0 + r) * nb + b]) : _mm256_setzero_si256();
     // A vpdpbusd waits for its accumulator (several cycles) while two can start per cycle: with fewer than 8 rows,
     // one chain of 8 per row leaves the units idle, so each row's 8 products run as 2 or 4 independent chains
     // (vector g in chain g % chains), summed at the end: integer sums, the same int32 in any order, so the same bits.
@@ -400,7 +412,9 @@ SD_INLINE void passt32(const int P, const int fmt, const uint8_t* wt, int64_t nb
         const __m256i q = _mm256_xor_si256(tile32_vector(fmt, t, g), _mm256_set1_epi8((char)0x80)), a = _mm256_sign_epi8(q, q);
         for (int r = 0; r < P; ++r) {
           const __m256i x = _mm256_sign_epi8(_mm256_set1_epi32(load_i32(xb + r * k + 4 * g)), q);
-          s[r] = _mm256_add_epi32(s[r], _mm256_madd_epi16(_mm256_maddubs_epi16(a, x), ones));
+          const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(a, x), ones);
+          s[r] = g ? _mm256_add_epi32(s[r], p) : p;
+          SD_OPAQUE(s[r]);
         }
       }
     } else {
@@ -409,23 +423,43 @@ SD_INLINE void passt32(const int P, const int fmt, const uint8_t* wt, int64_t nb
       for (int r = 0; r < P; ++r) s16[r] = _mm256_setzero_si256();  // (set at g = 0; this quiets gcc)
 #pragma GCC unroll 8  // g must be a constant in tile32_vector (shift counts, the nibble half)
       for (int g = 0; g < 8; ++g) {
-        const __m256i u = tile32_vector(fmt, t, g);
+        const __m256i u = un ? _mm256_loadu_si256((const __m256i*)(un + 256 * b + 32 * g)) : tile32_vector(fmt, t, g);
         for (int r = 0; r < P; ++r) {
           const __m256i p = _mm256_maddubs_epi16(u, _mm256_set1_epi32(load_i32(xb + r * k + 4 * g)));
           s16[r] = g % span ? _mm256_add_epi16(s16[r], p) : p;
-          if (g % span == span - 1) s[r] = _mm256_add_epi32(s[r], _mm256_madd_epi16(s16[r], ones));
+          SD_OPAQUE(s16[r]);
+          if (g % span == span - 1) {
+            const __m256i w = _mm256_madd_epi16(s16[r], ones);
+            s[r] = g == span - 1 ? w : _mm256_add_epi32(s[r], w);
+          }
         }
       }
     }
+    if (zshift)
+      for (int r = 0; r < P; ++r)
+        s[r] = _mm256_sub_epi32(s[r], _mm256_slli_epi32(_mm256_set1_epi32(xsum[(r0 + r) * nb + b]), zshift));
 #endif
     const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)t));
+#if defined(SD_VARIANT_AVX512VNNI)
     const __m256 mw = fmt == SD_Q4_1 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(t + 16))) : dw;
+#endif
     for (int r = 0; r < P; ++r) {
       const int64_t i = (r0 + r) * nb + b;
       acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[r]), _mm256_mul_ps(dw, _mm256_set1_ps(xd[i])), acc[r]);
+#if defined(SD_VARIANT_AVX512VNNI)
       if (fmt == SD_Q4_1) macc[r] = _mm256_fmadd_ps(mw, _mm256_set1_ps(xs[i]), macc[r]);
+#endif
     }
   }
+#if !defined(SD_VARIANT_AVX512VNNI)
+  __m256 macc[SD_PASS];
+  for (int r = 0; r < P; ++r) macc[r] = _mm256_setzero_ps();
+  if (fmt == SD_Q4_1)  // the minimum term, blocks in order (see above)
+    for (int64_t b = 0; b < nb; ++b) {
+      const __m256 mw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(wt + (int64_t)tile32_bytes(fmt) * b + 16)));
+      for (int r = 0; r < P; ++r) macc[r] = _mm256_fmadd_ps(mw, _mm256_set1_ps(xs[(r0 + r) * nb + b]), macc[r]);
+    }
+#endif
   for (int r = 0; r < P; ++r) {
     const __m256 o = fmt == SD_Q4_1 ? _mm256_add_ps(acc[r], macc[r]) : acc[r];
     store_tile(out + (r0 + r) * ldo + n, o, c0, c1);
@@ -682,6 +716,22 @@ static void tail32(int fmt, const Soa* a, int64_t nb, int64_t k, const int8_t* x
   }
 }
 
+#if !defined(SD_VARIANT_AVX512VNNI)
+// A tile's weight vectors unpacked once for all the passes of a call of many rows (tile32_vector's bytes, block b's
+// vector g at un + 256 b + 32 g): the passes then load them instead of unpacking each again (4-bit: an and, or a
+// shift and an and, per vector and pass; Q5_0 three more). The same bytes, so the same integers and bits.
+#ifndef SD_NO_UNPACK
+#define SD_NO_UNPACK 0
+#endif
+static void unpack_tile32(int fmt, const uint8_t* wt, int64_t nb, uint8_t* un) {
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* t = wt + (int64_t)tile32_bytes(fmt) * b;
+#pragma GCC unroll 8
+    for (int g = 0; g < 8; ++g) _mm256_storeu_si256((__m256i*)(un + 256 * b + 32 * g), tile32_vector(fmt, t, g));
+  }
+}
+#endif
+
 static void gemm32(int fmt, const uint8_t* w, int64_t ldw, int64_t k, const int8_t* xq, const float* xd,
                    const float* xs, int64_t rows, float* out, int64_t ldo, int64_t n0, int64_t n1, int64_t n_out) {
   const int64_t nb = k / 32;
@@ -734,17 +784,28 @@ static void gemm32(int fmt, const uint8_t* w, int64_t ldw, int64_t k, const int8
   free(ws);
 #endif
 #endif
+  // more rows than one pass (a prompt's pieces; not Q8_0, whose vectors unpack in one xor): each tile unpacked once
+  const int pass = SD_PASS32(fmt);
+#if defined(SD_VARIANT_AVX512VNNI)
+  uint8_t* un = NULL;
+#else
+  uint8_t* un = !SD_NO_UNPACK && rows > pass && fmt != SD_Q8_0 && n < n1 && n < tiled ? (uint8_t*)malloc((size_t)(256 * nb)) : NULL;
+#endif
   for (; n < n1 && n < tiled; n = n / SD_TILE * SD_TILE + SD_TILE) {
     const int64_t base = n / SD_TILE * SD_TILE;
     const int c0 = (int)(n - base), c1 = (int)((n1 < base + SD_TILE ? n1 : base + SD_TILE) - base);
-    const int pass = SD_PASS32(fmt);
+#if !defined(SD_VARIANT_AVX512VNNI)
+    if (un) unpack_tile32(fmt, w + base * ldw, nb, un);
+#endif
     for (int64_t r0 = 0; r0 < rows; r0 += pass) {
       const int64_t p = rows - r0 < pass ? rows - r0 : pass;
       switch (fmt * 16 + p) {
-#define SD_CASE(F, P) case F * 16 + P: passt32(P, F, w + base * ldw, nb, k, xq, xd, xs, xsum, r0, out, ldo, base, c0, c1); break;
+#define SD_CASE(F, P) case F * 16 + P: passt32(P, F, w + base * ldw, nb, k, xq, xd, xs, xsum, r0, out, ldo, base, c0, c1, un); break;
 #define SD_ROWS(F) SD_CASE(F, 1) SD_CASE(F, 2) SD_CASE(F, 3) SD_CASE(F, 4) SD_MORE(F)
-#if SD_PASS > 4
+#if SD_PASS > 6
 #define SD_MORE(F) SD_CASE(F, 5) SD_CASE(F, 6) SD_CASE(F, 7) SD_CASE(F, 8)
+#elif SD_PASS > 4
+#define SD_MORE(F) SD_CASE(F, 5) SD_CASE(F, 6)
 #else
 #define SD_MORE(F)
 #endif
@@ -756,6 +817,7 @@ static void gemm32(int fmt, const uint8_t* w, int64_t ldw, int64_t k, const int8
       }
     }
   }
+  free(un);
   for (; n < n1; ++n) {
     const Soa a = soa(fmt, w + n * ldw, nb);
     tail32(fmt, &a, nb, k, xq, xd, xs, xsum, rows, out, ldo, n);
