@@ -344,9 +344,9 @@ def test_verify_chains_consumes_k_plus_one_uniforms_per_row():
         assert alone.new_token_ids[0].tolist() == together.new_token_ids[i, : c + 1].tolist()
 
 
-def test_all_greedy_rows_verify_in_numpy_as_in_the_torch_code():
-    """verify_chains' all-greedy path (numpy) gives the general path's result (float64 scores take it): ragged
-    drafts with PAD, no draft, every draft kept, the first rejected, tied scores."""
+def test_greedy_rows_verify_alike_whatever_the_score_dtype():
+    """verify_chains' one greedy rule gives the same result on float32 scores (numpy's argmax) and float64 ones
+    (torch's): ragged drafts with PAD, no draft, every draft kept, the first rejected, tied scores."""
     gen = torch.Generator().manual_seed(1)
     for b, k, v in ((1, 0, 50), (1, 5, 50), (3, 4, 7), (4, 6, 3)):
         for trial in range(20):
@@ -362,3 +362,25 @@ def test_all_greedy_rows_verify_in_numpy_as_in_the_torch_code():
             for name in ("num_accepted", "new_token_ids", "kept_nodes"):
                 a, c = getattr(fast, name), getattr(slow, name)
                 assert a.dtype == c.dtype and torch.equal(a, c), (b, k, trial, name)
+
+
+def test_a_greedy_row_verifies_the_same_beside_sampled_rows_as_in_an_all_greedy_batch():
+    """The greedy rows of a mixed batch (greedy and sampled rows) keep the drafts and get the next token that the
+    same rows get in a batch of greedy rows only: one greedy rule for both (verify._greedy_accepted)."""
+    gen = torch.Generator().manual_seed(2)
+    for b, k, v in ((2, 0, 20), (3, 4, 7), (5, 6, 3)):
+        for trial in range(20):
+            p = torch.softmax(torch.randn(b, k + 1, v, generator=gen) * 3, -1)
+            best = p.argmax(-1)
+            drafts = torch.where(torch.rand(b, k, generator=gen) < 0.7, best[:, :k], torch.randint(0, v, (b, k), generator=gen))
+            drafted = torch.randint(0, k + 1, (b,), generator=gen)
+            drafts = torch.where(torch.arange(k)[None, :] < drafted[:, None], drafts, torch.full_like(drafts, -1))
+            uniforms = torch.rand(b, k + 1, generator=gen, dtype=torch.float64)
+            mixed = torch.arange(b) % 2 == 0  # rows 0, 2, 4 greedy; the others sampled
+            together = verify.verify_chains(drafts, drafted, None, p, mixed, uniforms)
+            rows = mixed.nonzero().squeeze(1)
+            alone = verify.verify_chains(drafts[rows], drafted[rows], None, p[rows], torch.ones(len(rows), dtype=torch.bool),
+                                         uniforms[rows])
+            assert torch.equal(together.num_accepted[rows], alone.num_accepted), (b, k, trial)
+            assert torch.equal(together.new_token_ids[rows], alone.new_token_ids), (b, k, trial)
+            assert torch.equal(together.kept_nodes[rows], alone.kept_nodes), (b, k, trial)

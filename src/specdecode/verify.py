@@ -30,34 +30,31 @@ from specdecode.types import PAD_TOKEN_ID, VerifyResult
 
 
 def _result(num_accepted: torch.Tensor, draft_ids: torch.Tensor, next_ids: torch.Tensor) -> VerifyResult:
-    """Assemble a VerifyResult from [B] accepted counts, [B, K] drafts, [B] next tokens."""
-    b, k = draft_ids.shape
-    pos = torch.arange(k + 1).expand(b, k + 1)
-    n = num_accepted.unsqueeze(1)
-    padded = torch.cat([draft_ids, torch.full((b, 1), PAD_TOKEN_ID, dtype=torch.int64)], dim=1)
-    new_ids = torch.where(pos < n, padded, torch.full_like(padded, PAD_TOKEN_ID))
-    new_ids = new_ids.scatter(1, n, next_ids.unsqueeze(1))
-    kept = torch.where(pos < n, pos, torch.full_like(pos, -1))
-    return VerifyResult(num_accepted=num_accepted, new_token_ids=new_ids, kept_nodes=kept)
+    """Assemble a VerifyResult from [B] int64 accepted counts, [B, K] int64 drafts and [B] int64 next tokens.
 
-
-def _verify_greedy(draft_ids: torch.Tensor, num_drafted: torch.Tensor, target_probs: torch.Tensor) -> VerifyResult:
-    """:func:`verify_chains` when every row is greedy (CPU float32 scores), in numpy: the same result as the torch
-    code below it, in about 30 us where twenty small torch operations took 130 us or more at one row (decoding
-    SmolLM2 takes about 2 ms per step)."""
-    b, k = draft_ids.shape
-    best = target_probs.numpy().argmax(-1)  # [B, K+1]
-    ids = draft_ids.numpy()
-    live = np.arange(k)[None, :] < num_drafted.numpy()[:, None]
-    accepted = np.cumprod((ids == best[:, :k]) & live, axis=1).sum(1)  # [B]
-    rows = np.arange(b)
-    new_ids = np.full((b, k + 1), PAD_TOKEN_ID, dtype=np.int64)
-    new_ids[:, :k] = np.where(np.arange(k)[None, :] < accepted[:, None], ids, PAD_TOKEN_ID)
-    new_ids[rows, accepted] = best[rows, accepted]
+    In numpy: the eight small torch operations this took cost about 100 us per verification, against a SmolLM2
+    decoding step of about 2 ms."""
+    n = num_accepted.cpu().numpy().astype(np.int64)
+    ids = draft_ids.cpu().numpy()
+    b, k = ids.shape
     pos = np.arange(k + 1)[None, :]
-    kept = np.where(pos < accepted[:, None], pos, -1)
-    return VerifyResult(num_accepted=torch.from_numpy(accepted.astype(np.int64)), new_token_ids=torch.from_numpy(new_ids),
-                        kept_nodes=torch.from_numpy(np.ascontiguousarray(kept, dtype=np.int64)))
+    new_ids = np.full((b, k + 1), PAD_TOKEN_ID, dtype=np.int64)
+    new_ids[:, :k] = np.where(pos[:, :k] < n[:, None], ids, PAD_TOKEN_ID)
+    new_ids[np.arange(b), n] = next_ids.cpu().numpy()
+    kept = np.where(pos < n[:, None], pos, -1).astype(np.int64)
+    device = draft_ids.device
+    return VerifyResult(num_accepted=torch.from_numpy(n).to(device), new_token_ids=torch.from_numpy(new_ids).to(device),
+                        kept_nodes=torch.from_numpy(np.ascontiguousarray(kept)).to(device))
+
+
+def _greedy_accepted(draft_ids: torch.Tensor, num_drafted: torch.Tensor, best: torch.Tensor) -> torch.Tensor:
+    """[B] int64: the draft tokens a greedy row keeps, each equal to the target's argmax ``best`` [B, K+1] at its
+    position, up to the first that is not or the row's k_i (``num_drafted`` [B]). The one greedy rule of
+    :func:`verify_chains`, for all-greedy batches and for the greedy rows of mixed ones (numpy: about 10 us)."""
+    k = draft_ids.shape[1]
+    live = np.arange(k)[None, :] < num_drafted.cpu().numpy()[:, None]
+    kept = (draft_ids.cpu().numpy() == best.cpu().numpy()[:, :k]) & live
+    return torch.from_numpy(np.cumprod(kept, axis=1).sum(1).astype(np.int64)).to(draft_ids.device)
 
 
 def residual_distribution(p: torch.Tensor, q: torch.Tensor | None, draft_token: int) -> torch.Tensor:
@@ -109,14 +106,15 @@ def verify_chains(
         VerifyResult: num_accepted [B], new_token_ids [B, K+1] (PAD after num_accepted + 1).
     """
     assert draft_ids.ndim == 2 and target_probs.ndim == 3 and uniforms.ndim == 2
-    if target_probs.device.type == "cpu" and target_probs.dtype == torch.float32 and bool(greedy.all()):
-        return _verify_greedy(draft_ids, num_drafted, target_probs)
     b, k = draft_ids.shape
+    best = argmax(target_probs)  # [B, K+1]
+    greedy_n = _greedy_accepted(draft_ids, num_drafted, best)  # [B]
+    if bool(greedy.all()):  # no sampled row: no acceptance test and no residual to draw from
+        return _result(greedy_n, draft_ids, best.gather(1, greedy_n.unsqueeze(1)).squeeze(1))
     v = target_probs.shape[-1]
     pos = torch.arange(k).expand(b, k)
     live = pos < num_drafted.unsqueeze(1)  # [B, K]
     safe_ids = draft_ids.clamp_min(0)
-    best = argmax(target_probs)  # [B, K+1]
     p_tok = target_probs[:, :k].gather(2, safe_ids.unsqueeze(2)).squeeze(2)  # [B, K]
     if draft_probs is not None:
         q_rows = draft_probs.sum(-1) > 0  # [B, K] positions with a real q
@@ -124,14 +122,10 @@ def verify_chains(
     else:
         q_rows = torch.zeros(b, k, dtype=torch.bool)
         q_tok = torch.ones(b, k)
-    sampled_ok = uniforms[:, :k] * q_tok.double() < p_tok.double()
-    greedy_ok = draft_ids == best[:, :k]
-    ok = torch.where(greedy.unsqueeze(1), greedy_ok, sampled_ok) & live
-    num_accepted = ok.to(torch.int64).cumprod(1).sum(1)  # [B]
+    sampled_ok = (uniforms[:, :k] * q_tok.double() < p_tok.double()) & live
+    num_accepted = torch.where(greedy, greedy_n, sampled_ok.to(torch.int64).cumprod(1).sum(1))  # [B]
     n = num_accepted.unsqueeze(1)
     greedy_tok = best.gather(1, n).squeeze(1)
-    if bool(greedy.all()):  # no sampled row: no residual to draw from
-        return _result(num_accepted, draft_ids, greedy_tok)
     # The final distribution of each sampled row: p at its stop position, minus q (or the draft token) on a rejection.
     p_stop = target_probs.gather(1, n.unsqueeze(2).expand(b, 1, v)).squeeze(1)  # [B, V]
     rejected = num_accepted < num_drafted
