@@ -314,6 +314,17 @@ static inline int32_t load_i32(const void* p) {
 // (4: up to 1.3x slower at 5-8 rows); AVX2 6 (16 registers, two per row since the passes keep the zero point
 // and Q4_1's minimum term out of the vector loop; 4: 1.05-1.6x slower at 5 and 6 rows, equal elsewhere). The pass
 // size changes nothing in a row's arithmetic.
+// Passes of up to SD_MACC_INLINE rows keep Q4_1's minimum term in the block loop (passt32): registers to spare, and
+// a second loop over the blocks cost 1-2 row passes 4-14% (VNNI: every pass, 32 registers)
+#ifndef SD_MACC_INLINE
+#if defined(SD_VARIANT_AVX512VNNI)
+#define SD_MACC_INLINE SD_PASS
+#elif defined(SD_VARIANT_AVX512)
+#define SD_MACC_INLINE 4
+#else
+#define SD_MACC_INLINE 2
+#endif
+#endif
 #ifndef SD_PASS32
 #if defined(SD_VARIANT_AVX2)
 #define SD_PASS32(fmt) 6
@@ -367,17 +378,17 @@ static inline __m256i tile32_vector(int fmt, const uint8_t* t, int g) {
 SD_INLINE void passt32(const int P, const int fmt, const uint8_t* wt, int64_t nb, int64_t k, const int8_t* xq,
                        const float* xd, const float* xs, const int32_t* xsum, int64_t r0, float* out, int64_t ldo,
                        int64_t n, int c0, int c1, const uint8_t* un) {
-  __m256 acc[SD_PASS];
-  for (int r = 0; r < P; ++r) acc[r] = _mm256_setzero_ps();
+  __m256 acc[SD_PASS], macc[SD_PASS];
+  for (int r = 0; r < P; ++r) acc[r] = macc[r] = _mm256_setzero_ps();
+  const int macc_inline = P <= SD_MACC_INLINE;  // Q4_1's minimum term in the block loop (else in a loop of its own)
 #if defined(SD_VARIANT_AVX512VNNI)
   const int z = zero_point32(fmt);
-  __m256 macc[SD_PASS];
-  for (int r = 0; r < P; ++r) macc[r] = _mm256_setzero_ps();
 #else
   // Two live registers per row (AVX2 has 16): the block's integer sum being built (int16 or int32) and the float
-  // accumulator. The zero point's correction joins the integer sum after the vector loop, and Q4_1's minimum term
-  // (macc) runs as a second loop over the blocks below: the same operations in the same order per (row, column),
-  // so the same bits; a pass of 4 rows kept 4 registers per row and spilled (measured: 1.4-1.9x slower).
+  // accumulator. The zero point's correction joins the integer sum after the vector loop, and in passes of more
+  // than SD_MACC_INLINE rows Q4_1's minimum term (macc) runs as a second loop over the blocks below: the same
+  // operations in the same order per (row, column), so the same bits. Passes of 4 rows that kept 4 registers per
+  // row spilled (5-8 rows in two passes: 1.1-1.2x slower; docs/results/kernels/amx/README.md section 7).
   const __m256i ones = _mm256_set1_epi16(1);
   const int zshift = fmt == SD_Q4_0 ? 3 : fmt == SD_Q5_0 ? 4 : 0;  // z = 8 (Q4_0), 16 (Q5_0); Q4_1 and Q8_0 (sum(q x)): 0
 #endif
@@ -414,7 +425,7 @@ SD_INLINE void passt32(const int P, const int fmt, const uint8_t* wt, int64_t nb
           const __m256i x = _mm256_sign_epi8(_mm256_set1_epi32(load_i32(xb + r * k + 4 * g)), q);
           const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(a, x), ones);
           s[r] = g ? _mm256_add_epi32(s[r], p) : p;
-          SD_OPAQUE(s[r]);
+          if (P > SD_MACC_INLINE) SD_OPAQUE(s[r]);
         }
       }
     } else {
@@ -427,7 +438,7 @@ SD_INLINE void passt32(const int P, const int fmt, const uint8_t* wt, int64_t nb
         for (int r = 0; r < P; ++r) {
           const __m256i p = _mm256_maddubs_epi16(u, _mm256_set1_epi32(load_i32(xb + r * k + 4 * g)));
           s16[r] = g % span ? _mm256_add_epi16(s16[r], p) : p;
-          SD_OPAQUE(s16[r]);
+          if (P > SD_MACC_INLINE) SD_OPAQUE(s16[r]);  // short passes: registers to spare, and a tree of sums is shorter
           if (g % span == span - 1) {
             const __m256i w = _mm256_madd_epi16(s16[r], ones);
             s[r] = g == span - 1 ? w : _mm256_add_epi32(s[r], w);
@@ -440,26 +451,18 @@ SD_INLINE void passt32(const int P, const int fmt, const uint8_t* wt, int64_t nb
         s[r] = _mm256_sub_epi32(s[r], _mm256_slli_epi32(_mm256_set1_epi32(xsum[(r0 + r) * nb + b]), zshift));
 #endif
     const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)t));
-#if defined(SD_VARIANT_AVX512VNNI)
-    const __m256 mw = fmt == SD_Q4_1 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(t + 16))) : dw;
-#endif
+    const __m256 mw = fmt == SD_Q4_1 && macc_inline ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(t + 16))) : dw;
     for (int r = 0; r < P; ++r) {
       const int64_t i = (r0 + r) * nb + b;
       acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[r]), _mm256_mul_ps(dw, _mm256_set1_ps(xd[i])), acc[r]);
-#if defined(SD_VARIANT_AVX512VNNI)
-      if (fmt == SD_Q4_1) macc[r] = _mm256_fmadd_ps(mw, _mm256_set1_ps(xs[i]), macc[r]);
-#endif
+      if (fmt == SD_Q4_1 && macc_inline) macc[r] = _mm256_fmadd_ps(mw, _mm256_set1_ps(xs[i]), macc[r]);
     }
   }
-#if !defined(SD_VARIANT_AVX512VNNI)
-  __m256 macc[SD_PASS];
-  for (int r = 0; r < P; ++r) macc[r] = _mm256_setzero_ps();
-  if (fmt == SD_Q4_1)  // the minimum term, blocks in order (see above)
+  if (fmt == SD_Q4_1 && !macc_inline)  // the minimum term, blocks in order (see above)
     for (int64_t b = 0; b < nb; ++b) {
       const __m256 mw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(wt + (int64_t)tile32_bytes(fmt) * b + 16)));
       for (int r = 0; r < P; ++r) macc[r] = _mm256_fmadd_ps(mw, _mm256_set1_ps(xs[(r0 + r) * nb + b]), macc[r]);
     }
-#endif
   for (int r = 0; r < P; ++r) {
     const __m256 o = fmt == SD_Q4_1 ? _mm256_add_ps(acc[r], macc[r]) : acc[r];
     store_tile(out + (r0 + r) * ldo + n, o, c0, c1);
