@@ -366,7 +366,8 @@ def test_greedy_rows_verify_alike_whatever_the_score_dtype():
 
 def test_a_greedy_row_verifies_the_same_beside_sampled_rows_as_in_an_all_greedy_batch():
     """The greedy rows of a mixed batch (greedy and sampled rows) keep the drafts and get the next token that the
-    same rows get in a batch of greedy rows only: one greedy rule for both (verify._greedy_accepted)."""
+    same rows get in a batch of greedy rows only (one greedy rule for both, verify._greedy_accepted), and that the
+    row-at-a-time oracle gives them."""
     gen = torch.Generator().manual_seed(2)
     for b, k, v in ((2, 0, 20), (3, 4, 7), (5, 6, 3)):
         for trial in range(20):
@@ -384,3 +385,6 @@ def test_a_greedy_row_verifies_the_same_beside_sampled_rows_as_in_an_all_greedy_
             assert torch.equal(together.num_accepted[rows], alone.num_accepted), (b, k, trial)
             assert torch.equal(together.new_token_ids[rows], alone.new_token_ids), (b, k, trial)
             assert torch.equal(together.kept_nodes[rows], alone.kept_nodes), (b, k, trial)
+            reference = verify_greedy(drafts[rows], p[rows])  # its own argmax and cumprod; PAD never matches
+            assert torch.equal(together.num_accepted[rows], reference.num_accepted), (b, k, trial)
+            assert torch.equal(together.new_token_ids[rows], reference.new_token_ids), (b, k, trial)

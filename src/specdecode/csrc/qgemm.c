@@ -24,7 +24,7 @@
 // passt32 for Q4_0 / Q4_1 / Q5_0 / Q8_0, passt for Q4_K, passt6 for Q6_K): one vpdpbusd (vpmaddubsw) per 4
 // weights of the 8 columns, each column's integer sum in its own lane, no horizontal sums. A tile's block
 // is read and unpacked once per pass of rows (6 or 8 rows, their accumulators in registers; AVX2 / AVX-512 unpack a
-// tile once per call when its rows take several passes) and dotted with
+// tile once per call when its rows take several passes, not Q8_0) and dotted with
 // every row of the pass. The last n_out % 8 columns keep a column layout and do a tile lane's exact
 // operations (tail32, passk). Every (row, column) is accumulated in one fixed
 // order that depends on nothing but that row and that column: neither on how many rows share
@@ -204,14 +204,17 @@ static inline __m256i unpack32(int fmt, const Soa* a, int64_t b) {
   }
 }
 
-// The most rows of one pass of the 32-weight tiles (array sizes and the passes compiled; SD_PASS32 picks per
-// variant): every row keeps its accumulators in registers, 16 vector registers on AVX2, 32 with AVX-512.
+// Rows per pass of the 32-weight tiles, per variant (array sizes, the passes compiled and, unless SD_PASS32 overrides
+// it, the pass size): every row keeps its accumulators in registers, 16 vector registers on AVX2, 32 with AVX-512.
 #ifndef SD_PASS
 #if defined(SD_VARIANT_AVX2)
 #define SD_PASS 6
 #else
 #define SD_PASS 8
 #endif
+#endif
+#if SD_PASS != 4 && SD_PASS != 6 && SD_PASS != 8
+#error "SD_PASS must be 4, 6 or 8 (the pass sizes gemm32's switch compiles)"
 #endif
 // K-quant passes keep four vectors per row (two integer sums, two float accumulators) next to the
 // unpacked weights and scales: four rows fit the registers of every variant, more spill (measured:
@@ -309,13 +312,15 @@ static inline int32_t load_i32(const void* p) {
 // n_out % 8 columns keep the column layout (soa()) and do a tile lane's integers and float operations
 // (tail32): a column's bits do not depend on whether it sits in a tile (fused q / k / v, a reduced LM head).
 
-// Rows per pass of the tiles (at most SD_PASS), per variant, measured at 2-64 rows (docs/results/kernels/tiled32/
-// report.txt; docs/results/kernels/amx/README.md section 7): VNNI 8 rows (4: 1.03-1.14x slower); AVX-512 8
-// (4: up to 1.3x slower at 5-8 rows); AVX2 6 (16 registers, two per row since the passes keep the zero point
-// and Q4_1's minimum term out of the vector loop; 4: 1.05-1.6x slower at 5 and 6 rows, equal elsewhere). The pass
-// size changes nothing in a row's arithmetic.
+// Rows per pass of the tiles: SD_PASS (above), per variant, measured at 1-256 rows (docs/results/kernels/tiled32/
+// report.txt; docs/results/kernels/amx/s9/pass_size_ab.txt): VNNI 8 rows (4: 1.03-1.14x slower); AVX-512 8; AVX2 6
+// (16 registers: the passes keep the zero point and Q4_1's minimum term out of the vector loop; passes of 4 took
+// 1.06-1.29x the time at 5 and 6 rows, about the same elsewhere). The pass size changes nothing in a row's arithmetic.
+#ifndef SD_PASS32
+#define SD_PASS32(fmt) SD_PASS
+#endif
 // Passes of up to SD_MACC_INLINE rows keep Q4_1's minimum term in the block loop (passt32): registers to spare, and
-// a second loop over the blocks cost 1-2 row passes 4-14% (VNNI: every pass, 32 registers)
+// a second loop over the blocks cost 1-2 row passes 1.06-1.14x (s9/pass_size_ab.txt; VNNI: every pass, 32 registers)
 #ifndef SD_MACC_INLINE
 #if defined(SD_VARIANT_AVX512VNNI)
 #define SD_MACC_INLINE SD_PASS
@@ -323,13 +328,6 @@ static inline int32_t load_i32(const void* p) {
 #define SD_MACC_INLINE 4
 #else
 #define SD_MACC_INLINE 2
-#endif
-#endif
-#ifndef SD_PASS32
-#if defined(SD_VARIANT_AVX2)
-#define SD_PASS32(fmt) 6
-#else
-#define SD_PASS32(fmt) 8
 #endif
 #endif
 
@@ -384,11 +382,11 @@ SD_INLINE void passt32(const int P, const int fmt, const uint8_t* wt, int64_t nb
 #if defined(SD_VARIANT_AVX512VNNI)
   const int z = zero_point32(fmt);
 #else
-  // Two live registers per row (AVX2 has 16): the block's integer sum being built (int16 or int32) and the float
-  // accumulator. The zero point's correction joins the integer sum after the vector loop, and in passes of more
+  // Two live registers per row for the 4-bit formats in long passes (AVX2 has 16): the block's integer sum being
+  // built (int16 or int32) and the float accumulator (Q5_0's second half: three; short passes: Q4_1's macc too). The zero point's correction joins the integer sum after the vector loop, and in passes of more
   // than SD_MACC_INLINE rows Q4_1's minimum term (macc) runs as a second loop over the blocks below: the same
   // operations in the same order per (row, column), so the same bits. Passes of 4 rows that kept 4 registers per
-  // row spilled (5-8 rows in two passes: 1.1-1.2x slower; docs/results/kernels/amx/README.md section 7).
+  // row spilled (47 stack references per block; docs/results/kernels/amx/README.md section 7).
   const __m256i ones = _mm256_set1_epi16(1);
   const int zshift = fmt == SD_Q4_0 ? 3 : fmt == SD_Q5_0 ? 4 : 0;  // z = 8 (Q4_0), 16 (Q5_0); Q4_1 and Q8_0 (sum(q x)): 0
 #endif
