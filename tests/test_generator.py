@@ -240,6 +240,28 @@ def test_tracker_can_keep_the_stop_string():
 # from_pretrained ---------------------------------------------------------------------
 
 
+def test_from_pretrained_sets_threads_as_the_command_line_does(tiny_model_dir, monkeypatch):
+    """threads=N sets torch's thread count, "auto" takes one per idle core (the command line's rule), None leaves
+    it; a bad value is refused before any model loads."""
+    from specdecode import cliargs
+
+    before = torch.get_num_threads()
+    try:
+        SpecDecoder.from_pretrained(str(tiny_model_dir), "none", progress=False, threads=1)
+        assert torch.get_num_threads() == 1
+        monkeypatch.setattr(cliargs, "auto_threads", lambda: (2, None))
+        SpecDecoder.from_pretrained(str(tiny_model_dir), "none", progress=False, threads="auto")
+        assert torch.get_num_threads() == 2
+        torch.set_num_threads(1)
+        SpecDecoder.from_pretrained(str(tiny_model_dir), "none", progress=False)
+        assert torch.get_num_threads() == 1
+        for bad in (0, -1, "many", 10_000):
+            with pytest.raises(SpecDecodeError, match="thread"):  # not the missing model: threads are checked first
+                SpecDecoder.from_pretrained("/nonexistent/model", "none", progress=False, threads=bad)
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_from_pretrained_draft_kinds(tiny_model_dir):
     spec = str(tiny_model_dir)
     plain = SpecDecoder.from_pretrained(spec, None, progress=False)

@@ -218,8 +218,11 @@ def test_a_bare_draft_word_that_is_no_model_names_the_drafters_too(monkeypatch, 
         yield
 
     monkeypatch.setattr(P.M, "hub_access", no_hub)
-    with pytest.raises(ModelLoadError, match=r"^the draft model: .* --draft also takes a model-free drafter: .*ngram"):
+    with pytest.raises(ModelLoadError, match=r"^the draft model: .* --draft also takes a model-free drafter \(") as err:
         P.check_models(str(tiny_model_dir), "nosuchdrafter")
+    free = str(err.value).split("model-free drafter (")[1].split(")")[0]
+    assert "ngram" in free and "draft-model" not in free  # a drafter with a model is not listed as model-free
+    assert "draft-model:model=MODEL" in str(err.value) or "KIND:model=MODEL" in str(err.value)
     with pytest.raises(ModelLoadError) as err:
         P.check_models(str(tiny_model_dir), "./missing/draft")
     assert "model-free drafter" not in str(err.value)
@@ -525,3 +528,13 @@ def test_a_cache_folder_that_cannot_be_had_is_refused_before_any_work(tmp_path, 
     check_cache_dir()
     monkeypatch.delenv("SPECDECODE_CACHE")
     check_cache_dir()  # the default place is not checked
+
+
+def test_a_prompt_longer_than_the_context_is_told_to_shrink_and_one_that_fits_how_far_to_lower_the_cap():
+    """A prompt that alone overflows the context: shortening it is the only advice (lowering --max-new-tokens cannot
+    help); one that fits: the largest --max-new-tokens that does. '1 token', not '1 tokens'."""
+    alone = P.too_long("p", 300, 8, 256)
+    assert "alone it exceeds the model's context of 256 tokens" in alone and "max-new-tokens" not in alone.split(";")[1]
+    fits = P.too_long("p", 250, 8, 256)
+    assert "lower --max-new-tokens to at most 6" in fits and "250 tokens" in fits
+    assert "has 1 token;" in P.too_long("p", 1, 300, 256)

@@ -260,10 +260,9 @@ def _encode_job(args, decoder, job: _Job) -> tuple[_Job, bool, list[int]]:
     prompt_ids = decoder.encode(job.text, chat=chat)
     context = decoder.target.max_context
     if len(prompt_ids) + args.max_new_tokens > context:
-        raise PromptTooLongError(
-            f"prompt {job.id!r} has {len(prompt_ids)} token{'s' * (len(prompt_ids) != 1)}; with --max-new-tokens {args.max_new_tokens} it "
-            f"exceeds the model's context of {context} tokens: shorten the prompt or lower --max-new-tokens"
-        )
+        from specdecode.preflight import too_long
+
+        raise PromptTooLongError(too_long(job.id, len(prompt_ids), args.max_new_tokens, context))
     return job, chat, prompt_ids
 
 

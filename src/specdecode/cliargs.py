@@ -347,13 +347,14 @@ def auto_threads(cores: int | None = None, busy: float | None = None) -> tuple[i
                      "use every core)")
 
 
-def set_threads(threads: int | None, say=None) -> int:
-    """Apply ``--threads``; None: :func:`auto_threads` (``say`` gets its note). Returns the thread count.
+def set_threads(threads: int | None, say=None, flag: str = "--threads") -> int:
+    """Apply ``--threads`` (``flag``: its name in errors); None: :func:`auto_threads` (``say`` gets its note).
+    Returns the thread count.
 
     Raises:
         SpecDecodeError: not a positive integer, or more than this machine's cores (:func:`check_threads`).
     """
-    check_threads(threads)
+    check_threads(threads, flag)
     if threads is None:
         threads, note = auto_threads()
         if note and say is not None:

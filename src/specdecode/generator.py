@@ -132,6 +132,7 @@ class SpecDecoder:
         tree_nodes: int = DEFAULT_TREE_NODES,
         verification: str = "auto",
         status=None,
+        threads: int | str | None = None,
     ) -> "SpecDecoder":
         """Load a target (and a draft model) by spec and build the decoder.
 
@@ -163,10 +164,14 @@ class SpecDecoder:
                 (suffix decoding, model-free token trees; ``"suffix:ngram"`` / ``"suffix:MODEL"``
                 fall back to that drafter when the suffix match scores low).
             verification: "auto", "token" or "block": how sampled drafts are verified (see the class).
+            threads: torch threads for this process (``torch.set_num_threads``: process-wide): a count (1..the cores
+                this process may use), "auto" (one per core other processes leave idle, what the command line does:
+                on a shared machine a thread on a busy core stalls every parallel region of a step, 2-3x slower
+                measured; the reason goes to stderr with ``progress``), or None (default: torch's setting as it is).
 
         Raises:
-            ModelLoadError, IncompatibleTokenizerError, SpecDecodeError (bad gamma or
-            n-gram sizes; checked before any model is loaded).
+            ModelLoadError, IncompatibleTokenizerError, SpecDecodeError (bad gamma,
+            n-gram sizes or threads; checked before any model is loaded).
         """
         if isinstance(draft, DrafterSpec):
             spec = draft
@@ -185,6 +190,12 @@ class SpecDecoder:
                 raise SpecDecodeError(f"unknown weight precision {precision!r}; choose auto or one of "
                                       f"{', '.join(WEIGHT_PRECISIONS)}")
         say = (lambda line: print(f"specdecode: {line}", file=sys.stderr, flush=True)) if progress else None
+        if threads is not None:
+            if isinstance(threads, str) and threads != "auto":
+                raise SpecDecodeError(f"threads={threads!r}: give a count of torch threads, 'auto' or None")
+            from specdecode.cliargs import set_threads  # lazy; the command line's --threads rule, in one place
+
+            set_threads(None if threads == "auto" else threads, say=say, flag="threads")
         check_models(target, spec.model_spec, cache_dir=cache_dir, cross_vocab=True, tree=spec.tree,  # before weights
                      say=say)
         loaded, precision_choice = load_target(target, weights, dtype=dtype, cache_dir=cache_dir, progress=progress,

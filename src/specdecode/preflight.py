@@ -110,9 +110,11 @@ def check_models(target: str, draft: str | None = None, *, cache_dir: str | Path
         except ModelLoadError as exc:  # say which model: a target and a draft can both be paths
             drafters = ""
             if role == "draft" and "/" not in spec and not Path(spec).suffix:  # a bare word: maybe a drafter's name
-                from specdecode.spec import BUILTIN_KINDS  # lazy: the drafter registry's names
+                from specdecode.spec import BUILTIN_KINDS, MODEL_KINDS  # lazy: the drafter registry's names
 
-                drafters = f" --draft also takes a model-free drafter: {', '.join(BUILTIN_KINDS)}."
+                free = [kind for kind in BUILTIN_KINDS if kind not in MODEL_KINDS]
+                drafters = (f" --draft also takes a model-free drafter ({', '.join(free)}) or a drafter with a model, "
+                            f"as KIND:model=MODEL ({', '.join(MODEL_KINDS)}).")
             raise ModelLoadError(f"the {role} model: {exc}{drafters}") from exc
     infos = [inspect_model(spec, cache_dir=cache_dir) for spec in specs]
     if len(infos) == 2 and None not in infos:
@@ -149,6 +151,17 @@ def tokenizer_difference(target: ModelInfo, draft: ModelInfo) -> str | None:
     return None
 
 
+
+def too_long(prompt_id: str, n: int, max_new_tokens: int, context: int) -> str:
+    """The one line for a prompt of ``n`` tokens that, with ``max_new_tokens``, does not fit ``context`` tokens: what
+    to do depends on whether the prompt alone fits."""
+    tokens = f"{n} token{'s' * (n != 1)}"
+    if n >= context:
+        return (f"prompt {prompt_id!r} has {tokens}: alone it exceeds the model's context of {context} tokens; "
+                f"shorten the prompt")
+    return (f"prompt {prompt_id!r} has {tokens}; with --max-new-tokens {max_new_tokens} it exceeds the model's "
+            f"context of {context} tokens: shorten the prompt or lower --max-new-tokens to at most {context - n}")
+
 def check_prompts(target: ModelInfo | None, prompts: Sequence[tuple[str, str, bool | None]],
                   max_new_tokens: int) -> None:
     """Refuse, before loading, a prompt that cannot fit the target's context with ``max_new_tokens`` more.
@@ -177,10 +190,7 @@ def check_prompts(target: ModelInfo | None, prompts: Sequence[tuple[str, str, bo
                                       f"(no --chat)")
             n = prompt_length(tokenizer, text, has_template if chat is None else chat)
             if n + max_new_tokens > context:
-                raise PromptTooLongError(
-                    f"prompt {prompt_id!r} has {n} tokens; with --max-new-tokens {max_new_tokens} it exceeds the "
-                    f"model's context of {context} tokens: shorten the prompt or lower --max-new-tokens"
-                )
+                raise PromptTooLongError(too_long(prompt_id, n, max_new_tokens, context))
 
 
 def prompt_length(tokenizer, text: str, chat: bool) -> int:

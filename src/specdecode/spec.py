@@ -297,8 +297,8 @@ class DrafterSpec:
                 ``model.safetensors``.
         """
         if self.kind in MODEL_KINDS and not self.model:
-            raise _refuse("draft", f"{self.kind} drafts with a second model, but {str(self)!r} names none: add "
-                                   f"model=MODEL (e.g. '{self.kind}:model=qwen2.5-coder-0.5b')")
+            raise _refuse("draft", f"{self.kind} drafts with a second model, but names none: add model=MODEL "
+                                   f"(e.g. '{self.kind}:model=qwen2.5-coder-0.5b')")
         head = self.head_path
         if head is not None:
             path = Path(head).expanduser()
