@@ -602,3 +602,15 @@ def test_an_int4_load_parses_the_gguf_file_once_and_restores_the_reader(tmp_path
             assert gguf.GGUFReader is not Counting
             raise RuntimeError("inside")
     assert gguf.GGUFReader is Counting
+
+
+def test_a_file_that_is_no_gguf_fails_its_conversion_in_one_line_without_the_exception_type(tmp_path):
+    """A .gguf path whose bytes are not GGUF: the reader's ValueError becomes the line 'could not convert GGUF ...:
+    <its words>', without 'ValueError:'; the half-written copy is removed."""
+    bad = tmp_path / "garbage.gguf"
+    bad.write_bytes(b"not a gguf file at all" * 10)
+    out = tmp_path / "converted" / "garbage"
+    with pytest.raises(ModelLoadError, match=r"^could not convert GGUF .*garbage\.gguf") as err:
+        convert._convert(bad, out, "0" * 64, progress=False)
+    assert "ValueError" not in str(err.value)
+    assert not out.exists() and not any((tmp_path / "converted").iterdir())

@@ -86,7 +86,8 @@ def _convert(gguf: Path, out_dir: Path, sha256: str, progress: bool) -> None:
     except SpecDecodeError:
         raise
     except Exception as exc:  # noqa: BLE001
-        raise ModelLoadError(f"could not convert GGUF {str(gguf)!r}: {type(exc).__name__}: {exc}") from exc
+        detail = str(exc) if isinstance(exc, ValueError) else f"{type(exc).__name__}: {exc}"  # ValueError: the reader's
+        raise ModelLoadError(f"could not convert GGUF {str(gguf)!r}: {detail}") from exc
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
