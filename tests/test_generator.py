@@ -242,22 +242,28 @@ def test_tracker_can_keep_the_stop_string():
 
 def test_from_pretrained_sets_threads_as_the_command_line_does(tiny_model_dir, monkeypatch):
     """threads=N sets torch's thread count, "auto" takes one per idle core (the command line's rule), None leaves
-    it; a bad value is refused before any model loads."""
-    from specdecode import cliargs
+    it; a bad value is refused before any model loads and named as the keyword (not --threads); a model that does
+    not load leaves the count as it was."""
+    from specdecode import threads as T
 
     before = torch.get_num_threads()
     try:
+        torch.set_num_threads(2)
         SpecDecoder.from_pretrained(str(tiny_model_dir), "none", progress=False, threads=1)
         assert torch.get_num_threads() == 1
-        monkeypatch.setattr(cliargs, "auto_threads", lambda: (2, None))
+        monkeypatch.setattr(T, "auto_threads", lambda flag="--threads": (2, None))
         SpecDecoder.from_pretrained(str(tiny_model_dir), "none", progress=False, threads="auto")
         assert torch.get_num_threads() == 2
         torch.set_num_threads(1)
         SpecDecoder.from_pretrained(str(tiny_model_dir), "none", progress=False)
         assert torch.get_num_threads() == 1
-        for bad in (0, -1, "many", 10_000):
-            with pytest.raises(SpecDecodeError, match="thread"):  # not the missing model: threads are checked first
+        for bad in (0, -1, True, 2.0, "many", 10_000):
+            with pytest.raises(SpecDecodeError, match=r"^threads\b") as err:  # not the missing model: threads first
                 SpecDecoder.from_pretrained("/nonexistent/model", "none", progress=False, threads=bad)
+            assert "--threads" not in str(err.value)
+        with pytest.raises(SpecDecodeError):  # a valid count with a model that does not load: nothing applied
+            SpecDecoder.from_pretrained("/nonexistent/model", "none", progress=False, threads=2)
+        assert torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(before)
 

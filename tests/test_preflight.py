@@ -530,11 +530,17 @@ def test_a_cache_folder_that_cannot_be_had_is_refused_before_any_work(tmp_path, 
     check_cache_dir()  # the default place is not checked
 
 
-def test_a_prompt_longer_than_the_context_is_told_to_shrink_and_one_that_fits_how_far_to_lower_the_cap():
-    """A prompt that alone overflows the context: shortening it is the only advice (lowering --max-new-tokens cannot
-    help); one that fits: the largest --max-new-tokens that does. '1 token', not '1 tokens'."""
-    alone = P.too_long("p", 300, 8, 256)
-    assert "alone it exceeds the model's context of 256 tokens" in alone and "max-new-tokens" not in alone.split(";")[1]
-    fits = P.too_long("p", 250, 8, 256)
-    assert "lower --max-new-tokens to at most 6" in fits and "250 tokens" in fits
-    assert "has 1 token;" in P.too_long("p", 1, 300, 256)
+def test_a_prompt_that_does_not_fit_gets_the_advice_that_can_work():
+    """request.too_long, the one line of every front end: room left -> lower the cap to the room; no room and a cap
+    below the context -> shorten the prompt to what the cap leaves; a cap that fills the context alone -> both.
+    '1 token', not '1 tokens'."""
+    from specdecode.request import too_long
+
+    fits = too_long(250, 8, 256, "--max-new-tokens", "prompt 'p'")
+    assert fits.startswith("prompt 'p' has 250 tokens; with --max-new-tokens 8") and "to at most 6" in fits
+    for n in (256, 300):  # the prompt fills or passes the context: only shortening it can help
+        line = too_long(n, 8, 256, "--max-new-tokens")
+        assert "shorten the prompt to at most 248 tokens" in line and "lower" not in line
+    both = too_long(300, 300, 256, "--max-new-tokens")
+    assert "lower --max-new-tokens below 256 and shorten the prompt" in both
+    assert too_long(1, 300, 256).startswith("the prompt has 1 token;") and "max_new_tokens to at most 255" in too_long(1, 300, 256)

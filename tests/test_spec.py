@@ -131,7 +131,7 @@ def test_an_unknown_option_of_a_builtin_kind_is_refused_when_read(text, needle):
 @pytest.mark.parametrize("text", ["draft-model:k=3", "tree-draft:kind=static", "cross-vocab", "suffix:fallback=(draft-model)"])
 def test_a_model_kind_without_its_model_is_refused_by_check(text):
     spec = DrafterSpec.parse(text)
-    with pytest.raises(SpecDecodeError, match="drafts with a second model, but names none: add model=MODEL"):
+    with pytest.raises(SpecDecodeError, match="drafts with a second model, but the spec names none: add model=MODEL"):
         spec.check()
 
 

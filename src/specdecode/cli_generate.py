@@ -260,9 +260,10 @@ def _encode_job(args, decoder, job: _Job) -> tuple[_Job, bool, list[int]]:
     prompt_ids = decoder.encode(job.text, chat=chat)
     context = decoder.target.max_context
     if len(prompt_ids) + args.max_new_tokens > context:
-        from specdecode.preflight import too_long
+        from specdecode.request import too_long
 
-        raise PromptTooLongError(too_long(job.id, len(prompt_ids), args.max_new_tokens, context))
+        raise PromptTooLongError(too_long(len(prompt_ids), args.max_new_tokens, context, "--max-new-tokens",
+                                          f"prompt {job.id!r}"))
     return job, chat, prompt_ids
 
 

@@ -10,12 +10,11 @@ rule 5): this module, ``cli.py`` / ``cli_generate.py`` / ``cli_commands.py`` and
 from __future__ import annotations
 
 import argparse
-import os
 import sys
-import time
 
 from specdecode.errors import SpecDecodeError
 from specdecode.spec import FLAG_DEFAULTS, MODEL_KINDS, DrafterSpec
+from specdecode.threads import auto_threads, busy_cores, set_threads  # noqa: F401 - the command line's, re-exported
 from specdecode.validate import check_threads, usable_cores  # noqa: F401 - check_threads re-exported (the CLI's)
 from specdecode.options import (
     DEFAULT_MAX_REQUEST_BYTES,
@@ -294,75 +293,6 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                           "settings of the SpecdecodeEngine / SpecdecodeIngress deployments override the flags")
     rep.add_argument("--cpus-per-replica", type=float, default=None, metavar="X",
                      help="Ray CPUs each replica reserves (default: its --threads)")
-
-
-def busy_cores(seconds: float = 0.2) -> float | None:
-    """Cores other processes keep busy right now: /proc/stat sampled ``seconds`` apart (None off Linux).
-
-    Measured before our own work starts, so it counts the others only (the 1-minute load average, by
-    contrast, still counts a run that has just ended)."""
-
-    def sample() -> tuple[int, int]:
-        with open("/proc/stat") as f:
-            fields = [int(v) for v in f.readline().split()[1:]]
-        idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
-        return idle, sum(fields)
-
-    try:
-        idle0, total0 = sample()
-        time.sleep(seconds)
-        idle1, total1 = sample()
-    except (OSError, ValueError, IndexError):
-        return None
-    if total1 <= total0:
-        return None
-
-    cpus = os.cpu_count() or 1
-    return cpus * (1.0 - (idle1 - idle0) / (total1 - total0))
-
-
-def auto_threads(cores: int | None = None, busy: float | None = None) -> tuple[int, str | None]:
-    """Threads for a machine that may be shared: one per core other processes leave idle, at least one.
-
-    ``busy``: cores in use by others (default :func:`busy_cores`, else the 1-minute load average). Why:
-    with a thread per core and another busy process on one of them, every parallel region waits for the
-    descheduled thread, and a decoding step of hundreds of regions runs 10-20x slower (measured on 2
-    cores). Returns (threads, a one-line note when fewer than the cores, else None).
-    """
-
-    if cores is None:
-        cores = usable_cores()
-    if busy is None:
-        busy = busy_cores()
-    if busy is None:
-        try:
-            busy = os.getloadavg()[0]
-        except (AttributeError, OSError):
-            busy = 0.0
-    threads = max(1, min(cores, int(cores - busy + 0.5)))
-    if threads == cores:
-        return threads, None
-    return threads, (f"{threads} torch thread{'s' if threads > 1 else ''} of {cores} cores: other processes keep "
-                     f"{busy:.1f} cores busy, and threads on busy cores wait on each other (--threads {cores} to "
-                     "use every core)")
-
-
-def set_threads(threads: int | None, say=None, flag: str = "--threads") -> int:
-    """Apply ``--threads`` (``flag``: its name in errors); None: :func:`auto_threads` (``say`` gets its note).
-    Returns the thread count.
-
-    Raises:
-        SpecDecodeError: not a positive integer, or more than this machine's cores (:func:`check_threads`).
-    """
-    check_threads(threads, flag)
-    if threads is None:
-        threads, note = auto_threads()
-        if note and say is not None:
-            say(note)
-    import torch  # lazy: --help and argument errors answer without loading torch
-
-    torch.set_num_threads(threads)
-    return threads
 
 
 def add_tune_arguments(p: argparse.ArgumentParser) -> None:

@@ -40,7 +40,7 @@ from specdecode.precision import PrecisionChoice, load_target
 from specdecode.preflight import check_models
 from specdecode.spec import DrafterSpec
 from specdecode.types import EmptyPromptError, SamplingParams, SpecDecodeError
-from specdecode.validate import check_stops
+from specdecode.validate import check_stops, check_threads
 from specdecode.kv import make_runner
 
 
@@ -190,14 +190,15 @@ class SpecDecoder:
                 raise SpecDecodeError(f"unknown weight precision {precision!r}; choose auto or one of "
                                       f"{', '.join(WEIGHT_PRECISIONS)}")
         say = (lambda line: print(f"specdecode: {line}", file=sys.stderr, flush=True)) if progress else None
-        if threads is not None:
-            if isinstance(threads, str) and threads != "auto":
-                raise SpecDecodeError(f"threads={threads!r}: give a count of torch threads, 'auto' or None")
-            from specdecode.cliargs import set_threads  # lazy; the command line's --threads rule, in one place
-
-            set_threads(None if threads == "auto" else threads, say=say, flag="threads")
+        if isinstance(threads, str) and threads != "auto":
+            raise SpecDecodeError(f"threads={threads!r}: give a count of torch threads, 'auto' or None")
+        check_threads(None if threads == "auto" else threads, "threads", auto="threads='auto'")
         check_models(target, spec.model_spec, cache_dir=cache_dir, cross_vocab=True, tree=spec.tree,  # before weights
                      say=say)
+        if threads is not None:  # applied once the models are known to load (process-wide), before the measurements
+            from specdecode.threads import set_threads  # lazy: /proc reads
+
+            set_threads(None if threads == "auto" else threads, say=say, flag="threads=")
         loaded, precision_choice = load_target(target, weights, dtype=dtype, cache_dir=cache_dir, progress=progress,
                                                status=status)
         weights = precision_choice.precision

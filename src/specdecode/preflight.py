@@ -42,6 +42,7 @@ from transformers import AutoConfig, AutoTokenizer
 from specdecode import models as M
 from specdecode.models import LoadedModel, ModelLoadError, OfflineModel
 from specdecode.paths import check_cache_dir
+from specdecode.request import too_long
 from specdecode.types import PromptTooLongError, SpecDecodeError
 
 logger = logging.getLogger(__name__)
@@ -112,9 +113,9 @@ def check_models(target: str, draft: str | None = None, *, cache_dir: str | Path
             if role == "draft" and "/" not in spec and not Path(spec).suffix:  # a bare word: maybe a drafter's name
                 from specdecode.spec import BUILTIN_KINDS, MODEL_KINDS  # lazy: the drafter registry's names
 
-                free = [kind for kind in BUILTIN_KINDS if kind not in MODEL_KINDS]
-                drafters = (f" --draft also takes a model-free drafter ({', '.join(free)}) or a drafter with a model, "
-                            f"as KIND:model=MODEL ({', '.join(MODEL_KINDS)}).")
+                free = [kind for kind in BUILTIN_KINDS if kind not in MODEL_KINDS and kind != "none"]
+                drafters = (f" --draft also takes a model-free drafter ({', '.join(free)}), a drafter with a model, "
+                            f"as KIND:model=MODEL ({', '.join(MODEL_KINDS)}), or none.")
             raise ModelLoadError(f"the {role} model: {exc}{drafters}") from exc
     infos = [inspect_model(spec, cache_dir=cache_dir) for spec in specs]
     if len(infos) == 2 and None not in infos:
@@ -151,17 +152,6 @@ def tokenizer_difference(target: ModelInfo, draft: ModelInfo) -> str | None:
     return None
 
 
-
-def too_long(prompt_id: str, n: int, max_new_tokens: int, context: int) -> str:
-    """The one line for a prompt of ``n`` tokens that, with ``max_new_tokens``, does not fit ``context`` tokens: what
-    to do depends on whether the prompt alone fits."""
-    tokens = f"{n} token{'s' * (n != 1)}"
-    if n >= context:
-        return (f"prompt {prompt_id!r} has {tokens}: alone it exceeds the model's context of {context} tokens; "
-                f"shorten the prompt")
-    return (f"prompt {prompt_id!r} has {tokens}; with --max-new-tokens {max_new_tokens} it exceeds the model's "
-            f"context of {context} tokens: shorten the prompt or lower --max-new-tokens to at most {context - n}")
-
 def check_prompts(target: ModelInfo | None, prompts: Sequence[tuple[str, str, bool | None]],
                   max_new_tokens: int) -> None:
     """Refuse, before loading, a prompt that cannot fit the target's context with ``max_new_tokens`` more.
@@ -176,7 +166,7 @@ def check_prompts(target: ModelInfo | None, prompts: Sequence[tuple[str, str, bo
         max_new_tokens: tokens to generate per prompt.
 
     Raises:
-        PromptTooLongError: prompt tokens + ``max_new_tokens`` exceed the context (the CLI's message).
+        PromptTooLongError: prompt tokens + ``max_new_tokens`` exceed the context (``request.too_long``'s line).
         SpecDecodeError: chat asked of a tokenizer without a chat template.
     """
     if target is None or target.tokenizer is None or target.max_context is None:
@@ -190,7 +180,8 @@ def check_prompts(target: ModelInfo | None, prompts: Sequence[tuple[str, str, bo
                                       f"(no --chat)")
             n = prompt_length(tokenizer, text, has_template if chat is None else chat)
             if n + max_new_tokens > context:
-                raise PromptTooLongError(too_long(prompt_id, n, max_new_tokens, context))
+                raise PromptTooLongError(too_long(n, max_new_tokens, context, "--max-new-tokens",
+                                                  f"prompt {prompt_id!r}"))
 
 
 def prompt_length(tokenizer, text: str, chat: bool) -> int:

@@ -68,18 +68,24 @@ def check_prompt(prompt_ids: Sequence[int], params: SamplingParams, vocab_size: 
     if bad:
         raise SpecDecodeError(f"prompt token ids must be in [0, {vocab_size}); got {bad[:5]}")
     if len(prompt) + params.max_new_tokens > max_context:
-        room = max_context - len(prompt)
-        if room >= 1:
-            advice = f"shorten the prompt or lower max_new_tokens to at most {room}"
-        elif params.max_new_tokens < max_context:
-            advice = (f"shorten the prompt to at most {max_context - params.max_new_tokens} tokens (it leaves no room "
-                      "to generate)")
-        else:
-            advice = f"lower max_new_tokens below {max_context} and shorten the prompt"
-        raise PromptTooLongError(
-            f"prompt of {len(prompt)} tokens + max_new_tokens {params.max_new_tokens} exceeds the model's context "
-            f"of {max_context} tokens: {advice}")
+        raise PromptTooLongError(too_long(len(prompt), params.max_new_tokens, max_context))
     return prompt
+
+
+def too_long(n: int, max_new_tokens: int, context: int, knob: str = "max_new_tokens", prompt: str = "the prompt") -> str:
+    """The one line for a prompt of ``n`` tokens that, with ``max_new_tokens`` more, does not fit the model's
+    ``context`` tokens, and what to do: lower ``knob`` (the setting's name where the caller reads it: the library's
+    ``max_new_tokens``, the command line's ``--max-new-tokens``) when the prompt leaves room, else shorten the prompt,
+    and both when the cap alone fills the context. ``prompt``: how to name the prompt (e.g. "prompt 'spec-bench/3'")."""
+    room = context - n
+    if room >= 1:
+        advice = f"shorten the prompt or lower {knob} to at most {room}"
+    elif max_new_tokens < context:
+        advice = f"shorten the prompt to at most {context - max_new_tokens} tokens (it leaves no room to generate)"
+    else:
+        advice = f"lower {knob} below {context} and shorten the prompt"
+    return (f"{prompt} has {n} token{'s' * (n != 1)}; with {knob} {max_new_tokens} it exceeds the model's context of "
+            f"{context} tokens: {advice}")
 
 
 def apply_stopping_rules(tokens: list[int], params: SamplingParams, num_generated: int) -> tuple[list[int], str | None]:

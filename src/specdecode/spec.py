@@ -297,7 +297,7 @@ class DrafterSpec:
                 ``model.safetensors``.
         """
         if self.kind in MODEL_KINDS and not self.model:
-            raise _refuse("draft", f"{self.kind} drafts with a second model, but names none: add model=MODEL "
+            raise _refuse("draft", f"{self.kind} drafts with a second model, but the spec names none: add model=MODEL "
                                    f"(e.g. '{self.kind}:model=qwen2.5-coder-0.5b')")
         head = self.head_path
         if head is not None:

@@ -306,13 +306,15 @@ def usable_cores() -> int:
         return os.cpu_count() or 1
 
 
-def check_threads(threads, flag: str = "--threads", *, cores: int | None = None, bound: bool = True) -> None:
+def check_threads(threads, flag: str = "--threads", *, cores: int | None = None, bound: bool = True,
+                  auto: str | None = None) -> None:
     """A thread count (``--threads``, a config file's ``threads``, a library config's ``threads``): None (choose
     automatically) or an integer in 1..cores. More threads than cores only wait on each other: ``--threads
     1000`` on 2 cores loaded a machine to 295 with no progress for minutes.
 
     Args:
-        threads: the count, or None. flag: the name in the message.
+        threads: the count, or None. flag: the name in the message. auto: how to ask for one thread per idle core
+            (default: leave ``flag`` out).
         cores: the bound (default :func:`usable_cores`). bound: False where the threads run on another machine
             (a Ray cluster's replicas: each bounds its own count where it starts).
 
@@ -331,7 +333,8 @@ def check_threads(threads, flag: str = "--threads", *, cores: int | None = None,
         of = f" (of the machine's {total})" if total != cores else ""
         raise _refuse(SpecDecodeError, "threads",
                       f"{flag} {threads}: this process may use {cores} cores{of}, and more threads than cores "
-                      f"only wait on each other; use 1..{cores}, or leave {flag} out (one thread per idle core)")
+                      f"only wait on each other; use 1..{cores}, or {auto or f'leave {flag} out'} (one thread per "
+                      "idle core)")
 
 
 # --------------------------------------------------------------------------- the server

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from specdecode.bench.env import environment
 from specdecode.bench.roofline import READ_BYTES
-from specdecode.cliargs import set_threads
+from specdecode.threads import set_threads
 from specdecode.errors import SpecDecodeError
 from specdecode.paths import check_output_dir
 

@@ -86,7 +86,7 @@ def _convert(gguf: Path, out_dir: Path, sha256: str, progress: bool) -> None:
     except SpecDecodeError:
         raise
     except Exception as exc:  # noqa: BLE001
-        detail = str(exc) if isinstance(exc, ValueError) else f"{type(exc).__name__}: {exc}"  # ValueError: the reader's
+        detail = (str(exc) or type(exc).__name__) if isinstance(exc, ValueError) else f"{type(exc).__name__}: {exc}"
         raise ModelLoadError(f"could not convert GGUF {str(gguf)!r}: {detail}") from exc
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

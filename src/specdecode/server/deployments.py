@@ -17,7 +17,7 @@ import torch
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
 
-from specdecode.cliargs import set_threads
+from specdecode.threads import set_threads
 from specdecode.models import default_cache_dir
 from specdecode.server.app import create_app
 from specdecode.server.errors import APIError, read_body

@@ -23,7 +23,7 @@ import sys
 from dataclasses import dataclass
 
 
-from specdecode.cliargs import set_threads
+from specdecode.threads import set_threads
 from specdecode.build import build_engine, choose_skip_layers, load_draft_for
 from specdecode.data import load_prompts
 from specdecode.models import LoadedModel, check_compatible

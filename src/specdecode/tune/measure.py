@@ -27,7 +27,7 @@ from specdecode.bench.runner import (
 )
 from specdecode.bench.summary import cell, fastest_runs, first_difference, pool_metrics
 from specdecode.build import build_factory, load_draft_for
-from specdecode.cliargs import set_threads
+from specdecode.threads import set_threads
 from specdecode.eagle.head import EagleCheckpointError
 from specdecode.errors import SpecDecodeError
 from specdecode.kv.owned import supports
