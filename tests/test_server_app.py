@@ -513,6 +513,8 @@ BAD_REQUESTS = [
     ("/v1/completions", {"model": MODEL, "prompt": []}, 400, "prompt", "empty list"),
     ("/v1/completions", {"model": MODEL, "prompt": [1, 99999]}, 400, "prompt", "token ids must be in"),
     ("/v1/completions", {"model": MODEL, "prompt": "x " * 300}, 400, "prompt", "context"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 1000}, 400, "max_tokens",
+     "; with max_tokens 1000 it exceeds the model's context"),  # request.too_long's line, the wire field's name
     ("/v1/completions", {"model": MODEL, "prompt": "x", "stop": ["a", ""]}, 400, "stop", "non-empty"),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "suffix": "y"}, 400, "suffix", "suffix is not supported"),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "logprobs": 50}, 400, "logprobs", "[0, 20]"),

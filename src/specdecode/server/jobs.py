@@ -9,6 +9,7 @@ from specdecode.grammar import CompiledGrammar, StructuredOutput, compile_gramma
 from specdecode.server.choices import Choice, Job
 from specdecode.server.errors import APIError
 from specdecode.server.schemas import ChatCompletionRequest
+from specdecode.request import too_long
 from specdecode.server.state import ServingState
 from specdecode.types import PromptTooLongError, SamplingParams, SpecDecodeError
 from specdecode.validate import check_token_ids
@@ -71,10 +72,9 @@ def _params(state: ServingState, body, prompt_ids: list[int], max_new: int | Non
                        isinstance(body, ChatCompletionRequest) else "prompt", code="context_length_exceeded")
     if max_new is None:
         max_new = min(default, room)
-    elif max_new > room:
-        raise APIError(400, f"the prompt has {len(prompt_ids)} token{'s' * (len(prompt_ids) != 1)} and {field} is {max_new}, which exceeds the "
-                            f"model's context of {context} tokens: lower {field} to at most {room} or shorten the "
-                            f"prompt", param=field, code="context_length_exceeded")
+    elif max_new > room:  # the library's and the command line's line, with the wire field's name
+        raise APIError(400, too_long(len(prompt_ids), max_new, context, field), param=field,
+                       code="context_length_exceeded")
     top_k = body.top_k if body.top_k not in (None, -1) else 0
     seed = None if body.seed is None else (body.seed + index) % 2**63
     try:
