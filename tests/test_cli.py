@@ -56,15 +56,15 @@ def test_compare_baseline_matches_greedily(capsys, tiny_model_dir):
 @pytest.mark.parametrize(("extra", "runs"), [([], 2), (["--draft", "suffix"], 1),
                                              (["--draft", "suffix:use_global=false"], 2),
                                              (["--temperature", "0.8"], 1), (["--temperature", "0.8", "--seed", "3"], 2),
-                                             (["--policy", "heuristic"], 1)])
+                                             (["--policy", "heuristic"], 2), (["--policy", "cost-model"], 2)])
 def test_compare_baseline_times_the_faster_of_two_interleaved_runs(capsys, tiny_model_dir, monkeypatch, extra, runs):
     """Greedy or seeded: baseline, speculative, baseline, speculative, the faster of each kept (here the second
     baseline and the first speculative run, by scripted wall times); once each where a repeat would not be the
-    same run (unseeded sampling; suffix decoding's global tree drafting from the first answer; an adaptive policy
-    starting from what the first run taught it)."""
+    same run (unseeded sampling; suffix decoding's global tree drafting from the first answer). An adaptive
+    policy is put back as it was before the first run, so its repeat is the same run too."""
     from specdecode.generator import SpecDecoder
 
-    calls = []
+    calls, states = [], []
     real = SpecDecoder.generate
     scripted = {"plain": [2.0, 1.0], "spec": [1.0, 2.0]}  # seconds of wall time, run 1 and run 2
 
@@ -73,6 +73,10 @@ def test_compare_baseline_times_the_faster_of_two_interleaved_runs(capsys, tiny_
         if kwargs.get("max_new_tokens") == 2:  # the warm-up
             return out
         who = "spec" if self.proposer is not None else "plain"
+        if who == "spec":
+            pol = self.policy  # what an adaptive policy has learned so far (heuristic: gamma; cost-model: steps)
+            states.append((getattr(pol, "gamma", None), getattr(pol, "_steps", None),
+                           list(getattr(getattr(pol, "accept", None), "hits", []))))
         wall = scripted[who][sum(c[0] == who for c in calls)]
         calls.append((who, out.token_ids))
         out.metrics.wall_time_s = wall
@@ -90,6 +94,8 @@ def test_compare_baseline_times_the_faster_of_two_interleaved_runs(capsys, tiny_
     assert rec["speedup"] == pytest.approx(rec["baseline"]["wall_time_s"] / 1.0)
     if "--temperature" not in extra or "--seed" in extra:  # a repeatable run: every run commits the same tokens
         assert rec["matches_baseline"] and all(ids == calls[0][1] for _, ids in calls)
+    if runs == 2:
+        assert states[0] == states[1]  # the repeat starts where the first run started
 
 
 @pytest.mark.parametrize("width", [80, 160])

@@ -365,3 +365,114 @@ def test_draft_model_catch_up_is_not_learned_as_per_token_draft_cost():
     assert catch_ups[1] > 0
     assert all(c == 0 for c in catch_ups[2:])  # normal steps feed one or two tokens
     assert len(policy.draft_times) == len(catch_ups)
+
+
+# --------------------------------------------------------------------------- lookup drafts: trim by match length
+
+
+class ScriptedTrim(FixedPolicy):
+    """Keeps lengths[i] = a scripted cycle of 0, 1, 2, ... tokens; records what trim and update saw."""
+
+    def __init__(self, gamma: int, cycle=(0, 1, 2, 5)):
+        super().__init__(gamma)
+        self.cycle, self.calls, self.seen, self.updates = cycle, 0, [], []
+
+    def trim(self, lengths, match_lengths, batch_size):
+        self.seen.append((list(lengths), list(match_lengths), batch_size))
+        keep = [min(n, self.cycle[(self.calls + i) % len(self.cycle)]) for i, n in enumerate(lengths)]
+        self.calls += 1
+        return keep
+
+    def update(self, num_drafted, num_accepted, *, draft_time_s=None, verify_time_s=None, match_lengths=None):
+        self.updates.append((num_drafted, match_lengths))
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_trimmed_lookup_drafts_verify_their_prefix_and_commit_plain_decodings_tokens(target, temperature):
+    """Greedy and seeded sampled output under a trimming policy equal plain decoding's (a prefix of a
+    deterministic chain is verified exactly as the chain up to there); the drafts verified are the cut ones."""
+    params = SamplingParams(max_new_tokens=40, temperature=temperature, seed=7)
+    plain = SpeculativeEngine(target, None)
+    policy = ScriptedTrim(5)
+    spec = SpeculativeEngine(target, NgramProposer(), EngineConfig(num_speculative_tokens=5), policy=policy)
+    for prompt in ([5, 9, 2, 5, 9], [3, 4, 5, 3, 4, 5, 3, 4], list(range(10, 30)) * 2):
+        out = spec.generate(prompt, params)
+        assert out.token_ids == plain.generate(prompt, params).token_ids
+    assert policy.seen and all(1 <= m <= 3 for _, ms, _ in policy.seen for m in ms)  # n-gram sizes 1..3
+    drafted = [d[0] for d, _ in policy.updates]
+    assert 0 in drafted and 1 in drafted and max(drafted) <= 5
+    assert all(ms == [None] for d, ms in policy.updates if d == [0])  # a row cut to nothing drafted nothing
+    assert all(ms[0] in (1, 2, 3) for d, ms in policy.updates if d != [0])
+
+
+def test_policies_without_a_trim_keep_every_draft_token_and_get_no_match_lengths(target):
+    class Recorder(FixedPolicy):
+        def __init__(self):
+            super().__init__(4)
+            self.drafted = []
+
+        def update(self, num_drafted, num_accepted, *, draft_time_s=None, verify_time_s=None):  # the old signature
+            self.drafted.extend(num_drafted)
+
+    rec = Recorder()
+    out = SpeculativeEngine(target, NgramProposer(), policy=rec).generate([3, 4, 5, 3, 4, 5, 3, 4],
+                                                                          SamplingParams(max_new_tokens=20))
+    assert out.metrics.num_drafted_tokens == sum(rec.drafted) and max(rec.drafted) >= 2
+
+
+def _trained(accept_by_match: dict[int, float], steps: int = 400, per_token: float = 0.3) -> CostModelPolicy:
+    """A cost-model policy fed scripted lookup steps: a row drafting g tokens by a match of m tokens keeps each
+    token with probability accept_by_match[m] (given the ones before); a step of g tokens costs
+    PLAIN_S * (1 + per_token * g)."""
+    import random
+
+    rng = random.Random(0)
+    p = CostModelPolicy(5)
+    for i in range(steps):
+        m = list(accept_by_match)[i % len(accept_by_match)]
+        g = p.next_length()
+        if g:
+            g = p.trim([g], [m], 1)[0]
+        a = 0
+        while a < g and rng.random() < accept_by_match[m]:
+            a += 1
+        p.update(g, a, draft_time_s=1e-5 * g, verify_time_s=PLAIN_S * (1 + per_token * g),
+                 match_lengths=[m if g else None])
+    return p
+
+
+def test_cost_model_trims_each_match_length_by_its_own_acceptance():
+    """One-token matches never right, three-token matches always right: the first are not verified at all
+    (but for exploration), the second in full, from the same policy in the same steps."""
+    p = _trained({1: 0.0, 3: 1.0})
+    assert p._lookup and p.next_length() in (0, 5)
+    decisions = [p.trim([5, 5], [1, 3], 1) for _ in range(16)]
+    assert [d[1] for d in decisions] == [5] * 16
+    short = [d[0] for d in decisions]
+    assert short.count(0) >= 14 and max(short) <= 1  # nothing, or one token to measure again
+    assert p.trim([5], [7], 1) == [5]  # longer matches share the last bucket
+
+
+def test_cost_model_drafts_less_where_verifying_a_token_costs_more():
+    cheap, dear = _trained({2: 0.6}, per_token=0.05), _trained({2: 0.6}, per_token=0.6)
+    pick = lambda p: max(p.trim([5], [2], 1)[0] for _ in range(7))  # (7 decisions: no exploration among them)
+    assert pick(cheap) > pick(dear)
+
+
+def test_cost_model_before_any_timing_keeps_gamma_tokens():
+    p = CostModelPolicy(3)
+    assert p.step_costs() is None and p.trim([8, 2], [1, 1], 2) == [3, 2]
+    with pytest.raises(SpecDecodeError, match="match_buckets"):
+        CostModelPolicy(3, match_buckets=0)
+
+
+def test_engine_rows_with_their_own_gamma_are_not_trimmed(target):
+    from specdecode.config import RequestSpeculation
+
+    policy = ScriptedTrim(5, cycle=(0,))
+    eng = SpeculativeEngine(target, NgramProposer(), EngineConfig(num_speculative_tokens=5), policy=policy)
+    req, _ = eng.add([3, 4, 5, 3, 4, 5, 3, 4], SamplingParams(max_new_tokens=20),
+                     speculation=RequestSpeculation(num_speculative_tokens=2))
+    while req.finish_reason is None:
+        eng.step()
+    assert not policy.seen and req.metrics.num_drafted_tokens > 0

@@ -6,10 +6,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from specdecode.engine import EngineConfig, SpeculativeEngine
 from specdecode.proposers.base import ProposeContext
-from specdecode.proposers.ngram import NgramConfig, NgramProposer, find_continuation
+from specdecode.proposers.ngram import NgramConfig, NgramIndex, NgramProposer, find_continuation
 from specdecode.types import SamplingParams, SpecDecodeError
 from tiny import check_index_rebuild, tiny_llama
 
@@ -105,8 +107,8 @@ def test_index_follows_a_same_length_rewrite_and_appends_incrementally():
     assert _propose(proposer, ctx, 2) == [3, 2]
     ctx.token_ids += [7, 3]  # appended in place: [1, 2, 3, 2, 7, 3]
     assert _propose(proposer, ctx, 2) == [2, 7]
-    arr = ctx.state["ngram"][1]
-    assert arr.tolist() == ctx.token_ids  # the mirror equals the context
+    index = ctx.state["ngram"][1]
+    assert index.tokens == ctx.token_ids  # the index mirrors the context
 
 
 def test_rows_of_a_batch_use_their_own_contexts():
@@ -127,3 +129,41 @@ def test_greedy_through_the_engine_equals_plain_decoding():
     out = spec.generate(prompt, params)
     assert out.token_ids == plain.token_ids
     assert out.metrics.num_drafted_tokens > 0  # the repeated prompt gives matches
+
+
+# --------------------------------------------------------------------------- the incremental index
+
+
+def _scan(tokens, min_n, max_n, k):
+    """find_continuation's answer, longest n first: (tokens, n)."""
+    arr = np.asarray(tokens, dtype=np.int64)
+    for n in range(max_n, min_n - 1, -1):
+        cont = find_continuation(arr, n, k)
+        if cont.size:
+            return cont.tolist(), n
+    return [], 0
+
+
+@settings(max_examples=200, deadline=None)
+@given(tokens=st.lists(st.integers(0, 4), min_size=1, max_size=60),
+       cuts=st.lists(st.integers(1, 7), min_size=1, max_size=12),
+       sizes=st.tuples(st.integers(1, 3), st.integers(0, 3)), k=st.integers(1, 6))
+def test_the_index_answers_as_a_scan_of_the_whole_context_while_it_grows(tokens, cuts, sizes, k):
+    min_n, max_n = sizes[0], sizes[0] + sizes[1]
+    index = NgramIndex(tokens[:cuts[0]], min_n, max_n)
+    at = cuts[0]
+    for c in [*cuts[1:], len(tokens)]:  # grown by pieces of any size, as committed tokens arrive
+        assert index.continuation(k) == _scan(tokens[:at], min_n, max_n, k)
+        index.extend(tokens[at : at + c])
+        at = min(len(tokens), at + c)
+    assert index.continuation(k) == _scan(tokens, min_n, max_n, k)
+
+
+def test_drafts_carry_the_length_of_the_match_that_found_them():
+    proposer = NgramProposer(NgramConfig(1, 3))
+    ctx = _ctx([5, 6, 7, 8, 9, 6, 7])  # "6 7" matched (n = 2): copies 8 9
+    proposer.start(ctx)
+    d = proposer.propose([ctx], [2])[0]
+    assert d.token_ids[0].tolist() == [8, 9] and d.match_length == 2
+    ctx.token_ids += [8]  # "6 7 8" now matched (n = 3)
+    assert proposer.propose([ctx], [1])[0].match_length == 3

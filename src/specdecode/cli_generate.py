@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import json
 import statistics
 import sys
@@ -279,11 +280,16 @@ def _run_job(args, decoder, baseline, job: _Job, chat: bool, prompt_ids: list[in
               f"chat template: {'yes' if chat else 'no'}")
     base_out = baseline.generate(prompt_ids, **kwargs) if baseline is not None else None
     on_text = None if args.json else _write_stdout
+    repeat = base_out is not None and _repeatable(args, decoder)
+    # an adaptive policy starts the repeat from where it started the first run (what it learns carries over)
+    policy_state = copy.deepcopy(decoder.policy.__dict__) if repeat and decoder.policy.remembers_requests else None
     out = decoder.generate(prompt_ids, on_text=on_text, **kwargs)
     runs = [(base_out, out)]
-    if base_out is not None and _repeatable(args, decoder):
+    if repeat:
         # a second run of each, interleaved, and the faster one timed: a run of well under a second on a
         # shared machine varies by 10-20% (a deterministic run repeats its tokens; all four must agree)
+        if policy_state is not None:
+            vars(decoder.policy).update(policy_state)
         runs.append((baseline.generate(prompt_ids, **kwargs), decoder.generate(prompt_ids, **kwargs)))
         base_out = min((b for b, _ in runs), key=lambda o: o.metrics.wall_time_s)
         out = min((o for _, o in runs), key=lambda o: o.metrics.wall_time_s)
@@ -305,13 +311,12 @@ def _run_job(args, decoder, baseline, job: _Job, chat: bool, prompt_ids: list[in
 
 
 def _repeatable(args, decoder) -> bool:
-    """Whether a second run of a prompt is the same run as its first: greedy or seeded, and neither the drafter
-    nor the draft-length policy carries anything from one request to the next (suffix decoding's global tree
-    or an adaptive policy's estimates would start the repeat from what the first run left)."""
+    """Whether a second run of a prompt is the same run as its first: greedy or seeded, and the drafter carries
+    nothing from one request to the next (suffix decoding's global tree would start the repeat from what the
+    first run left; an adaptive policy's state is put back before the repeat: ``_run_job``)."""
     proposer = decoder.proposer
     return ((args.temperature == 0 or args.seed is not None)
-            and (proposer is None or not proposer.remembers_requests)
-            and not decoder.policy.remembers_requests)
+            and (proposer is None or not proposer.remembers_requests))
 
 
 def _write_stdout(piece: str) -> None:

@@ -80,6 +80,31 @@ class TimeTable:
     def has(self, batch_size: int, g: int) -> bool:
         return (batch_size, g) in self.points
 
+    def line(self, batch_size: int) -> tuple[float, float] | None:
+        """(a, b): seconds a + b * g through the points at the batch size measured nearest ``batch_size`` (scaled
+        by B / B0 as in a lookup): a the point at g = 0, b >= 0 the least-squares slope through it (proportional:
+        a = 0, the slope through the origin); with one point, b from ``default_slope`` (or
+        proportional). None when nothing is measured, or (not ``proportional``) g = 0 is not among the points.
+        A line is steadier than interpolating between lengths that were each measured a few times on a
+        noisy machine."""
+        if not self.points:
+            return None
+        near = min({b for b, _ in self.points}, key=lambda b: (abs(b - batch_size), b))
+        scale = batch_size / near
+        curve = sorted((k, t) for (b, k), t in self.points.items() if b == near)  # (plain Python: a few points,
+        if not self.proportional and curve[0][0] != 0:                           # asked once per step)
+            return None
+        k0, t0 = curve[0]
+        if len(curve) == 1:
+            if self.proportional:
+                return 0.0, scale * (t0 / k0 if k0 else 0.0)
+            return scale * t0, scale * t0 * self.default_slope
+        if self.proportional and k0 != 0:
+            return 0.0, scale * sum(k * t for k, t in curve) / sum(k * k for k, _ in curve)
+        # through the plain step's point (g = 0): b = sum g (t - t0) / sum g^2 over the other points
+        slope = sum(k * (t - t0) for k, t in curve[1:]) / sum(k * k for k, _ in curve[1:])
+        return scale * t0, scale * max(0.0, slope)
+
     def __call__(self, batch_size: int, g: int) -> float | None:
         if not self.points:
             return None
@@ -133,12 +158,16 @@ class AcceptanceEstimate:
 
     Args:
         max_tokens: positions tracked. decay: per-observation decay in (0, 1].
+        prior: (rate, weight): start every position at ``weight`` observations of acceptance ``rate``
+            (decayed like real ones); None: no observations.
     """
 
-    def __init__(self, max_tokens: int, decay: float = 0.95, shrink: float = 2.0) -> None:
+    def __init__(self, max_tokens: int, decay: float = 0.95, shrink: float = 2.0,
+                 prior: tuple[float, float] | None = None) -> None:
         self.decay, self.shrink = decay, shrink
-        self.hits = [0.0] * max_tokens
-        self.trials = [0.0] * max_tokens
+        rate, weight = prior if prior is not None else (0.0, 0.0)
+        self.hits = [rate * weight] * max_tokens
+        self.trials = [float(weight)] * max_tokens
 
     def observe(self, num_drafted: int, num_accepted: int) -> None:
         """One row's step: positions 0..min(accepted, drafted - 1) were judged; decay only those."""

@@ -37,8 +37,7 @@ def cut_draft(row: Request, d: Draft) -> Draft:
         keep = row.sampler.valid_prefix(d.token_ids[0].tolist())
         if keep == n:
             return d
-        return Draft.chain(d.token_ids[:, :keep], catch_up_s=d.catch_up_s) if keep else \
-            dataclasses.replace(Draft.empty(), catch_up_s=d.catch_up_s)
+        return d.prefix(keep) if keep else dataclasses.replace(Draft.empty(), catch_up_s=d.catch_up_s)
     return d  # a token tree is not cut (the drafter's own cache maps its nodes); such nodes are rejected
 
 

@@ -36,7 +36,7 @@ from specdecode.coupled import CoupledNoise
 from specdecode.drafts import cut_draft, draft_problem, row_gamma
 from specdecode.kv import SlotRunner, make_runner
 from specdecode.metrics import RunMetrics, StepRecord
-from specdecode.policy import FixedPolicy
+from specdecode.policy import DraftLengthPolicy, FixedPolicy
 from specdecode.proposers.base import ProposeContext, Proposer
 from specdecode.request import Request, apply_stopping_rules, check_prompt
 from specdecode.sampling import RequestSampler, chain_paths, tree_paths
@@ -83,6 +83,8 @@ class SpeculativeEngine:
         if proposer is not None:
             proposer.bind(self.runner, self.runner.num_slots)
         self.policy = policy or FixedPolicy(cfg.num_speculative_tokens)
+        # policies that override DraftLengthPolicy.trim cut lookup drafts and learn from their match lengths
+        self._policy_trims = type(self.policy).trim is not DraftLengthPolicy.trim
         self.rows: list[Request] = []  # row i lives in cache slot i
         self.last_gamma = 0  # the draft length the policy chose for the last step
         self.last_output: GenerationOutput | None = None
@@ -263,7 +265,24 @@ class SpeculativeEngine:
             return [Draft.empty() for _ in rows]
         drafts = self.proposer.propose([row.ctx for row in rows], caps)
         drafts = self._check_drafts(rows, drafts, caps)
-        return [cut_draft(row, d) for row, d in zip(rows, drafts)]
+        drafts = [cut_draft(row, d) for row, d in zip(rows, drafts)]
+        return self._trim(rows, drafts)
+
+    def _trim(self, rows: list[Request], drafts: list[Draft]) -> list[Draft]:
+        """The policy's cut of lookup drafts (chains with a ``match_length``, of rows that follow the policy):
+        a prefix of a deterministic chain is verified exactly as the chain would be up to there."""
+        if not self._policy_trims:
+            return drafts
+        own = [i for i, (r, d) in enumerate(zip(rows, drafts))
+               if d.num_tokens and d.match_length is not None and d.draft_probs is None and r.speculation.enabled
+               and r.speculation.num_speculative_tokens is None and d.is_chain()]
+        if not own:
+            return drafts
+        keep = self.policy.trim([drafts[i].num_tokens for i in own], [int(drafts[i].match_length) for i in own],
+                                len(rows))
+        for i, n in zip(own, keep):
+            drafts[i] = drafts[i].prefix(max(0, min(int(n), drafts[i].num_tokens)))
+        return drafts
 
     def _verify(self, rows: list[Request], drafts: list[Draft]) -> tuple[list[VerifyResult], torch.Tensor]:
         """Score ``[last committed token, draft...]`` of every row in ONE target forward; verify."""
@@ -433,9 +452,11 @@ class SpeculativeEngine:
         depths = [(tree_depth(drafts[i].parents[0]) if self.trees else drafts[i].num_tokens)
                   if drafts[i].num_tokens else 0 for i in own]
         whole = len(own) == len(rows)  # the step's times belong to the whole batch: learn them only from one
-        self.policy.update(depths, [int(results[i].num_accepted[0]) for i in own],
-                           draft_time_s=max(0.0, draft_s - catch_up) if whole else None,
-                           verify_time_s=verify_s if whole else None)
+        times = dict(draft_time_s=max(0.0, draft_s - catch_up) if whole else None,
+                     verify_time_s=verify_s if whole else None)
+        if self._policy_trims:  # (a policy that rates lookup drafts by their match also learns from it)
+            times["match_lengths"] = [drafts[i].match_length if drafts[i].num_tokens else None for i in own]
+        self.policy.update(depths, [int(results[i].num_accepted[0]) for i in own], **times)
 
     def _logprobs(self, row: Request, logits: torch.Tensor, tokens: list[int], kept: list[int]):
         """log_softmax of the target's raw logits at the committed tokens (and the top n), when asked."""

@@ -9,6 +9,10 @@ Every policy answers three questions for the engine:
   what each row's proposer actually drafted (which may be less than asked) and what
   verification kept; the times are the step's measured seconds of drafting and of
   the target's verification forward for the whole batch.
+- ``trim(lengths, match_lengths, batch_size) -> list[int]`` (optional): after a lookup drafter
+  (n-gram, suffix) proposed, how many tokens of each row's chain to verify, given how long a match
+  found it (``Draft.match_length``); a policy that overrides it also gets ``match_lengths=`` (per
+  row, None for a row that drafted nothing) in ``update``. The base class verifies every token.
 - ``should_continue``: None, or a callable ``probs [V] float32 -> bool`` that a
   model-based proposer (draft-model, layer-skip) consults after each drafted
   token, with the distribution that token came from (greedy requests: the
@@ -26,7 +30,9 @@ Policies (build them by name with :func:`build_policy`):
 - ``cost-model``: chooses gamma in [0, max] maximising expected committed tokens
   per second, from per-position acceptance and T_draft(k), T_verify(k) measured
   online; gamma = 0 (plain decoding, re-probed later with backoff) when
-  speculation would lose.
+  speculation would lose. With a lookup drafter it rates each row's draft by its
+  match length (acceptance learned per match length and position) and verifies
+  the prefix of the chain that pays, none when none does.
 
 ``heuristic`` and ``confidence`` also carry a :class:`PlainFallback` guard (on by
 default, ``guard=False`` gives the published rule alone): it compares measured
@@ -79,8 +85,16 @@ class DraftLengthPolicy:
         *,
         draft_time_s: float | None = None,
         verify_time_s: float | None = None,
+        match_lengths=None,
     ) -> None:
         return None
+
+    def trim(self, lengths: list[int], match_lengths: list[int], batch_size: int) -> list[int]:
+        """How many tokens of each lookup draft to verify: ``lengths[i]`` tokens drafted by a match of
+        ``match_lengths[i]`` tokens (rows of a batch of ``batch_size``) -> a count in [0, lengths[i]] each.
+        Verifying a prefix of a deterministic chain is exact (its tokens are verified as in the whole chain).
+        The base class keeps every token."""
+        return list(lengths)
 
 
 class FixedPolicy(DraftLengthPolicy):
@@ -225,7 +239,8 @@ class HeuristicPolicy(DraftLengthPolicy):
     def next_length(self, batch_size: int = 1) -> int:
         return self.gamma if self.guard is None else self.guard.limit(self.gamma)
 
-    def update(self, num_drafted, num_accepted, *, draft_time_s=None, verify_time_s=None) -> None:
+    def update(self, num_drafted, num_accepted, *, draft_time_s=None, verify_time_s=None,
+               match_lengths=None) -> None:
         if self.guard is not None:
             self.guard.update(num_drafted, num_accepted, draft_time_s, verify_time_s)
         pairs = [(d, a) for d, a in zip(as_rows(num_drafted), as_rows(num_accepted)) if d > 0]
@@ -287,7 +302,8 @@ class ConfidencePolicy(DraftLengthPolicy):
     def next_length(self, batch_size: int = 1) -> int:
         return self.max_tokens if self.guard is None else self.guard.limit(self.max_tokens)
 
-    def update(self, num_drafted, num_accepted, *, draft_time_s=None, verify_time_s=None) -> None:
+    def update(self, num_drafted, num_accepted, *, draft_time_s=None, verify_time_s=None,
+               match_lengths=None) -> None:
         if self.guard is not None:
             self.guard.update(num_drafted, num_accepted, draft_time_s, verify_time_s)
 
@@ -315,10 +331,22 @@ class CostModelPolicy(DraftLengthPolicy):
     ``explore_every``-th speculative step drafts one token more than the model's choice. A batch
     size not measured yet gets one plain step first.
 
+    Lookup drafters (n-gram, suffix: drafts with a ``match_length``, nearly free to draft) are rated per
+    draft instead: the policy asks for ``max_tokens`` and :meth:`trim` keeps, per row, the prefix g of its
+    chain that maximises E_m(g) / T(B, g), where E_m comes from acceptance learned per match length m
+    (1, 2, ..., ``match_buckets - 1`` or more tokens matched) and position, and T(B, g) is a least-squares
+    line through the measured step times (robust to the noise of any one length); g = 0 (a plain step for
+    that row) when no prefix pays, at most ``num_speculative_tokens``. Every ``explore_every``-th decision for a match length keeps one token
+    more than the choice, so a length once written off is measured again. A short match (one token) is
+    mostly noise and a long one mostly a copy: one acceptance rate for both would draft too much after
+    the first and too little after the second (on Spec-Bench's general prompts a fixed gamma 5 of prompt
+    lookup lost 2-12% to plain decoding).
+
     Args:
         num_speculative_tokens: gamma before anything is measured.
         max_tokens: the largest gamma considered (default :func:`default_max_tokens`).
         decay: per-observation decay of the acceptance counts (0 < decay <= 1).
+        match_buckets: match lengths told apart by :meth:`trim` (>= 1; the last bucket takes every longer match).
 
     Raises:
         SpecDecodeError: a value out of range.
@@ -326,13 +354,20 @@ class CostModelPolicy(DraftLengthPolicy):
 
     def __init__(self, num_speculative_tokens: int = 5, max_tokens: int | None = None, *, decay: float = 0.95,
                  warmup: int = 1, probe_interval: int = 16, max_probe_interval: int = 256, probe_steps: int = 2,
-                 probe_discount: float = 0.25, refresh_every: int = 64, explore_every: int = 8) -> None:
+                 probe_discount: float = 0.25, refresh_every: int = 64, explore_every: int = 8,
+                 match_buckets: int = 4) -> None:
         self.initial = _check_gamma("num_speculative_tokens", num_speculative_tokens)
         self.max_tokens = _check_gamma("max_tokens", max_tokens or default_max_tokens(num_speculative_tokens))
         self.initial = min(self.initial, self.max_tokens)
         if not 0.0 < decay <= 1.0:
             raise SpecDecodeError(f"decay must be in (0, 1], got {decay!r}")
+        if not isinstance(match_buckets, int) or match_buckets < 1:
+            raise SpecDecodeError(f"match_buckets must be an integer >= 1, got {match_buckets!r}")
         self.decay = decay
+        self.match_buckets = match_buckets
+        self.by_match: dict[int, AcceptanceEstimate] = {}  # acceptance of lookup drafts per match-length bucket
+        self._decisions: dict[int, int] = {}  # trim decisions per bucket (exploration)
+        self._lookup = False  # the drafts carry match lengths: trim() chooses each row's length
         self.warmup = warmup
         self.probe_interval = probe_interval
         self.max_probe_interval = max_probe_interval
@@ -377,6 +412,10 @@ class CostModelPolicy(DraftLengthPolicy):
         if not self.t_verify.has(batch_size, 0) and self.t_verify.points and self._plain_run == 0 \
                 and self._since_plain >= 1:
             return 0  # a batch size not measured yet: one plain step first
+        if self._lookup:  # lookup drafts cost next to nothing: draft gamma, trim() keeps what pays per row
+            if not self.t_verify.has(batch_size, 0) or self._since_plain >= self.refresh_every:
+                return 0
+            return self.initial
         rates = self.rates(batch_size)
         if rates is None:
             return 0 if self.t_verify(batch_size, 0) is None else self.initial
@@ -396,8 +435,61 @@ class CostModelPolicy(DraftLengthPolicy):
             return max(range(1, len(rates)), key=self.rates(batch_size).__getitem__)
         return 0
 
-    def update(self, num_drafted, num_accepted, *, draft_time_s=None, verify_time_s=None) -> None:
+    #: (rate, weight): a lookup bucket starts as ``weight`` observations at ``rate`` per position, so the first
+    #: drafts of a match length are verified (a copy runs on: prompt lookup's drafts are right in long runs or not
+    #: at all) until its own evidence says otherwise; from an offline replay of Spec-Bench outputs.
+    LOOKUP_PRIOR = (0.8, 2.0)
+
+    def _bucket(self, match_length: int) -> int:
+        return max(1, min(int(match_length), self.match_buckets))
+
+    def step_costs(self, batch_size: int = 1) -> list[float] | None:
+        """Predicted seconds of a step of ``batch_size`` rows drafting g = 0..max_tokens tokens each (drafting and
+        verification on their fitted lines, ``TimeTable.line``, and the per-step overhead); None until a plain step at that batch size (or
+        the nearest measured one) and a drafting step have been timed."""
+        line, drafting = self.t_verify.line(batch_size), self.t_draft.line(batch_size)
+        if line is None or drafting is None:
+            return None
+        (a, b), (_, per_token) = line, drafting
+        a += self.overhead.seconds
+        return [a + (b + per_token) * g for g in range(self.max_tokens + 1)]
+
+    def trim(self, lengths: list[int], match_lengths: list[int], batch_size: int) -> list[int]:
+        """Per row, the prefix g <= lengths[i] of its lookup draft maximising E_m(g) / T(B, g) (0: none pays),
+        g <= ``num_speculative_tokens``,
+        m its match length's bucket; one more token every ``explore_every``-th decision of a bucket; before
+        the costs are measured, at most ``num_speculative_tokens``."""
+        costs = self.step_costs(batch_size)
+        if costs is None:
+            return [min(int(n), self.initial) for n in lengths]
+        out = []
+        for n, m in zip(lengths, match_lengths):
+            n = min(int(n), self.initial)
+            key = self._bucket(m)
+            est = self.by_match.get(key)
+            best, best_rate, e, survive = 0, 1.0 / max(costs[0], 1e-12), 1.0, 1.0
+            for g, rate in enumerate((est if est is not None else self.accept).rates()[:n], start=1):
+                survive *= rate
+                e += survive
+                if e / max(costs[g], 1e-12) > best_rate:
+                    best, best_rate = g, e / max(costs[g], 1e-12)
+            self._decisions[key] = seen = self._decisions.get(key, 0) + 1
+            if self.explore_every and seen % self.explore_every == 0:
+                best = min(n, best + 1)  # keep measuring one token past the choice: it may pay by now
+            out.append(best)
+        return out
+
+    def update(self, num_drafted, num_accepted, *, draft_time_s=None, verify_time_s=None,
+               match_lengths=None) -> None:
         drafted, accepted = as_rows(num_drafted), as_rows(num_accepted)
+        matched = [None] * len(drafted) if match_lengths is None else list(match_lengths)
+        for d, a, m in zip(drafted, accepted, matched):
+            if d > 0 and m is not None:
+                self._lookup = True
+                key = self._bucket(m)
+                if key not in self.by_match:
+                    self.by_match[key] = AcceptanceEstimate(self.max_tokens, self.decay, prior=self.LOOKUP_PRIOR)
+                self.by_match[key].observe(d, a)
         b = max(1, len(drafted))
         g = max(drafted, default=0)
         self._steps += 1

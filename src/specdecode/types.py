@@ -141,23 +141,48 @@ class Draft:
             tokens committed earlier (a draft model's prompt prefill, or the tokens of plain
             decoding steps it skipped). A one-off cost, not a per-token one: draft-length
             policies learn the draft cost without it.
+        match_length: a lookup drafter's evidence (n-gram, suffix): how many tokens of the context it
+            matched to find this continuation (a longer match predicts a longer accepted run); None for
+            drafters without one (draft models). The ``cost-model`` policy rates drafts by it and may
+            verify only a prefix of the chain (``DraftLengthPolicy.trim``).
     """
 
     token_ids: torch.Tensor
     parents: torch.Tensor
     draft_probs: torch.Tensor | None = None
     catch_up_s: float = 0.0
+    match_length: int | None = None
 
     @property
     def num_tokens(self) -> int:
         return int(self.token_ids.shape[1])
 
     @staticmethod
-    def chain(token_ids: torch.Tensor, draft_probs: torch.Tensor | None = None, catch_up_s: float = 0.0) -> "Draft":
+    def chain(token_ids: torch.Tensor, draft_probs: torch.Tensor | None = None, catch_up_s: float = 0.0,
+              match_length: int | None = None) -> "Draft":
         """Build a chain draft from [B, K] int64 tokens (and optional [B, K, V] float32 q)."""
         b, k = token_ids.shape
         parents = torch.arange(-1, k - 1, dtype=torch.int64).expand(b, k)
-        return Draft(token_ids=token_ids, parents=parents, draft_probs=draft_probs, catch_up_s=catch_up_s)
+        return Draft(token_ids=token_ids, parents=parents, draft_probs=draft_probs, catch_up_s=catch_up_s,
+                     match_length=match_length)
+
+    def is_chain(self) -> bool:
+        """Whether the tokens form one chain (parents -1, 0, 1, ...), not a token tree."""
+        return self.parents[0].tolist() == list(range(-1, self.num_tokens - 1))
+
+    def prefix(self, n: int) -> "Draft":
+        """A chain's first ``n`` tokens (its q too), the rest dropped: what verifying fewer tokens needs.
+
+        Raises:
+            ValueError: a token tree, or n outside [0, num_tokens].
+        """
+        if not 0 <= n <= self.num_tokens or not self.is_chain():
+            raise ValueError(f"prefix({n}) of a draft of {self.num_tokens} tokens that is "
+                             f"{'a chain' if self.is_chain() else 'a token tree'}")
+        if n == self.num_tokens:
+            return self
+        q = None if self.draft_probs is None else self.draft_probs[:, :n]
+        return Draft.chain(self.token_ids[:, :n], q, self.catch_up_s, self.match_length)
 
     @staticmethod
     def empty(batch_size: int = 1) -> "Draft":

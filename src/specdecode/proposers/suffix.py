@@ -407,7 +407,8 @@ class SuffixProposer(Proposer):
                 continue
             self.stats.suffix_steps += 1
             drafts[i] = Draft(token_ids=torch.tensor([best.tokens], dtype=torch.int64),
-                              parents=torch.tensor([best.parents], dtype=torch.int64))
+                              parents=torch.tensor([best.parents], dtype=torch.int64),
+                              match_length=best.match_length)
         if need:
             # the fallback sees every row (batched drafters keep slot order), asked for tokens only where needed
             wanted = set(need)
