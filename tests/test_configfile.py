@@ -24,7 +24,7 @@ def test_top_level_and_tables(tmp_path):
                             'methods = "ngram:k=6"\nquick = true\n\n[tune]\nanything = 1\n')
     gen = parse_with_config(build_parser(), ["generate", "--config", path])
     assert (gen.draft, gen.num_speculative_tokens, gen.skip_layers, gen.threads) == ("layer-skip", 3, "3,5", 2)
-    assert (gen.max_new_tokens, gen.chat, gen.stop, gen.policy) == (40, False, ["END"], "fixed")
+    assert (gen.max_new_tokens, gen.chat, gen.stop, gen.policy) == (40, False, ["END"], "auto")
     srv = parse_with_config(build_parser(), ["serve", f"--config={path}", "--port", "9100"])
     assert (srv.draft, srv.port, srv.policy, srv.threads) == ("layer-skip", 9100, "fixed", 2)
     no_adaptive = _write(tmp_path, '[serve]\nno-adaptive = true\n', "n.toml")  # a flag's name: true gives the flag
@@ -46,7 +46,7 @@ def test_top_level_and_tables(tmp_path):
     ('num_speculative_tokens = "four"\n', "key 'num_speculative_tokens' .* must be an integer"),
     ('num_speculative_tokens = true\n', "must be an integer"),
     ('temperature = "hot"\n', "must be a number"),
-    ('policy = "fastest"\n', "key 'policy' .* must be one of fixed, heuristic"),
+    ('policy = "fastest"\n', "key 'policy' .* must be one of auto, fixed, heuristic"),
     ('[generate]\nchat = "yes"\n', "is a switch: write true or false"),
     ('[generate]\nport = 80\n', "unknown key 'port'"),
     ('[gen]\nx = 1\n', r"unknown table \[gen\]"),

@@ -335,7 +335,8 @@ def test_explain_difference_names_the_position_the_tokens_and_their_margin(ngram
 def test_generate_takes_every_sampling_setting(tiny_loaded):
     """Penalties, logit bias, allowed / banned / stop ids and min_tokens reach the engine, greedy speculative
     output equals greedy plain output under each, and seeded coupled sampling reproduces plain decoding."""
-    dec = SpecDecoder(tiny_loaded, NgramProposer(NgramConfig(1, 3)), num_speculative_tokens=4)
+    # (fixed: a seeded request that opts out of the coupled mode repeats its text only under a fixed gamma)
+    dec = SpecDecoder(tiny_loaded, NgramProposer(NgramConfig(1, 3)), num_speculative_tokens=4, policy="fixed")
     plain = dec.plain()
     prompt = "the cat and the dog and the cat and the"
     base = plain.generate(prompt, max_new_tokens=30, ignore_eos=True).token_ids

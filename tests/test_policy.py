@@ -476,3 +476,13 @@ def test_engine_rows_with_their_own_gamma_are_not_trimmed(target):
     while req.finish_reason is None:
         eng.step()
     assert not policy.seen and req.metrics.num_drafted_tokens > 0
+
+
+def test_auto_is_the_cost_model_for_ngram_drafts_and_fixed_for_the_others(draft):
+    from specdecode.proposers import SuffixProposer
+
+    assert isinstance(build_policy("auto", 4, proposer=NgramProposer()), CostModelPolicy)
+    for other in (None, DraftModelProposer(draft), SuffixProposer()):
+        p = build_policy("auto", 4, proposer=other)
+        assert isinstance(p, FixedPolicy) and p.num_speculative_tokens == 4
+    assert isinstance(build_policy("AUTO ", 3, proposer=NgramProposer()), CostModelPolicy)

@@ -56,7 +56,7 @@ def gamma_of(spec: DrafterSpec, default: int | None = None) -> int:
 
 
 def assemble(target: LoadedModel, proposer: Proposer | None, *, num_speculative_tokens: int = DEFAULT_GAMMA,
-             policy="fixed", max_batch_size: int = 1, forward: str = "auto", verification: str = "auto",
+             policy="auto", max_batch_size: int = 1, forward: str = "auto", verification: str = "auto",
              max_context: int | None = None) -> SpeculativeEngine:
     """The engine over ``target`` with ``proposer`` (None: plain decoding, no policy) and a draft-length policy.
 
@@ -73,7 +73,8 @@ def assemble(target: LoadedModel, proposer: Proposer | None, *, num_speculative_
                           max_context=max_context or target.max_context, forward=forward, verification=verification)
     draft_policy = None
     if proposer is not None:
-        draft_policy = build_policy(policy, num_speculative_tokens) if isinstance(policy, str) else policy
+        draft_policy = (build_policy(policy, num_speculative_tokens, proposer=proposer) if isinstance(policy, str)
+                        else policy)
     return SpeculativeEngine(target.model, proposer, config, policy=draft_policy)
 
 
@@ -88,7 +89,7 @@ class Built:
 
 
 def build_engine(target: LoadedModel, spec: DrafterSpec, *, draft: LoadedModel | None = None,
-                 num_speculative_tokens: int | None = None, policy="fixed", max_batch_size: int = 1,
+                 num_speculative_tokens: int | None = None, policy="auto", max_batch_size: int = 1,
                  forward: str = "auto", verification: str = "auto", cache_dir: str | None = None) -> Built:
     """The engine one drafter spec means over a loaded target (and its loaded draft model).
 

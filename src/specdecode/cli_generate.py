@@ -71,7 +71,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
         policy=args.policy, verification=args.verification, status=_status,
     )
     drafter = "no draft (plain decoding)" if spec.kind == "none" else f"drafter {spec.describe()}"
-    gamma = "" if spec.kind == "none" else f", gamma {decoder.num_speculative_tokens}, policy {args.policy}"
+    chosen = getattr(decoder.policy, "name", "") if decoder.policy is not None else ""
+    policy = f"{args.policy} ({chosen})" if args.policy == "auto" and chosen else args.policy
+    gamma = "" if spec.kind == "none" else f", gamma {decoder.num_speculative_tokens}, policy {policy}"
     _status(f"loaded in {time.perf_counter() - t0:.1f} s: target {decoder.target.source}, {drafter}{gamma}, "
             f"context {decoder.target.max_context} tokens")
     if decoder.precision is not None:

@@ -157,7 +157,7 @@ def add_sampling_arguments(group: argparse._ArgumentGroup) -> None:
                             "(default: %(default)s)")
 
 
-def add_drafter_arguments(group: argparse._ArgumentGroup, *, policy_default: str = "fixed",
+def add_drafter_arguments(group: argparse._ArgumentGroup, *, policy_default: str = "auto",
                           gamma_help: str = "gamma: tokens drafted per step, 1..64",
                           policy_group: argparse._ActionsContainer | None = None) -> None:
     """Add --draft, -k, --ngram-min/max, --skip-layers, --policy, --tree, --tree-nodes, --verification, --dtype,
@@ -182,7 +182,9 @@ def add_drafter_arguments(group: argparse._ArgumentGroup, *, policy_default: str
                           help="draft-length policy: fixed gamma (-k); heuristic (+2 after a fully accepted step, -1 "
                                "otherwise); confidence (draft up to max(2k, 8) while the draft is sure); cost-model "
                                "(gamma maximising tokens/s measured online per batch size, 0 = plain decoding when "
-                               "speculation loses) (default: %(default)s)")
+                               "speculation loses; lookup drafts (ngram, suffix) cut per step to the prefix their "
+                               "match length's acceptance pays for, at most -k); auto: cost-model for ngram, fixed "
+                               "for the others (default: %(default)s)")
     group.add_argument("--tree", default=FLAG_DEFAULTS["tree"], choices=TREE_KINDS,
                        help="token trees from the draft model or head, verified in one target pass: 'static' (top-k "
                             "branching per depth) or 'dynamic' (EAGLE-2: expand the most probable nodes, keep the "

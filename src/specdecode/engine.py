@@ -13,7 +13,8 @@ the batch is); only floating-point summation order can differ between batch shap
 int8 weights and float64 models; a float32 greedy near-tie can flip). One caveat for *seeded
 sampling*: an adaptive draft-length policy chooses gamma from the whole batch, and gamma decides how
 many random numbers a row draws, so a seeded sampled request reproduces its exact text only with the
-fixed policy; its output *distribution* is the target's under every policy. The same holds for drafts
+fixed policy (``auto``, the default, is the adaptive ``cost-model`` for n-gram drafts); its output
+*distribution* is the target's under every policy. The same holds for drafts
 that learn across requests: suffix decoding's global tree is therefore not read for a seeded request in
 the standard sampling mode, and a layer-skip drafter drafts the same only with the same skip set (pin it
 with ``skip_layers``: a search on a first prompt changes it once). The coupled mode, the default for

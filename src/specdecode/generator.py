@@ -96,7 +96,7 @@ class SpecDecoder:
         *,
         num_speculative_tokens: int = DEFAULT_GAMMA,
         draft: LoadedModel | None = None,
-        policy="fixed",
+        policy="auto",
         verification: str = "auto",
     ) -> None:
         self.target = target
@@ -108,7 +108,8 @@ class SpecDecoder:
         self.spec: DrafterSpec | None = None
         self.num_speculative_tokens = num_speculative_tokens
         self.verification = verification
-        self.policy = build_policy(policy, num_speculative_tokens) if isinstance(policy, str) else policy
+        self.policy = (build_policy(policy, num_speculative_tokens, proposer=proposer) if isinstance(policy, str)
+                       else policy)
         self.engine = assemble(target, proposer, num_speculative_tokens=num_speculative_tokens, policy=self.policy,
                                verification=verification)
 
@@ -126,7 +127,7 @@ class SpecDecoder:
         progress: bool = True,
         weights: str = "auto",
         draft_weights: str | None = None,
-        policy: str = "fixed",
+        policy: str = "auto",
         skip_layers: str | Sequence[int] | None = None,
         tree: str | None = None,
         tree_nodes: int = DEFAULT_TREE_NODES,

@@ -36,7 +36,7 @@ WEIGHT_CHOICES = ("auto", *WEIGHT_PRECISIONS)
 DTYPES = ("float32", "bfloat16", "float16")
 
 #: Draft-length policies (``specdecode.policy.POLICIES``).
-POLICY_NAMES = ("fixed", "heuristic", "confidence", "cost-model")
+POLICY_NAMES = ("auto", "fixed", "heuristic", "confidence", "cost-model")
 
 #: Token-tree kinds of a draft model (``--tree``): chains, static top-k trees, EAGLE-2 dynamic trees.
 TREE_KINDS = ("none", "static", "dynamic")

@@ -21,6 +21,11 @@ Every policy answers three questions for the engine:
 
 Policies (build them by name with :func:`build_policy`):
 
+- ``auto`` (the default of ``generate``, ``bench`` and the library): ``cost-model`` for a drafter
+  whose chains it can trim by their match length (n-gram: :func:`drafts_by_lookup`), ``fixed`` for the
+  others (a model's draft costs a forward per token, and the cost model's pooled estimate has not
+  beaten a fixed gamma there in this project's runs; suffix decoding drafts token trees sized by its
+  own match length, which ``trim`` leaves whole).
 - ``fixed``: always gamma (Leviathan et al. 2023; vLLM's ``num_speculative_tokens``).
 - ``heuristic``: +2 after a fully accepted step, -1 otherwise, never below 1
   (Hugging Face transformers' ``num_assistant_tokens_schedule="heuristic"``).
@@ -69,6 +74,8 @@ def default_max_tokens(num_speculative_tokens: int) -> int:
 class DraftLengthPolicy:
     """Base class: the interface the engine uses, with do-nothing defaults."""
 
+    #: The name :func:`build_policy` knows it by.
+    name: str = ""
     #: None, or ``probs [V] float32 -> bool`` consulted by model-based drafters after each token.
     should_continue: Callable[[torch.Tensor], bool] | None = None
     #: True when the state carries from one request to the next (the adaptive policies): a repeat of a prompt
@@ -104,6 +111,7 @@ class FixedPolicy(DraftLengthPolicy):
         SpecDecodeError: gamma outside [1, 64].
     """
 
+    name = "fixed"
     remembers_requests = False
 
     def __init__(self, num_speculative_tokens: int) -> None:
@@ -230,6 +238,8 @@ class HeuristicPolicy(DraftLengthPolicy):
         guard: add the :class:`PlainFallback` guard (True) or run the schedule alone.
     """
 
+    name = "heuristic"
+
     def __init__(self, num_speculative_tokens: int = 5, max_tokens: int | None = None, guard: bool = True) -> None:
         self.gamma = _check_gamma("num_speculative_tokens", num_speculative_tokens)
         self.max_tokens = _check_gamma("max_tokens", max_tokens or default_max_tokens(num_speculative_tokens))
@@ -276,6 +286,8 @@ class ConfidencePolicy(DraftLengthPolicy):
     Raises:
         SpecDecodeError: a threshold out of range.
     """
+
+    name = "confidence"
 
     def __init__(self, max_tokens: int = 8, min_top_prob: float = 0.5, max_entropy: float | None = None,
                  guard: bool = True) -> None:
@@ -351,6 +363,8 @@ class CostModelPolicy(DraftLengthPolicy):
     Raises:
         SpecDecodeError: a value out of range.
     """
+
+    name = "cost-model"
 
     def __init__(self, num_speculative_tokens: int = 5, max_tokens: int | None = None, *, decay: float = 0.95,
                  warmup: int = 1, probe_interval: int = 16, max_probe_interval: int = 256, probe_steps: int = 2,
@@ -524,7 +538,16 @@ class CostModelPolicy(DraftLengthPolicy):
 # --------------------------------------------------------------------------- registry
 
 
+def drafts_by_lookup(proposer) -> bool:
+    """Whether ``proposer`` drafts chains by lookup in the context (n-gram): nearly free to make, each with a
+    ``match_length``, so a policy may draft gamma and trim (the proposer's ``drafts_by_lookup`` attribute)."""
+    return bool(getattr(proposer, "drafts_by_lookup", False))
+
+
 POLICIES: dict[str, Callable[..., DraftLengthPolicy]] = {
+    "auto": lambda num_speculative_tokens=5, proposer=None, **kw: (
+        CostModelPolicy(num_speculative_tokens, **kw) if drafts_by_lookup(proposer)
+        else FixedPolicy(num_speculative_tokens)),
     "fixed": lambda num_speculative_tokens=5, **kw: FixedPolicy(num_speculative_tokens),
     "heuristic": lambda num_speculative_tokens=5, **kw: HeuristicPolicy(num_speculative_tokens, **kw),
     "confidence": lambda num_speculative_tokens=5, max_tokens=None, **kw: ConfidencePolicy(
@@ -533,13 +556,14 @@ POLICIES: dict[str, Callable[..., DraftLengthPolicy]] = {
 }
 
 
-def build_policy(name: str, num_speculative_tokens: int = 5, **kwargs) -> DraftLengthPolicy:
+def build_policy(name: str, num_speculative_tokens: int = 5, *, proposer=None, **kwargs) -> DraftLengthPolicy:
     """Build a draft-length policy by name.
 
     Args:
-        name: ``fixed`` | ``heuristic`` | ``confidence`` | ``cost-model``.
+        name: ``auto`` | ``fixed`` | ``heuristic`` | ``confidence`` | ``cost-model``.
         num_speculative_tokens: gamma for ``fixed``; the starting gamma of ``heuristic``
             and ``cost-model``; ``confidence`` drafts up to ``default_max_tokens(gamma)``.
+        proposer: the drafter the policy serves (``auto`` chooses by it: :func:`drafts_by_lookup`).
         kwargs: passed to the policy's constructor (e.g. ``min_top_prob=0.6``, ``guard=False``).
 
     Raises:
@@ -547,4 +571,6 @@ def build_policy(name: str, num_speculative_tokens: int = 5, **kwargs) -> DraftL
     """
     key = check_policy_name(name)  # the names of POLICIES (options.POLICY_NAMES, kept equal by a test)
     _check_gamma("num_speculative_tokens", num_speculative_tokens)
+    if key == "auto":
+        kwargs["proposer"] = proposer
     return POLICIES[key](num_speculative_tokens, **kwargs)

@@ -78,7 +78,7 @@ class Variant:
 
 
 def engine_runner(target, proposer, gamma: int, max_new_tokens: int, temperature: float, eos: tuple[int, ...],
-                  max_context: int, verification: str = "auto", *, policy: str = "fixed",
+                  max_context: int, verification: str = "auto", *, policy: str = "auto",
                   new_proposer: Callable[[], object] | None = None):
     """A timed run of our engine on one target: ``run(prompt ids, seed, max_new_tokens or None) -> RunOutput``.
 

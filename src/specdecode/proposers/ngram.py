@@ -101,6 +101,8 @@ class NgramProposer(RowProposer):
     (replaced, cut, or rewritten in place: ``base.still_indexed``).
     """
 
+    drafts_by_lookup = True  # drafts nearly free, each with its match length (policy.drafts_by_lookup)
+
     def __init__(self, config: NgramConfig | None = None) -> None:
         self.config = config or NgramConfig()
 
