@@ -124,11 +124,13 @@ def test_prompt_selection_caps_per_category_round_robin():
 
 
 def test_settings_added_later_keep_old_output_dirs_resumable():
-    base = BenchConfig(datasets=("smoke",), weights="fp32")  # what ran by default before --weights auto
+    # what ran by default before --weights auto and --policy auto
+    base = BenchConfig(datasets=("smoke",), weights="fp32", policy="fixed")
     assert set(base.settings()) == {"target", "max_new_tokens", "temperature", "seed", "dtype", "chat", "batch_size",
                                     "kernel"}
     assert dataclasses.replace(base, draft_weights="int8").settings_id() != base.settings_id()
     assert dataclasses.replace(base, verification="block").settings()["verification"] == "block"
+    assert dataclasses.replace(base, policy="auto").settings()["policy"] == "auto"  # not the fixed records of old
     assert dataclasses.replace(base, gammas=(1, 2), limit=9, repeats=3).settings_id() == base.settings_id()
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from specdecode.cliargs import check_precision_flags
 from specdecode.errors import SpecDecodeError
-from specdecode.options import VERIFICATION_METHODS, WEIGHT_CHOICES, WEIGHT_PRECISIONS
+from specdecode.options import POLICY_NAMES, VERIFICATION_METHODS, WEIGHT_CHOICES, WEIGHT_PRECISIONS
 from specdecode.paths import check_output_dir, removed_if_left_empty
 from specdecode.validate import check_threads
 
@@ -52,6 +52,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="how our engine verifies sampled drafts (with --temperature > 0): token-wise rejection "
                         "sampling, block verification, or auto, as 'specdecode generate --verification' (default: "
                         "auto)")
+    p.add_argument("--policy", choices=POLICY_NAMES,
+                   help="draft-length policy of every method, as 'specdecode generate --policy': auto = cost-model "
+                        "for ngram (drafts cut per step to what their match length pays for, at most k), fixed k "
+                        "for the others (default: auto)")
     p.add_argument("--seed", type=int, metavar="N", help="base seed; prompt i uses seed + i (default: 0)")
     p.add_argument("--gamma", type=int, metavar="G", help="draft length of methods without k= (default: 4)")
     p.add_argument("--gammas", metavar="LIST",
@@ -134,7 +138,7 @@ def config_from_args(args: argparse.Namespace):
 
     preset = args.preset or "full"
     over: dict = {}
-    for name in ("target", "draft", "limit", "max_new_tokens", "temperature", "verification", "seed", "gamma",
+    for name in ("target", "draft", "limit", "max_new_tokens", "temperature", "verification", "policy", "seed", "gamma",
                  "peer", "chat",
                  "probe", "warmup", "repeats", "dtype", "kernel", "draft_weights", "weights", "llama_cpp", "openvino",
                  "openvino_weights", "llama_server", "threads",

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from specdecode.options import WEIGHT_CHOICES, WEIGHT_PRECISIONS
 from specdecode.errors import SpecDecodeError
-from specdecode.validate import check_threads, check_verification
+from specdecode.validate import check_policy_name, check_threads, check_verification
 from specdecode.data import load_prompts
 
 KERNELS = ("default", "small-row")
@@ -36,6 +36,8 @@ class BenchConfig:
         temperature: 0 = greedy (outputs compared across methods and with HF); > 0 samples.
         verification: how our engine verifies sampled drafts ("auto", "token", "block";
             ``EngineConfig.verification``); the HF peer has its own. Greedy runs are unaffected.
+        policy: draft-length policy of our methods (``policy.build_policy``; ``auto``: cost-model for n-gram,
+            fixed gamma for the others).
         seed: base seed; prompt i uses seed + i in every variant.
         gamma: draft length of methods whose spec has no ``k``.
         gammas: extra sweep: every method family also runs at each of these gammas.
@@ -68,6 +70,7 @@ class BenchConfig:
     max_new_tokens: int = 128
     temperature: float = 0.0
     verification: str = "auto"
+    policy: str = "auto"
     seed: int = 0
     gamma: int = 4
     gammas: tuple[int, ...] = ()
@@ -95,6 +98,7 @@ class BenchConfig:
 
         SamplingParams(temperature=self.temperature, max_new_tokens=self.max_new_tokens)  # range checks
         check_verification(self.verification, "--verification")
+        check_policy_name(self.policy)
         for g in (self.gamma, *self.gammas):
             if not isinstance(g, int) or not 1 <= g <= 64:
                 raise SpecDecodeError(f"gamma values must be integers in [1, 64], got {g!r}")
@@ -130,6 +134,8 @@ class BenchConfig:
             out["weights"] = self.weights
         if self.verification != "auto":
             out["verification"] = self.verification
+        if self.policy != "fixed":  # (records from before the policy was a setting ran the fixed policy)
+            out["policy"] = self.policy
         if self.openvino and self.openvino_weights != "int8":
             out["openvino_weights"] = self.openvino_weights
         return out

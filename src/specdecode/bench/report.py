@@ -301,7 +301,8 @@ def env_section(meta: dict) -> str:
         rows.append(["1-min load average during runs", f"median {load['median']:.1f}, max {load['max']:.1f}{busy}"])
     rows += [["decoding", f"{'greedy' if cfg['temperature'] == 0 else 'temperature ' + str(cfg['temperature'])}, "
                           f"batch size 1, max {cfg['max_new_tokens']} new tokens, seed {cfg['seed']}"],
-             ["γ", f"{cfg['gamma']} (sweep: {cfg['gammas'] or 'none'})"],
+             ["γ", f"{cfg['gamma']} (sweep: {cfg['gammas'] or 'none'}); draft-length policy "
+                   f"{cfg.get('policy', 'fixed')}"],
              ["repeats", f"{cfg.get('repeats', 1)} per (prompt, variant), interleaved; the fastest counts"],
              ["linear kernels", cfg.get("kernel", "default")],
              ["target weights", cfg.get("weights", "fp32")],

@@ -188,7 +188,7 @@ def build_variants(config: BenchConfig, models: Models, dtype: str, status: Call
             continue
         variants.append(Variant(f"specdecode/{spec}", "specdecode", spec.kind, spec.num_speculative_tokens, spec.family,
                                 engine_runner(target, proposer, spec.num_speculative_tokens, n, temp, eos, ctx_len,
-                                               config.verification), draft=spec.model_spec))
+                                               config.verification, policy=config.policy), draft=spec.model_spec))
     if config.peer:
         variants.append(Variant("hf/plain", "hf", "plain", 0, "hf/plain",
                                 peer_runner(target, "plain", 1, None, 3, n, temp, eos)))
