@@ -202,3 +202,35 @@ def test_replicas_vs_batch_splits_the_requests():
     assert replicas_vs_batch(lambda b: 1.0, lambda b: float(b), 3, 2) == (1.0, 3.0)
     with pytest.raises(ValueError):
         replicas_vs_batch(lambda b: 1.0, lambda b: 1.0, 0, 2)
+
+
+def test_time_table_line_goes_through_the_plain_step_with_the_least_squares_slope():
+    TimeTable = theory.TimeTable
+    t = TimeTable(smoothing=1.0)
+    assert t.line(1) is None
+    t.add(1, 3, 0.005)
+    assert t.line(1) is None  # no plain step (g = 0) measured yet: no intercept to hold
+    t.add(1, 0, 0.002)
+    for g, s in ((1, 0.0031), (2, 0.0039), (4, 0.0060)):  # noisy around 2 ms + 1 ms per token
+        t.add(1, g, s)
+    a, b = t.line(1)
+    assert a == pytest.approx(0.002) and b == pytest.approx(0.001, rel=0.05)
+    a4, b4 = t.line(4)  # a batch size never measured: the nearest one's line, scaled by rows
+    assert a4 == pytest.approx(4 * a) and b4 == pytest.approx(4 * b)
+    flat = TimeTable(smoothing=1.0)
+    flat.add(1, 0, 0.003)
+    flat.add(1, 2, 0.002)  # faster with drafts than without (noise): the slope is held at 0, never negative
+    assert flat.line(1) == (pytest.approx(0.003), 0.0)
+    drafting = TimeTable(smoothing=1.0, proportional=True)
+    drafting.add(1, 2, 0.0002)
+    drafting.add(1, 4, 0.0004)
+    assert drafting.line(1) == (0.0, pytest.approx(0.0001))
+
+
+def test_acceptance_prior_counts_as_observations_that_decay():
+    AcceptanceEstimate = theory.AcceptanceEstimate
+    est = AcceptanceEstimate(4, decay=0.5, prior=(0.8, 2.0))
+    assert est.rates()[0] == pytest.approx(0.8, abs=0.05)  # (shrunk a little towards the pooled rate)
+    for _ in range(6):
+        est.observe(1, 0)  # position 0 rejected every time: the prior fades
+    assert est.rates()[0] < 0.1
