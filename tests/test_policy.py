@@ -486,3 +486,13 @@ def test_auto_is_the_cost_model_for_ngram_drafts_and_fixed_for_the_others(draft)
         p = build_policy("auto", 4, proposer=other)
         assert isinstance(p, FixedPolicy) and p.num_speculative_tokens == 4
     assert isinstance(build_policy("AUTO ", 3, proposer=NgramProposer()), CostModelPolicy)
+
+
+def test_cost_model_keeps_choosing_gamma_for_drafts_it_cannot_trim():
+    """Suffix decoding's token trees carry a match length but are never trimmed: the policy keeps its own choice of
+    gamma for them (lookup mode starts only once trim() is asked)."""
+    p = CostModelPolicy(4)
+    drive(p, lambda g: 0, 40)  # nothing accepted: the model chooses plain decoding
+    for _ in range(5):
+        p.update(3, 0, draft_time_s=1e-5, verify_time_s=verify_s(3), match_lengths=[2])
+    assert not p._lookup and p.next_length() == 0

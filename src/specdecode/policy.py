@@ -381,7 +381,7 @@ class CostModelPolicy(DraftLengthPolicy):
         self.match_buckets = match_buckets
         self.by_match: dict[int, AcceptanceEstimate] = {}  # acceptance of lookup drafts per match-length bucket
         self._decisions: dict[int, int] = {}  # trim decisions per bucket (exploration)
-        self._lookup = False  # the drafts carry match lengths: trim() chooses each row's length
+        self._lookup = False  # trim() has been asked (chains with match lengths): it chooses each row's length
         self.warmup = warmup
         self.probe_interval = probe_interval
         self.max_probe_interval = max_probe_interval
@@ -473,6 +473,7 @@ class CostModelPolicy(DraftLengthPolicy):
         g <= ``num_speculative_tokens``,
         m its match length's bucket; one more token every ``explore_every``-th decision of a bucket; before
         the costs are measured, at most ``num_speculative_tokens``."""
+        self._lookup = True  # chains it may cut: from now on next_length asks for gamma and this method decides
         costs = self.step_costs(batch_size)
         if costs is None:
             return [min(int(n), self.initial) for n in lengths]
@@ -499,7 +500,6 @@ class CostModelPolicy(DraftLengthPolicy):
         matched = [None] * len(drafted) if match_lengths is None else list(match_lengths)
         for d, a, m in zip(drafted, accepted, matched):
             if d > 0 and m is not None:
-                self._lookup = True
                 key = self._bucket(m)
                 if key not in self.by_match:
                     self.by_match[key] = AcceptanceEstimate(self.max_tokens, self.decay, prior=self.LOOKUP_PRIOR)
