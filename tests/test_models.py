@@ -614,3 +614,16 @@ def test_a_file_that_is_no_gguf_fails_its_conversion_in_one_line_without_the_exc
         convert._convert(bad, out, "0" * 64, progress=False)
     assert "ValueError" not in str(err.value) and "\n" not in str(err.value)
     assert not out.exists() and not any((tmp_path / "converted").iterdir())
+
+
+def test_a_file_that_is_no_gguf_is_refused_before_it_is_hashed(tmp_path, monkeypatch):
+    """The magic bytes are read first: a large non-GGUF file fails at once, in one line, without being hashed."""
+    from specdecode.models import loader
+    from specdecode.models.errors import ModelLoadError
+
+    bad = tmp_path / "notes.gguf"
+    bad.write_bytes(b"PK\x03\x04" + b"\0" * 1000)
+    monkeypatch.setattr(loader, "_sha256_file", lambda *a, **k: pytest.fail("hashed a file that is no GGUF"))
+    with pytest.raises(ModelLoadError, match=r"notes\.gguf is not a GGUF file .*magic bytes") as err:
+        loader._load_gguf_file(str(bad), bad, torch.float32, tmp_path / "cache", progress=False)
+    assert "\n" not in str(err.value)

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 from specdecode import __version__
+from specdecode.validate import usable_cores  # (re-exported: bench.env.usable_cores)
 
 
 def cpu_model() -> str:
@@ -45,14 +46,6 @@ def memory_gib() -> float | None:
     except (OSError, ValueError):
         pass
     return None
-
-
-def usable_cores() -> int:
-    """CPU cores this process may run on (affinity), else ``os.cpu_count()``."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
 
 
 def git_commit(start: Path | None = None) -> str | None:

@@ -15,6 +15,7 @@ import torch
 
 from specdecode.models.catalog import OfflineModel, resolve_spec
 from specdecode.models.convert import _convert, _converted_ok, _load_converted
+from specdecode.models.errors import ModelLoadError
 from specdecode.models.fetch import _assemble, _locate_parts, _module_dir, _sha256_file
 from specdecode.models.hub import _load_hub
 from specdecode.models.loaded import LoadedModel, _load_local_dir, _normalize_dtype, default_cache_dir
@@ -101,7 +102,15 @@ def _tree_bytes(path: Path) -> int:
 
 
 def _load_gguf_file(spec: str, path: Path, dtype: torch.dtype, cache: Path, progress: bool) -> LoadedModel:
-    """A user's GGUF file, converted once into a cache directory keyed by its sha256."""
+    """A user's GGUF file, converted once into a cache directory keyed by its sha256.
+
+    Raises:
+        ModelLoadError: the file does not start with the GGUF magic bytes (checked before hashing it).
+    """
+    with open(path, "rb") as f:
+        if f.read(4) != b"GGUF":
+            raise ModelLoadError(f"{path} is not a GGUF file (it does not start with the GGUF magic bytes); give a .gguf "
+                             "file from llama.cpp's converter or a model directory")
     size = path.stat().st_size
     with _bar(f"hashing {path.name} ({size / 1e6:.0f} MB)", size, progress) as update:
         sha = _sha256_file(path, update)
