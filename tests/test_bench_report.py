@@ -31,6 +31,16 @@ def test_markdown_is_laid_out_like_the_spec_bench_leaderboard(summ, tmp_path):
         assert section in text
 
 
+@pytest.mark.parametrize("policy", ["fixed", "auto"])
+def test_the_theory_sections_say_when_the_draft_length_was_not_fixed(summ, tmp_path, policy):
+    config = BenchConfig(target="tiny", methods=("ngram",), gammas=(2,), datasets=("smoke",), output=str(tmp_path),
+                         policy=policy)
+    meta = report.build_meta(config=config, env=fake_env(), models=fake_models(), variants=VARIANTS, prompts=PROMPTS)
+    text = report.markdown(summ, meta)
+    assert (text.count("draft-length policy: a method's γ is its most per step") == 2) == (policy != "fixed")
+    assert f"draft-length policy {policy}" in text  # the environment table's γ row
+
+
 def test_write_and_rebuild_reports(tmp_path):
     config = BenchConfig(target="tiny", methods=("ngram",), gammas=(2,), datasets=("smoke",), output=str(tmp_path))
     recs = [{"settings_id": config.settings_id(), **r} for r in make_records()]

@@ -442,15 +442,16 @@ def _trained(accept_by_match: dict[int, float], steps: int = 400, per_token: flo
 
 
 def test_cost_model_trims_each_match_length_by_its_own_acceptance():
-    """One-token matches never right, three-token matches always right: the first are not verified at all
+    """One-token matches never right, four-token matches always right: the first are not verified at all
     (but for exploration), the second in full, from the same policy in the same steps."""
-    p = _trained({1: 0.0, 3: 1.0})
+    p = _trained({1: 0.0, 4: 1.0})
     assert p._lookup and p.next_length() in (0, 5)
-    decisions = [p.trim([5, 5], [1, 3], 1) for _ in range(16)]
+    decisions = [p.trim([5, 5], [1, 4], 1) for _ in range(16)]
     assert [d[1] for d in decisions] == [5] * 16
     short = [d[0] for d in decisions]
     assert short.count(0) >= 14 and max(short) <= 1  # nothing, or one token to measure again
-    assert p.trim([5], [7], 1) == [5]  # longer matches share the last bucket
+    assert p.by_match[4] is p._estimate(9)  # longer matches share the last bucket (match_buckets = 4)
+    assert set(p.by_match) == {1, 4}
 
 
 def test_cost_model_drafts_less_where_verifying_a_token_costs_more():
@@ -496,3 +497,83 @@ def test_cost_model_keeps_choosing_gamma_for_drafts_it_cannot_trim():
     for _ in range(5):
         p.update(3, 0, draft_time_s=1e-5, verify_time_s=verify_s(3), match_lengths=[2])
     assert not p._lookup and p.next_length() == 0
+
+
+def test_a_bucket_seen_first_at_a_trim_starts_at_the_prior_not_at_the_pooled_rate():
+    p = _trained({1: 0.0})
+    assert 2 not in p.by_match
+    p.trim([5], [2], 1)
+    assert p.by_match[2].rates()[0] == pytest.approx(CostModelPolicy.LOOKUP_PRIOR[0], abs=0.05)
+
+
+def test_lookup_mode_keeps_speculating_beside_rows_that_do_not_follow_the_policy(target):
+    """A row with speculation off beside an n-gram row: the step's times are never the policy's to learn (not the
+    whole batch), so no plain step can be timed; the n-gram row still drafts (was: plain decoding for good)."""
+    from specdecode.config import RequestSpeculation
+
+    eng = SpeculativeEngine(target, NgramProposer(), EngineConfig(num_speculative_tokens=4, max_batch_size=2),
+                            policy=CostModelPolicy(4))
+    params = SamplingParams(max_new_tokens=60, ignore_eos=True)
+    off, _ = eng.add([5, 6, 7, 5, 6, 7, 5, 6], params, speculation=RequestSpeculation(enabled=False))
+    on, _ = eng.add([3, 4, 5, 3, 4, 5, 3, 4], params)
+    while on.finish_reason is None:
+        eng.step()
+    assert on.metrics.num_drafted_tokens > 10 and off.metrics.num_drafted_tokens == 0
+    assert on.generated == SpeculativeEngine(target, None).generate([3, 4, 5, 3, 4, 5, 3, 4], params).token_ids
+
+
+def test_suffix_decodings_trees_leave_the_cost_model_its_own_choice_of_gamma(target):
+    """Through the engine: suffix drafts (trees, or single chains) are never trimmed, so the policy never enters its
+    lookup mode and keeps choosing gamma (0 when speculation loses) as for any drafter."""
+    from specdecode.proposers import SuffixProposer
+
+    policy = CostModelPolicy(4)
+    eng = SpeculativeEngine(target, SuffixProposer(), EngineConfig(num_speculative_tokens=4), policy=policy)
+    out = eng.generate([3, 4, 5, 3, 4, 5, 3, 4, 5, 3], SamplingParams(max_new_tokens=40))
+    assert out.metrics.num_drafted_tokens > 0 and not policy._lookup
+
+
+def test_policies_of_other_shapes_still_drive_the_engine(target):
+    """A duck-typed policy (next_length / update only) and a cost-model subclass whose update predates
+    match_lengths: the engine runs both (it passes match_lengths only to an update that takes it)."""
+    class Duck:
+        should_continue = None
+
+        def next_length(self, batch_size=1):
+            return 3
+
+        def update(self, num_drafted, num_accepted, *, draft_time_s=None, verify_time_s=None):
+            self.seen = num_drafted
+
+    class OldCostModel(CostModelPolicy):
+        def update(self, num_drafted, num_accepted, *, draft_time_s=None, verify_time_s=None):
+            super().update(num_drafted, num_accepted, draft_time_s=draft_time_s, verify_time_s=verify_time_s)
+
+    prompt, params = [3, 4, 5, 3, 4, 5, 3, 4], SamplingParams(max_new_tokens=30)
+    want = SpeculativeEngine(target, None).generate(prompt, params).token_ids
+    for policy in (Duck(), OldCostModel(4)):
+        assert SpeculativeEngine(target, NgramProposer(), policy=policy).generate(prompt, params).token_ids == want
+
+
+@pytest.mark.slow
+def test_trimmed_lookup_drafts_keep_the_targets_distribution_in_the_standard_mode():
+    """3 sampled tokens of 2,000 seeded requests (the standard rejection-sampling mode, not the coupled one), n-gram
+    drafts cut by a scripted policy to 0, 1, 2 or 3 tokens: chi-square against the target's exact joint; the
+    negative control, the same counts against another model's joint, fails."""
+    import numpy as np
+
+    from tiny import chi2_pvalue, exact_joint
+
+    vocab, prompt = 5, [1, 2, 1, 2, 1]
+    tgt = tiny_llama(vocab_size=vocab, seed=3, layers=1, hidden=32, scale=4.0)
+    other = tiny_llama(vocab_size=vocab, seed=4, layers=1, hidden=32, scale=4.0)
+    policy = ScriptedTrim(3, cycle=(0, 1, 2, 3))
+    engine = SpeculativeEngine(tgt, NgramProposer(), EngineConfig(num_speculative_tokens=3, max_batch_size=64),
+                               policy=policy)
+    params = [SamplingParams(temperature=1.0, max_new_tokens=5, seed=s, coupled=False) for s in range(2000)]
+    counts = np.zeros(vocab**3)
+    for out in engine.generate_batch([prompt] * 2000, params):  # (5 tokens: drafts of up to 3; the first 3 counted)
+        counts[np.ravel_multi_index(out.token_ids[:3], (vocab,) * 3)] += 1
+    assert policy.seen and {n for d, _ in policy.updates for n in d} >= {0, 1, 2}  # it did cut
+    assert chi2_pvalue(counts, exact_joint(tgt, prompt, 3, backend="owned")) > 1e-3
+    assert chi2_pvalue(counts, exact_joint(other, prompt, 3, backend="owned")) < 1e-6

@@ -107,7 +107,7 @@ def test_index_follows_a_same_length_rewrite_and_appends_incrementally():
     assert _propose(proposer, ctx, 2) == [3, 2]
     ctx.token_ids += [7, 3]  # appended in place: [1, 2, 3, 2, 7, 3]
     assert _propose(proposer, ctx, 2) == [2, 7]
-    index = ctx.state["ngram"][1]
+    index = ctx.state["ngram"]
     assert index.tokens == ctx.token_ids  # the index mirrors the context
 
 

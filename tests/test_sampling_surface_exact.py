@@ -233,7 +233,8 @@ def test_coupled_text_survives_a_suffix_tree_that_learned_from_the_first_run(tar
 def test_coupled_text_is_the_same_under_every_draft_length_policy(target4, draft, policy):
     """Adaptive policies change gamma from step to step (from the whole batch's history): the coupled text of
     a seeded request is still seeded plain decoding's, before and after other requests trained the policy."""
-    engine = _engine(target4, DraftModelProposer(draft), 4, batch=4, policy=build_policy(policy, 4))
+    proposer = DraftModelProposer(draft)
+    engine = _engine(target4, proposer, 4, batch=4, policy=build_policy(policy, 4, proposer=proposer))
     params = SamplingParams(temperature=0.9, top_p=0.95, repetition_penalty=1.2, max_new_tokens=LENGTH, seed=21,
                             coupled=True)
     expected = _texts(_engine(target4), [(PROMPTS[1], params)])[0]

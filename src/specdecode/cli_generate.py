@@ -284,7 +284,9 @@ def _run_job(args, decoder, baseline, job: _Job, chat: bool, prompt_ids: list[in
     on_text = None if args.json else _write_stdout
     repeat = base_out is not None and _repeatable(args, decoder)
     # an adaptive policy starts the repeat from where it started the first run (what it learns carries over)
-    policy_state = copy.deepcopy(decoder.policy.__dict__) if repeat and decoder.policy.remembers_requests else None
+    policy = decoder.policy
+    policy_state = (copy.deepcopy(vars(policy), {id(policy): policy}) if repeat and policy.remembers_requests
+                    else None)
     out = decoder.generate(prompt_ids, on_text=on_text, **kwargs)
     runs = [(base_out, out)]
     if repeat:
@@ -315,10 +317,16 @@ def _run_job(args, decoder, baseline, job: _Job, chat: bool, prompt_ids: list[in
 def _repeatable(args, decoder) -> bool:
     """Whether a second run of a prompt is the same run as its first: greedy or seeded, and the drafter carries
     nothing from one request to the next (suffix decoding's global tree would start the repeat from what the
-    first run left; an adaptive policy's state is put back before the repeat: ``_run_job``)."""
+    first run left). An adaptive policy's state is put back before the repeat (``_run_job``), but its choices
+    follow measured times: a seeded request in the standard sampling mode, whose draws follow the draft lengths,
+    is then not repeatable (greedy and coupled requests commit the same tokens whatever the lengths)."""
     proposer = decoder.proposer
-    return ((args.temperature == 0 or args.seed is not None)
-            and (proposer is None or not proposer.remembers_requests))
+    if proposer is not None and proposer.remembers_requests:
+        return False
+    if args.temperature == 0:
+        return True
+    standard = SAMPLING_MODES[args.sampling_mode] is False
+    return args.seed is not None and not (standard and decoder.policy.remembers_requests)
 
 
 def _write_stdout(piece: str) -> None:

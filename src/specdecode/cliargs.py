@@ -182,7 +182,7 @@ def add_drafter_arguments(group: argparse._ArgumentGroup, *, policy_default: str
                           help="draft-length policy: fixed gamma (-k); heuristic (+2 after a fully accepted step, -1 "
                                "otherwise); confidence (draft up to max(2k, 8) while the draft is sure); cost-model "
                                "(gamma maximising tokens/s measured online per batch size, 0 = plain decoding when "
-                               "speculation loses; lookup drafts (ngram, suffix) cut per step to the prefix their "
+                               "speculation loses; ngram drafts cut per step to the prefix their "
                                "match length's acceptance pays for, at most -k); auto: cost-model for ngram, fixed "
                                "for the others (default: %(default)s)")
     group.add_argument("--tree", default=FLAG_DEFAULTS["tree"], choices=TREE_KINDS,

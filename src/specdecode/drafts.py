@@ -21,6 +21,12 @@ def row_gamma(row: Request, gamma: int) -> int:
     return spec.num_speculative_tokens if spec.num_speculative_tokens is not None else gamma
 
 
+def follows_policy(row: Request) -> bool:
+    """Whether the draft-length policy decides this row's draft (speculation on, no gamma of its own) and learns
+    from its steps."""
+    return row.speculation.enabled and row.speculation.num_speculative_tokens is None
+
+
 def cut_draft(row: Request, d: Draft) -> Draft:
     """Drop draft tokens the request could never generate (a banned token, a stop token before
     min_tokens, a token the grammar forbids) before verification: a deterministic chain ends before

@@ -25,6 +25,7 @@ Scheduling (queue, admission, the server's thread, cancellation) lives in ``sche
 
 from __future__ import annotations
 
+import inspect
 import secrets
 import time
 from collections.abc import Iterator, Sequence
@@ -34,10 +35,10 @@ import torch
 
 from specdecode.config import EngineConfig, RequestSpeculation
 from specdecode.coupled import CoupledNoise
-from specdecode.drafts import cut_draft, draft_problem, row_gamma
+from specdecode.drafts import cut_draft, draft_problem, follows_policy, row_gamma
 from specdecode.kv import SlotRunner, make_runner
 from specdecode.metrics import RunMetrics, StepRecord
-from specdecode.policy import DraftLengthPolicy, FixedPolicy
+from specdecode.policy import DraftLengthPolicy, FixedPolicy, drafts_by_lookup
 from specdecode.proposers.base import ProposeContext, Proposer
 from specdecode.request import Request, apply_stopping_rules, check_prompt
 from specdecode.sampling import RequestSampler, chain_paths, tree_paths
@@ -54,6 +55,15 @@ from specdecode.types import (
     VerifyResult,
 )
 from specdecode.verify import verify_block, verify_chains
+
+
+def _takes_keyword(fn, name: str) -> bool:
+    """Whether ``fn`` accepts the keyword ``name`` (or any keyword): policies written before it existed do not."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    return any(p.name == name or p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
 
 
 class SpeculativeEngine:
@@ -84,10 +94,12 @@ class SpeculativeEngine:
         if proposer is not None:
             proposer.bind(self.runner, self.runner.num_slots)
         self.policy = policy or FixedPolicy(cfg.num_speculative_tokens)
-        # policies that override DraftLengthPolicy.trim cut lookup drafts and learn from their match lengths
-        self._policy_trims = type(self.policy).trim is not DraftLengthPolicy.trim
+        # policies that override DraftLengthPolicy.trim cut lookup drafts (any other object, e.g. a duck-typed policy
+        # of next_length / update, keeps them whole); those whose update takes match_lengths= learn from them
+        self._policy_trims = getattr(type(self.policy), "trim", DraftLengthPolicy.trim) is not DraftLengthPolicy.trim
+        self._policy_learns_matches = self._policy_trims and _takes_keyword(self.policy.update, "match_lengths")
         self.rows: list[Request] = []  # row i lives in cache slot i
-        self.last_gamma = 0  # the draft length the policy chose for the last step
+        self.last_gamma = 0  # the draft length the policy chose for the last step (before any per-row trim)
         self.last_output: GenerationOutput | None = None
 
     @property
@@ -270,13 +282,14 @@ class SpeculativeEngine:
         return self._trim(rows, drafts)
 
     def _trim(self, rows: list[Request], drafts: list[Draft]) -> list[Draft]:
-        """The policy's cut of lookup drafts (chains with a ``match_length``, of rows that follow the policy):
-        a prefix of a deterministic chain is verified exactly as the chain would be up to there."""
-        if not self._policy_trims:
+        """The policy's cut of lookup drafts (a proposer that ``drafts_by_lookup``: chains with a ``match_length``,
+        of rows that follow the policy): a prefix of a deterministic chain is verified exactly as the chain would be
+        up to there."""
+        if not self._policy_trims or not drafts_by_lookup(self.proposer):
             return drafts
         own = [i for i, (r, d) in enumerate(zip(rows, drafts))
-               if d.num_tokens and d.match_length is not None and d.draft_probs is None and r.speculation.enabled
-               and r.speculation.num_speculative_tokens is None and d.is_chain()]
+               if d.num_tokens and d.match_length is not None and d.draft_probs is None and follows_policy(r)
+               and d.is_chain()]
         if not own:
             return drafts
         keep = self.policy.trim([drafts[i].num_tokens for i in own], [int(drafts[i].match_length) for i in own],
@@ -447,7 +460,7 @@ class SpeculativeEngine:
                                           or getattr(self.proposer, "observes_every_step", False)):
             self.proposer.observe([r.ctx for r in rows], results)
         # The policy learns only from rows that followed it (not those with their own gamma or speculation off).
-        own = [i for i, r in enumerate(rows) if r.speculation.enabled and r.speculation.num_speculative_tokens is None]
+        own = [i for i, r in enumerate(rows) if follows_policy(r)]
         if not own:
             return
         depths = [(tree_depth(drafts[i].parents[0]) if self.trees else drafts[i].num_tokens)
@@ -455,7 +468,7 @@ class SpeculativeEngine:
         whole = len(own) == len(rows)  # the step's times belong to the whole batch: learn them only from one
         times = dict(draft_time_s=max(0.0, draft_s - catch_up) if whole else None,
                      verify_time_s=verify_s if whole else None)
-        if self._policy_trims:  # (a policy that rates lookup drafts by their match also learns from it)
+        if self._policy_learns_matches:  # (a policy that rates lookup drafts by their match also learns from it)
             times["match_lengths"] = [drafts[i].match_length if drafts[i].num_tokens else None for i in own]
         self.policy.update(depths, [int(results[i].num_accepted[0]) for i in own], **times)
 

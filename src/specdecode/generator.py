@@ -79,8 +79,9 @@ class SpecDecoder:
         num_speculative_tokens: gamma, draft tokens per step (1..64).
         draft: the draft LoadedModel behind ``proposer`` when it is a draft model (kept for
             reference and reuse; the proposer holds its own cache).
-        policy: draft-length policy: a name for :func:`specdecode.policy.build_policy`
-            ("fixed", "heuristic", "confidence", "cost-model") or a policy object.
+        policy: draft-length policy: a name for :func:`specdecode.policy.build_policy` ("auto", the
+            default: cost-model for n-gram drafts, fixed otherwise; "fixed", "heuristic", "confidence",
+            "cost-model") or a policy object.
         verification: how sampled draft chains are verified (``EngineConfig.verification``): "token"
             (token-wise rejection sampling), "block" (block verification, Sun et al. 2024: accepts at
             least as many tokens), "auto" (the engine's choice). Either keeps the target's distribution.

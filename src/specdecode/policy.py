@@ -343,13 +343,13 @@ class CostModelPolicy(DraftLengthPolicy):
     ``explore_every``-th speculative step drafts one token more than the model's choice. A batch
     size not measured yet gets one plain step first.
 
-    Lookup drafters (n-gram, suffix: drafts with a ``match_length``, nearly free to draft) are rated per
-    draft instead: the policy asks for ``max_tokens`` and :meth:`trim` keeps, per row, the prefix g of its
-    chain that maximises E_m(g) / T(B, g), where E_m comes from acceptance learned per match length m
-    (1, 2, ..., ``match_buckets - 1`` or more tokens matched) and position, and T(B, g) is a least-squares
+    Lookup drafters (n-gram: chains with a ``match_length``, nearly free to draft) are rated per draft
+    instead: the policy asks for ``num_speculative_tokens`` and :meth:`trim` keeps, per row, the prefix g of
+    its chain that maximises E_m(g) / T(B, g), where E_m comes from acceptance learned per match length m
+    (1, 2, ..., ``match_buckets`` or more tokens matched) and position, and T(B, g) is a least-squares
     line through the measured step times (robust to the noise of any one length); g = 0 (a plain step for
-    that row) when no prefix pays, at most ``num_speculative_tokens``. Every ``explore_every``-th decision for a match length keeps one token
-    more than the choice, so a length once written off is measured again. A short match (one token) is
+    that row) when no prefix pays, at most ``num_speculative_tokens``. Every ``explore_every``-th decision
+    for a match length keeps one token more than the choice, so a length once written off is measured again. A short match (one token) is
     mostly noise and a long one mostly a copy: one acceptance rate for both would draft too much after
     the first and too little after the second (on Spec-Bench's general prompts a fixed gamma 5 of prompt
     lookup lost 2-12% to plain decoding).
@@ -382,6 +382,7 @@ class CostModelPolicy(DraftLengthPolicy):
         self.by_match: dict[int, AcceptanceEstimate] = {}  # acceptance of lookup drafts per match-length bucket
         self._decisions: dict[int, int] = {}  # trim decisions per bucket (exploration)
         self._lookup = False  # trim() has been asked (chains with match lengths): it chooses each row's length
+        self._plain_asked: set[int] = set()  # batch sizes a plain step to time was asked for
         self.warmup = warmup
         self.probe_interval = probe_interval
         self.max_probe_interval = max_probe_interval
@@ -423,16 +424,25 @@ class CostModelPolicy(DraftLengthPolicy):
         self._batch = batch_size
         if self._steps < self.warmup:
             return min(self.initial, 2)
+        # A plain step to time is asked once per batch size: a batch whose rows do not all follow the policy (a row
+        # with speculation off or its own gamma) times no step, and must not be held at gamma 0 waiting for one.
+        first_ask = batch_size not in self._plain_asked
         if not self.t_verify.has(batch_size, 0) and self.t_verify.points and self._plain_run == 0 \
-                and self._since_plain >= 1:
+                and self._since_plain >= 1 and first_ask:
+            self._plain_asked.add(batch_size)
             return 0  # a batch size not measured yet: one plain step first
         if self._lookup:  # lookup drafts cost next to nothing: draft gamma, trim() keeps what pays per row
-            if not self.t_verify.has(batch_size, 0) or self._since_plain >= self.refresh_every:
+            # one plain step to time when this batch size has no line yet, and one every refresh_every steps
+            if (self.t_verify.line(batch_size) is None and first_ask) or self._since_plain >= self.refresh_every:
+                self._plain_asked.add(batch_size)
                 return 0
             return self.initial
         rates = self.rates(batch_size)
         if rates is None:
-            return 0 if self.t_verify(batch_size, 0) is None else self.initial
+            if self.t_verify(batch_size, 0) is None and first_ask:
+                self._plain_asked.add(batch_size)
+                return 0
+            return self.initial
         best_spec = max(range(1, len(rates)), key=rates.__getitem__)
         if self._probe_left > 0:
             return best_spec
@@ -457,10 +467,17 @@ class CostModelPolicy(DraftLengthPolicy):
     def _bucket(self, match_length: int) -> int:
         return max(1, min(int(match_length), self.match_buckets))
 
+    def _estimate(self, match_length: int) -> AcceptanceEstimate:
+        """The acceptance of drafts found by a match of this length (its bucket's; a new bucket starts at the prior)."""
+        key = self._bucket(match_length)
+        if key not in self.by_match:
+            self.by_match[key] = AcceptanceEstimate(self.max_tokens, self.decay, prior=self.LOOKUP_PRIOR)
+        return self.by_match[key]
+
     def step_costs(self, batch_size: int = 1) -> list[float] | None:
         """Predicted seconds of a step of ``batch_size`` rows drafting g = 0..max_tokens tokens each (drafting and
-        verification on their fitted lines, ``TimeTable.line``, and the per-step overhead); None until a plain step at that batch size (or
-        the nearest measured one) and a drafting step have been timed."""
+        verification on their fitted lines, ``TimeTable.line``, and the per-step overhead); None until a plain
+        step at that batch size (or the nearest measured one) and a drafting step have been timed."""
         line, drafting = self.t_verify.line(batch_size), self.t_draft.line(batch_size)
         if line is None or drafting is None:
             return None
@@ -480,10 +497,10 @@ class CostModelPolicy(DraftLengthPolicy):
         out = []
         for n, m in zip(lengths, match_lengths):
             n = min(int(n), self.initial)
+            est = self._estimate(m)
             key = self._bucket(m)
-            est = self.by_match.get(key)
             best, best_rate, e, survive = 0, 1.0 / max(costs[0], 1e-12), 1.0, 1.0
-            for g, rate in enumerate((est if est is not None else self.accept).rates()[:n], start=1):
+            for g, rate in enumerate(est.rates()[:n], start=1):
                 survive *= rate
                 e += survive
                 if e / max(costs[g], 1e-12) > best_rate:
@@ -500,10 +517,7 @@ class CostModelPolicy(DraftLengthPolicy):
         matched = [None] * len(drafted) if match_lengths is None else list(match_lengths)
         for d, a, m in zip(drafted, accepted, matched):
             if d > 0 and m is not None:
-                key = self._bucket(m)
-                if key not in self.by_match:
-                    self.by_match[key] = AcceptanceEstimate(self.max_tokens, self.decay, prior=self.LOOKUP_PRIOR)
-                self.by_match[key].observe(d, a)
+                self._estimate(m).observe(d, a)
         b = max(1, len(drafted))
         g = max(drafted, default=0)
         self._steps += 1

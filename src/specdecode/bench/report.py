@@ -313,6 +313,17 @@ def env_section(meta: dict) -> str:
     return _table(["", ""], rows, align="ll")
 
 
+def _policy_caveat(cfg: dict) -> str:
+    """A sentence for the theory and γ sections when the draft length was not fixed (the theory assumes it was)."""
+    policy = cfg.get("policy", "fixed")
+    if policy == "fixed":
+        return ""
+    return (f" These runs drafted under the `{policy}` draft-length policy: a method's γ is its most per step, the "
+            "draft length varied (mean draft above) and the per-position acceptance counts only the tokens the "
+            "policy kept, so the predictions here, which assume every step drafts γ, describe fixed-γ runs, not "
+            "these (`--policy fixed` measures them).")
+
+
 def markdown(summary: dict, meta: dict) -> str:
     """The whole Markdown report."""
     variants = {v["key"]: v for v in meta["variants"]}
@@ -344,8 +355,9 @@ def markdown(summary: dict, meta: dict) -> str:
         "overhead-aware = E[tokens] · T_plain / (γ·T_draft + T_verify(γ) + T_overhead), with T_verify(γ) from "
         "the probe below and per-step overhead from the run. Efficiency = measured decode speedup / "
         "overhead-aware prediction. (Token-tree methods are left out: the chain model does not describe "
-        "them.)\n\n" + theory_table(summary, variants),
-        "## τ and speedup against γ\n\n" + sweep_section(summary),
+        "them.)" + _policy_caveat(cfg) + "\n\n" + theory_table(summary, variants),
+        "## τ and speedup against γ\n\n" + _policy_caveat(cfg).lstrip() + ("\n\n" if _policy_caveat(cfg) else "")
+        + sweep_section(summary),
         "## Against the peers (Hugging Face transformers, llama.cpp, OpenVINO, llama-server)\n\n" + peer_section(summary, variants),
         "## Output agreement\n\n" + agreement_section(summary),
         "## Cost of verification\n\nOne cached target forward over k + 1 new tokens at a typical context "

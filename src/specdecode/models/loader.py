@@ -109,8 +109,8 @@ def _load_gguf_file(spec: str, path: Path, dtype: torch.dtype, cache: Path, prog
     """
     with open(path, "rb") as f:
         if f.read(4) != b"GGUF":
-            raise ModelLoadError(f"{path} is not a GGUF file (it does not start with the GGUF magic bytes); give a .gguf "
-                             "file from llama.cpp's converter or a model directory")
+            raise ModelLoadError(f"{path} is not a GGUF file (it does not start with the GGUF magic bytes); give a "
+                                 ".gguf file from llama.cpp's converter or a model directory")
     size = path.stat().st_size
     with _bar(f"hashing {path.name} ({size / 1e6:.0f} MB)", size, progress) as update:
         sha = _sha256_file(path, update)

@@ -96,8 +96,8 @@ class NgramIndex:
 class NgramProposer(RowProposer):
     """Prompt lookup: proposes continuations copied from the context itself (per row).
 
-    Each request's tokens are indexed in ``ctx.state`` (:class:`NgramIndex`), with a copy of the tokens it
-    indexes; it is extended by what was committed since, and rebuilt when the context it mirrors changed
+    Each request's tokens are indexed in ``ctx.state`` (:class:`NgramIndex`, which keeps a copy of the tokens it
+    indexes); it is extended by what was committed since, and rebuilt when the context it mirrors changed
     (replaced, cut, or rewritten in place: ``base.still_indexed``).
     """
 
@@ -107,22 +107,20 @@ class NgramProposer(RowProposer):
         self.config = config or NgramConfig()
 
     def start(self, ctx: ProposeContext) -> None:
-        ctx.state["ngram"] = (list(ctx.token_ids), self._new_index(ctx.token_ids))
+        ctx.state["ngram"] = self._new_index(ctx.token_ids)
 
     def _new_index(self, tokens) -> NgramIndex:
         return NgramIndex(list(tokens), self.config.min_ngram, self.config.max_ngram)
 
     def _index(self, ctx: ProposeContext) -> NgramIndex:
         """The context's index, brought up to date."""
-        seen, index = ctx.state.get("ngram", (None, None))
+        index = ctx.state.get("ngram")
         ids = ctx.token_ids
-        if seen is None or not still_indexed(seen, ids):
-            seen, index = list(ids), self._new_index(ids)  # a new, cut or rewritten context: rebuild
-        elif len(seen) < len(ids):
-            new = ids[len(seen):]
-            seen.extend(new)
-            index.extend(new)
-        ctx.state["ngram"] = (seen, index)
+        if index is None or not still_indexed(index.tokens, ids):
+            index = self._new_index(ids)  # a new, cut or rewritten context: rebuild
+        elif len(index.tokens) < len(ids):
+            index.extend(ids[len(index.tokens):])
+        ctx.state["ngram"] = index
         return index
 
     def propose_row(self, ctx: ProposeContext, max_tokens: int) -> Draft:
