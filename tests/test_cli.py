@@ -69,14 +69,14 @@ def test_compare_baseline_times_the_faster_of_two_interleaved_runs(capsys, tiny_
     scripted = {"plain": [2.0, 1.0], "spec": [1.0, 2.0]}  # seconds of wall time, run 1 and run 2
 
     def scripted_times(self, *args, **kwargs):
+        who = "spec" if self.proposer is not None else "plain"
+        if who == "spec" and kwargs.get("max_new_tokens") != 2:
+            pol = self.policy  # what an adaptive policy has learned before this run (heuristic: gamma; cost-model: steps)
+            states.append((getattr(pol, "gamma", None), getattr(pol, "_steps", None),
+                           list(getattr(getattr(pol, "accept", None), "hits", []))))
         out = real(self, *args, **kwargs)
         if kwargs.get("max_new_tokens") == 2:  # the warm-up
             return out
-        who = "spec" if self.proposer is not None else "plain"
-        if who == "spec":
-            pol = self.policy  # what an adaptive policy has learned so far (heuristic: gamma; cost-model: steps)
-            states.append((getattr(pol, "gamma", None), getattr(pol, "_steps", None),
-                           list(getattr(getattr(pol, "accept", None), "hits", []))))
         wall = scripted[who][sum(c[0] == who for c in calls)]
         calls.append((who, out.token_ids))
         out.metrics.wall_time_s = wall
@@ -594,3 +594,15 @@ def test_a_reader_leaving_the_pipe_ends_generate_quietly(tiny_model_dir, monkeyp
                      "--ignore-eos", "--no-warmup"])
     assert code == 0
     assert "Traceback" not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("chat, tokens, hint", [(False, 1, True), (True, 1, False), (False, 5, False)])
+def test_a_raw_prompt_that_ends_at_once_gets_a_hint_to_use_the_chat_template(capsys, chat, tokens, hint):
+    from specdecode import cli_generate
+
+    rec = {"num_generated_tokens": tokens, "finish_reason": "stop", "chat": chat, "num_drafted_tokens": 0,
+           "num_accepted_tokens": 0, "acceptance_rate": 0.0, "mean_accepted_length": 0.0, "acceptance_by_position": [],
+           "mean_draft_length": 0.0, "draft_length_histogram": {}, "num_target_forwards": 1, "prefill_time_s": 0.01,
+           "draft_time_s": 0.0, "verify_time_s": 0.0, "other_time_s": 0.0, "wall_time_s": 0.01, "tokens_per_s": 100.0}
+    cli_generate._print_summary(rec)
+    assert ("try --chat" in capsys.readouterr().out) == hint

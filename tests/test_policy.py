@@ -577,3 +577,13 @@ def test_trimmed_lookup_drafts_keep_the_targets_distribution_in_the_standard_mod
     assert policy.seen and {n for d, _ in policy.updates for n in d} >= {0, 1, 2}  # it did cut
     assert chi2_pvalue(counts, exact_joint(tgt, prompt, 3, backend="owned")) > 1e-3
     assert chi2_pvalue(counts, exact_joint(other, prompt, 3, backend="owned")) < 1e-6
+
+
+def test_build_policy_refuses_options_a_policy_does_not_take_and_names_that_are_no_strings():
+    with pytest.raises(SpecDecodeError, match="fixed policy does not take the option.*bogus"):
+        build_policy("fixed", 5, bogus=1)
+    with pytest.raises(SpecDecodeError, match="cost-model policy does not take"):
+        build_policy("cost-model", 5, bogus=1)
+    with pytest.raises(SpecDecodeError, match="unknown draft-length policy 5"):
+        build_policy(5)
+    assert isinstance(build_policy("auto", 5, proposer=NgramProposer(), decay=0.9), CostModelPolicy)

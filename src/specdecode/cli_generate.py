@@ -304,6 +304,7 @@ def _run_job(args, decoder, baseline, job: _Job, chat: bool, prompt_ids: list[in
         record["matches_baseline"] = all(o.token_ids == out.token_ids for pair in runs for o in pair)
     record["sampled"] = args.temperature > 0
     record["weights"] = None if decoder.precision is None else decoder.precision.precision
+    record["policy"] = None if decoder.proposer is None else getattr(decoder.policy, "name", None) or args.policy
     if base_out is not None and not record["matches_baseline"] and not record["sampled"]:
         record["difference"] = decoder.explain_difference(prompt_ids, out.token_ids, base_out.token_ids)
     if args.json:
@@ -411,6 +412,9 @@ def _print_summary(r: dict) -> None:
         f"draft {r['draft_time_s']:.2f} s, verify {r['verify_time_s']:.2f} s, other {r['other_time_s']:.2f} s, "
         f"wall {r['wall_time_s']:.2f} s | {r['tokens_per_s']:.1f} tokens/s",
     ]
+    if r["num_generated_tokens"] <= 1 and r["finish_reason"] == "stop" and not r.get("chat", True):
+        lines.append("(the model ended at once: an instruct model given raw text without its chat template often "
+                     "does; try --chat)")
     if "baseline" in r:
         speedup = f"{r['speedup']:.2f}x" if r["speedup"] is not None else "-"
         lines.append(

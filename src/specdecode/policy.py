@@ -559,10 +559,10 @@ def drafts_by_lookup(proposer) -> bool:
 
 
 POLICIES: dict[str, Callable[..., DraftLengthPolicy]] = {
-    "auto": lambda num_speculative_tokens=5, proposer=None, **kw: (
+    "auto": lambda num_speculative_tokens=5, proposer=None, **kw: (  # (kw: the cost model's; fixed takes none)
         CostModelPolicy(num_speculative_tokens, **kw) if drafts_by_lookup(proposer)
         else FixedPolicy(num_speculative_tokens)),
-    "fixed": lambda num_speculative_tokens=5, **kw: FixedPolicy(num_speculative_tokens),
+    "fixed": lambda num_speculative_tokens=5, **kw: FixedPolicy(num_speculative_tokens, **kw),
     "heuristic": lambda num_speculative_tokens=5, **kw: HeuristicPolicy(num_speculative_tokens, **kw),
     "confidence": lambda num_speculative_tokens=5, max_tokens=None, **kw: ConfidencePolicy(
         max_tokens or default_max_tokens(num_speculative_tokens), **kw),
@@ -581,10 +581,15 @@ def build_policy(name: str, num_speculative_tokens: int = 5, *, proposer=None, *
         kwargs: passed to the policy's constructor (e.g. ``min_top_prob=0.6``, ``guard=False``).
 
     Raises:
-        SpecDecodeError: unknown name (the message lists the choices) or a value out of range.
+        SpecDecodeError: unknown name (the message lists the choices), an option the policy does not take, or a
+            value out of range.
     """
     key = check_policy_name(name)  # the names of POLICIES (options.POLICY_NAMES, kept equal by a test)
     _check_gamma("num_speculative_tokens", num_speculative_tokens)
     if key == "auto":
         kwargs["proposer"] = proposer
-    return POLICIES[key](num_speculative_tokens, **kwargs)
+    try:
+        return POLICIES[key](num_speculative_tokens, **kwargs)
+    except TypeError as err:  # an option the policy does not take (the constructor's own message names it)
+        options = ", ".join(sorted(k for k in kwargs if k != "proposer"))
+        raise SpecDecodeError(f"the {key} policy does not take the option(s) {options}: {err}") from None

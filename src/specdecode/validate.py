@@ -236,7 +236,7 @@ def check_policy_name(name: str | None) -> str:
     Raises:
         SpecDecodeError: an unknown name (the message lists :data:`~specdecode.options.POLICY_NAMES`).
     """
-    key = (name or "").strip().lower()
+    key = name.strip().lower() if isinstance(name, str) else None
     if key not in POLICY_NAMES:
         raise _refuse(SpecDecodeError, "policy",
                       f"unknown draft-length policy {name!r}; choose one of {', '.join(POLICY_NAMES)}")
