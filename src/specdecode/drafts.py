@@ -39,7 +39,7 @@ def cut_draft(row: Request, d: Draft) -> Draft:
     n = d.num_tokens
     if not n or d.draft_probs is not None or not row.sampler.active:
         return d
-    if d.parents[0].tolist() == list(range(-1, n - 1)):
+    if d.is_chain():
         keep = row.sampler.valid_prefix(d.token_ids[0].tolist())
         if keep == n:
             return d
