@@ -709,6 +709,32 @@ def test_attention_of_many_queries_in_one_call_gives_each_query_its_bits_alone(d
             assert torch.equal(part[r, h], alone[r, h])
 
 
+def test_attention_reads_the_cache_directly_for_few_queries_and_a_shared_copy_for_more_with_the_same_bits():
+    """Calls of 1-3 queries of a kv head read their keys and values straight from the float16 cache, calls of 4 or
+    more through one float32 copy (SD_ATT_SHARE_MIN): every query's bits are the same either way, over cached
+    contexts around the 32-key chunk, on every variant."""
+    if not VARIANTS:
+        pytest.skip("no kernel variant on this CPU")
+    g = torch.Generator().manual_seed(11)
+    heads, kvh, d, plane = 8, 1, 64, 140
+    k = torch.randn(kvh, plane, d, generator=g).half()
+    v = torch.randn(kvh, plane, d, generator=g).half()
+    for cached in (7, 32, 33, 131):
+        rows = 2
+        visible = torch.zeros(rows, plane, dtype=torch.bool)
+        for r in range(rows):
+            visible[r, : cached + r + 1] = True
+        q = torch.randn(rows, heads, d, generator=g) * 3
+        every = [(r, h) for r in range(rows) for h in range(heads)]
+        alone = {rh: _attend_queries(VARIANTS[0], q, k, v, visible, [rh])[rh] for rh in every}
+        for name in VARIANTS:
+            for count in (2, 3, 4, 5, 16):
+                part = every[:count]
+                out = _attend_queries(name, q, k, v, visible, part)
+                for rh in part:
+                    assert torch.equal(out[rh], alone[rh]), (name, cached, count, rh)
+
+
 def test_attention_in_batches_of_queries_over_a_long_cache_and_a_prompt():
     """A call splits its queries into batches (16 rows' worth, fewer when the context is long: 63 queries at
     6,000 columns: 42 queries): a prompt's 20 causal rows and a long cache's 16 rows keep every query's bits

@@ -1692,6 +1692,10 @@ SD_INLINE void partial8_f32(const float* qs, const float* kb, int64_t DV, __m256
 
 // Keys / values converted to float32 at a time (a multiple of 8): 8 KB at d = 64, inside L1
 #define SD_ATT_KEYS 32
+// Fewest queries of one call that read a float32 copy of their shared keys and values (attention_d)
+#ifndef SD_ATT_SHARE_MIN
+#define SD_ATT_SHARE_MIN 4
+#endif
 
 #if defined(SD_VARIANT_AVX512) || defined(SD_VARIANT_AVX512VNNI)
 // The AVX-512 variants run attention's float32 work on 16 lanes with the bits of the 8-lane code (tested on
@@ -1783,10 +1787,15 @@ SD_INLINE void attention_d(const float* q, int64_t ldq, int64_t heads, int64_t k
       c = j;
     }
   }
+  // Queries that share their keys with at most two others read them straight from the float16 cache (steps 2 and
+  // 4): the shared float32 copy (steps 1 and 3) pays from 4 queries (SmolLM2's one-token step, 3 heads per kv head:
+  // about 0.9x the time at 2,000 tokens of context; docs/results/kernels/amx/s11/). The same bits either way.
+  if (nq < SD_ATT_SHARE_MIN) c = 0;
   const int64_t c8 = c / 8 * 8;
   // 1. scores of the shared keys: eight at a time by rank (rank = column below c), every query per chunk
   for (int64_t j0 = 0; j0 < c8; j0 += SD_ATT_KEYS) {
     const int64_t cnt = c8 - j0 < SD_ATT_KEYS ? c8 - j0 : SD_ATT_KEYS;
+    prefetch_ahead((const uint8_t*)(kh + j0 * d), (int)(cnt * d * 2));
     for (int64_t j = 0; j < cnt; ++j)  // (SD_ATT512: in pairs of keys, scores8_pairs)
       for (int64_t v = 0; v < DV; ++v)
         _mm256_storeu_ps(kb + (SD_ATT512 ? ((j / 2) * DV + v) * 16 + (j % 2) * 8 : j * d + 8 * v), load_h8(kh + (j0 + j) * d + 8 * v));
@@ -1879,6 +1888,7 @@ SD_INLINE void attention_d(const float* q, int64_t ldq, int64_t heads, int64_t k
   // (SD_ATT_CHUNK vectors of it in registers at a time: the chunking changes no result)
   for (int64_t j0 = 0; j0 < c; j0 += SD_ATT_KEYS) {
     const int64_t cnt = c - j0 < SD_ATT_KEYS ? c - j0 : SD_ATT_KEYS;
+    prefetch_ahead((const uint8_t*)(vh + j0 * d), (int)(cnt * d * 2));
     for (int64_t j = 0; j < cnt; ++j)
       for (int64_t v = 0; v < DV; ++v) _mm256_storeu_ps(kb + j * d + 8 * v, load_h8(vh + (j0 + j) * d + 8 * v));
 #if SD_ATT512
