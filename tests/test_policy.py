@@ -446,12 +446,26 @@ def test_cost_model_trims_each_match_length_by_its_own_acceptance():
     (but for exploration), the second in full, from the same policy in the same steps."""
     p = _trained({1: 0.0, 4: 1.0})
     assert p._lookup and p.next_length() in (0, 5)
-    decisions = [p.trim([5, 5], [1, 4], 1) for _ in range(16)]
+    decisions = [(p.trim([5], [1], 1)[0], p.trim([5], [4], 1)[0]) for _ in range(16)]  # each row a step alone
     assert [d[1] for d in decisions] == [5] * 16
     short = [d[0] for d in decisions]
     assert short.count(0) >= 14 and max(short) <= 1  # nothing, or one token to measure again
     assert p.by_match[4] is p._estimate(9)  # longer matches share the last bucket (match_buckets = 4)
     assert set(p.by_match) == {1, 4}
+
+
+def test_cost_model_cuts_a_batch_together_and_lets_rows_ride_the_padding_for_free():
+    """Verification pads every row to the longest: a row whose drafts are never right is cut to nothing alone, but
+    beside a row that verifies 5 tokens it keeps them (they cost nothing more); beside other rows padded to 3 it
+    keeps 3; a batch of rows that never pay is cut to nothing."""
+    p = _trained({1: 0.0, 4: 1.0})
+    p.explore_every = 0  # decisions without exploration
+    assert p.trim([5], [1], 1) == [0] and p.trim([5], [4], 1) == [5]
+    assert p.trim([5, 5], [1, 4], 2) == [5, 5]
+    assert p.trim([5, 2], [1, 4], 2) == [2, 2]  # the good row has 2 tokens: the step is padded to 2
+    assert p.trim([5], [1], 2, padded=3) == [3]
+    assert p.trim([5, 5], [1, 1], 2) == [0, 0]
+    assert p.trim([5, 5], [1, 1], 3, padded=9) == [5, 5]  # (padding past gamma: the longest cost measured)
 
 
 def test_cost_model_drafts_less_where_verifying_a_token_costs_more():
@@ -465,6 +479,30 @@ def test_cost_model_before_any_timing_keeps_gamma_tokens():
     assert p.step_costs() is None and p.trim([8, 2], [1, 1], 2) == [3, 2]
     with pytest.raises(SpecDecodeError, match="match_buckets"):
         CostModelPolicy(3, match_buckets=0)
+
+
+class PaddedTrim(ScriptedTrim):
+    def trim(self, lengths, match_lengths, batch_size, *, padded=0):
+        self.seen.append((list(lengths), list(match_lengths), batch_size, padded))
+        return [0 for _ in lengths]
+
+
+def test_engine_tells_a_trim_that_takes_it_how_far_the_other_rows_pad_the_step(target):
+    """A row with its own gamma (not the policy's) beside a policy row: the policy's trim hears the other row's draft
+    length as ``padded`` (a trim without the keyword keeps working: ScriptedTrim above)."""
+    from specdecode.config import RequestSpeculation
+
+    policy = PaddedTrim(5)
+    eng = SpeculativeEngine(target, NgramProposer(), EngineConfig(num_speculative_tokens=5, max_batch_size=2),
+                            policy=policy)
+    params = SamplingParams(max_new_tokens=30, ignore_eos=True)
+    own, _ = eng.add([5, 6, 7, 5, 6, 7, 5, 6], params, speculation=RequestSpeculation(num_speculative_tokens=3))
+    mine, _ = eng.add([3, 4, 5, 3, 4, 5, 3, 4], params)
+    while mine.finish_reason is None or own.finish_reason is None:
+        eng.step()
+    assert policy.seen and all(len(s) == 4 and 0 <= s[3] <= 3 for s in policy.seen)
+    assert any(s[2] == 2 and s[3] > 0 for s in policy.seen)  # (a row that finished first leaves a batch of one)
+    assert all(s[3] == 0 for s in policy.seen if s[2] == 1)
 
 
 def test_engine_rows_with_their_own_gamma_are_not_trimmed(target):

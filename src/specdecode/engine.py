@@ -98,6 +98,7 @@ class SpeculativeEngine:
         # of next_length / update, keeps them whole); those whose update takes match_lengths= learn from them
         self._policy_trims = getattr(type(self.policy), "trim", DraftLengthPolicy.trim) is not DraftLengthPolicy.trim
         self._policy_learns_matches = self._policy_trims and _takes_keyword(self.policy.update, "match_lengths")
+        self._policy_trims_padded = self._policy_trims and _takes_keyword(self.policy.trim, "padded")
         self.rows: list[Request] = []  # row i lives in cache slot i
         self.last_gamma = 0  # the draft length the policy chose for the last step (before any per-row trim)
         self.last_output: GenerationOutput | None = None
@@ -292,8 +293,13 @@ class SpeculativeEngine:
                and d.is_chain()]
         if not own:
             return drafts
-        keep = self.policy.trim([drafts[i].num_tokens for i in own], [int(drafts[i].match_length) for i in own],
-                                len(rows))
+        lengths, matches = [drafts[i].num_tokens for i in own], [int(drafts[i].match_length) for i in own]
+        if self._policy_trims_padded:  # the other rows' drafts pad the step to their longest anyway
+            mine = set(own)
+            padded = max((d.num_tokens for i, d in enumerate(drafts) if i not in mine), default=0)
+            keep = self.policy.trim(lengths, matches, len(rows), padded=padded)
+        else:
+            keep = self.policy.trim(lengths, matches, len(rows))
         for i, n in zip(own, keep):
             drafts[i] = drafts[i].prefix(max(0, min(int(n), drafts[i].num_tokens)))
         return drafts

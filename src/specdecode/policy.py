@@ -96,11 +96,12 @@ class DraftLengthPolicy:
     ) -> None:
         return None
 
-    def trim(self, lengths: list[int], match_lengths: list[int], batch_size: int) -> list[int]:
+    def trim(self, lengths: list[int], match_lengths: list[int], batch_size: int, *, padded: int = 0) -> list[int]:
         """How many tokens of each lookup draft to verify: ``lengths[i]`` tokens drafted by a match of
         ``match_lengths[i]`` tokens (rows of a batch of ``batch_size``) -> a count in [0, lengths[i]] each.
+        ``padded``: the longest draft of the batch's other rows (verification pads every row to the longest).
         Verifying a prefix of a deterministic chain is exact (its tokens are verified as in the whole chain).
-        The base class keeps every token."""
+        The base class keeps every token. (The engine passes ``padded`` only to a ``trim`` that takes it.)"""
         return list(lengths)
 
 
@@ -485,31 +486,53 @@ class CostModelPolicy(DraftLengthPolicy):
         a += self.overhead.seconds
         return [a + (b + per_token) * g for g in range(self.max_tokens + 1)]
 
-    def trim(self, lengths: list[int], match_lengths: list[int], batch_size: int) -> list[int]:
-        """Per row, the prefix g <= lengths[i] of its lookup draft maximising E_m(g) / T(B, g) (0: none pays),
-        g <= ``num_speculative_tokens``,
-        m its match length's bucket; one more token every ``explore_every``-th decision of a bucket; before
-        the costs are measured, at most ``num_speculative_tokens``."""
+    def trim(self, lengths: list[int], match_lengths: list[int], batch_size: int, *, padded: int = 0) -> list[int]:
+        """How much of each row's lookup draft to verify. A batch's verification pads every row to its longest
+        (its step costs T(B, G), G the longest row's draft), so the rows are cut together: G maximises
+        (sum_i E_i(min(G, n_i)) + the other rows) / T(B, max(G, padded)), E_i(g) = 1 + the expected accepted
+        tokens of g drafted by a match of row i's length (m's bucket), and each row keeps min(n_i, max(G, padded))
+        tokens: a token inside the padding costs nothing more. One row alone: the prefix maximising E_m(g) / T(1, g)
+        (0: none pays). n_i <= ``num_speculative_tokens``; the step goes one token further every
+        ``explore_every``-th decision of a bucket (every ``explore_every`` x B-th in a batch of B: there a token more
+        costs B rows), the other rows riding along; before the costs are measured, at most
+        ``num_speculative_tokens``.
+
+        Args:
+            lengths, match_lengths: per row of the policy's, its draft's tokens and the length of the match
+                that found it.
+            batch_size: rows in the step (the policy's and the others).
+            padded: the longest draft of the step's other rows (the step is padded to it whatever is cut here).
+        """
         self._lookup = True  # chains it may cut: from now on next_length asks for gamma and this method decides
         costs = self.step_costs(batch_size)
+        caps = [min(int(n), self.initial) for n in lengths]
         if costs is None:
-            return [min(int(n), self.initial) for n in lengths]
-        out = []
-        for n, m in zip(lengths, match_lengths):
-            n = min(int(n), self.initial)
-            est = self._estimate(m)
-            key = self._bucket(m)
-            best, best_rate, e, survive = 0, 1.0 / max(costs[0], 1e-12), 1.0, 1.0
-            for g, rate in enumerate(est.rates()[:n], start=1):
+            return caps
+        gains = []  # per row, E(g) for g = 0..cap
+        for n, m in zip(caps, match_lengths):
+            e, survive, row = 1.0, 1.0, [1.0]
+            for rate in self._estimate(m).rates()[:n]:
                 survive *= rate
                 e += survive
-                if e / max(costs[g], 1e-12) > best_rate:
-                    best, best_rate = g, e / max(costs[g], 1e-12)
+                row.append(e)
+            gains.append(row)
+        others = max(0, int(batch_size) - len(caps))  # rows outside the cut: at least one token each
+        floor = min(max(0, int(padded)), len(costs) - 1)
+        best, best_rate = 0, -1.0
+        for g in range(max(caps, default=0) + 1):
+            tokens = others + sum(row[min(g, len(row) - 1)] for row in gains)
+            rate = tokens / max(costs[max(g, floor)], 1e-12)
+            if rate > best_rate:
+                best, best_rate = g, rate
+        padded_to = max(best, floor)
+        for n, m in zip(caps, match_lengths):
+            key = self._bucket(m)
             self._decisions[key] = seen = self._decisions.get(key, 0) + 1
-            if self.explore_every and seen % self.explore_every == 0:
-                best = min(n, best + 1)  # keep measuring one token past the choice: it may pay by now
-            out.append(best)
-        return out
+            # keep measuring one token past the choice (it may pay by now): every explore_every-th decision of a
+            # bucket alone, every (explore_every x B)-th in a batch of B, where one more token costs B more rows
+            if self.explore_every and seen % (self.explore_every * max(1, int(batch_size))) == 0:
+                padded_to = max(padded_to, min(n, max(best, floor) + 1))
+        return [min(n, padded_to) for n in caps]  # every row rides the step's padding
 
     def update(self, num_drafted, num_accepted, *, draft_time_s=None, verify_time_s=None,
                match_lengths=None) -> None:
