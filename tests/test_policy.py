@@ -468,6 +468,15 @@ def test_cost_model_cuts_a_batch_together_and_lets_rows_ride_the_padding_for_fre
     assert p.trim([5, 5], [1, 1], 3, padded=9) == [5, 5]  # (padding past gamma: the longest cost measured)
 
 
+def test_cost_model_explores_a_written_off_match_length_only_where_it_could_pay():
+    """A one-token match never right: where a token costs 0.6 of a step, even a rate 0.25 higher would not pay, so it
+    is never verified again; where a token costs 0.05, exploration measures it again now and then."""
+    dear, cheap = _trained({1: 0.0}, per_token=0.6), _trained({1: 0.0}, per_token=0.05)
+    assert max(dear.trim([5], [1], 1)[0] for _ in range(40)) == 0
+    explored = [cheap.trim([5], [1], 1)[0] for _ in range(40)]
+    assert max(explored) == 1 and explored.count(1) <= 6
+
+
 def test_cost_model_drafts_less_where_verifying_a_token_costs_more():
     cheap, dear = _trained({2: 0.6}, per_token=0.05), _trained({2: 0.6}, per_token=0.6)
     pick = lambda p: max(p.trim([5], [2], 1)[0] for _ in range(7))  # (7 decisions: no exploration among them)

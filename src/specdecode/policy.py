@@ -486,6 +486,10 @@ class CostModelPolicy(DraftLengthPolicy):
         a += self.overhead.seconds
         return [a + (b + per_token) * g for g in range(self.max_tokens + 1)]
 
+    #: How much higher than its estimate a bucket's next acceptance rate would have to be for a step of exploration
+    #: to be worth it (trim): a match length that could not pay even so is not measured again.
+    EXPLORE_MARGIN = 0.25
+
     def trim(self, lengths: list[int], match_lengths: list[int], batch_size: int, *, padded: int = 0) -> list[int]:
         """How much of each row's lookup draft to verify. A batch's verification pads every row to its longest
         (its step costs T(B, G), G the longest row's draft), so the rows are cut together: G maximises
@@ -494,8 +498,8 @@ class CostModelPolicy(DraftLengthPolicy):
         tokens: a token inside the padding costs nothing more. One row alone: the prefix maximising E_m(g) / T(1, g)
         (0: none pays). n_i <= ``num_speculative_tokens``; the step goes one token further every
         ``explore_every``-th decision of a bucket (every ``explore_every`` x B-th in a batch of B: there a token more
-        costs B rows), the other rows riding along; before the costs are measured, at most
-        ``num_speculative_tokens``.
+        costs B rows), the other rows riding along, where that token would pay were the bucket's rate there
+        ``EXPLORE_MARGIN`` higher; before the costs are measured, at most ``num_speculative_tokens``.
 
         Args:
             lengths, match_lengths: per row of the policy's, its draft's tokens and the length of the match
@@ -525,13 +529,23 @@ class CostModelPolicy(DraftLengthPolicy):
             if rate > best_rate:
                 best, best_rate = g, rate
         padded_to = max(best, floor)
-        for n, m in zip(caps, match_lengths):
+        for i, (n, m) in enumerate(zip(caps, match_lengths)):
             key = self._bucket(m)
             self._decisions[key] = seen = self._decisions.get(key, 0) + 1
             # keep measuring one token past the choice (it may pay by now): every explore_every-th decision of a
-            # bucket alone, every (explore_every x B)-th in a batch of B, where one more token costs B more rows
-            if self.explore_every and seen % (self.explore_every * max(1, int(batch_size))) == 0:
-                padded_to = max(padded_to, min(n, max(best, floor) + 1))
+            # bucket alone, every (explore_every x B)-th in a batch of B, where one more token costs B more rows;
+            # and only where it could pay were the bucket's next rate EXPLORE_MARGIN higher (hopeless: not measured)
+            g = min(n, max(best, floor) + 1)
+            if self.explore_every and g > padded_to and seen % (self.explore_every * max(1, int(batch_size))) == 0:
+                bold = list(self._estimate(m).rates()[:g])
+                bold[g - 1] = min(1.0, bold[g - 1] + self.EXPLORE_MARGIN)
+                e, survive = 1.0, 1.0
+                for rate in bold:
+                    survive *= rate
+                    e += survive
+                tokens = others + e + sum(row[min(g, len(row) - 1)] for j, row in enumerate(gains) if j != i)
+                if tokens / max(costs[max(g, floor)], 1e-12) >= best_rate:
+                    padded_to = g
         return [min(n, padded_to) for n in caps]  # every row rides the step's padding
 
     def update(self, num_drafted, num_accepted, *, draft_time_s=None, verify_time_s=None,
