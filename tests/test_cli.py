@@ -539,6 +539,12 @@ def test_sampling_flags_reach_the_library(capsys, tiny_model_dir, tiny_loaded):
     assert rec["finish_reason"] == "stop" and rec["token_ids"] == greedy[: greedy.index(greedy[3]) + 1]
 
 
+def test_a_policy_with_no_drafter_is_said_to_do_nothing_and_policy_names_take_any_case(capsys, tiny_model_dir):
+    code, out, err = _run(capsys, "generate", "--target", str(tiny_model_dir), "--draft", "none", "--weights", "fp32",
+                          "--prompt", "hi", "--max-new-tokens", "2", "--policy", "FIXED")
+    assert code == 0 and "--policy fixed has no effect with --draft none" in err
+
+
 def test_token_ids_outside_the_vocabulary_are_refused_before_any_output(capsys, tiny_model_dir):
     for flag, value in (("--logit-bias", "99999=1"), ("--stop-token-id", "99999")):
         code, out, err = _run(capsys, "generate", "--target", str(tiny_model_dir), "--prompt", "hi", flag, value)

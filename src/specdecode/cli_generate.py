@@ -63,6 +63,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     for note in notes:
         _status(note)
     spec = DrafterSpec.from_settings(vars(args))
+    if spec.kind == "none" and args.policy != "auto":
+        _status(f"--policy {args.policy} has no effect with --draft none (plain decoding drafts nothing)")
     _status(f"loading target {args.target!r}" + (f" and draft model {spec.model_spec!r}" if spec.model_spec else ""))
     t0 = time.perf_counter()
     decoder = SpecDecoder.from_pretrained(

@@ -178,12 +178,13 @@ def add_drafter_arguments(group: argparse._ArgumentGroup, *, policy_default: str
                        help="with --draft layer-skip: decoder layers to skip, e.g. 3,5,7 (default: the set cached for "
                             "the model, else a search on the first prompts, cached in the --cache-dir)")
     policies = policy_group or group
-    policies.add_argument("--policy", default=policy_default, choices=POLICY_NAMES,
+    policies.add_argument("--policy", default=policy_default, choices=POLICY_NAMES, type=str.lower,
                           help="draft-length policy: fixed gamma (-k); heuristic (+2 after a fully accepted step, -1 "
                                "otherwise); confidence (draft up to max(2k, 8) while the draft is sure); cost-model "
                                "(gamma maximising tokens/s measured online per batch size, 0 = plain decoding when "
                                "speculation loses; ngram drafts cut per step to the prefix their "
-                               "match length's acceptance pays for, at most -k); auto: cost-model for ngram, fixed "
+                               "match length's acceptance pays for, at most -k, a batch's rows together); auto: "
+                               "cost-model for ngram, fixed "
                                "for the others (default: %(default)s)")
     group.add_argument("--tree", default=FLAG_DEFAULTS["tree"], choices=TREE_KINDS,
                        help="token trees from the draft model or head, verified in one target pass: 'static' (top-k "
