@@ -610,18 +610,20 @@ def _attention_fn(name: str):
     return Table.from_address(lowbit.load_variant(name)).attention
 
 
-def _attend_queries(name, q, k, v, visible, queries):
-    """q [rows, heads, d] float32, k / v [kv_heads, plane, d] float16, visible [rows, plane] bool; queries: the
-    (row, head) pairs of one call -> out [rows, heads, d] (NaN where no query wrote)."""
+def _attend_queries(name, q, k, v, visible, queries, kv_len=None):
+    """q [rows, heads, d] float32, k / v [kv_heads, plane, d] float16, visible [rows, plane] bool (None: every
+    row sees columns < kv_len, the C code's NULL mask); queries: the (row, head) pairs of one call -> out
+    [rows, heads, d] (NaN where no query wrote)."""
     rows, heads, d = q.shape
     kvh, plane, _ = k.shape
     out = torch.full((rows, heads, d), float("nan"))
-    vis = visible.to(torch.uint8).contiguous()
+    vis = None if visible is None else visible.to(torch.uint8).contiguous()
     r = torch.tensor([a for a, _ in queries], dtype=torch.int32)
     h = torch.tensor([b for _, b in queries], dtype=torch.int32)
     q = q.contiguous()
-    _attention_fn(name)(q.data_ptr(), heads * d, heads, kvh, d, k.data_ptr(), v.data_ptr(), plane, vis.data_ptr(),
-                        plane, d ** -0.5, out.data_ptr(), heads * d, r.data_ptr(), h.data_ptr(), len(queries))
+    _attention_fn(name)(q.data_ptr(), heads * d, heads, kvh, d, k.data_ptr(), v.data_ptr(), plane,
+                        None if vis is None else vis.data_ptr(), plane if visible is not None else kv_len, d ** -0.5,
+                        out.data_ptr(), heads * d, r.data_ptr(), h.data_ptr(), len(queries))
     return out
 
 
@@ -716,23 +718,25 @@ def test_attention_reads_the_cache_directly_for_few_queries_and_a_shared_copy_fo
     if not VARIANTS:
         pytest.skip("no kernel variant on this CPU")
     g = torch.Generator().manual_seed(11)
-    heads, kvh, d, plane = 8, 1, 64, 140
-    k = torch.randn(kvh, plane, d, generator=g).half()
-    v = torch.randn(kvh, plane, d, generator=g).half()
-    for cached in (7, 32, 33, 131):
-        rows = 2
-        visible = torch.zeros(rows, plane, dtype=torch.bool)
-        for r in range(rows):
-            visible[r, : cached + r + 1] = True
-        q = torch.randn(rows, heads, d, generator=g) * 3
-        every = [(r, h) for r in range(rows) for h in range(heads)]
-        alone = {rh: _attend_queries(VARIANTS[0], q, k, v, visible, [rh])[rh] for rh in every}
-        for name in VARIANTS:
-            for count in (2, 3, 4, 5, 16):
-                part = every[:count]
-                out = _attend_queries(name, q, k, v, visible, part)
-                for rh in part:
-                    assert torch.equal(out[rh], alone[rh]), (name, cached, count, rh)
+    heads, kvh, plane = 8, 1, 140
+    for d in (64, 128, 40):
+        k = torch.randn(kvh, plane, d, generator=g).half()
+        v = torch.randn(kvh, plane, d, generator=g).half()
+        for cached in (7, 32, 33, 131):
+            rows = 2
+            visible = torch.zeros(rows, plane, dtype=torch.bool)
+            for r in range(rows):
+                visible[r, : cached + r + 1] = True
+            q = torch.randn(rows, heads, d, generator=g) * 3
+            every = [(r, h) for r in range(rows) for h in range(heads)]
+            for mask, kv_len in ((visible, None), (None, cached + 1)):  # None: the one-token step's NULL mask
+                alone = {rh: _attend_queries(VARIANTS[0], q, k, v, mask, [rh], kv_len)[rh] for rh in every}
+                for name in VARIANTS:
+                    for count in (2, 3, 4, 5, 16):
+                        part = every[:count]
+                        out = _attend_queries(name, q, k, v, mask, part, kv_len)
+                        for rh in part:
+                            assert torch.equal(out[rh], alone[rh]), (name, d, cached, count, rh, mask is None)
 
 
 def test_attention_in_batches_of_queries_over_a_long_cache_and_a_prompt():

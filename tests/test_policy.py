@@ -477,6 +477,22 @@ def test_cost_model_explores_a_written_off_match_length_only_where_it_could_pay(
     assert max(explored) == 1 and explored.count(1) <= 6
 
 
+def test_cost_model_in_a_batch_explores_every_8_x_b_decisions_with_the_other_rows_riding_along():
+    """Two rows of one match length whose tokens could pay at a higher rate: exploration comes every 8 x 2 = 16th
+    decision of the bucket (the 8th step of two rows), and then both rows keep the extra token; lengths that are
+    negative or do not pair with match lengths are refused in one line."""
+    p = _trained({2: 0.3}, per_token=0.3)
+    p._decisions.clear()
+    steps = [p.trim([5, 5], [2, 2], 2) for _ in range(16)]
+    best = min(min(s) for s in steps)
+    explored = [i for i, s in enumerate(steps) if s[0] > best]
+    assert explored == [7, 15] and all(s[0] == s[1] for s in steps)
+    with pytest.raises(SpecDecodeError, match="draft lengths"):
+        p.trim([-1], [2], 1)
+    with pytest.raises(SpecDecodeError, match="one per row"):
+        p.trim([3, 3], [2], 2)
+
+
 def test_cost_model_drafts_less_where_verifying_a_token_costs_more():
     cheap, dear = _trained({2: 0.6}, per_token=0.05), _trained({2: 0.6}, per_token=0.6)
     pick = lambda p: max(p.trim([5], [2], 1)[0] for _ in range(7))  # (7 decisions: no exploration among them)

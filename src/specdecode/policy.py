@@ -9,9 +9,10 @@ Every policy answers three questions for the engine:
   what each row's proposer actually drafted (which may be less than asked) and what
   verification kept; the times are the step's measured seconds of drafting and of
   the target's verification forward for the whole batch.
-- ``trim(lengths, match_lengths, batch_size) -> list[int]`` (optional): after a lookup drafter
-  (n-gram, suffix) proposed, how many tokens of each row's chain to verify, given how long a match
-  found it (``Draft.match_length``); a policy that overrides it also gets ``match_lengths=`` (per
+- ``trim(lengths, match_lengths, batch_size, *, padded=0) -> list[int]`` (optional): after a lookup
+  drafter (n-gram) proposed, how many tokens of each row's chain to verify, given how long a match
+  found it (``Draft.match_length``) and how far the step's other rows pad it (``padded``: passed only to
+  a ``trim`` that takes the keyword); a policy that overrides it also gets ``match_lengths=`` (per
   row, None for a row that drafted nothing) in ``update``. The base class verifies every token.
 - ``should_continue``: None, or a callable ``probs [V] float32 -> bool`` that a
   model-based proposer (draft-model, layer-skip) consults after each drafted
@@ -345,12 +346,15 @@ class CostModelPolicy(DraftLengthPolicy):
     size not measured yet gets one plain step first.
 
     Lookup drafters (n-gram: chains with a ``match_length``, nearly free to draft) are rated per draft
-    instead: the policy asks for ``num_speculative_tokens`` and :meth:`trim` keeps, per row, the prefix g of
-    its chain that maximises E_m(g) / T(B, g), where E_m comes from acceptance learned per match length m
-    (1, 2, ..., ``match_buckets`` or more tokens matched) and position, and T(B, g) is a least-squares
-    line through the measured step times (robust to the noise of any one length); g = 0 (a plain step for
-    that row) when no prefix pays, at most ``num_speculative_tokens``. Every ``explore_every``-th decision
-    for a match length keeps one token more than the choice, so a length once written off is measured again. A short match (one token) is
+    instead: the policy asks for ``num_speculative_tokens`` and :meth:`trim` cuts the batch's chains to one
+    length G (verification pads every row to the longest) that maximises sum_i E_i(min(G, n_i)) / T(B, G),
+    where E_i comes from acceptance learned per match length m (1, 2, ..., ``match_buckets`` or more tokens
+    matched) and position, and T(B, G) is a least-squares line through the measured step times (robust to
+    the noise of any one length); every row keeps up to G tokens of its chain (one row alone: the prefix g
+    maximising E_m(g) / T(1, g)); G = 0 (a plain step) when nothing pays, at most
+    ``num_speculative_tokens``. Every ``explore_every``-th decision for a match length (x B in a batch of B)
+    goes one token past the choice where that token could pay were its rate ``EXPLORE_MARGIN`` higher, and
+    every 8 x ``explore_every``-th regardless, so a length once written off is measured again. A short match (one token) is
     mostly noise and a long one mostly a copy: one acceptance rate for both would draft too much after
     the first and too little after the second (on Spec-Bench's general prompts a fixed gamma 5 of prompt
     lookup lost 2-12% to plain decoding).
@@ -499,14 +503,24 @@ class CostModelPolicy(DraftLengthPolicy):
         (0: none pays). n_i <= ``num_speculative_tokens``; the step goes one token further every
         ``explore_every``-th decision of a bucket (every ``explore_every`` x B-th in a batch of B: there a token more
         costs B rows), the other rows riding along, where that token would pay were the bucket's rate there
-        ``EXPLORE_MARGIN`` higher; before the costs are measured, at most ``num_speculative_tokens``.
+        ``EXPLORE_MARGIN`` higher (and every 8 x that-th decision regardless); before the costs are measured, at
+        most ``num_speculative_tokens``.
 
         Args:
             lengths, match_lengths: per row of the policy's, its draft's tokens and the length of the match
                 that found it.
             batch_size: rows in the step (the policy's and the others).
             padded: the longest draft of the step's other rows (the step is padded to it whatever is cut here).
+
+        Returns:
+            per row, the tokens to keep, in [0, min(lengths[i], num_speculative_tokens)].
+
+        Raises:
+            SpecDecodeError: a negative length, or lengths and match lengths of different counts.
         """
+        if len(lengths) != len(match_lengths) or any(int(n) < 0 for n in lengths):
+            raise SpecDecodeError(f"trim: {len(lengths)} draft lengths (each >= 0) and {len(match_lengths)} match "
+                                  f"lengths, one per row; got {list(lengths)}")
         self._lookup = True  # chains it may cut: from now on next_length asks for gamma and this method decides
         costs = self.step_costs(batch_size)
         caps = [min(int(n), self.initial) for n in lengths]
@@ -520,7 +534,8 @@ class CostModelPolicy(DraftLengthPolicy):
                 e += survive
                 row.append(e)
             gains.append(row)
-        others = max(0, int(batch_size) - len(caps))  # rows outside the cut: at least one token each
+        # rows outside the cut: counted as one token each (they may commit more: a slight lean to longer cuts)
+        others = max(0, int(batch_size) - len(caps))
         floor = min(max(0, int(padded)), len(costs) - 1)
         best, best_rate = 0, -1.0
         for g in range(max(caps, default=0) + 1):
@@ -535,8 +550,10 @@ class CostModelPolicy(DraftLengthPolicy):
             # keep measuring one token past the choice (it may pay by now): every explore_every-th decision of a
             # bucket alone, every (explore_every x B)-th in a batch of B, where one more token costs B more rows;
             # and only where it could pay were the bucket's next rate EXPLORE_MARGIN higher (hopeless: not measured)
+            # (every 8 x that-th decision regardless: an estimate changes only when measured)
             g = min(n, max(best, floor) + 1)
-            if self.explore_every and g > padded_to and seen % (self.explore_every * max(1, int(batch_size))) == 0:
+            every = self.explore_every * max(1, int(batch_size))
+            if self.explore_every and g > padded_to and seen % every == 0:
                 bold = list(self._estimate(m).rates()[:g])
                 bold[g - 1] = min(1.0, bold[g - 1] + self.EXPLORE_MARGIN)
                 e, survive = 1.0, 1.0
@@ -544,7 +561,7 @@ class CostModelPolicy(DraftLengthPolicy):
                     survive *= rate
                     e += survive
                 tokens = others + e + sum(row[min(g, len(row) - 1)] for j, row in enumerate(gains) if j != i)
-                if tokens / max(costs[max(g, floor)], 1e-12) >= best_rate:
+                if tokens / max(costs[max(g, floor)], 1e-12) >= best_rate or seen % (8 * every) == 0:
                     padded_to = g
         return [min(n, padded_to) for n in caps]  # every row rides the step's padding
 

@@ -1756,7 +1756,8 @@ SD_INLINE void values16(const int QN, const int64_t DZ, const float* const p[4],
 // hs[i] * d; its visible columns visible + rows[i] * kv_len, or every column < kv_len when visible is NULL;
 // its result out + rows[i] * ldo + hs[i] * d). The keys and values every query sees (the columns before the
 // first one some query does not see: a verification's cached context) are converted from float16 once and
-// read by every query (the heads of a GQA group, the rows of a verification), instead of once per query;
+// read by every query (the heads of a GQA group, the rows of a verification), instead of once per query
+// (from SD_ATT_SHARE_MIN queries of a call: fewer read the float16 cache directly);
 // each query's arithmetic is that of a query alone: its scores of eight keys by rank (keys scored eight at a
 // time, the tree of scores8), its softmax, its value sums in column order, so a row's result does not depend
 // on the other rows or on which queries share the call. A token-tree node (whose ancestors sit in scattered

@@ -455,7 +455,7 @@ class LayerStack {
         }
         sync();
         // the queries in (slot, kv head, row, head) order: a thread's share runs in pieces that read one slot's
-        // cache, and the queries of one kv head in a piece convert its shared keys and values once
+        // cache, and the queries of one kv head in a piece convert its shared keys and values once (from 4 queries)
         {
           const int64_t total = n * h, chunk = (total + nt - 1) / nt;
           const int64_t i1 = std::min(total, (tid + 1) * chunk);
