@@ -52,6 +52,29 @@ def test_readme_links_resolve():
     assert any(t.startswith("docs/") for t in _links(readme.read_text(encoding="utf-8")))
 
 
+def _slug(heading: str) -> str:
+    """A Markdown heading's anchor as GitHub (and mkdocs' toc) make it: lower case, punctuation dropped, spaces to -."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_readme_anchors_into_the_docs_name_headings_that_exist():
+    """A link like docs/benchmarks.md#some-heading goes stale when the heading is renamed (a "Latest: ..." section
+    that a later one replaces): every README anchor into a Markdown file names one of its headings."""
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    stale = []
+    for target in _links(readme):
+        if "#" not in target or re.match(r"^[a-z]+:", target):
+            continue
+        path, anchor = target.split("#", 1)
+        page = ROOT / path if path else ROOT / "README.md"
+        if page.suffix != ".md" or not page.is_file():
+            continue
+        text = re.sub(r"^```.*?^```", "", page.read_text(encoding="utf-8"), flags=re.S | re.M)
+        if anchor not in {_slug(h) for h in re.findall(r"^#+\s+(.*)$", text, flags=re.M)}:
+            stale.append(target)
+    assert not stale, f"README.md links to headings that do not exist: {stale}"
+
+
 def test_the_plot_stays_out_of_the_wheel():
     """The package ships what loading a head reads; training plots and reports live under docs/."""
     text = (ROOT / "pyproject.toml").read_text(encoding="utf-8")

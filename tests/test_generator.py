@@ -41,6 +41,15 @@ def test_encode_plain_chat_and_empty(ngram):
     assert out.prompt_token_ids == [ngram.tokenizer.bos_token_id] and len(out.token_ids) == 5
 
 
+def test_a_prompt_that_is_neither_text_nor_token_ids_is_refused_in_one_line(tiny_loaded):
+    dec = SpecDecoder(tiny_loaded, None)
+    for bad, match in ((None, "text or a sequence of token ids, got NoneType"), (123, "got int"),
+                       (["a", "b"], "token ids must be integers")):
+        with pytest.raises(SpecDecodeError, match=match):
+            dec.generate(bad, max_new_tokens=2)
+    assert dec.generate([3, 4, 5], max_new_tokens=2).token_ids  # the decoder is still fine
+
+
 def test_empty_prompt_without_bos_is_a_clear_error(tiny_loaded):
     no_bos = LoadedModel(tiny_loaded.model, make_tiny_tokenizer(with_bos=False, chat_template=None), "no-bos", "mem")
     dec = SpecDecoder(no_bos)

@@ -616,6 +616,32 @@ def test_a_file_that_is_no_gguf_fails_its_conversion_in_one_line_without_the_exc
     assert not out.exists() and not any((tmp_path / "converted").iterdir())
 
 
+def test_a_truncated_gguf_is_called_truncated_or_corrupt_in_one_line_and_read_once(tmp_path, monkeypatch):
+    """GGUF magic bytes, then too few bytes for the header: one line that says so and what to do; --weights auto
+    does not read it a second time for its measured choice (a file that cannot be read fails that too)."""
+    from specdecode import precision
+    from specdecode.models import convert
+    from specdecode.models.errors import ModelLoadError
+
+    bad = tmp_path / "trunc.gguf"
+    bad.write_bytes(b"GGUF\x03\x00\x00\x00garbage")
+    with pytest.raises(ModelLoadError, match=r"trunc\.gguf' is not a readable GGUF file \(truncated or corrupt") as err:
+        convert._convert(bad, tmp_path / "converted" / "trunc", "0" * 64, progress=False)
+    assert "\n" not in str(err.value) and "download it again" in str(err.value)
+    calls = []
+
+    def load(*a, **k):
+        calls.append(a)
+        raise ModelLoadError("unreadable")
+
+    monkeypatch.setattr(precision, "load_in_precision", load)
+    monkeypatch.setattr(precision, "supported_variants", lambda: ["avx2"])
+    monkeypatch.setattr(precision, "build_in_background", lambda: None)
+    with pytest.raises(ModelLoadError, match="unreadable"):
+        precision._gguf_blocks_choice(str(bad), None, False, None, "auto")
+    assert len(calls) == 1
+
+
 def test_a_file_that_is_no_gguf_is_refused_before_it_is_hashed(tmp_path, monkeypatch):
     """The magic bytes are read first: a large non-GGUF file fails at once, in one line, without being hashed."""
     from specdecode.models import loader

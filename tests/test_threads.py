@@ -65,3 +65,21 @@ def test_the_library_configs_are_bounded():
                   lambda: set_threads(TOO_MANY)):
         with pytest.raises(SpecDecodeError, match="cores"):
             build()
+
+
+def test_the_command_line_takes_threads_auto_as_the_library_does(tmp_path):
+    """--threads auto (and threads = "auto" in a settings file) is the default, one thread per idle core; other
+    text is refused by the parser in one line."""
+    import argparse
+
+    from specdecode.cli import build_parser
+    from specdecode.cliargs import threads_arg
+    from specdecode.configfile import parse_with_config
+
+    assert build_parser().parse_args(["generate", "--threads", "AUTO"]).threads is None
+    assert build_parser().parse_args(["generate", "--threads", "2"]).threads == 2
+    cfg = tmp_path / "t.toml"
+    cfg.write_text('threads = "auto"\n')
+    assert parse_with_config(build_parser(), ["generate", "--config", str(cfg)]).threads is None
+    with pytest.raises(argparse.ArgumentTypeError, match="whole number of threads or auto"):
+        threads_arg("two")

@@ -51,6 +51,18 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
         super().__init__(prog, max_help_position=32)
 
 
+
+def threads_arg(text: str) -> int | None:
+    """``--threads`` as given: a whole number (checked against the cores later), or ``auto`` (None: one per idle core,
+    as without the flag; the library's ``threads='auto'``)."""
+    value = str(text).strip().lower()
+    if value == "auto":
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number of threads or auto, got {text!r}") from None
+
 def status(message: str) -> None:
     """One status line of the command line, on standard error."""
     print(f"specdecode: {message}", file=sys.stderr, flush=True)
@@ -222,8 +234,8 @@ def add_drafter_arguments(group: argparse._ArgumentGroup, *, policy_default: str
     group.add_argument("--cache-dir", metavar="DIR",
                        help="where converted GGUF models (and layer-skip sets) are cached (default: "
                             "$SPECDECODE_CACHE or ~/.cache/specdecode)")
-    group.add_argument("--threads", type=int, default=None, metavar="N",
-                       help="torch threads, 1..the cores this process may use (default: one per core that other "
+    group.add_argument("--threads", type=threads_arg, default=None, metavar="N",
+                       help="torch threads, 1..the cores this process may use, or auto (the default: one per core that other "
                             "processes leave idle, sampled at start: threads on busy cores wait on each other and a step can run 10x slower; "
                             "--weights auto measures, and caches, per thread count)")
 
@@ -316,9 +328,9 @@ def add_tune_arguments(p: argparse.ArgumentParser) -> None:
                         help="precision of the draft models (default: the target's)")
     models.add_argument("--dtype", default="float32", choices=DTYPES, help="dtype the weights load in "
                         "(default: %(default)s)")
-    models.add_argument("--threads", type=int, default=None, metavar="N",
-                        help="torch threads, 1..the cores this process may use (default: one per core other "
-                             "processes leave idle)")
+    models.add_argument("--threads", type=threads_arg, default=None, metavar="N",
+                        help="torch threads, 1..the cores this process may use, or auto (the default: one per core "
+                             "other processes leave idle)")
     models.add_argument("--cache-dir", metavar="DIR",
                         help="model cache (default: $SPECDECODE_CACHE or ~/.cache/specdecode)")
     prompts = p.add_argument_group("prompts (one of --prompts, --dataset)")

@@ -3,7 +3,8 @@
 A TOML file (read with the standard library's ``tomllib``):
 
 - top-level keys: settings of ``specdecode generate`` and ``specdecode serve`` (their shared drafter and
-  precision flags: ``target``, ``draft``, ``num_speculative_tokens``, ``policy``, ``weights``, ``threads``, ...);
+  precision flags: ``target``, ``draft``, ``num_speculative_tokens``, ``policy``, ``weights``, ``threads``, ...;
+  a top-level key only one of them takes, such as ``port``, is that command's and the other skips it);
 - a ``[generate]``, ``[serve]`` or ``[bench]`` table: settings of that command only (they override the
   top level). ``bench`` reads only its own table: its ``--draft`` names a draft model and its
   ``--methods`` are method specs, so the top-level drafter keys would mean something else there;
@@ -233,9 +234,27 @@ def apply_config(parser: argparse.ArgumentParser, argv: Sequence[str]) -> dict:
     if path is None:
         return {}
     sub = commands[command]
-    settings = check_settings(sub, command_settings(read_config(path), command, path), command, path)
+    data = read_config(path)
+    raw = command_settings(data, command, path)
+    own = data.get(command, {}) if isinstance(data.get(command, {}), dict) else {}
+    others = [commands[c] for c in TOP_LEVEL_COMMANDS if c != command and c in commands]
+    mine = _key_names(sub)
+    for key in [k for k in raw if k not in own]:  # a top-level key only the other command takes is the other's
+        name = str(key).replace("-", "_")
+        if name not in mine and any(name in _key_names(o) for o in others):
+            del raw[key]
+    settings = check_settings(sub, raw, command, path)
     sub.set_defaults(**settings)
     return settings
+
+
+def _key_names(parser: argparse.ArgumentParser) -> set[str]:
+    """The keys a settings file may give ``parser``'s command: its destinations and long flag names (- as _)."""
+    names = {a.dest for a in parser._actions if a.dest not in _RESERVED and a.dest != argparse.SUPPRESS}
+    for a in parser._actions:
+        if a.dest in names:
+            names.update(opt[2:].replace("-", "_") for opt in a.option_strings if opt.startswith("--"))
+    return names
 
 
 def parse_with_config(parser: argparse.ArgumentParser, argv: Sequence[str]) -> argparse.Namespace:

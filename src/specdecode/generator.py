@@ -397,7 +397,15 @@ class SpecDecoder:
             coupled=coupled,
         )
         grammar = self.compile_structured(json_schema=json_schema, regex=regex, response_format=response_format)
-        prompt_ids = self.encode(prompt, chat=chat) if isinstance(prompt, str) else [int(t) for t in prompt]
+        if not isinstance(prompt, str) and not (isinstance(prompt, Sequence) or hasattr(prompt, "tolist")):
+            raise SpecDecodeError(f"prompt must be text or a sequence of token ids, got {type(prompt).__name__}")
+        if isinstance(prompt, str):
+            prompt_ids = self.encode(prompt, chat=chat)
+        else:
+            try:
+                prompt_ids = [int(t) for t in prompt]
+            except (TypeError, ValueError):
+                raise SpecDecodeError("prompt token ids must be integers") from None
         tracker = TextTracker(self.decode, stops)
         # The engine's loop, as every front end runs it, stoppable at a stop string; its row is freed however
         # this block is left (a callback raising, Ctrl-C: ``SpeculativeEngine.running``).

@@ -38,6 +38,7 @@ import torch
 
 from specdecode.bench.env import cpu_flags, cpu_model
 from specdecode.errors import SpecDecodeError
+from specdecode.models.errors import ModelLoadError
 from specdecode.kernels import WEIGHT_PRECISIONS
 from specdecode.lowbit import (ISA_ENV, active_variant, build_in_background, check_forced_variant, kernel_status,
                                load_in_precision, quantize_loaded, set_weight_precision, supported_variants)
@@ -381,6 +382,8 @@ def _gguf_blocks_choice(spec: str, cache_dir, progress: bool, status, forward: s
     build = build_in_background()  # a first run compiles the kernels while the model is read and converted
     try:  # a tensor type or architecture without a low-bit layout here: the measured choice instead
         loaded = load_in_precision(spec, "int4", cache_dir=cache_dir, progress=progress, say=status)
+    except ModelLoadError:  # a file that cannot be read (or fetched) fails the measured choice too: said once
+        raise
     except SpecDecodeError:
         return None
     finally:  # no compiler left running behind a failed load (the measured choice times steps next)

@@ -14,6 +14,7 @@ import json
 import logging
 import os
 import shutil
+import struct
 import tempfile
 import threading
 import time
@@ -85,6 +86,9 @@ def _convert(gguf: Path, out_dir: Path, sha256: str, progress: bool) -> None:
         _install_dir(tmp, out_dir, sha256)
     except SpecDecodeError:
         raise
+    except (struct.error, EOFError) as exc:  # the header or tensor list ends early
+        raise ModelLoadError(f"{str(gguf)!r} is not a readable GGUF file (truncated or corrupt: {exc}); download it "
+                             "again or give another file") from exc
     except Exception as exc:  # noqa: BLE001
         detail = (str(exc) or type(exc).__name__) if isinstance(exc, ValueError) else f"{type(exc).__name__}: {exc}"
         raise ModelLoadError(f"could not convert GGUF {str(gguf)!r}: {detail}") from exc
