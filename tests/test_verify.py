@@ -388,3 +388,29 @@ def test_a_greedy_row_verifies_the_same_beside_sampled_rows_as_in_an_all_greedy_
             reference = verify_greedy(drafts[rows], p[rows])  # its own argmax and cumprod; PAD never matches
             assert torch.equal(together.num_accepted[rows], reference.num_accepted), (b, k, trial)
             assert torch.equal(together.new_token_ids[rows], reference.new_token_ids), (b, k, trial)
+
+
+def test_greedy_chain_results_are_verify_chains_on_all_greedy_rows():
+    """The engine's path for batches of plain greedy rows gives, row by row, what verify_chains gives the same batch:
+    random drafts of 0..5 tokens, some copying the target's argmax for a while, ties in the logits."""
+    g = torch.Generator().manual_seed(3)
+    for trial in range(200):
+        b, v = int(torch.randint(1, 5, (1,), generator=g)), 7
+        counts = torch.randint(0, 6, (b,), generator=g)
+        k = int(counts.max())
+        logits = torch.randint(0, 3, (b, k + 1, v), generator=g).float()  # small integers: ties
+        best = logits.argmax(-1)
+        ids = torch.full((b, k), -1, dtype=torch.int64)
+        for i in range(b):
+            n = int(counts[i])
+            copy = int(torch.randint(0, n + 1, (1,), generator=g))
+            ids[i, :n] = torch.randint(0, v, (n,), generator=g)
+            ids[i, :copy] = best[i, :copy]
+        want = verify.verify_chains(ids, counts, None, logits, torch.ones(b, dtype=torch.bool),
+                                    torch.zeros(b, k + 1, dtype=torch.float64))
+        got = verify.greedy_chain_results(ids.numpy(), counts.numpy(), logits)
+        for i in range(b):
+            n = int(counts[i])
+            assert int(got[i].num_accepted[0]) == int(want.num_accepted[i])
+            assert torch.equal(got[i].new_token_ids[0], want.new_token_ids[i, : n + 1])
+            assert torch.equal(got[i].kept_nodes[0], want.kept_nodes[i, : n + 1])

@@ -31,6 +31,7 @@ import time
 from collections.abc import Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 
+import numpy as np
 import torch
 
 from specdecode.config import EngineConfig, RequestSpeculation
@@ -54,7 +55,7 @@ from specdecode.types import (
     StepOutput,
     VerifyResult,
 )
-from specdecode.verify import verify_block, verify_chains
+from specdecode.verify import greedy_chain_results, verify_block, verify_chains
 
 
 def _takes_keyword(fn, name: str) -> bool:
@@ -319,8 +320,9 @@ class SpeculativeEngine:
             results[i] = self._verify_tree(rows[i], drafts[i], logits[i : i + 1, : drafts[i].num_tokens + 1])
         chain_rows = [i for i in range(len(rows)) if results[i] is None]
         if chain_rows:
+            every_row = len(chain_rows) == len(rows)  # (the usual case: a view, not a copy of [B, K+1, V])
             chained = self._verify_chains([rows[i] for i in chain_rows], [drafts[i] for i in chain_rows],
-                                          logits[chain_rows])
+                                          logits if every_row else logits[chain_rows])
             for i, res in zip(chain_rows, chained):
                 results[i] = res
         return results, logits  # type: ignore[return-value]
@@ -334,6 +336,8 @@ class SpeculativeEngine:
         block verification goes through ``verify.verify_block``."""
         b = len(rows)
         k = max(d.num_tokens for d in drafts)
+        if all(r.params.greedy and not r.sampler.active for r in rows):  # plain greedy rows: raw logits, no draws
+            return self._verify_greedy_chains(drafts, logits, k)
         v = logits.shape[-1]
         ids = torch.full((b, k), PAD_TOKEN_ID, dtype=torch.int64)
         counts = torch.tensor([d.num_tokens for d in drafts], dtype=torch.int64)
@@ -381,6 +385,18 @@ class SpeculativeEngine:
             res = verify_chains(ids, counts, q, target, exact_match, uniforms)
         return [VerifyResult(res.num_accepted[i : i + 1], res.new_token_ids[i : i + 1, : drafts[i].num_tokens + 1],
                              res.kept_nodes[i : i + 1, : drafts[i].num_tokens + 1]) for i in range(b)]
+
+    @staticmethod
+    def _verify_greedy_chains(drafts: list[Draft], logits: torch.Tensor, k: int) -> list[VerifyResult]:
+        """Rows that are all plain greedy (no sampler processing, no random draw): ``verify_chains``' greedy rule
+        (``verify.greedy_chain_results``) on the raw logits, without the sampled rows' tensors (about 0.2 ms of a
+        2 ms SmolLM2 step with them)."""
+        ids = np.full((len(drafts), k), PAD_TOKEN_ID, dtype=np.int64)
+        for i, d in enumerate(drafts):
+            if d.num_tokens:
+                ids[i, : d.num_tokens] = d.token_ids[0].cpu().numpy()
+        counts = np.array([d.num_tokens for d in drafts], dtype=np.int64)
+        return greedy_chain_results(ids, counts, logits[:, : k + 1])
 
     def _verification(self, row: Request, draft: Draft) -> str:
         """The verification method of a sampled chain row: the request's, else the engine's. "auto" is

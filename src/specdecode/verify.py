@@ -60,6 +60,24 @@ def _greedy_accepted(draft_ids: torch.Tensor, num_drafted: torch.Tensor, best: t
     return torch.from_numpy(np.cumprod(kept, axis=1).sum(1).astype(np.int64)).to(draft_ids.device)
 
 
+def greedy_chain_results(draft_ids: np.ndarray, num_drafted: np.ndarray, logits: torch.Tensor) -> list[VerifyResult]:
+    """Greedy chains verified on raw logits, one VerifyResult [1, k_i + 1] per row: :func:`verify_chains`' greedy
+    rule (:func:`_greedy_accepted` on the target's :func:`~specdecode.sampling.argmax`, assembled by :func:`_result`)
+    for batches whose rows are all greedy without logit processing, from numpy draft ids.
+
+    Args:
+        draft_ids: [B, K] int64, PAD (-1) past each row's k_i.
+        num_drafted: [B] int64 k_i.
+        logits: [B, K+1, V] float target logits (any values whose argmax is the target's).
+    """
+    ids = torch.from_numpy(draft_ids)
+    best = argmax(logits)  # [B, K+1]
+    n = _greedy_accepted(ids, torch.from_numpy(num_drafted), best)
+    res = _result(n, ids, best.gather(1, n.unsqueeze(1)).squeeze(1))
+    return [VerifyResult(res.num_accepted[i : i + 1], res.new_token_ids[i : i + 1, : int(num_drafted[i]) + 1],
+                         res.kept_nodes[i : i + 1, : int(num_drafted[i]) + 1]) for i in range(len(num_drafted))]
+
+
 def residual_distribution(p: torch.Tensor, q: torch.Tensor | None, draft_token: int) -> torch.Tensor:
     """norm(max(0, p - q)) for [V] float32 p and q (q None = one-hot on ``draft_token``).
 
