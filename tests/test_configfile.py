@@ -40,14 +40,18 @@ def test_top_level_and_tables(tmp_path):
     assert (plain.draft, plain.num_speculative_tokens) == ("ngram", 5)
 
 
-def test_a_top_level_key_only_one_command_takes_is_skipped_by_the_other(tmp_path):
+def test_a_top_level_key_only_one_command_takes_is_skipped_by_the_other(tmp_path, capsys):
     """Top-level keys are generate / serve settings: ``port`` (serve only) and ``max_new_tokens`` (generate only) at the
     top level configure their command and the other command runs without them; a key neither takes is refused."""
     path = _write(tmp_path, 'port = 8001\nmax_new_tokens = 7\nnum_speculative_tokens = 3\n')
     gen = parse_with_config(build_parser(), ["generate", "--config", path])
     assert (gen.max_new_tokens, gen.num_speculative_tokens) == (7, 3)
+    assert "top-level port: 'specdecode serve' settings, skipped by 'specdecode generate'" in capsys.readouterr().err
     srv = parse_with_config(build_parser(), ["serve", "--config", path])
     assert (srv.port, srv.num_speculative_tokens) == (8001, 3)
+    err = capsys.readouterr().err
+    assert "top-level max_new_tokens: 'specdecode generate' settings, skipped by 'specdecode serve'" in err
+    assert len(err.strip().splitlines()) == 1
     for command in ("generate", "serve"):
         with pytest.raises(SpecDecodeError, match="unknown key 'nonsense'"):
             parse_with_config(build_parser(), [command, "--config", _write(tmp_path, 'nonsense = 1\n', "x.toml")])

@@ -44,7 +44,8 @@ def test_encode_plain_chat_and_empty(ngram):
 def test_a_prompt_that_is_neither_text_nor_token_ids_is_refused_in_one_line(tiny_loaded):
     dec = SpecDecoder(tiny_loaded, None)
     for bad, match in ((None, "text or a sequence of token ids, got NoneType"), (123, "got int"),
-                       (["a", "b"], "token ids must be integers")):
+                       (b"hi", "got bytes"), (["a", "b"], "token ids must be integers"),
+                       ([1.7], "token ids must be integers"), ([True], "token ids must be integers")):
         with pytest.raises(SpecDecodeError, match=match):
             dec.generate(bad, max_new_tokens=2)
     assert dec.generate([3, 4, 5], max_new_tokens=2).token_ids  # the decoder is still fine

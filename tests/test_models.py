@@ -642,6 +642,27 @@ def test_a_truncated_gguf_is_called_truncated_or_corrupt_in_one_line_and_read_on
     assert len(calls) == 1
 
 
+def test_a_gguf_cut_inside_its_tensor_data_is_called_truncated(tmp_path):
+    """An interrupted download: header and tensor list whole, the tensor's bytes cut short."""
+    import gguf
+    import numpy as np
+
+    from specdecode.models import convert
+    from specdecode.models.errors import ModelLoadError
+
+    whole = tmp_path / "whole.gguf"
+    writer = gguf.GGUFWriter(str(whole), "llama")
+    writer.add_tensor("token_embd.weight", np.ones((64, 64), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(whole.read_bytes()[: whole.stat().st_size - 4000])
+    with pytest.raises(ModelLoadError, match=r"cut\.gguf' is not a readable GGUF file \(truncated or corrupt"):
+        convert._convert(cut, tmp_path / "converted" / "cut", "0" * 64, progress=False)
+
+
 def test_a_file_that_is_no_gguf_is_refused_before_it_is_hashed(tmp_path, monkeypatch):
     """The magic bytes are read first: a large non-GGUF file fails at once, in one line, without being hashed."""
     from specdecode.models import loader

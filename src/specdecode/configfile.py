@@ -25,6 +25,7 @@ import argparse
 import difflib
 import json
 import math
+import sys
 import tomllib
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -239,11 +240,17 @@ def apply_config(parser: argparse.ArgumentParser, argv: Sequence[str]) -> dict:
     own = data.get(command, {}) if isinstance(data.get(command, {}), dict) else {}
     others = [commands[c] for c in TOP_LEVEL_COMMANDS if c != command and c in commands]
     mine = _key_names(sub)
+    skipped = []
     for key in [k for k in raw if k not in own]:  # a top-level key only the other command takes is the other's
         name = str(key).replace("-", "_")
         if name not in mine and any(name in _key_names(o) for o in others):
             del raw[key]
+            skipped.append(str(key))
     settings = check_settings(sub, raw, command, path)
+    if skipped:  # said, not silent: a key meant for this command under another name would otherwise go unnoticed
+        other = " / ".join(c for c in TOP_LEVEL_COMMANDS if c != command)
+        print(f"specdecode: --config {path}: top-level {', '.join(skipped)}: 'specdecode {other}' settings, skipped "
+              f"by 'specdecode {command}' (see its --help for its own names)", file=sys.stderr)
     sub.set_defaults(**settings)
     return settings
 

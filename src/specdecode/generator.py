@@ -24,6 +24,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+import operator
 import sys
 
 import torch
@@ -396,16 +397,20 @@ class SpecDecoder:
             banned_token_ids=tuple(banned_token_ids), min_tokens=min_tokens, stop_token_ids=tuple(stop_token_ids),
             coupled=coupled,
         )
-        grammar = self.compile_structured(json_schema=json_schema, regex=regex, response_format=response_format)
-        if not isinstance(prompt, str) and not (isinstance(prompt, Sequence) or hasattr(prompt, "tolist")):
+        if isinstance(prompt, (bytes, bytearray)) or not (
+                isinstance(prompt, (str, Sequence)) or hasattr(prompt, "tolist")):
             raise SpecDecodeError(f"prompt must be text or a sequence of token ids, got {type(prompt).__name__}")
         if isinstance(prompt, str):
             prompt_ids = self.encode(prompt, chat=chat)
         else:
+            ids = prompt.tolist() if hasattr(prompt, "tolist") else list(prompt)
             try:
-                prompt_ids = [int(t) for t in prompt]
-            except (TypeError, ValueError):
+                if any(isinstance(t, bool) for t in ids):
+                    raise TypeError("a bool is no token id")
+                prompt_ids = [operator.index(t) for t in ids]  # ints (numpy's too), never a float or a string
+            except TypeError:
                 raise SpecDecodeError("prompt token ids must be integers") from None
+        grammar = self.compile_structured(json_schema=json_schema, regex=regex, response_format=response_format)
         tracker = TextTracker(self.decode, stops)
         # The engine's loop, as every front end runs it, stoppable at a stop string; its row is freed however
         # this block is left (a callback raising, Ctrl-C: ``SpeculativeEngine.running``).

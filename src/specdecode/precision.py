@@ -38,7 +38,6 @@ import torch
 
 from specdecode.bench.env import cpu_flags, cpu_model
 from specdecode.errors import SpecDecodeError
-from specdecode.models.errors import ModelLoadError
 from specdecode.kernels import WEIGHT_PRECISIONS
 from specdecode.lowbit import (ISA_ENV, active_variant, build_in_background, check_forced_variant, kernel_status,
                                load_in_precision, quantize_loaded, set_weight_precision, supported_variants)
@@ -366,7 +365,7 @@ def _gguf_blocks_choice(spec: str, cache_dir, progress: bool, status, forward: s
     """
     # lazy: these pull in transformers (start-up time)
     from specdecode.kv.owned import supports
-    from specdecode.models import resolve_spec
+    from specdecode.models import ModelLoadError, resolve_spec
 
     if forward == "hf":
         return None

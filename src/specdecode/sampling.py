@@ -164,7 +164,8 @@ class RequestSampler:
     @property
     def active(self) -> bool:
         """Whether processing goes beyond temperature / min_p / top-k / top-p (then even greedy rows
-        verify on processed logits)."""
+        verify on processed logits; the engine verifies batches of greedy rows where this is False on the raw
+        logits, so anything that can move a greedy row's argmax must make it True)."""
         return (self._static is not None or self._penalties or self.constraint is not None
                 or (self.params.min_tokens > self.num_generated and self._stop.numel() > 0))
 

@@ -69,7 +69,11 @@ def greedy_chain_results(draft_ids: np.ndarray, num_drafted: np.ndarray, logits:
         draft_ids: [B, K] int64, PAD (-1) past each row's k_i.
         num_drafted: [B] int64 k_i.
         logits: [B, K+1, V] float target logits (any values whose argmax is the target's).
+
+    Returns:
+        per row, VerifyResult with num_accepted [1], new_token_ids [1, k_i + 1], kept_nodes [1, k_i + 1].
     """
+    assert draft_ids.ndim == 2 and logits.ndim == 3 and logits.shape[1] >= draft_ids.shape[1] + 1
     ids = torch.from_numpy(draft_ids)
     best = argmax(logits)  # [B, K+1]
     n = _greedy_accepted(ids, torch.from_numpy(num_drafted), best)

@@ -89,6 +89,11 @@ def _convert(gguf: Path, out_dir: Path, sha256: str, progress: bool) -> None:
     except (struct.error, EOFError) as exc:  # the header or tensor list ends early
         raise ModelLoadError(f"{str(gguf)!r} is not a readable GGUF file (truncated or corrupt: {exc}); download it "
                              "again or give another file") from exc
+    except ValueError as exc:
+        if "cannot reshape array" in str(exc):  # gguf's reader: a tensor's bytes end before its shape does
+            raise ModelLoadError(f"{str(gguf)!r} is not a readable GGUF file (truncated or corrupt: a tensor's data "
+                                 "ends early); download it again or give another file") from exc
+        raise ModelLoadError(f"could not convert GGUF {str(gguf)!r}: {str(exc) or type(exc).__name__}") from exc
     except Exception as exc:  # noqa: BLE001
         detail = (str(exc) or type(exc).__name__) if isinstance(exc, ValueError) else f"{type(exc).__name__}: {exc}"
         raise ModelLoadError(f"could not convert GGUF {str(gguf)!r}: {detail}") from exc
