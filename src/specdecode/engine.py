@@ -55,7 +55,7 @@ from specdecode.types import (
     StepOutput,
     VerifyResult,
 )
-from specdecode.verify import greedy_chain_results, verify_block, verify_chains
+from specdecode.verify import greedy_chain_results, split_rows, verify_block, verify_chains
 
 
 def _takes_keyword(fn, name: str) -> bool:
@@ -383,8 +383,7 @@ class SpeculativeEngine:
                 res.kept_nodes[sel] = part.kept_nodes
         else:
             res = verify_chains(ids, counts, q, target, exact_match, uniforms)
-        return [VerifyResult(res.num_accepted[i : i + 1], res.new_token_ids[i : i + 1, : drafts[i].num_tokens + 1],
-                             res.kept_nodes[i : i + 1, : drafts[i].num_tokens + 1]) for i in range(b)]
+        return split_rows(res, [d.num_tokens for d in drafts])
 
     @staticmethod
     def _verify_greedy_chains(drafts: list[Draft], logits: torch.Tensor, k: int) -> list[VerifyResult]:

@@ -526,14 +526,7 @@ class CostModelPolicy(DraftLengthPolicy):
         caps = [min(int(n), self.initial) for n in lengths]
         if costs is None:
             return caps
-        gains = []  # per row, E(g) for g = 0..cap
-        for n, m in zip(caps, match_lengths):
-            e, survive, row = 1.0, 1.0, [1.0]
-            for rate in self._estimate(m).rates()[:n]:
-                survive *= rate
-                e += survive
-                row.append(e)
-            gains.append(row)
+        gains = [_expected_by_length(self._estimate(m).rates()[:n]) for n, m in zip(caps, match_lengths)]
         # rows outside the cut: counted as one token each (they may commit more: a slight lean to longer cuts)
         others = max(0, int(batch_size) - len(caps))
         floor = min(max(0, int(padded)), len(costs) - 1)
@@ -556,11 +549,7 @@ class CostModelPolicy(DraftLengthPolicy):
             if self.explore_every and g > padded_to and seen % every == 0:
                 bold = list(self._estimate(m).rates()[:g])
                 bold[g - 1] = min(1.0, bold[g - 1] + self.EXPLORE_MARGIN)
-                e, survive = 1.0, 1.0
-                for rate in bold:
-                    survive *= rate
-                    e += survive
-                tokens = others + e + sum(row[min(g, len(row) - 1)] for j, row in enumerate(gains) if j != i)
+                tokens = others + _expected_by_length(bold)[-1] + sum(row[min(g, len(row) - 1)] for j, row in enumerate(gains) if j != i)
                 if tokens / max(costs[max(g, floor)], 1e-12) >= best_rate or seen % (8 * every) == 0:
                     padded_to = g
         return [min(n, padded_to) for n in caps]  # every row rides the step's padding
@@ -601,6 +590,17 @@ class CostModelPolicy(DraftLengthPolicy):
 
     def __repr__(self) -> str:
         return f"CostModelPolicy(start={self.initial}, max={self.max_tokens}, decay={self.decay})"
+
+
+def _expected_by_length(rates) -> list[float]:
+    """E(g) for g = 0..len(rates): 1 (the token verification always commits) + the expected accepted drafts of a
+    chain of g whose position j is kept with probability rates[j] given the ones before."""
+    e, survive, out = 1.0, 1.0, [1.0]
+    for rate in rates:
+        survive *= rate
+        e += survive
+        out.append(e)
+    return out
 
 
 # --------------------------------------------------------------------------- registry

@@ -77,9 +77,13 @@ def greedy_chain_results(draft_ids: np.ndarray, num_drafted: np.ndarray, logits:
     ids = torch.from_numpy(draft_ids)
     best = argmax(logits)  # [B, K+1]
     n = _greedy_accepted(ids, torch.from_numpy(num_drafted), best)
-    res = _result(n, ids, best.gather(1, n.unsqueeze(1)).squeeze(1))
-    return [VerifyResult(res.num_accepted[i : i + 1], res.new_token_ids[i : i + 1, : int(num_drafted[i]) + 1],
-                         res.kept_nodes[i : i + 1, : int(num_drafted[i]) + 1]) for i in range(len(num_drafted))]
+    return split_rows(_result(n, ids, best.gather(1, n.unsqueeze(1)).squeeze(1)), [int(c) for c in num_drafted])
+
+
+def split_rows(res: VerifyResult, counts: Sequence[int]) -> list[VerifyResult]:
+    """A batch's VerifyResult [B, K+1] as one VerifyResult [1, k_i + 1] per row (``counts``: each row's k_i)."""
+    return [VerifyResult(res.num_accepted[i : i + 1], res.new_token_ids[i : i + 1, : k + 1],
+                         res.kept_nodes[i : i + 1, : k + 1]) for i, k in enumerate(counts)]
 
 
 def residual_distribution(p: torch.Tensor, q: torch.Tensor | None, draft_token: int) -> torch.Tensor:
