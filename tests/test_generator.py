@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from conftest import make_tiny_tokenizer, save_tiny_model_dir
 from specdecode.generator import SpecDecoder, TextTracker
@@ -245,6 +247,121 @@ def test_tracker_can_keep_the_stop_string():
     spanning = TextTracker(_bytes_decode, ["END"], include_stop=True)
     shown = spanning.add(list(b"abcEN")) + spanning.add(list(b"Dxyz"))
     assert spanning.ids == list(b"abcEND") and spanning.text == "abcEND" == shown
+
+
+# Concatenative decoders: the tracker decodes only the new ids, with the same results -------------------
+
+
+def _byte_level_tokenizer():
+    """A byte-level BPE tokenizer (GPT-2 / Llama 3 / Qwen / SmolLM2's kind) trained here on mixed scripts: accented
+    letters, CJK and emoji span several tokens, so characters split across token boundaries."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    corpus = ["the café serves crème brûlée", "東京 and 大阪 are cities", "emoji 🙂🙃 ok", "def f(x):\n    return x"] * 5
+    tok.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=300, special_tokens=["<eos>"],
+                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>")
+
+
+@pytest.fixture(scope="module")
+def byte_level():
+    return _byte_level_tokenizer()
+
+
+def test_concatenative_decoder_recognises_byte_level_and_refuses_the_rest(byte_level):
+    from tokenizers import decoders
+
+    from specdecode.generator import concatenative_decoder
+
+    assert concatenative_decoder(byte_level)
+    assert concatenative_decoder(make_tiny_tokenizer())  # Fuse: the tokens' strings joined
+    metaspace = _byte_level_tokenizer()
+    metaspace.backend_tokenizer.decoder = decoders.Metaspace()  # SentencePiece: a leading space dropped
+    assert not concatenative_decoder(metaspace)
+    spaced = _byte_level_tokenizer()
+    spaced.backend_tokenizer.decoder = None  # tokens joined with spaces
+    assert not concatenative_decoder(spaced)
+
+    class Rewrites(type(byte_level)):  # a subclass that rewrites decoded text fails the sample check
+        def decode(self, ids, **kw):
+            return super().decode(ids, **kw).strip()
+
+    rewrites = _byte_level_tokenizer()
+    rewrites.__class__ = Rewrites
+    assert not concatenative_decoder(rewrites)
+    assert not concatenative_decoder(object())
+
+
+def _run_tracker(decode, ids, cuts, stops, include_stop, concatenative):
+    tracker = TextTracker(decode, stops, include_stop, concatenative=concatenative)
+    pieces, start = [], 0
+    for cut in [*cuts, len(ids)]:
+        pieces.append(tracker.add(ids[start:cut]))
+        start = cut
+        if tracker.stop_string is not None:
+            break
+    pieces.append(tracker.finish())
+    return pieces, tracker.text, tracker.ids, tracker.stop_string
+
+
+@settings(max_examples=300, deadline=None)
+@given(data=st.data())
+def test_concatenative_tracker_equals_whole_decoding(byte_level, data):
+    """Random ids of the byte-level tokenizer (characters split across tokens, invalid byte runs), added in random
+    steps, with stop strings taken from the text (also spanning steps) and include_stop: every piece shown, the
+    final text, the kept ids and the stop found are those of decoding the whole ids every step."""
+    vocab = len(byte_level)
+    ids = data.draw(st.lists(st.integers(0, vocab - 1), min_size=0, max_size=60))
+    cuts = sorted(data.draw(st.lists(st.integers(0, len(ids)), max_size=8)))
+
+    def decode(x):
+        return byte_level.decode(x, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+    text = decode(ids)
+    stops = []
+    if text and data.draw(st.booleans()):
+        i = data.draw(st.integers(0, len(text) - 1))
+        stops.append(text[i : i + data.draw(st.integers(1, 4))])
+    include_stop = data.draw(st.booleans())
+    whole = _run_tracker(decode, ids, cuts, stops, include_stop, False)
+    assert _run_tracker(decode, ids, cuts, stops, include_stop, True) == whole
+    assert "".join(whole[0]) == whole[1]
+
+
+def test_concatenative_tracker_comparison_fails_for_a_sentencepiece_decoder():
+    """Negative control of the comparison above: forced onto a decoder that drops the text's leading space
+    (SentencePiece's Metaspace), the new-ids-only tracker loses the spaces at its anchors."""
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel({"▁the": 0, "▁cat": 1, "▁sat": 2, "<unk>": 3}, unk_token="<unk>"))
+    tok.decoder = decoders.Metaspace()
+    sp = PreTrainedTokenizerFast(tokenizer_object=tok)
+    ids = [0, 1, 2, 0, 1]
+
+    def decode(x):
+        return sp.decode(x, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+    assert decode(ids) == "the cat sat the cat"
+    cuts = list(range(1, len(ids)))
+    assert _run_tracker(decode, ids, cuts, [], False, True) != _run_tracker(decode, ids, cuts, [], False, False)
+
+
+def test_generate_uses_the_concatenative_tracker_with_the_same_text(ngram, monkeypatch):
+    """The tiny model's tokenizer (Fuse) is concatenative: generate decodes new ids only, and streams and returns
+    exactly what whole decoding does."""
+    assert ngram.decode_is_concatenative
+    runs = []
+    for concatenative in (True, False):
+        monkeypatch.setattr(type(ngram), "decode_is_concatenative", concatenative)
+        pieces: list[str] = []
+        out = ngram.generate(PROMPTS[2], max_new_tokens=50, ignore_eos=True, stop=["and"], on_text=pieces.append)
+        runs.append((pieces, out.text, out.token_ids, out.stop_string))
+    assert runs[0] == runs[1]
 
 
 # from_pretrained ---------------------------------------------------------------------

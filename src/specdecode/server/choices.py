@@ -69,17 +69,19 @@ class Choice:
     ``logprobs_n`` is what the engine computes (best_of needs every candidate's logprobs to rank them),
     ``report_logprobs`` what the client asked to see (None: no logprobs in the response). ``prompt_source``:
     the prompt's first choice, whose engine request alone scores the prompt (its prompt logprobs are this
-    choice's too); None when this choice scores it (or nobody asked)."""
+    choice's too); None when this choice scores it (or nobody asked). ``concatenative``: ``decode`` joins the
+    tokens' texts (:func:`specdecode.generator.concatenative_decoder`; the tracker then decodes new ids only)."""
 
     def __init__(self, index: int, prompt_ids: list[int], params: SamplingParams, stops: list[str],
                  decode, logprobs: int | None, *, report_logprobs: int | None = None,
                  speculation: RequestSpeculation | None = None, prompt_logprobs: int | None = None,
-                 echo: bool = False, include_stop: bool = False, prompt_source: Choice | None = None) -> None:
+                 echo: bool = False, include_stop: bool = False, prompt_source: Choice | None = None,
+                 concatenative: bool = False) -> None:
         self.index = index
         self.prompt_ids = prompt_ids
         self.params = params
         self.decode = decode
-        self.tracker = TextTracker(decode, stops, include_stop)
+        self.tracker = TextTracker(decode, stops, include_stop, concatenative=concatenative)
         self.logprobs_n = logprobs
         self.report_logprobs = report_logprobs
         self.speculation = speculation

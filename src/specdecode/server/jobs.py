@@ -171,7 +171,8 @@ def make_job(state: ServingState, endpoint: str, body, prompts: list[list[int]],
             params = _params(state, body, ids, max_new, default_max, index)
             choice = Choice(index, ids, params, body.stops, decode, engine_logprobs, report_logprobs=logprobs,
                              speculation=speculation, prompt_logprobs=prompt_n, echo=echo,
-                             include_stop=body.include_stop_str_in_output, prompt_source=first)
+                             include_stop=body.include_stop_str_in_output, prompt_source=first,
+                             concatenative=state.text.decode_is_concatenative)
             if first is None:
                 first = choice
             choice.report_prompt_logprobs = body.prompt_logprobs
