@@ -47,6 +47,27 @@ def make_tiny_tokenizer(*, with_bos: bool = True, chat_template: str | None = TI
     return fast
 
 
+def make_byte_level_tokenizer():
+    """A byte-level BPE tokenizer (GPT-2 / Qwen / SmolLM2's decoder): the 256 byte symbols, two merges ("Ġt",
+    "Ġth") and specials <pad>, <bos>, <|im_end|> (EOS), <unk>; every character beyond ASCII spans several tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from specdecode.token_bytes import byte_decoder
+
+    table = byte_decoder()
+    alphabet = sorted(table, key=table.get)
+    tokens = ["<pad>", "<bos>", "<|im_end|>", "<unk>", *alphabet, "\u0120t", "\u0120th"]
+    tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=[("\u0120", "t"),
+                                                                                    ("\u0120t", "h")]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<bos>", eos_token="<|im_end|>",
+                                   pad_token="<pad>", unk_token="<unk>")
+    fast.chat_template = TINY_CHAT_TEMPLATE
+    return fast
+
+
 def make_tiny_model(vocab_size: int, *, seed: int = 0, max_positions: int = TINY_MAX_CONTEXT):
     """A seeded random 2-layer Llama (float32) with <bos>=1, <eos>=2, <pad>=0."""
     from transformers import LlamaConfig, LlamaForCausalLM

@@ -11,7 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import make_tiny_tokenizer, save_tiny_model_dir
+from conftest import make_byte_level_tokenizer, make_tiny_tokenizer, save_tiny_model_dir
 from specdecode.generator import SpecDecoder, TextTracker
 from specdecode.models import IncompatibleTokenizerError, LoadedModel, load_model
 from specdecode.proposers import DraftModelProposer, NgramConfig, NgramProposer, TreeDraftConfig, TreeDraftProposer
@@ -252,24 +252,9 @@ def test_tracker_can_keep_the_stop_string():
 # Concatenative decoders: the tracker decodes only the new ids, with the same results -------------------
 
 
-def _byte_level_tokenizer():
-    """A byte-level BPE tokenizer (GPT-2 / Llama 3 / Qwen / SmolLM2's kind) trained here on mixed scripts: accented
-    letters, CJK and emoji span several tokens, so characters split across token boundaries."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    corpus = ["the café serves crème brûlée", "東京 and 大阪 are cities", "emoji 🙂🙃 ok", "def f(x):\n    return x"] * 5
-    tok.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=300, special_tokens=["<eos>"],
-                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>")
-
-
 @pytest.fixture(scope="module")
 def byte_level():
-    return _byte_level_tokenizer()
+    return make_byte_level_tokenizer()
 
 
 def test_concatenative_decoder_recognises_byte_level_and_refuses_the_rest(byte_level):
@@ -279,10 +264,10 @@ def test_concatenative_decoder_recognises_byte_level_and_refuses_the_rest(byte_l
 
     assert concatenative_decoder(byte_level)
     assert concatenative_decoder(make_tiny_tokenizer())  # Fuse: the tokens' strings joined
-    metaspace = _byte_level_tokenizer()
+    metaspace = make_byte_level_tokenizer()
     metaspace.backend_tokenizer.decoder = decoders.Metaspace()  # SentencePiece: a leading space dropped
     assert not concatenative_decoder(metaspace)
-    spaced = _byte_level_tokenizer()
+    spaced = make_byte_level_tokenizer()
     spaced.backend_tokenizer.decoder = None  # tokens joined with spaces
     assert not concatenative_decoder(spaced)
 
@@ -290,7 +275,7 @@ def test_concatenative_decoder_recognises_byte_level_and_refuses_the_rest(byte_l
         def decode(self, ids, **kw):
             return super().decode(ids, **kw).strip()
 
-    rewrites = _byte_level_tokenizer()
+    rewrites = make_byte_level_tokenizer()
     rewrites.__class__ = Rewrites
     assert not concatenative_decoder(rewrites)
     assert not concatenative_decoder(object())

@@ -23,7 +23,8 @@ from specdecode.engine import EngineConfig, SpeculativeEngine
 from tiny import load_float64
 from specdecode.server import build_state, create_app
 from specdecode.server.responses import _top_dict
-from specdecode.token_bytes import TokenBytes, byte_decoder, display
+from conftest import make_byte_level_tokenizer
+from specdecode.token_bytes import TokenBytes, display
 from specdecode.types import SamplingParams
 
 MODEL = "tiny"
@@ -285,7 +286,7 @@ def test_text_offsets_are_the_whole_prefixes_lengths(tiny64):
     rng = random.Random(0)
     from specdecode.models import default_cache_dir
 
-    tokenizers = [tiny64.tokenizer, _byte_level_tokenizer()]
+    tokenizers = [tiny64.tokenizer, make_byte_level_tokenizer()]
     smol = default_cache_dir() / "converted" / "smollm2-135m"  # SmolLM2's tokenizer, when it is in the cache
     if (smol / "tokenizer.json").exists():
         from transformers import AutoTokenizer
@@ -306,6 +307,35 @@ def test_text_offsets_are_the_whole_prefixes_lengths(tiny64):
                 got.append(offsets.at(len(growing) - 1))
             want = [len(decode(ids[:j]).rstrip("\ufffd")) for j in range(len(ids))]
             assert got == want, (type(tok).__name__, skip)
+
+
+def test_streamed_ids_keep_up_with_the_text_across_split_characters():
+    """A streamed choice hands out each token's id with its text: a character split across tokens sends its ids
+    together once it is shown, and the ids after it are not held back to the end (they were, before); decoding
+    only the new ids (concatenative) gives the same chunks."""
+    from specdecode.server.choices import Choice
+    from specdecode.scheduler import RowEvent
+
+    tok = make_byte_level_tokenizer()
+
+    def decode(x):
+        return tok.decode(list(x), skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+    ids = tok("ab 中文 é 🙂 cd", add_special_tokens=False)["input_ids"]
+    runs = []
+    for concatenative in (False, True):
+        choice = Choice(0, [1], SamplingParams(max_new_tokens=99), [], decode, None, concatenative=concatenative)
+        chunks = []
+        for i, t in enumerate(ids):
+            last = i == len(ids) - 1
+            chunks.append(choice.feed(RowEvent(token_ids=[t], finished=last, finish_reason="length" if last else None)))
+        runs.append(chunks)
+        assert "".join(p for p, _, _ in chunks) == decode(ids)
+        assert [t for _, got, _ in chunks for t in got] == ids
+        for piece, got, start in chunks:  # every chunk's ids are its text's, sent as soon as it is shown
+            assert decode(got) == piece and start == sum(len(g) for _, g, _ in chunks[: chunks.index((piece, got, start))])
+    assert runs[0] == runs[1]
+    assert max(len(g) for _, g, _ in runs[0]) == len(tok("🙂", add_special_tokens=False)["input_ids"])
 
 
 def test_seeded_choices_differ_and_reproduce(live):
@@ -544,27 +574,8 @@ def test_top_logprobs_keep_alternatives_whose_strings_collide():
 # --------------------------------------------------------------------------- byte-level tokens
 
 
-def _byte_level_tokenizer():
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    table = byte_decoder()
-    alphabet = sorted(table, key=table.get)
-    tokens = ["<pad>", "<bos>", "<|im_end|>", "<unk>", *alphabet, "\u0120t", "\u0120th"]
-    tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=[("\u0120", "t"),
-                                                                                    ("\u0120t", "h")]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    from conftest import TINY_CHAT_TEMPLATE
-
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<bos>", eos_token="<|im_end|>",
-                                   pad_token="<pad>", unk_token="<unk>")
-    fast.chat_template = TINY_CHAT_TEMPLATE
-    return fast
-
-
 def test_token_bytes_of_a_byte_level_vocabulary():
-    tok = _byte_level_tokenizer()
+    tok = make_byte_level_tokenizer()
     tb = TokenBytes(tok)
     ids = tok("中 th")["input_ids"]
     assert tb.kind == "byte-level"
@@ -578,7 +589,7 @@ def test_token_bytes_of_a_byte_level_vocabulary():
 def byte_model(tmp_path_factory):
     from conftest import make_tiny_model
 
-    tok = _byte_level_tokenizer()
+    tok = make_byte_level_tokenizer()
     path = Path(tmp_path_factory.mktemp("bytes")) / "byte-llama"
     model = make_tiny_model(len(tok), seed=3)
     model.config.eos_token_id = 2

@@ -98,6 +98,7 @@ class Choice:
         self.lps: list[float] = []
         self.tops: list[list[tuple[int, float]]] = []
         self.sent = 0  # ids whose text has been handed out
+        self._base: tuple[int, str] = (0, "")  # a covered boundary and its text (concatenative decoders)
         self.finish_reason: str | None = None
         self.error: str | None = None
         self.snapshot = RunMetrics()  # the engine request's metrics as of the last event taken (a copy)
@@ -140,14 +141,28 @@ class Choice:
         return piece, ids, start
 
     def _covered(self) -> int:
-        """How many ids have their whole text inside the text shown so far."""
-        shown, ids, j = self.tracker.shown, self.tracker.ids, self.sent
-        while j < len(ids):
-            prefix = self.decode(ids[: j + 1])
+        """How many ids have their whole text inside the text shown so far (tokens that end inside a character
+        count with the token that completes it)."""
+        shown, ids, covered = self.tracker.shown, self.tracker.ids, self.sent
+        for n in range(self.sent + 1, len(ids) + 1):
+            prefix = self._text_of(n)
+            whole = not prefix.endswith("\ufffd")
+            prefix = prefix.rstrip("\ufffd")
             if len(prefix) > len(shown) or not shown.startswith(prefix):
                 break
-            j += 1
-        return j
+            if whole:
+                covered = n
+                if self.tracker.concatenative:  # decode from here next time
+                    self._base = (n, prefix)
+        return covered
+
+    def _text_of(self, n: int) -> str:
+        """``decode(ids[:n])``: with a concatenative decoder from the last covered boundary that ends with a whole
+        character (O(new ids)), else whole."""
+        b, text = self._base
+        if self.tracker.concatenative and n >= b:
+            return text + self.decode(self.tracker.ids[b:n])
+        return self.decode(self.tracker.ids[:n])
 
     @property
     def completion_tokens(self) -> int:
