@@ -41,6 +41,21 @@ def test_flags_override_the_preset_and_unset_ones_keep_it():
         smoke.target, smoke.draft, smoke.datasets, smoke.methods, smoke.gammas, smoke.dtype)
 
 
+def test_threads_auto_is_fixed_once_for_the_run(capsys):
+    from specdecode.bench import resolve_auto_threads
+
+    args = _parse("--smoke", "--threads", "AUTO")
+    assert args.threads == "auto"
+    resolve_auto_threads(args, auto=lambda: (1, "1 torch thread of 2 cores: other processes keep 1.0 cores busy"))
+    assert args.threads == 1 and config_from_args(args).threads == 1
+    assert "--threads auto: 1 (1 torch thread of 2 cores" in capsys.readouterr().err
+    fixed = _parse("--smoke", "--threads", "2")
+    resolve_auto_threads(fixed, auto=lambda: pytest.fail("a number is not resolved"))
+    assert fixed.threads == 2
+    with pytest.raises(SystemExit):
+        _parse("--threads", "some")
+
+
 def test_method_dataset_and_gamma_lists():
     args = _parse("--methods", "ngram:k=5,max_ngram=4; draft-model:k=2 ;", "--method", "suffix",
                   "--dataset", "spec-bench:coding, gsm8k", "--dataset", "humaneval", "--gammas", "1, 3,8")

@@ -30,6 +30,9 @@ def test_mt_bench():
     assert len(prompts) == 80 and all(len(p.turns) == 2 for p in prompts)
     assert prompts[0].id == "81" and prompts[0].dataset == "mt-bench" and not prompts[0].is_completion
     assert dataset_categories("mt-bench") == SPEC_BENCH_CATEGORIES[:8]
+    from specdecode.data import _DATASETS
+
+    assert list(_DATASETS["mt-bench"].categories) == dataset_categories("mt-bench")  # the list checked before reading
     coding = load_prompts("mt-bench:coding:4")
     assert len(coding) == 4 and {p.category for p in coding} == {"coding"}
     assert load_prompts("mt_bench:5") == prompts[:5]
@@ -86,6 +89,14 @@ def test_bad_specs(spec, expected):
     with pytest.raises(SpecDecodeError) as info:
         load_prompts(spec)
     assert expected in str(info.value)
+
+
+def test_an_unknown_mt_bench_category_is_refused_before_the_set_is_read(monkeypatch):
+    from specdecode import data
+
+    monkeypatch.setattr(data, "_mt_bench", lambda: pytest.fail("read (installed) for a category it does not have"))
+    with pytest.raises(SpecDecodeError, match="unknown category 'nosuch' for mt-bench.*choose one of: writing"):
+        load_prompts("mt-bench:NoSuch:2")
 
 
 def test_unknown_dataset_categories():

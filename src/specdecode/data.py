@@ -155,13 +155,17 @@ class _Dataset:
     name: str
     usage: str
     read: Callable[[Path | None], tuple[Prompt, ...]]
+    #: the categories, known without reading the set: a set installed from the registry on first use is not
+    #: installed for a category it does not have (a test reads the file and compares)
+    categories: tuple[str, ...] | None = None
 
 
 _DATASETS: dict[str, _Dataset] = {
     d.name: d
     for d in (
         _Dataset("humaneval", "humaneval[:N]", lambda shared: _humaneval()),
-        _Dataset("mt-bench", "mt-bench[:CATEGORY][:N]", lambda shared: _mt_bench()),
+        _Dataset("mt-bench", "mt-bench[:CATEGORY][:N]", lambda shared: _mt_bench(),
+                 ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities")),
         _Dataset("spec-bench", "spec-bench[:CATEGORY][:N]", lambda shared: _spec_bench(_shared(shared))),
         _Dataset("gsm8k", "gsm8k[:N]", lambda shared: _gsm8k(_shared(shared))),
     )
@@ -276,4 +280,8 @@ def _parse(spec: str) -> tuple[str, str | None, int | None]:
     usage = _DATASETS[dataset].usage
     if rest and "CATEGORY" not in usage:  # said before reading (or installing) the set
         raise SpecDecodeError(f"{dataset} has no categories: {usage} (N a positive integer), got {spec!r}")
+    known = _DATASETS[dataset].categories
+    if rest and known is not None and rest[0].lower() not in known:  # the same words load_prompts says after reading
+        raise SpecDecodeError(f"unknown category {rest[0].lower()!r} for {dataset} in {spec!r}; choose one of: "
+                              f"{', '.join(known)}")
     return dataset, (rest[0].lower() if rest else None), limit

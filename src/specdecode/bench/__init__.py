@@ -104,10 +104,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-weights", choices=WEIGHT_PRECISIONS,
                    help="precision of draft models' weights (int8 / int4 as --weights: fewer bytes per draft step; "
                         "the HF peer uses the same draft objects) (default: the target's, as in generate / serve)")
-    p.add_argument("--threads", type=int, metavar="N",
-                   help="torch threads, 1..the cores this process may use; every engine of the run gets this count (default: "
-                        "torch's, every core: unlike generate / serve, which take the cores other processes leave idle, a "
-                        "benchmark keeps one count run to run)")
+    p.add_argument("--threads", type=_bench_threads, metavar="N",
+                   help="torch threads, 1..the cores this process may use, or auto (one per core other processes leave "
+                        "idle, sampled once at the start); every engine of the run gets this count (default: torch's, "
+                        "every core: unlike generate / serve, which take auto, a benchmark keeps one count run to run)")
     p.add_argument("--remeasure-bandwidth", action="store_true", default=None,
                    help="measure the memory read bandwidth of the report's roofline table again (it is measured "
                         "once per machine and thread count and cached under the specdecode cache's machine/)")
@@ -162,8 +162,30 @@ def config_from_args(args: argparse.Namespace):
     return BenchConfig(**{"output": "bench-out/full", **over})
 
 
+def _bench_threads(text: str) -> int | str:
+    """``bench --threads``: a whole number, or ``auto`` (resolved once, at the start of the run)."""
+    value = str(text).strip().lower()
+    if value == "auto":
+        return "auto"
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number of threads or auto, got {text!r}") from None
+
+
+def resolve_auto_threads(args: argparse.Namespace, auto=None) -> None:
+    """``--threads auto`` -> one count for the whole run (every engine and peer), fixed here and said on stderr.
+    ``auto``: () -> (threads, note), :func:`specdecode.threads.auto_threads` by default."""
+    if args.threads == "auto":
+        if auto is None:
+            from specdecode.threads import auto_threads as auto
+        args.threads, note = auto()
+        print(f"specdecode: --threads auto: {args.threads}" + (f" ({note})" if note else ""), file=sys.stderr)
+
+
 def run_command(args: argparse.Namespace) -> int:
     """Entry point of ``specdecode bench`` (called by ``specdecode.cli``); returns the exit status."""
+    resolve_auto_threads(args)
     check_threads(args.threads)  # 1..the cores this process may use, whatever the mode
 
     if getattr(args, "setup_peers", None):
