@@ -122,6 +122,38 @@ def test_seed_makes_sampling_reproducible(target, draft):
     assert a == b
 
 
+def test_a_runner_with_bfloat16_logits_is_sampled_as_their_float32_values(target, draft, monkeypatch):
+    """A custom runner may return bf16 logits: the sampled rows' probabilities are written into a float32 copy (a
+    bf16 one rounded them to 8 bits of mantissa: a biased acceptance test), the same probabilities verification gets
+    from the same logits as float32."""
+    import specdecode.engine as E
+
+    params = SamplingParams(temperature=1.0, top_k=20, max_new_tokens=12, seed=5)
+    seen = []
+    verify = E.verify_chains
+
+    def record(ids, counts, q, target_probs, *rest):
+        seen[-1].append(target_probs.clone())
+        return verify(ids, counts, q, target_probs, *rest)
+
+    monkeypatch.setattr(E, "verify_chains", record)
+    outs = []
+    for upcast in (False, True):
+        engine = _engine(target, DraftModelProposer(draft), 3)
+        forward = engine.runner.forward
+
+        def low(*a, upcast=upcast, forward=forward, **kw):
+            logits = forward(*a, **kw).to(torch.bfloat16)
+            return logits.float() if upcast else logits
+
+        engine.runner.forward = low
+        seen.append([])
+        outs.append(engine.generate([1, 2, 3], params).token_ids)
+    assert outs[0] == outs[1] and len(seen[0]) == len(seen[1]) > 1
+    for a, b in zip(*seen):
+        assert a.dtype == torch.float32 and torch.equal(a, b)
+
+
 @pytest.mark.parametrize("coupled", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_sampled_output_follows_target_distribution_through_the_engine(coupled):
     """First three sampled tokens, speculative (draft-model, gamma 2) vs the target's exact joint, in the

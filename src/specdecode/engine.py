@@ -345,8 +345,8 @@ class SpeculativeEngine:
         target = logits[:, : k + 1]  # [b, k+1, V]; plain greedy rows verify on raw logits
         q = None
         uniforms = torch.zeros(b, k + 1, dtype=torch.float64)
-        if any(not r.params.greedy or r.sampler.active for r in rows):
-            target = target.clone()
+        if any(not r.params.greedy or r.sampler.active for r in rows):  # probabilities written in: float32 at least
+            target = target.clone() if target.dtype in (torch.float32, torch.float64) else target.float()
         block = torch.zeros(b, dtype=torch.bool)
         for i, (row, d) in enumerate(zip(rows, drafts)):
             n = d.num_tokens
