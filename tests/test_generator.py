@@ -297,14 +297,17 @@ def _run_tracker(decode, ids, cuts, stops, include_stop, concatenative):
 @given(data=st.data())
 def test_concatenative_tracker_equals_whole_decoding(byte_level, data):
     """Random ids of the byte-level tokenizer (characters split across tokens, invalid byte runs), added in random
-    steps, with stop strings taken from the text (also spanning steps) and include_stop: every piece shown, the
-    final text, the kept ids and the stop found are those of decoding the whole ids every step."""
+    steps, with stop strings taken from the text (also spanning steps), include_stop and special tokens kept or
+    skipped: every piece shown, the final text, the kept ids and the stop found are those of decoding the whole ids
+    every step."""
     vocab = len(byte_level)
     ids = data.draw(st.lists(st.integers(0, vocab - 1), min_size=0, max_size=60))
     cuts = sorted(data.draw(st.lists(st.integers(0, len(ids)), max_size=8)))
 
+    skip = data.draw(st.booleans())  # the server's skip_special_tokens=false too
+
     def decode(x):
-        return byte_level.decode(x, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+        return byte_level.decode(x, skip_special_tokens=skip, clean_up_tokenization_spaces=False)
 
     text = decode(ids)
     stops = []
@@ -340,13 +343,20 @@ def test_generate_uses_the_concatenative_tracker_with_the_same_text(ngram, monke
     """The tiny model's tokenizer (Fuse) is concatenative: generate decodes new ids only, and streams and returns
     exactly what whole decoding does."""
     assert ngram.decode_is_concatenative
-    runs = []
+    runs, seen = [], []
+    init = TextTracker.__init__
+
+    def spy(self, *a, concatenative=False, **kw):
+        seen.append(concatenative)
+        init(self, *a, concatenative=concatenative, **kw)
+
+    monkeypatch.setattr(TextTracker, "__init__", spy)
     for concatenative in (True, False):
-        monkeypatch.setattr(type(ngram), "decode_is_concatenative", concatenative)
+        monkeypatch.setattr(ngram, "decode_is_concatenative", concatenative)  # (the instance's cached value)
         pieces: list[str] = []
         out = ngram.generate(PROMPTS[2], max_new_tokens=50, ignore_eos=True, stop=["and"], on_text=pieces.append)
         runs.append((pieces, out.text, out.token_ids, out.stop_string))
-    assert runs[0] == runs[1]
+    assert seen == [True, False] and runs[0] == runs[1]
 
 
 # from_pretrained ---------------------------------------------------------------------

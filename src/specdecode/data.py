@@ -190,8 +190,10 @@ def dataset_categories(name: str, *, shared_dir: Path | None = None) -> list[str
     Raises:
         SpecDecodeError: unknown dataset name (the message lists the valid ones).
     """
-    prompts = _dataset(name).read(shared_dir)
-    return list(dict.fromkeys(p.category for p in prompts))
+    dataset = _dataset(name)
+    if dataset.categories is not None:  # known without reading (or installing) the set
+        return list(dataset.categories)
+    return list(dict.fromkeys(p.category for p in dataset.read(shared_dir)))
 
 
 def read_prompt_text(path: str | os.PathLike, flag: str, *, stdin: bool = False) -> str:

@@ -104,7 +104,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-weights", choices=WEIGHT_PRECISIONS,
                    help="precision of draft models' weights (int8 / int4 as --weights: fewer bytes per draft step; "
                         "the HF peer uses the same draft objects) (default: the target's, as in generate / serve)")
-    p.add_argument("--threads", type=_bench_threads, metavar="N",
+    p.add_argument("--threads", type=_bench_threads, metavar="N|auto",
                    help="torch threads, 1..the cores this process may use, or auto (one per core other processes leave "
                         "idle, sampled once at the start); every engine of the run gets this count (default: torch's, "
                         "every core: unlike generate / serve, which take auto, a benchmark keeps one count run to run)")
@@ -186,7 +186,7 @@ def resolve_auto_threads(args: argparse.Namespace, auto=None) -> None:
 def run_command(args: argparse.Namespace) -> int:
     """Entry point of ``specdecode bench`` (called by ``specdecode.cli``); returns the exit status."""
     resolve_auto_threads(args)
-    check_threads(args.threads)  # 1..the cores this process may use, whatever the mode
+    check_threads(args.threads, auto="--threads auto")  # 1..the cores this process may use, whatever the mode
 
     if getattr(args, "setup_peers", None):
         # lazy: specdecode.bench.peers pulls in torch (start-up time)
