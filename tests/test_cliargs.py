@@ -76,6 +76,27 @@ def test_auto_threads_leaves_the_cores_other_processes_keep_busy():
     assert busy is None or 0.0 <= busy <= 1024
 
 
+def test_auto_threads_looks_twice_before_giving_up_a_core(monkeypatch):
+    """A busy first look (a process just ending) is looked at again: only what both find counts."""
+    from specdecode import threads as T
+
+    looks = []
+
+    def sample(seq):
+        def busy_cores(seconds=0.2):
+            looks.append(seconds)
+            return seq.pop(0)
+        return busy_cores
+
+    monkeypatch.setattr(T, "busy_cores", sample([1.9, 0.1]))
+    assert T.auto_threads(cores=2) == (2, None) and len(looks) == 2  # a spike: every core
+    monkeypatch.setattr(T, "busy_cores", sample([1.2, 1.0]))
+    assert T.auto_threads(cores=2)[0] == 1  # a neighbour that stays
+    looks.clear()
+    monkeypatch.setattr(T, "busy_cores", sample([0.2]))
+    assert T.auto_threads(cores=2) == (2, None) and len(looks) == 1  # quiet: one look
+
+
 def test_verification_methods_and_sampling_modes_have_one_copy():
     """options.py holds them; validate, the parsers (generate, serve, bench) and the server's schema use it."""
     from typing import get_args

@@ -88,6 +88,18 @@ def test_missing_file_and_cli_errors(tmp_path, capsys):
     assert err.startswith("error: --config") and "'threads'" in err and len(err.strip().splitlines()) == 1
 
 
+def test_a_value_the_command_refuses_names_the_file_that_set_it(tmp_path, capsys):
+    """A setting of the right type but out of range is refused where the flag's would be, and the line says the
+    file and key that set it; a flag given on the command line instead is not blamed on the file."""
+    cfg = _write(tmp_path, "[generate]\nnum_speculative_tokens = 0\n")
+    assert main(["generate", "--config", cfg, "--prompt", "x"]) == 2
+    err = capsys.readouterr().err
+    assert "--num-speculative-tokens" in err and f"(set by --config {cfg}: num_speculative_tokens = 0)" in err
+    assert len(err.strip().splitlines()) == 1
+    assert main(["generate", "--config", cfg, "--prompt", "x", "--num-speculative-tokens", "0"]) == 2
+    assert "set by --config" not in capsys.readouterr().err
+
+
 def test_writer_round_trips():
     assert tomllib.loads("x = " + toml_value({"a": [1, 2.5, "q\"uote"], "b": True, "c": None}))["x"] == \
         {"a": [1, 2.5, 'q"uote'], "b": True}

@@ -45,7 +45,7 @@ from specdecode.cliargs import (
     check_drafter_flags,
     check_threads,
 )
-from specdecode.configfile import add_config_argument, apply_config
+from specdecode.configfile import add_config_argument, apply_config, config_origin
 from specdecode.errors import SpecDecodeError
 from specdecode.options import CATALOG_MODELS, DEFAULT_TARGET
 from specdecode.spec import DrafterSpec
@@ -284,9 +284,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit status (0 ok, 2 usage / input error, 130 interrupted)."""
     parser = build_parser()
+    settings: dict = {}
     try:
         argv = list(sys.argv[1:] if argv is None else argv)
-        apply_config(parser, argv)  # --config FILE: its settings become the command's defaults, flags override
+        settings = apply_config(parser, argv)  # --config FILE: its settings become the command's defaults, flags override
         args, extra = parser.parse_known_args(argv)
         if extra:  # name the subcommand's help, which lists the flags it takes
             where = " ".join(filter(None, ("specdecode", getattr(args, "command", None))))
@@ -298,7 +299,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SystemExit as exc:  # --help / --version
         return exc.code if isinstance(exc.code, int) else 0
     except SpecDecodeError as exc:
-        print(f"error: {_one_line(str(exc))}", file=sys.stderr)
+        message = str(exc)
+        print(f"error: {_one_line(message + config_origin(parser, argv, settings, message))}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:
         print("\nerror: interrupted", file=sys.stderr)

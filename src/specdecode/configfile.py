@@ -255,6 +255,25 @@ def apply_config(parser: argparse.ArgumentParser, argv: Sequence[str]) -> dict:
     return settings
 
 
+def config_origin(parser: argparse.ArgumentParser, argv: Sequence[str], settings: Mapping, message: str) -> str:
+    """Where an error about a setting came from when ``--config`` set it (and no flag of ``argv`` overrode it):
+    " (set by --config FILE: key = value)" for the first such setting whose flag ``message`` names, else ""."""
+    if not settings:
+        return ""
+    commands = _subparsers(parser)
+    command = next((a for a in argv if not a.startswith("-")), None)
+    sub = commands.get(command)
+    if sub is None:
+        return ""
+    given = {a.split("=", 1)[0] for a in argv if a.startswith("-")}
+    for action in sub._actions:
+        if action.dest not in settings or given & set(action.option_strings):
+            continue
+        if any(opt in message for opt in action.option_strings if opt.startswith("--")):
+            return f" (set by --config {config_path_in(list(argv))}: {action.dest} = {_show(settings[action.dest])})"
+    return ""
+
+
 def _key_names(parser: argparse.ArgumentParser) -> set[str]:
     """The keys a settings file may give ``parser``'s command: its destinations and long flag names (- as _)."""
     names = {a.dest for a in parser._actions if a.dest not in _RESERVED and a.dest != argparse.SUPPRESS}
@@ -327,5 +346,6 @@ def write_toml(path: str | Path, settings: Mapping, tables: Mapping[str, Mapping
 
 
 __all__ = ["CONFIG_COMMANDS", "METADATA_TABLE", "TOP_LEVEL_COMMANDS", "add_config_argument", "apply_config",
+           "config_origin",
            "check_settings", "command_settings", "config_path_in", "parse_with_config", "read_config",
            "toml_value", "write_toml"]

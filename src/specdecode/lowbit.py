@@ -36,6 +36,7 @@ import hashlib
 import json
 import logging
 import os
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -130,7 +131,7 @@ def modules_from_gguf(model: torch.nn.Module, gguf: str | Path, progress: bool =
     out: dict[str, QuantLinear] = {}
     names = _linear_names(model)
     iterator = names
-    if progress:
+    if progress and sys.stderr.isatty():  # (a log file would get every frame of the bar)
         iterator = tqdm(names, desc=f"reading the blocks of {Path(gguf).name}", unit="layer", leave=False)
     for name in iterator:
         key = f"{name}.weight"

@@ -369,7 +369,8 @@ def run_bench(config: BenchConfig, *, progress: bool = True, log: Callable[[str]
     models = Models(target=target)
     # records are keyed by what ran; drafts run in the target's precision unless --draft-weights says otherwise,
     # as in generate / serve
-    config = dataclasses.replace(config, weights=weights, draft_weights=config.draft_weights or weights)
+    config = dataclasses.replace(config, weights=weights, draft_weights=config.draft_weights or weights,
+                                 threads=torch.get_num_threads())
     models.load_seconds[config.target] = time.perf_counter() - t0
     out.mkdir(parents=True, exist_ok=True)  # once the settings, methods and target are known good
     store = RecordStore(out, config.settings_id())
@@ -464,7 +465,8 @@ def _run_matrix(todo, prompts, variants, encoded, config: BenchConfig, store: Re
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("elapsed"),
                TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn())
     total = len(prompts) * len(variants) * config.repeats
-    with Progress(*columns, console=Console(stderr=True), disable=not progress, transient=False) as bar:
+    with Progress(*columns, console=Console(stderr=True), disable=not progress or not sys.stderr.isatty(),
+                  transient=False) as bar:  # (a log file would get a cut bar: the status lines say the rest)
         task = bar.add_task("bench", total=total, completed=total - len(todo))
         failed: set[str] = set()
         plain = progress and not bar.console.is_terminal  # a log or CI: a plain line every 30 s instead of the bar
