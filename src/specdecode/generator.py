@@ -572,7 +572,7 @@ class TextTracker:
         if text == self.shown and boundary > self._shown_ids:  # tokens without text (skipped specials): move past
             self._shown_ids = boundary
             if self.concatenative and not text.endswith("\ufffd"):
-                self._anchor = boundary
+                self._anchor, self._anchor_text = boundary, text
             return ""
         if len(text) <= len(self.shown) or not text.startswith(self.shown):
             return ""

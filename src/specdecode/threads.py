@@ -37,8 +37,8 @@ def busy_cores(seconds: float = 0.2) -> float | None:
 def auto_threads(cores: int | None = None, busy: float | None = None, flag: str = "--threads") -> tuple[int, str | None]:
     """Threads for a machine that may be shared: one per core other processes leave idle, at least one.
 
-    ``busy``: cores in use by others (default :func:`busy_cores`, the lower of two looks when the first finds a
-    core or more half busy; else the 1-minute load average). Why:
+    ``busy``: cores in use by others (default :func:`busy_cores`, the lower of two looks when the first finds half
+    a core or more busy; else the 1-minute load average). Why:
     with a thread per core and another busy process on one of them, every parallel region waits for the
     descheduled thread, and a decoding step of hundreds of regions runs 2-20x slower (measured on 2 cores: 10-20x
     with a CPU-bound neighbour, 2-3x beside a test run). Returns (threads, a one-line note when fewer than the cores,
