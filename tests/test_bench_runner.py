@@ -132,9 +132,12 @@ def test_settings_added_later_keep_old_output_dirs_resumable():
     assert dataclasses.replace(base, verification="block").settings()["verification"] == "block"
     assert dataclasses.replace(base, policy="auto").settings()["policy"] == "auto"  # not the fixed records of old
     assert dataclasses.replace(base, gammas=(1, 2), limit=9, repeats=3).settings_id() == base.settings_id()
-    # the thread count a run measured at (the runner resolves None to torch's): a resume at another count redoes
-    two, one = dataclasses.replace(base, threads=2), dataclasses.replace(base, threads=1)
-    assert two.settings()["threads"] == 2 and two.settings_id() != one.settings_id()
+    # the thread count a run measured at: torch's own count keys as before (None), another count enters the key
+    from specdecode.bench.runner import record_threads
+
+    assert record_threads(2, default=2) is None and record_threads(1, default=2) == 1
+    one = dataclasses.replace(base, threads=record_threads(1, default=2))
+    assert one.settings()["threads"] == 1 and one.settings_id() != base.settings_id()
 
 
 def test_method_spec_options_and_the_draft_model_it_uses():

@@ -96,8 +96,14 @@ def test_a_value_the_command_refuses_names_the_file_that_set_it(tmp_path, capsys
     err = capsys.readouterr().err
     assert "--num-speculative-tokens" in err and f"(set by --config {cfg}: num_speculative_tokens = 0)" in err
     assert len(err.strip().splitlines()) == 1
-    assert main(["generate", "--config", cfg, "--prompt", "x", "--num-speculative-tokens", "0"]) == 2
-    assert "set by --config" not in capsys.readouterr().err
+    for given in (["--num-speculative-tokens", "0"], ["-k70"], ["--num-spec", "0"], ["--gamma=0"]):  # any form
+        assert main(["generate", "--config", cfg, "--prompt", "x", *given]) == 2
+        assert "set by --config" not in capsys.readouterr().err, given
+    # the error's subject is the first flag it names: --draft-weights (given here), not the file's weights
+    both = _write(tmp_path, 'weights = "int4"\ndraft = "smollm2-135m"\n')
+    assert main(["generate", "--config", both, "--prompt", "x", "--draft", "ngram", "--draft-weights", "int8"]) == 2
+    err = capsys.readouterr().err
+    assert "--draft-weights" in err and "set by --config" not in err
 
 
 def test_writer_round_trips():

@@ -285,6 +285,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit status (0 ok, 2 usage / input error, 130 interrupted)."""
     parser = build_parser()
     settings: dict = {}
+    args = None
     try:
         argv = list(sys.argv[1:] if argv is None else argv)
         settings = apply_config(parser, argv)  # --config FILE: its settings become the command's defaults, flags override
@@ -300,7 +301,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return exc.code if isinstance(exc.code, int) else 0
     except SpecDecodeError as exc:
         message = str(exc)
-        print(f"error: {_one_line(message + config_origin(parser, argv, settings, message))}", file=sys.stderr)
+        print(f"error: {_one_line(message + config_origin(parser, argv, args, settings, message))}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:
         print("\nerror: interrupted", file=sys.stderr)

@@ -25,6 +25,7 @@ import argparse
 import difflib
 import json
 import math
+import re
 import sys
 import tomllib
 from collections.abc import Mapping, Sequence
@@ -255,23 +256,49 @@ def apply_config(parser: argparse.ArgumentParser, argv: Sequence[str]) -> dict:
     return settings
 
 
-def config_origin(parser: argparse.ArgumentParser, argv: Sequence[str], settings: Mapping, message: str) -> str:
-    """Where an error about a setting came from when ``--config`` set it (and no flag of ``argv`` overrode it):
-    " (set by --config FILE: key = value)" for the first such setting whose flag ``message`` names, else ""."""
-    if not settings:
+def config_origin(parser: argparse.ArgumentParser, argv: Sequence[str], args: argparse.Namespace | None,
+                  settings: Mapping, message: str) -> str:
+    """Where an error came from when its subject is a setting ``--config`` gave: " (set by --config FILE: key =
+    value)" when the first flag ``message`` names is one the file set and no flag of ``argv`` gave (in whatever
+    form argparse reads: ``-k0``, ``--num-spec 0``, ``--gamma=0``), else "".
+
+    Args:
+        parser: the command line's parser; argv: the command line; args: what it parsed (None: parsing failed,
+        nothing is said); settings: what :func:`apply_config` applied; message: the error's text.
+    """
+    if not settings or args is None:
         return ""
-    commands = _subparsers(parser)
-    command = next((a for a in argv if not a.startswith("-")), None)
-    sub = commands.get(command)
+    command = getattr(args, "command", None)
+    sub = _subparsers(parser).get(command)
     if sub is None:
         return ""
-    given = {a.split("=", 1)[0] for a in argv if a.startswith("-")}
-    for action in sub._actions:
-        if action.dest not in settings or given & set(action.option_strings):
-            continue
-        if any(opt in message for opt in action.option_strings if opt.startswith("--")):
-            return f" (set by --config {config_path_in(list(argv))}: {action.dest} = {_show(settings[action.dest])})"
-    return ""
+    by_flag = {opt: a for a in sub._actions for opt in a.option_strings if opt.startswith("--")}
+    subject = next((by_flag[f] for f in re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*(?![\w-])", message) if f in by_flag),
+                   None)
+    if subject is None or subject.dest not in settings or subject.dest in _given(sub, argv, command):
+        return ""
+    return f" (set by --config {getattr(args, 'config', None)}: {subject.dest} = {_show(settings[subject.dest])})"
+
+
+def _given(sub: argparse.ArgumentParser, argv: Sequence[str], command: str) -> set[str]:
+    """The destinations a command's flags in ``argv`` set (argparse parses them again with every default a marker);
+    every destination when that parse fails (nothing is then blamed on a file)."""
+    rest = list(argv)[list(argv).index(command) + 1:] if command in argv else list(argv)
+    marker = object()
+    saved = [(a, a.default) for a in sub._actions]
+    defaults = dict(sub._defaults)
+    try:
+        for a in sub._actions:
+            a.default = marker
+        sub._defaults.clear()
+        ns, _ = sub.parse_known_args(rest)
+        return {d for d, v in vars(ns).items() if v is not marker}
+    except (Exception, SystemExit):
+        return {a.dest for a in sub._actions}
+    finally:
+        for a, d in saved:
+            a.default = d
+        sub._defaults.update(defaults)
 
 
 def _key_names(parser: argparse.ArgumentParser) -> set[str]:

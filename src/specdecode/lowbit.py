@@ -131,7 +131,7 @@ def modules_from_gguf(model: torch.nn.Module, gguf: str | Path, progress: bool =
     out: dict[str, QuantLinear] = {}
     names = _linear_names(model)
     iterator = names
-    if progress and sys.stderr.isatty():  # (a log file would get every frame of the bar)
+    if progress and getattr(sys.stderr, "isatty", lambda: False)():  # (a log file would get every frame of the bar)
         iterator = tqdm(names, desc=f"reading the blocks of {Path(gguf).name}", unit="layer", leave=False)
     for name in iterator:
         key = f"{name}.weight"

@@ -138,8 +138,8 @@ class BenchConfig:
             out["policy"] = self.policy
         if self.openvino and self.openvino_weights != "int8":
             out["openvino_weights"] = self.openvino_weights
-        if self.threads is not None:  # (the runner resolves None to torch's count: a resume at another count redoes)
-            out["threads"] = self.threads
+        if self.threads is not None:  # a count other than torch's own (runner.record_threads): a resume at another
+            out["threads"] = self.threads  # count redoes the runs
         return out
 
     def settings_id(self) -> str:
