@@ -107,6 +107,26 @@ def test_rerun_resumes_and_skips_done_work(smoke_dir):
 
 
 @pytest.mark.slow
+def test_a_rerun_at_another_thread_count_does_not_resume(smoke_dir, tmp_path):
+    """Records are keyed by the thread count they ran at: a rerun at another count runs everything again (and the
+    report counts the new runs only), where it used to resume the old ones under the new count's label."""
+    import shutil
+
+    from specdecode.validate import usable_cores
+
+    if usable_cores() < 2:
+        pytest.skip("needs 2 cores for a second thread count")
+    out = tmp_path / "copy"
+    shutil.copytree(smoke_dir, out)
+    before = _runs(out)
+    assert {r["settings_id"] for r in before} == {json.loads((out / report.META_JSON).read_text())["config"]["settings_id"]}
+    run_bench(smoke_config(output=str(out), limit=1, threads=2), progress=False, log=lambda msg: None)
+    after = _runs(out)
+    assert len(after) == 2 * len(before) and len({r["settings_id"] for r in after}) == 2
+    assert json.loads((out / report.META_JSON).read_text())["config"]["threads"] == 2
+
+
+@pytest.mark.slow
 def test_cli_report_only_rebuilds_without_running(smoke_dir, capsys):
     from specdecode.cli import main
 

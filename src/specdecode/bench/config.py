@@ -138,8 +138,8 @@ class BenchConfig:
             out["policy"] = self.policy
         if self.openvino and self.openvino_weights != "int8":
             out["openvino_weights"] = self.openvino_weights
-        if self.threads is not None:  # a count other than torch's own (runner.record_threads): a resume at another
-            out["threads"] = self.threads  # count redoes the runs
+        if self.threads is not None:  # the runner always sets the count it runs at (so a resume at another count
+            out["threads"] = self.threads  # redoes the runs; folders written before it was a setting do not resume)
         return out
 
     def settings_id(self) -> str:

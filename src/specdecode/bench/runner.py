@@ -343,12 +343,6 @@ def _llama_cpp_variants(config: BenchConfig, specs, mains: dict, eos: tuple[int,
     return out
 
 
-def record_threads(threads: int, default: int) -> int | None:
-    """The thread count a run's records are keyed by: None for torch's own count (what runs without --threads, and
-    what output folders written before the count was a setting measured at), else the count."""
-    return None if threads == default else threads
-
-
 def run_bench(config: BenchConfig, *, progress: bool = True, log: Callable[[str], None] | None = None) -> dict:
     """Run (or resume) the matrix and write the reports into ``config.output``.
 
@@ -362,7 +356,6 @@ def run_bench(config: BenchConfig, *, progress: bool = True, log: Callable[[str]
 
     status = log or (lambda msg: print(f"specdecode bench: {msg}", file=sys.stderr, flush=True))
     out = check_output_dir(config.output, "--output", default=True)  # before any load: probed, nothing left
-    default_threads = torch.get_num_threads()  # torch's own count here: what a run without --threads measures at
     if config.threads:
         torch.set_num_threads(config.threads)
     quiet_transformers()
@@ -377,7 +370,7 @@ def run_bench(config: BenchConfig, *, progress: bool = True, log: Callable[[str]
     # records are keyed by what ran; drafts run in the target's precision unless --draft-weights says otherwise,
     # as in generate / serve
     config = dataclasses.replace(config, weights=weights, draft_weights=config.draft_weights or weights,
-                                 threads=record_threads(torch.get_num_threads(), default_threads))
+                                 threads=torch.get_num_threads())  # records keyed by the count they ran at
     models.load_seconds[config.target] = time.perf_counter() - t0
     out.mkdir(parents=True, exist_ok=True)  # once the settings, methods and target are known good
     store = RecordStore(out, config.settings_id())
