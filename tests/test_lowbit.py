@@ -52,6 +52,27 @@ def test_avx2_runs_on_every_x86_cpu():
     assert hasattr(lowbit.load_kernel(), "LayerStack")
 
 
+@pytest.mark.parametrize("flags, supported, candidates", [
+    ({"avx2", "fma", "f16c"}, ["avx2"], ["avx2"]),  # Zen 3, Haswell .. Comet Lake
+    ({"avx2", "fma", "f16c", "avx_vnni"}, ["avxvnni", "avx2"], ["avxvnni", "avx2"]),  # Intel Core 12th gen and later
+    ({"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni"},
+     ["avx512vnni", "avx512", "avx2"], ["avx512vnni", "avx512"]),  # Zen 4, Ice Lake
+    ({"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx_vnni", "amx_tile", "amx_int8"},
+     ["amx", "avx512vnni", "avx512", "avxvnni", "avx2"], ["amx", "avx512"]),  # Sapphire Rapids and later
+    ({"sse4_2", "avx"}, [], []),  # no AVX2: the torch reference
+])
+def test_variants_follow_the_cpu_flags(monkeypatch, flags, supported, candidates):
+    """Which variants a CPU runs and which two are timed at start, from its /proc/cpuinfo flags: a CPU without
+    AVX-512 but with AVX-VNNI (Intel's client cores since Alder Lake) gets the avxvnni variant, measured against
+    avx2; a gcc that lacks -mavxvnni (or -mamx-tile) leaves that variant out."""
+    monkeypatch.setattr(lowbit_kernels, "cpu_flags", lambda: set(flags))
+    monkeypatch.setattr(lowbit_kernels, "_compiler_takes", lambda flags: True)
+    assert lowbit_kernels.supported_variants() == supported
+    assert lowbit_kernels.candidate_variants() == candidates
+    monkeypatch.setattr(lowbit_kernels, "_compiler_takes", lambda flags: "-mavxvnni" not in flags)
+    assert "avxvnni" not in lowbit_kernels.supported_variants()
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_blocks_are_kept_as_stored(kind):
     """The kernel's layout holds the file's bytes (repack / unpack are inverse), bits per weight as stored."""

@@ -16,11 +16,12 @@ decoding equals plain decoding of the same low-bit target by construction.
 
 Kernels: one plain-C source compiled per instruction-set variant with gcc (seconds, cached under
 ``<cache dir>/kernels/``): ``avx2`` (AVX2 + FMA + F16C, every x86-64 CPU of the last ten years),
+``avxvnni`` (the avx2 code with AVX-VNNI's dot products: Intel Core 12th generation and later, AMD Zen 5),
 ``avx512`` (the same with AVX-512 F/BW/VL), ``avx512vnni`` (VNNI dot products), ``amx`` (VNNI plus
 AMX-INT8 tile products for calls of many rows, a prompt's prefill: from 48 rows for the 32-weight formats,
 32 for Q4_K, 16 for Q6_K; the same bits). At first use the richest variant this CPU runs and the next
 whose few-row code differs are compiled and timed (``lowbit_kernels.candidate_variants``), and the richest is
-kept unless the other is clearly faster; ``SPECDECODE_KERNEL_ISA=avx2|avx512|avx512vnni|amx`` forces one (tests,
+kept unless the other is clearly faster; ``SPECDECODE_KERNEL_ISA=avx2|avxvnni|avx512|avx512vnni|amx`` forces one (tests,
 benchmarks; compiled then), ``SPECDECODE_KERNEL_ISA=reference`` the torch reference. The thread
 split and the C++ layer loop live in a torch extension (``csrc/lowbit.cpp``, ``csrc/step.cpp``, built
 once per machine with torch's C++ extension tools, about 25-30 s on 2 cores; it says so). Without a compiler the

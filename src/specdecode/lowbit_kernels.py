@@ -276,6 +276,7 @@ VARIANTS = {
                    "SD_VARIANT_AVX512VNNI"),
     "avx512": (("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl"),
                ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl"], "SD_VARIANT_AVX512"),
+    "avxvnni": (("avx2", "fma", "f16c", "avx_vnni"), ["-mavx2", "-mfma", "-mf16c", "-mavxvnni"], "SD_VARIANT_AVXVNNI"),
     "avx2": (("avx2", "fma", "f16c"), ["-mavx2", "-mfma", "-mf16c"], "SD_VARIANT_AVX2"),
 }
 #: The environment variable that forces a variant (or ``reference``).
@@ -294,11 +295,11 @@ def cpu_flags() -> set[str]:
 
 
 def supported_variants() -> list[str]:
-    """The kernel variants this CPU executes (and the compiler builds: ``amx`` needs gcc 11 or later), in
+    """The kernel variants this CPU executes (and the compiler builds: ``amx`` and ``avxvnni`` need gcc 11 or later), in
     :data:`VARIANTS` order."""
     flags = cpu_flags()
     cpu = [name for name, (need, _, _) in VARIANTS.items() if all(f in flags for f in need)]
-    return [name for name in cpu if name != "amx" or _compiler_takes(tuple(VARIANTS["amx"][1]))]
+    return [name for name in cpu if name not in ("amx", "avxvnni") or _compiler_takes(tuple(VARIANTS[name][1]))]
 
 
 @functools.lru_cache(maxsize=None)
@@ -311,7 +312,7 @@ def _compiler_takes(flags: tuple[str, ...]) -> bool:
     except (OSError, subprocess.SubprocessError):
         return False
     if done.returncode != 0:
-        logger.info("the compiler does not take %s: the amx kernel variant is left out", " ".join(flags))
+        logger.info("the compiler does not take %s: that kernel variant is left out", " ".join(flags))
     return done.returncode == 0
 
 
@@ -367,9 +368,10 @@ _SAME_FEW_ROW_CODE = {"amx": "avx512vnni"}
 
 
 def candidate_variants() -> list[str]:
-    """The variants the start-up measurement times, in :data:`VARIANTS` order (AMX, VNNI, AVX-512, AVX2): the
-    richest this CPU executes, then the next ones whose few-row code differs, :data:`MEASURED_VARIANTS` in all
-    (an AMX Xeon: amx and avx512; AVX-512 VNNI: avx512vnni and avx512; Zen 3: avx2)."""
+    """The variants the start-up measurement times, in :data:`VARIANTS` order (AMX, VNNI, AVX-512, AVX-VNNI,
+    AVX2): the richest this CPU executes, then the next ones whose few-row code differs, :data:`MEASURED_VARIANTS`
+    in all (an AMX Xeon: amx and avx512; AVX-512 VNNI: avx512vnni and avx512; an Intel Core of the 12th generation
+    or later: avxvnni and avx2; Zen 3: avx2)."""
     supported = supported_variants()
     if not supported:
         return []
