@@ -104,6 +104,11 @@ def test_a_value_the_command_refuses_names_the_file_that_set_it(tmp_path, capsys
     assert main(["generate", "--config", both, "--prompt", "x", "--draft", "ngram", "--draft-weights", "int8"]) == 2
     err = capsys.readouterr().err
     assert "--draft-weights" in err and "set by --config" not in err
+    # the key as the file wrote it: a flag's other long name, dashes kept
+    for key in ("gamma", "num-speculative-tokens"):
+        cfg = _write(tmp_path, f"[generate]\n{key} = 0\n")
+        assert main(["generate", "--config", cfg, "--prompt", "x"]) == 2
+        assert f"(set by --config {cfg}: {key} = 0)" in capsys.readouterr().err
 
 
 def test_writer_round_trips():

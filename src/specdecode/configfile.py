@@ -94,9 +94,19 @@ def command_settings(data: Mapping, command: str, path: str | Path = "FILE") -> 
     return out
 
 
+class Settings(dict):
+    """{dest: value} for ``parser.set_defaults``, with ``written``: {dest: the key as the file wrote it} (``gamma``
+    for ``num_speculative_tokens``), so that a message about a setting names it as the user wrote it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.written: dict[str, str] = {}
+
+
 def check_settings(parser: argparse.ArgumentParser, settings: Mapping, command: str,
-                   path: str | Path = "FILE") -> dict:
-    """Settings checked against a subcommand's flags, as {dest: value} for ``parser.set_defaults``.
+                   path: str | Path = "FILE") -> Settings:
+    """Settings checked against a subcommand's flags, as {dest: value} for ``parser.set_defaults`` (a
+    :class:`Settings`: also the key each came from).
 
     Raises:
         SpecDecodeError: an unknown key (close names suggested), or a value of the wrong type or outside
@@ -115,10 +125,12 @@ def check_settings(parser: argparse.ArgumentParser, settings: Mapping, command: 
             for opt in a.option_strings:
                 if opt.startswith("--"):
                     flags[opt[2:].replace("-", "_")] = a
-    out: dict = {}
+    out = Settings()
     for key, value in settings.items():
         name = str(key).replace("-", "_")
         action = actions.get(name) or flags.get(name)
+        if action is not None:
+            out.written[action.dest] = str(key)
         if action is None:
             known = sorted(actions)
             close = difflib.get_close_matches(name, known, n=3)
@@ -277,7 +289,8 @@ def config_origin(parser: argparse.ArgumentParser, argv: Sequence[str], args: ar
                    None)
     if subject is None or subject.dest not in settings or subject.dest in _given(sub, argv, command):
         return ""
-    return f" (set by --config {getattr(args, 'config', None)}: {subject.dest} = {_show(settings[subject.dest])})"
+    key = getattr(settings, "written", {}).get(subject.dest, subject.dest)
+    return f" (set by --config {getattr(args, 'config', None)}: {key} = {_show(settings[subject.dest])})"
 
 
 def _given(sub: argparse.ArgumentParser, argv: Sequence[str], command: str) -> set[str]:
