@@ -70,7 +70,30 @@ def test_variants_follow_the_cpu_flags(monkeypatch, flags, supported, candidates
     assert lowbit_kernels.supported_variants() == supported
     assert lowbit_kernels.candidate_variants() == candidates
     monkeypatch.setattr(lowbit_kernels, "_compiler_takes", lambda flags: "-mavxvnni" not in flags)
-    assert "avxvnni" not in lowbit_kernels.supported_variants()
+    assert lowbit_kernels.supported_variants() == [v for v in supported if v != "avxvnni"]
+
+
+def test_each_variant_is_the_code_it_names():
+    """A variant's table names the variant (the macros picked its code), and the avxvnni build runs AVX-VNNI's VEX
+    dot products where the avx2 build has none: identical bits alone could not tell the two builds apart."""
+    import ctypes
+    import shutil
+    import subprocess
+
+    class Head(ctypes.Structure):
+        _fields_ = [("version", ctypes.c_int32), ("name", ctypes.c_char_p)]
+
+    for name in VARIANTS:
+        assert Head.from_address(lowbit.load_variant(name)).name.decode() == name
+    if "avxvnni" not in VARIANTS or not shutil.which("objdump"):
+        pytest.skip("no avxvnni variant on this CPU, or no objdump")
+
+    def vex_dots(name):
+        text = subprocess.run(["objdump", "-d", str(lowbit_kernels._variant_path(name))], capture_output=True,
+                              text=True, check=True).stdout
+        return sum("{vex} vpdpbusd" in line or "{vex} vpdpwssd" in line for line in text.splitlines())
+
+    assert vex_dots("avxvnni") > 100 and vex_dots("avx2") == 0
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -16,7 +16,8 @@ decoding equals plain decoding of the same low-bit target by construction.
 
 Kernels: one plain-C source compiled per instruction-set variant with gcc (seconds, cached under
 ``<cache dir>/kernels/``): ``avx2`` (AVX2 + FMA + F16C, every x86-64 CPU of the last ten years),
-``avxvnni`` (the avx2 code with AVX-VNNI's dot products: Intel Core 12th generation and later, AMD Zen 5),
+``avxvnni`` (the avx2 code with AVX-VNNI's dot products, for CPUs with AVX-VNNI and no AVX-512: Intel Core
+12th generation and later, Core Ultra, Sierra Forest),
 ``avx512`` (the same with AVX-512 F/BW/VL), ``avx512vnni`` (VNNI dot products), ``amx`` (VNNI plus
 AMX-INT8 tile products for calls of many rows, a prompt's prefill: from 48 rows for the 32-weight formats,
 32 for Q4_K, 16 for Q6_K; the same bits). At first use the richest variant this CPU runs and the next

@@ -304,8 +304,8 @@ def supported_variants() -> list[str]:
 
 @functools.lru_cache(maxsize=None)
 def _compiler_takes(flags: tuple[str, ...]) -> bool:
-    """Whether ``$CC`` (gcc) accepts ``flags`` (an older gcc lacks ``-mamx-tile``: that variant is then left
-    out, once per process, instead of failing to compile at every start)."""
+    """Whether ``$CC`` (gcc) accepts ``flags`` (a gcc older than 11 lacks ``-mamx-tile`` and ``-mavxvnni``: that
+    variant is then left out, once per process, instead of failing to compile at every start)."""
     try:
         done = subprocess.run([os.environ.get("CC", "gcc"), *flags, "-E", "-x", "c", os.devnull], capture_output=True,
                               timeout=30)
@@ -358,7 +358,7 @@ def _variant_path(name: str, cache_dir=None) -> Path:
 
 
 #: How many variants are compiled and timed at first use: the richest this CPU runs and the next one whose code
-#: for 1-16 rows differs (the others compile when forced through SPECDECODE_KERNEL_ISA). All four on an AMX Xeon
+#: for 1-16 rows differs (the others compile when forced through SPECDECODE_KERNEL_ISA). All five on an AMX Xeon
 #: cost about 45 s of gcc at the first run (amx 16 s, avx2 4 s), beside the torch extension's 26 s.
 MEASURED_VARIANTS = 2
 
@@ -483,7 +483,7 @@ def _random_raw(kind: str, rows: int, cols: int, rng) -> np.ndarray:
 
 def check_forced_variant() -> None:
     """Refuse a wrong ``SPECDECODE_KERNEL_ISA`` at once, before anything compiles or loads (no compiler runs
-    except ``amx``'s one-off flag check).
+    except the one-off flag check of ``amx`` and ``avxvnni``).
 
     Raises:
         SpecDecodeError: an unknown variant, or one this CPU cannot run."""
@@ -572,7 +572,7 @@ def _amx_note(name: str) -> str:
 
 
 def _pick_variant(timed: dict[str, float]) -> str:
-    """The richest variant (``VARIANTS`` order: AMX, VNNI, AVX-512, AVX2) unless another measured clearly faster
+    """The richest variant (``VARIANTS`` order: AMX, VNNI, AVX-512, AVX-VNNI, AVX2) unless another measured clearly faster
     (by more than :data:`VARIANT_MARGIN`): on a noisy machine the choice then stays the same run to run. (The
     timing's 1 and 5 rows run the same code on amx and avx512vnni: :func:`candidate_variants` times amx against
     avx512.)"""

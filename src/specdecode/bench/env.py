@@ -26,7 +26,7 @@ def cpu_model() -> str:
 
 def cpu_flags() -> list[str]:
     """The SIMD flags that decide CPU matmul speed (avx2, avx512f, amx...), as /proc/cpuinfo lists them."""
-    wanted = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "fma", "f16c")
+    wanted = ("avx2", "avx_vnni", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "fma", "f16c")
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("flags"):

@@ -9,7 +9,8 @@
 //   SD_VARIANT_AVX512      the same code with AVX-512 F/BW/VL enabled (EVEX encodings, 32 registers;
 //                          a Q5_0 tail column's fifth bits as a byte mask)
 //   SD_VARIANT_AVXVNNI     the AVX2 code with AVX-VNNI's VEX vpdpbusd / vpdpwssd in place of the vpmaddubsw +
-//                          vpmaddwd pairs (Intel Alder Lake and later cores, Sierra Forest; AMD Zen 5): no AVX-512
+//                          vpmaddwd pairs, for CPUs with AVX-VNNI and no AVX-512 (Intel Alder Lake and later client
+//                          cores, Sierra Forest)
 //   SD_VARIANT_AVX512VNNI  AVX-512 VNNI on 256-bit vectors: vpdpbusd / vpdpwssd replace the
 //                          vpmaddubsw + vpmaddwd pairs (Q8_0: one vpdpbusd on q + 128)
 //   SD_VARIANT_AMX         the VNNI variant, plus AMX-INT8 tile products for whole groups of 16 rows of
@@ -25,7 +26,7 @@
 // Weights: every format runs as tiles of 8 output columns (repacked at load, the same bytes per weight:
 // passt32 for Q4_0 / Q4_1 / Q5_0 / Q8_0, passt for Q4_K, passt6 for Q6_K): one vpdpbusd (vpmaddubsw) per 4
 // weights of the 8 columns, each column's integer sum in its own lane, no horizontal sums. A tile's block
-// is read and unpacked once per pass of rows (6 or 8 rows, their accumulators in registers; AVX2 / AVX-512 unpack a
+// is read and unpacked once per pass of rows (6 or 8 rows, their accumulators in registers; AVX2 / AVX-VNNI / AVX-512 unpack a
 // tile once per call when its rows take several passes, not Q8_0) and dotted with
 // every row of the pass. The last n_out % 8 columns keep a column layout and do a tile lane's exact
 // operations (tail32, passk). Every (row, column) is accumulated in one fixed
@@ -58,7 +59,7 @@ enum { SD_Q4_0 = 0, SD_Q4_1 = 1, SD_Q5_0 = 2, SD_Q8_0 = 3, SD_Q4_K = 4, SD_Q6_K 
 #define SD_NAME "avx2"
 #endif
 // SD_VNNI: 4-byte dot products (vpdpbusd) and int16 pair dot products (vpdpwssd) on 256-bit vectors, EVEX
-// (AVX-512 VNNI + VL) or VEX (AVX-VNNI: Intel Alder Lake and later, Sierra Forest, AMD Zen 5), in place of
+// (AVX-512 VNNI + VL) or VEX (AVX-VNNI: Intel Alder Lake and later, Sierra Forest), in place of
 // AVX2's vpmaddubsw + vpmaddwd (+ vpaddd): the same integers (no vpmaddubsw pair here reaches int16's limit)
 #if defined(SD_VARIANT_AVX512VNNI)
 #define SD_VNNI 1
@@ -226,7 +227,7 @@ static inline __m256i unpack32(int fmt, const Soa* a, int64_t b) {
 // Rows per pass of the 32-weight tiles, per variant (array sizes, the passes compiled and, unless SD_PASS32 overrides
 // it, the pass size): every row keeps its accumulators in registers, 16 vector registers on AVX2, 32 with AVX-512.
 #ifndef SD_PASS
-#if defined(SD_VARIANT_AVX2) && !SD_VNNI  // avxvnni: 8 (one vpdpbusd chain per row; 8 rows in one pass 0.87x the time of 6 + 2)
+#if defined(SD_VARIANT_AVX2) && !SD_VNNI  // avxvnni: 8 (see below)
 #define SD_PASS 6
 #else
 #define SD_PASS 8
@@ -332,14 +333,16 @@ static inline int32_t load_i32(const void* p) {
 // (tail32): a column's bits do not depend on whether it sits in a tile (fused q / k / v, a reduced LM head).
 
 // Rows per pass of the tiles: SD_PASS (above), per variant, measured at 1-256 rows (docs/results/kernels/tiled32/
-// report.txt; docs/results/kernels/amx/s9/pass_size_ab.txt): VNNI 8 rows (4: 1.03-1.14x slower); AVX-512 8; AVX2 6
+// report.txt; docs/results/kernels/amx/s9/pass_size_ab.txt): VNNI 8 rows (4: 1.03-1.14x slower); AVX-512 8; AVX-VNNI 8
+// (docs/results/kernels/amx/s13/step_pass.txt: 8 rows in one pass 0.87x the time of 6 + 2); AVX2 6
 // (16 registers: the passes keep the zero point and Q4_1's minimum term out of the vector loop; passes of 4 took
 // 1.06-1.29x the time at 5 and 6 rows, about the same elsewhere). The pass size changes nothing in a row's arithmetic.
 #ifndef SD_PASS32
 #define SD_PASS32(fmt) SD_PASS
 #endif
 // Passes of up to SD_MACC_INLINE rows keep Q4_1's minimum term in the block loop (passt32): registers to spare, and
-// a second loop over the blocks cost 1-2 row passes 1.06-1.14x (s9/pass_size_ab.txt; VNNI: every pass, 32 registers)
+// a second loop over the blocks cost 1-2 row passes 1.06-1.14x (s9/pass_size_ab.txt; AVX-512 VNNI: every pass, 32
+// registers; AVX-VNNI: 2, as AVX2, 16 registers)
 #ifndef SD_MACC_INLINE
 #if defined(SD_VARIANT_AVX512VNNI)
 #define SD_MACC_INLINE SD_PASS

@@ -1,0 +1,19 @@
+# avxvnni against avx2, bit for bit: 6 formats x 4 shapes x 15 row counts (a row 1000x louder) x 1-2 threads
+import torch, numpy as np, time, sys
+from specdecode import lowbit, lowbit_kernels
+kernel = lowbit.load_kernel()
+print(lowbit.supported_variants())
+ta, tv = lowbit.load_variant("avxvnni"), lowbit.load_variant("avx2")
+bad = 0
+for kind in ["Q4_0","Q4_1","Q5_0","Q8_0","Q4_K","Q6_K"]:
+    for cols, k in [(32, 512), (61, 768), (64, 1536), (48, 2304)]:
+        if lowbit.GGUF_BLOCKS[kind][1] == 32: k = k // 256 * 256 + (32 if k == 768 else 0)
+        module = lowbit.QuantLinear(torch.from_numpy(lowbit_kernels._random_raw(kind, cols, k, np.random.default_rng(cols))), kind, k)
+        for rows in (1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 16, 17, 33, 53, 100):
+            x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)); x[min(3, rows - 1)] *= 1000
+            for th in (1, 2):
+                torch.set_num_threads(th)
+                a = kernel.q_linear(x, module.packed, module.fmt, ta); v = kernel.q_linear(x, module.packed, module.fmt, tv)
+                if not torch.equal(a, v):
+                    bad += 1; print("DIFF", kind, cols, k, rows, th, (a-v).abs().max().item())
+print("bad", bad)
