@@ -334,7 +334,7 @@ static inline int32_t load_i32(const void* p) {
 
 // Rows per pass of the tiles: SD_PASS (above), per variant, measured at 1-256 rows (docs/results/kernels/tiled32/
 // report.txt; docs/results/kernels/amx/s9/pass_size_ab.txt): VNNI 8 rows (4: 1.03-1.14x slower); AVX-512 8; AVX-VNNI 8
-// (docs/results/kernels/amx/s13/step_pass.txt: 8 rows in one pass 0.87x the time of 6 + 2); AVX2 6
+// (docs/results/kernels/amx/s13/step_pass.txt: 8 rows in one pass 0.90x the time of 6 + 2); AVX2 6
 // (16 registers: the passes keep the zero point and Q4_1's minimum term out of the vector loop; passes of 4 took
 // 1.06-1.29x the time at 5 and 6 rows, about the same elsewhere). The pass size changes nothing in a row's arithmetic.
 #ifndef SD_PASS32
