@@ -29,6 +29,10 @@ def test_markdown_is_laid_out_like_the_spec_bench_leaderboard(summ, tmp_path):
     assert "first diff" in text and "b/2" in text
     for section in ("Theory vs measurement", "Against the peers", "Environment", "Acceptance by draft position"):
         assert section in text
+    assert "| low-bit kernel variant | not recorded |" in text
+    meta = report.build_meta(config=config, env={**fake_env(), "lowbit_kernel": "avxvnni kernel (forced by "
+                             "SPECDECODE_KERNEL_ISA)"}, models=fake_models(), variants=VARIANTS, prompts=PROMPTS)
+    assert "| low-bit kernel variant | avxvnni kernel (forced by SPECDECODE_KERNEL_ISA) |" in report.markdown(summ, meta)
 
 
 @pytest.mark.parametrize("policy", ["fixed", "auto"])

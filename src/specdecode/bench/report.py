@@ -305,6 +305,7 @@ def env_section(meta: dict) -> str:
                    f"{cfg.get('policy', 'fixed')}"],
              ["repeats", f"{cfg.get('repeats', 1)} per (prompt, variant), interleaved; the fastest counts"],
              ["linear kernels", cfg.get("kernel", "default")],
+             ["low-bit kernel variant", env.get("lowbit_kernel") or "not recorded"],
              ["target weights", cfg.get("weights", "fp32")],
              ["draft weights", cfg.get("draft_weights") or cfg.get("weights") or "fp32"],
              ["prompts", f"{', '.join(cfg['datasets'])}; limit {cfg['limit']} per category; chat template: "
