@@ -60,6 +60,7 @@ def test_a_top_level_key_only_one_command_takes_is_skipped_by_the_other(tmp_path
 @pytest.mark.parametrize("text,match", [
     ('nonsense = 1\n', "unknown key 'nonsense' for 'specdecode generate'"),
     ('num_speculative_token = 4\n', "did you mean num_speculative_tokens"),
+    ('gama = 4\n', "did you mean gamma"),  # a flag's other long name is a key, so it is suggested too
     ('num_speculative_tokens = "four"\n', "key 'num_speculative_tokens' .* must be an integer"),
     ('num_speculative_tokens = true\n', "must be an integer"),
     ('temperature = "hot"\n', "must be a number"),

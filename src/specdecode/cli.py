@@ -128,7 +128,7 @@ def _add_generate(commands) -> None:
             f"models (--target, --draft): the offline names {', '.join(CATALOG_MODELS)};\n"
             "a local Hugging Face model directory; a .gguf file; or a hub id.\n"
             "environment: SPECDECODE_CACHE (models, converted copies, compiled kernels; default\n"
-            "~/.cache/specdecode); SPECDECODE_KERNEL_ISA=avx2|avxvnni|avx512|avx512vnni|amx|reference forces the\n"
+            "~/.cache/specdecode); SPECDECODE_KERNEL_ISA=amx|avx512vnni|avx512|avxvnni|avx2|reference forces the\n"
             "low-bit kernel variant (default: the fastest this CPU runs, measured at start).\n"
             "exit status: 0 on success, 2 on a usage or input error (one 'error: ...' line on stderr)."
         ),

@@ -226,7 +226,9 @@ def add_drafter_arguments(group: argparse._ArgumentGroup, *, policy_default: str
                             "runs the file; int8: Q8_0 blocks quantized from the float weights (8.5 bits per weight); "
                             "a model without a GGUF file is quantized from its float weights for int4 too (Q4_1), "
                             "which changes it. int4 / int8 are cached next to the converted copy after the first "
-                            "load and keep speculative output equal to plain decoding by construction")
+                            "load and keep speculative output equal to plain decoding by construction "
+                            "(SPECDECODE_KERNEL_ISA=reference runs int4 on the slow torch reference: auto then "
+                            "measures and may pick bf16)")
     group.add_argument("--draft-weights", default=None, choices=WEIGHT_PRECISIONS,
                        help="precision of the draft model's weights (default: the target's, i.e. what --weights "
                             "auto picked). int8 / int4: as --weights, fewer bytes per draft step; a "

@@ -133,7 +133,7 @@ def check_settings(parser: argparse.ArgumentParser, settings: Mapping, command: 
             out.written[action.dest] = str(key)
         if action is None:
             known = sorted(actions)
-            close = difflib.get_close_matches(name, known, n=3)
+            close = difflib.get_close_matches(name, sorted(set(actions) | set(flags)), n=3)
             hint = f"; did you mean {' or '.join(close)}?" if close else f"; known keys: {', '.join(known)}"
             raise SpecDecodeError(f"--config {path}: unknown key {key!r} for 'specdecode {command}'{hint}")
         where = f"--config {path}: key {key!r} of 'specdecode {command}'"

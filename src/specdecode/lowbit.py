@@ -22,7 +22,7 @@ Kernels: one plain-C source compiled per instruction-set variant with gcc (secon
 AMX-INT8 tile products for calls of many rows, a prompt's prefill: from 48 rows for the 32-weight formats,
 32 for Q4_K, 16 for Q6_K; the same bits). At first use the richest variant this CPU runs and the next
 whose few-row code differs are compiled and timed (``lowbit_kernels.candidate_variants``), and the richest is
-kept unless the other is clearly faster; ``SPECDECODE_KERNEL_ISA=avx2|avxvnni|avx512|avx512vnni|amx`` forces one (tests,
+kept unless the other is clearly faster; ``SPECDECODE_KERNEL_ISA=amx|avx512vnni|avx512|avxvnni|avx2`` forces one (tests,
 benchmarks; compiled then), ``SPECDECODE_KERNEL_ISA=reference`` the torch reference. The thread
 split and the C++ layer loop live in a torch extension (``csrc/lowbit.cpp``, ``csrc/step.cpp``, built
 once per machine with torch's C++ extension tools, about 25-30 s on 2 cores; it says so). Without a compiler the

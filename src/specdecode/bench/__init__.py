@@ -77,7 +77,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="float32 (default), bfloat16, float16")
     p.add_argument("--kernel", choices=("default", "small-row"),
                    help="linear-layer execution: default (HF as shipped) or small-row (W @ x.T for few rows, "
-                        "specdecode.kernels; applied to target and drafts, so the HF peer gets it too)")
+                        "specdecode.kernels; applied to target and drafts, so the HF peer gets it too); float "
+                        "weights only: the low-bit kernels' instruction-set variant is SPECDECODE_KERNEL_ISA")
     p.add_argument("--weights", choices=WEIGHT_CHOICES,
                    help="precision the target's weights execute in (auto: what generate / serve pick, measured "
                         "once per machine; int8: weight-only int8 groups; int4: the GGUF file's own 4-bit blocks; plain decoding, "
