@@ -1,6 +1,6 @@
 # The raw outputs behind docs/benchmarks.md's ninth-session avxvnni figures (quiet machine, run from the repo root)
 D=docs/results/kernels/amx/s13; S=$D/scripts
-{ cat /proc/loadavg; python $S/check_bits_avxvnni.py; } > $D/check_bits_avxvnni.txt 2>&1
+{ cat /proc/loadavg; python $D/../check_bits.py avxvnni avx2 1,2,3,4,5,6,7,8,9,12,16,17,33,53,100; } > $D/check_bits_avxvnni.txt 2>&1
 { cat /proc/loadavg; python $S/products.py avx2,avxvnni,avx512vnni; cat /proc/loadavg; } > $D/products.txt 2>&1
 { cat /proc/loadavg; for r in 1 2; do for v in avx2 avxvnni; do echo "$v $(SPECDECODE_KERNEL_ISA=$v python $D/../s11/step.py smollm2-135m 256 1,2,3,4,6,8,16 200 2>/dev/null | tail -1)"; done; done
   for v in avx2 avxvnni; do echo "$v $(SPECDECODE_KERNEL_ISA=$v python $D/../s11/step.py qwen2.5-coder-1.5b 256 1,2,4,8 15 2>/dev/null | tail -1)"; done; cat /proc/loadavg; } > $D/step_avxvnni.txt
