@@ -359,7 +359,7 @@ def _variant_path(name: str, cache_dir=None) -> Path:
 
 #: How many variants are compiled and timed at first use: the richest this CPU runs and the next one whose code
 #: for 1-16 rows differs (the others compile when forced through SPECDECODE_KERNEL_ISA). All five on an AMX Xeon
-#: cost about 45 s of gcc at the first run (amx 16 s, avx2 4 s), beside the torch extension's 26 s.
+#: cost about 50 s of gcc at the first run (amx 16 s, avxvnni and avx2 4 s each), beside the torch extension's 26 s.
 MEASURED_VARIANTS = 2
 
 #: Variants whose decoding and verification code (1-16 rows) is another's: amx runs avx512vnni's passes below 16
