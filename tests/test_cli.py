@@ -98,6 +98,31 @@ def test_compare_baseline_times_the_faster_of_two_interleaved_runs(capsys, tiny_
         assert states[0] == states[1]  # the repeat starts where the first run started
 
 
+def test_a_decoder_that_does_not_repeat_itself_is_named(capsys, tiny_model_dir, monkeypatch):
+    """Of the four runs of a prompt, the second plain run commits another token: the line says that plain decoding
+    did not repeat itself in this process (not that speculation left its path), and the prompt does not match."""
+    from specdecode.generator import SpecDecoder
+
+    real, seen = SpecDecoder.generate, []
+
+    def second_plain_run_differs(self, *args, **kwargs):
+        out = real(self, *args, **kwargs)
+        if self.proposer is None and kwargs.get("max_new_tokens") != 2:
+            seen.append(1)
+            if len(seen) == 2:
+                out.token_ids = [*out.token_ids[:-1], (out.token_ids[-1] + 1) % 50]
+        return out
+
+    monkeypatch.setattr(SpecDecoder, "generate", second_plain_run_differs)
+    code, out, err = _run(capsys, "generate", "--target", str(tiny_model_dir), "--prompt", "the cat and the dog",
+                          "--max-new-tokens", "8", "--ignore-eos", "--compare-baseline", "--json")
+    assert code == 0, err
+    (rec,) = _json_lines(out)
+    assert not rec["matches_baseline"]
+    assert "plain decoding gave different tokens in its two runs" in rec["difference"]
+    assert "speculative decoding gave" not in rec["difference"]
+
+
 @pytest.mark.parametrize("width", [80, 160])
 def test_the_prompt_table_keeps_every_figure_whole_on_an_80_column_terminal(monkeypatch, capsys, width):
     import io
