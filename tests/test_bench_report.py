@@ -33,6 +33,8 @@ def test_markdown_is_laid_out_like_the_spec_bench_leaderboard(summ, tmp_path):
     meta = report.build_meta(config=config, env={**fake_env(), "lowbit_kernel": "avxvnni kernel (forced by "
                              "SPECDECODE_KERNEL_ISA)"}, models=fake_models(), variants=VARIANTS, prompts=PROMPTS)
     assert "| low-bit kernel variant | avxvnni kernel (forced by SPECDECODE_KERNEL_ISA) |" in report.markdown(summ, meta)
+    meta["environment"]["lowbit_kernel"] = "not loaded yet"  # float weights: the kernels never loaded
+    assert "| low-bit kernel variant | not used (no low-bit weights) |" in report.markdown(summ, meta)
 
 
 @pytest.mark.parametrize("policy", ["fixed", "auto"])

@@ -125,3 +125,22 @@ def test_write_toml(tmp_path):
     data = tomllib.loads(path.read_text())
     assert data == {"draft": "ngram", "tune": {"k": 1, "rows": [{"m": "a"}, {"m": "b"}]}}
     assert path.read_text().startswith("# hello\n")
+
+
+def test_one_setting_under_two_names(tmp_path):
+    """Two keys of one scope for one setting are refused in one line; a command's table overrides the top level
+    setting by setting, whatever name each gave it; the key a message names is the one that set the value."""
+    from specdecode.configfile import apply_config
+
+    def generate_with(text, name):
+        return parse_with_config(build_parser(), ["generate", "--config", _write(tmp_path, text, name), "--prompt", "x"])
+
+    for i, text in enumerate(("gamma = 4\nnum_speculative_tokens = 5\n",
+                              "[generate]\ngamma = 4\nnum-speculative-tokens = 5\n", "chat = true\nno_chat = true\n")):
+        with pytest.raises(SpecDecodeError, match=r"keys '\S+' and '\S+' both set .*keep one"):
+            generate_with(text, f"two{i}.toml")
+    assert generate_with("gamma = 6\n[generate]\nnum_speculative_tokens = 8\n", "a.toml").num_speculative_tokens == 8
+    assert generate_with("num_speculative_tokens = 6\n[generate]\ngamma = 3\n", "b.toml").num_speculative_tokens == 3
+    settings = apply_config(build_parser(), ["bench", "--config", _write(tmp_path, "[bench]\nsmoke = true\nquick = false\n",
+                                                                         "c.toml")])
+    assert settings["preset"] == "smoke" and settings.written["preset"] == "smoke"  # quick = false set nothing

@@ -307,9 +307,11 @@ def _run_job(args, decoder, baseline, job: _Job, chat: bool, prompt_ids: list[in
     record["sampled"] = args.temperature > 0
     record["weights"] = None if decoder.precision is None else decoder.precision.precision
     record["policy"] = None if decoder.proposer is None else getattr(decoder.policy, "name", None) or args.policy
-    if base_out is not None and not record["matches_baseline"] and not record["sampled"]:
-        said = decoder.explain_difference(prompt_ids, out.token_ids, base_out.token_ids)
-        record["difference"] = "; ".join(x for x in (said, _unrepeated(runs)) if x) or None
+    if base_out is not None and not record["matches_baseline"]:
+        # a decoder that did not repeat itself is the finding (the fastest runs compared would blame either side);
+        # else, greedy, where the speculative output left plain decoding's path and by what margin
+        record["difference"] = _unrepeated(runs) or (
+            None if record["sampled"] else decoder.explain_difference(prompt_ids, out.token_ids, base_out.token_ids))
     if args.json:
         print(json.dumps(record, ensure_ascii=False), flush=True)
     else:
@@ -318,17 +320,19 @@ def _run_job(args, decoder, baseline, job: _Job, chat: bool, prompt_ids: list[in
     return record
 
 
-def _unrepeated(runs: list) -> str | None:
-    """Which decoder gave two different outputs for one prompt in one process (None: each repeated itself): the
-    line that tells a decoder that is not deterministic from a speculative run that left plain decoding's path."""
+def _unrepeated(runs: list[tuple]) -> str | None:
+    """Which decoder gave two different outputs for one prompt in one process, from ``runs`` [(plain output,
+    speculative output)] per run of the prompt (None: one run, or each decoder repeated itself): the line that
+    tells a decoder that is not deterministic from a speculative run that left plain decoding's path."""
     if len(runs) < 2:
         return None
     odd = [name for k, name in ((0, "plain decoding"), (1, "speculative decoding"))
            if runs[0][k].token_ids != runs[1][k].token_ids]
     if not odd:
         return None
-    return (f"{' and '.join(odd)} gave different tokens in its two runs of this prompt (not repeatable in this "
-            f"process: a bug, please report it with the status line)")
+    who = odd[0] if len(odd) == 1 else "plain and speculative decoding each"
+    return (f"{who} gave different tokens in two runs of this prompt in one process (a decoder that does not "
+            f"repeat itself: a bug, please report it with the command and its status lines)")
 
 
 def _repeatable(args, decoder) -> bool:

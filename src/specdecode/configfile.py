@@ -102,6 +102,13 @@ class Settings(dict):
         super().__init__()
         self.written: dict[str, str] = {}
 
+    def merge(self, other: "Settings") -> "Settings":
+        """``other``'s settings over these, setting by setting (a command's table over the top level, whatever
+        name each gave a setting)."""
+        self.update(other)
+        self.written.update(other.written)
+        return self
+
 
 def check_settings(parser: argparse.ArgumentParser, settings: Mapping, command: str,
                    path: str | Path = "FILE") -> Settings:
@@ -109,8 +116,9 @@ def check_settings(parser: argparse.ArgumentParser, settings: Mapping, command: 
     :class:`Settings`: also the key each came from).
 
     Raises:
-        SpecDecodeError: an unknown key (close names suggested), or a value of the wrong type or outside
-            the flag's choices; the message names the key, the command and the file.
+        SpecDecodeError: an unknown key (close names suggested), two keys for one setting (``gamma`` and
+            ``num_speculative_tokens``), or a value of the wrong type or outside the flag's choices; the message
+            names the key, the command and the file.
     """
     actions: dict[str, argparse.Action] = {}
     for a in parser._actions:  # per destination, the flag that takes a value (serve: --policy, not --adaptive)
@@ -126,11 +134,17 @@ def check_settings(parser: argparse.ArgumentParser, settings: Mapping, command: 
                 if opt.startswith("--"):
                     flags[opt[2:].replace("-", "_")] = a
     out = Settings()
+
+    def put(action: argparse.Action, key, value) -> None:
+        if action.dest in out.written:
+            raise SpecDecodeError(f"--config {path}: keys {out.written[action.dest]!r} and {key!r} both set "
+                                  f"{'/'.join(action.option_strings)} for 'specdecode {command}'; keep one")
+        out[action.dest] = value
+        out.written[action.dest] = str(key)
+
     for key, value in settings.items():
         name = str(key).replace("-", "_")
         action = actions.get(name) or flags.get(name)
-        if action is not None:
-            out.written[action.dest] = str(key)
         if action is None:
             known = sorted(actions)
             close = difflib.get_close_matches(name, sorted(set(actions) | set(flags)), n=3)
@@ -143,14 +157,14 @@ def check_settings(parser: argparse.ArgumentParser, settings: Mapping, command: 
             if not isinstance(value, bool):  # a flag like bench's --quick: true gives it
                 raise SpecDecodeError(f"{where} is a switch: write true or false, not {_show(value)}")
             if value:
-                out[action.dest] = action.const
+                put(action, key, action.const)
             continue
         if by_flag and isinstance(action, argparse.BooleanOptionalAction) and name.startswith("no_"):
             if not isinstance(value, bool):
                 raise SpecDecodeError(f"{where} is a switch: write true or false, not {_show(value)}")
-            out[action.dest] = not value  # no-chat = true is chat = false
+            put(action, key, not value)  # no-chat = true is chat = false
             continue
-        out[action.dest] = _check_value(parser, action, value, where)
+        put(action, key, _check_value(parser, action, value, where))
     return out
 
 
@@ -249,17 +263,20 @@ def apply_config(parser: argparse.ArgumentParser, argv: Sequence[str]) -> dict:
         return {}
     sub = commands[command]
     data = read_config(path)
-    raw = command_settings(data, command, path)
-    own = data.get(command, {}) if isinstance(data.get(command, {}), dict) else {}
+    command_settings(data, command, path)  # (the tables' checks)
+    own = data.get(command, {})
+    top = {k: v for k, v in data.items() if not isinstance(v, dict)} if command in TOP_LEVEL_COMMANDS else {}
     others = [commands[c] for c in TOP_LEVEL_COMMANDS if c != command and c in commands]
     mine = _key_names(sub)
     skipped = []
-    for key in [k for k in raw if k not in own]:  # a top-level key only the other command takes is the other's
+    for key in list(top):  # a top-level key only the other command takes is the other's
         name = str(key).replace("-", "_")
         if name not in mine and any(name in _key_names(o) for o in others):
-            del raw[key]
+            del top[key]
             skipped.append(str(key))
-    settings = check_settings(sub, raw, command, path)
+    # the top level, then the command's table over it setting by setting (gamma at the top, num_speculative_tokens
+    # in [generate]: the table's)
+    settings = check_settings(sub, top, command, path).merge(check_settings(sub, own, command, path))
     if skipped:  # said, not silent: a key meant for this command under another name would otherwise go unnoticed
         other = " / ".join(c for c in TOP_LEVEL_COMMANDS if c != command)
         print(f"specdecode: --config {path}: top-level {', '.join(skipped)}: 'specdecode {other}' settings, skipped "

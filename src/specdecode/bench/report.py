@@ -305,7 +305,9 @@ def env_section(meta: dict) -> str:
                    f"{cfg.get('policy', 'fixed')}"],
              ["repeats", f"{cfg.get('repeats', 1)} per (prompt, variant), interleaved; the fastest counts"],
              ["linear kernels", cfg.get("kernel", "default")],
-             ["low-bit kernel variant", env.get("lowbit_kernel") or "not recorded"],
+             ["low-bit kernel variant", {None: "not recorded", "": "not recorded", "not loaded yet":
+                                         "not used (no low-bit weights)"}.get(env.get("lowbit_kernel"),
+                                                                               env.get("lowbit_kernel"))],
              ["target weights", cfg.get("weights", "fp32")],
              ["draft weights", cfg.get("draft_weights") or cfg.get("weights") or "fp32"],
              ["prompts", f"{', '.join(cfg['datasets'])}; limit {cfg['limit']} per category; chat template: "
