@@ -639,3 +639,11 @@ def test_a_raw_prompt_that_ends_at_once_gets_a_hint_to_use_the_chat_template(cap
            "draft_time_s": 0.0, "verify_time_s": 0.0, "other_time_s": 0.0, "wall_time_s": 0.01, "tokens_per_s": 100.0}
     cli_generate._print_summary(rec)
     assert ("try --chat" in capsys.readouterr().out) == hint
+
+
+def test_a_draft_length_of_zero_points_at_plain_decoding(capsys):
+    code, _, err = _run(capsys, "generate", "-k", "0", "--prompt", "x")
+    assert code == 2 and len(err.strip().splitlines()) == 1
+    assert "got 0 (plain decoding is no drafter: --draft none" in err
+    code, _, err = _run(capsys, "generate", "-k", "65", "--prompt", "x")
+    assert code == 2 and "--draft none" not in err  # too long a draft: no such hint

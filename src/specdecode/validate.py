@@ -177,8 +177,9 @@ def check_gamma(name: str, value: int, low: int = 1) -> int:
         SpecDecodeError: otherwise (``field`` = ``name``).
     """
     if not _is_int(value) or not low <= value <= MAX_SPECULATIVE_TOKENS:
+        plain = " (plain decoding is no drafter: --draft none on the command line)" if _is_int(value) and value < low == 1 else ""
         raise _refuse(SpecDecodeError, name,
-                      f"{name} must be an integer in [{low}, {MAX_SPECULATIVE_TOKENS}], got {value!r}")
+                      f"{name} must be an integer in [{low}, {MAX_SPECULATIVE_TOKENS}], got {value!r}{plain}")
     return value
 
 
