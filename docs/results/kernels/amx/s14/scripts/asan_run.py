@@ -1,5 +1,5 @@
-# Command 1's sequence (plain, speculative n-gram γ 5, plain, speculative per prompt) and every verification width
-# 1..16 with the C++ layer loop and the kernels built with AddressSanitizer (a separate SPECDECODE_CACHE, so the
+# Command 1's sequence (plain, speculative n-gram γ 5, plain, speculative per prompt), γ 1, 2, 3, 7, 11 and 15
+# (verification widths 2-16), and the batched engine (4 slots), with the C++ layer loop and the kernels built with AddressSanitizer (a separate SPECDECODE_CACHE, so the
 # cached builds are untouched): any read or write past a buffer aborts with a report. Run:
 #   SPECDECODE_CACHE=/tmp/asan_cache LD_PRELOAD=$(gcc -print-file-name=libasan.so) ASAN_OPTIONS=detect_leaks=0 python asan_run.py
 import sys, hashlib
@@ -26,7 +26,7 @@ for ids in prompts:
     assert all(o == outs[0] for o in outs), "outputs differ"
     hashes.append(hashlib.sha1(str(outs[0]).encode()).hexdigest()[:8])
 print(kernel_status().split(" with")[0], hashes, flush=True)
-for g in (1, 2, 3, 7, 11, 15):  # verification widths up to 16 rows
+for g in (1, 2, 3, 7, 11, 15):  # verification widths 2..16 rows
     d = SpecDecoder(dec.target, dec.proposer, num_speculative_tokens=g)
     outs = [d.generate(ids, max_new_tokens=48).token_ids for ids in prompts[:2]]
     ref = [base.generate(ids, max_new_tokens=48).token_ids for ids in prompts[:2]]
