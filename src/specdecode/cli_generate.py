@@ -442,6 +442,8 @@ def _print_summary(r: dict) -> None:
             f"speedup {speedup} | output matches baseline: {'yes' if r['matches_baseline'] else 'NO'}"
             + ("" if r["matches_baseline"] or not r.get("sampled") else
                " (expected when sampling: the distribution is preserved, not the individual sample)")
+            + (" | timed once (a second run would not repeat the first: see --compare-baseline in --help)"
+               if r.get("timed_runs") == 1 else "")
         )
         if r.get("difference"):
             lines.append(r["difference"])

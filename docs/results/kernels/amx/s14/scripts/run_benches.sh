@@ -16,3 +16,10 @@ specdecode bench --target qwen2.5-coder-0.5b --weights int4 --threads 2 \
   --dataset humaneval,spec-bench:coding,spec-bench:math_reasoning --limit 2 --max-new-tokens 64 --methods 'ngram:k=4' \
   --no-peer --llama-server --output $D/e2e_qwen05 --no-progress
 uptime >> $D/load_before_benches.txt
+# 4. (after a review) the Qwen pair with our AVX2 kernels forced, llama-server and OpenVINO GenAI interleaved
+uptime > $D/load_before_qwen_avx2.txt
+SPECDECODE_KERNEL_ISA=avx2 specdecode bench --target qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b --weights int4 \
+  --draft-weights int4 --threads 2 --dataset humaneval,spec-bench:coding,spec-bench:math_reasoning --limit 2 \
+  --max-new-tokens 64 --methods 'draft-model:k=3;ngram:k=4' --no-peer --llama-server --openvino \
+  --output $D/e2e_qwen_avx2 --no-progress
+uptime >> $D/load_before_qwen_avx2.txt
