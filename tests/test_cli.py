@@ -53,9 +53,11 @@ def test_compare_baseline_matches_greedily(capsys, tiny_model_dir):
     assert rec["baseline"]["tokens_per_s"] > 0 and rec["speedup"] > 0
 
 
-@pytest.mark.parametrize(("extra", "once"), [([], False), (["--draft", "suffix"], True)])
+@pytest.mark.parametrize(("extra", "once"), [([], False), (["--draft", "suffix"], True),
+                                             (["--temperature", "0.8"], True),
+                                             (["--temperature", "0.8", "--seed", "3"], False)])
 def test_compare_baseline_says_when_a_prompt_was_timed_once(capsys, tiny_model_dir, extra, once):
-    """A drafter that carries state from one run to the next (suffix decoding's global tree) is timed once, not
+    """A run a repeat would not reproduce (suffix decoding's global tree, unseeded sampling) is timed once, not
     the faster of two runs: the summary line says so, and says nothing when both runs were timed."""
     code, out, err = _run(capsys, "generate", "--target", str(tiny_model_dir), "--prompt", "once upon a time",
                           "--max-new-tokens", "8", "--ignore-eos", "--compare-baseline", *extra)

@@ -188,10 +188,10 @@ def _add_generate(commands) -> None:
                              "the outputs match (they must, greedily). Greedy or seeded runs go twice each, "
                              "interleaved, and the faster of each is timed (a short run varies by 10-20%%; an "
                              "adaptive --policy starts the repeat from the state it started the first run in). "
-                             "Timed once instead (the summary says 'timed once'): suffix decoding, whose global "
-                             "tree would remember the first answer, and seeded --sampling-mode standard runs under "
-                             "an adaptive --policy, whose draws follow the draft lengths it chooses from measured "
-                             "times")
+                             "Timed once instead (the summary says 'timed once'; --json: timed_runs 1): unseeded "
+                             "sampling, suffix decoding, whose global tree would remember the first answer, and "
+                             "seeded --sampling-mode standard runs under an adaptive --policy, whose draws follow "
+                             "the draft lengths it chooses from measured times")
     output.add_argument("--json", action="store_true",
                         help="print one JSON object per prompt on stdout (text, token_ids, counts, rates, times, "
                              "finish_reason, prompt_id; with --compare-baseline also baseline, speedup, "
